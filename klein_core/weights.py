@@ -1,0 +1,521 @@
+"""Reading weight files and filling meta-built modules from them, strictly.
+
+Every loader in the core goes through this module:
+
+* :func:`open_weights` turns a file path, a folder or an in-memory state dict into a
+  :class:`WeightSource`, a read-only view that knows every tensor's shape and dtype from the
+  safetensors header and reads a tensor's bytes only when asked. Formats the core cannot run
+  (pickles, GGUF, quantised safetensors) are refused here with a message naming the format.
+* A component describes how its module's parameters come from the source as a :class:`LoadPlan`:
+  internal name -> an op (:class:`Take`, :class:`Cat`, :class:`SwapHalves`, :class:`Reshape`) whose
+  output shape is known *before* any data is read, so key and shape mismatches are reported before
+  a single weight is loaded.
+* :func:`materialize` builds the module on the meta device, checks the plan against it and fills it
+  tensor by tensor (no random initialisation, peak memory about one tensor above the result).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import struct
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+# safetensors dtype strings -> torch dtypes (every dtype the format defines that torch has).
+_ST_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+for _name, _attr in (("U16", "uint16"), ("U32", "uint32"), ("U64", "uint64")):
+    if hasattr(torch, _attr):
+        _ST_DTYPES[_name] = getattr(torch, _attr)
+
+_PICKLE_SUFFIXES = {".ckpt", ".pt", ".pth", ".bin", ".pkl", ".pickle"}
+# A header larger than this is not a real checkpoint header (the 9B transformer's is ~40 KB).
+_MAX_HEADER_BYTES = 100 * 1024 * 1024
+
+
+class WeightFormatError(ValueError):
+    """A weight file that cannot be read or is in a format the core does not run."""
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Shape and dtype of one stored tensor, read from the file header (no data touched)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def read_safetensors_header(path: str | os.PathLike) -> tuple[dict[str, TensorInfo], dict[str, str]]:
+    """Parse and validate a safetensors header without reading any tensor data.
+
+    Returns ``(tensors, metadata)``. Raises :class:`WeightFormatError` naming the file when the
+    header is truncated, malformed, or points outside the file.
+    """
+    path = Path(path)
+    size = path.stat().st_size
+    with open(path, "rb") as fh:
+        head = fh.read(8)
+        if len(head) < 8:
+            raise WeightFormatError(f"{path}: not a safetensors file (only {size} bytes long).")
+        (n,) = struct.unpack("<Q", head)
+        if n > min(size - 8, _MAX_HEADER_BYTES):
+            raise WeightFormatError(
+                f"{path}: not a valid safetensors file (its header claims {n} bytes, the file has "
+                f"{size}); the file is truncated or not safetensors. Download it again."
+            )
+        raw = fh.read(n)
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise WeightFormatError(f"{path}: safetensors header is not valid JSON ({exc}).") from None
+    if not isinstance(header, dict):
+        raise WeightFormatError(f"{path}: safetensors header is not a JSON object.")
+    data_size = size - 8 - n
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict):
+        raise WeightFormatError(f"{path}: safetensors __metadata__ is not an object.")
+    tensors: dict[str, TensorInfo] = {}
+    for key, entry in header.items():
+        try:
+            dtype_s, shape, (start, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
+            shape = tuple(int(s) for s in shape)
+            start, end = int(start), int(end)
+        except (KeyError, TypeError, ValueError):
+            raise WeightFormatError(f"{path}: malformed header entry for tensor '{key}'.") from None
+        if dtype_s not in _ST_DTYPES:
+            raise WeightFormatError(f"{path}: tensor '{key}' has unsupported dtype '{dtype_s}'.")
+        dtype = _ST_DTYPES[dtype_s]
+        numel = 1
+        for s in shape:
+            if s < 0:
+                raise WeightFormatError(f"{path}: tensor '{key}' has a negative dimension {shape}.")
+            numel *= s
+        if not (0 <= start <= end <= data_size) or end - start != numel * dtype.itemsize:
+            raise WeightFormatError(
+                f"{path}: tensor '{key}' points outside the file or has the wrong byte size "
+                f"(offsets {start}..{end}, data section {data_size} bytes); the file is truncated "
+                "or corrupt. Download it again."
+            )
+        tensors[key] = TensorInfo(shape, dtype)
+    return tensors, {str(k): str(v) for k, v in metadata.items()}
+
+
+class WeightSource:
+    """A read-only, lazily read collection of named tensors.
+
+    ``name`` describes where the tensors come from (a file or folder path) and is used in every
+    error message. Tensors are read one at a time by :meth:`get`.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        infos: Mapping[str, TensorInfo],
+        reader: Callable[[str], torch.Tensor],
+        metadata: Mapping[str, str] | None = None,
+    ) -> None:
+        self.name = name
+        self._infos = dict(infos)
+        self._reader = reader
+        self.metadata: dict[str, str] = dict(metadata or {})
+
+    def keys(self) -> list[str]:
+        return list(self._infos)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._infos
+
+    def __len__(self) -> int:
+        return len(self._infos)
+
+    def info(self, key: str) -> TensorInfo:
+        return self._infos[key]
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return self._infos[key].shape
+
+    def dtype(self, key: str) -> torch.dtype:
+        return self._infos[key].dtype
+
+    def get(self, key: str) -> torch.Tensor:
+        """Read one tensor (on the CPU, in its stored dtype)."""
+        if key not in self._infos:
+            raise KeyError(f"{self.name}: no tensor named '{key}'")
+        return self._reader(key)
+
+    def strip_prefix(self, prefix: str) -> WeightSource:
+        """A view in which keys starting with ``prefix`` lose it; other keys are dropped."""
+        if not prefix:
+            return self
+        infos = {k[len(prefix) :]: v for k, v in self._infos.items() if k.startswith(prefix)}
+        reader = self._reader
+        return WeightSource(self.name, infos, lambda k: reader(prefix + k), self.metadata)
+
+
+def _file_source(path: Path) -> WeightSource:
+    from safetensors import safe_open
+
+    infos, metadata = read_safetensors_header(path)
+    handle = {"f": None}
+
+    def reader(key: str) -> torch.Tensor:
+        # Opened on first read and kept: safe_open memory-maps the file, so reading a tensor
+        # costs only that tensor's bytes.
+        if handle["f"] is None:
+            try:
+                handle["f"] = safe_open(str(path), framework="pt", device="cpu")
+            except Exception as exc:  # safetensors raises its own error type
+                raise WeightFormatError(f"{path}: cannot open as safetensors ({exc}).") from exc
+        return handle["f"].get_tensor(key)
+
+    return WeightSource(str(path), infos, reader, metadata)
+
+
+def _sharded_source(name: str, files: Sequence[Path], key_to_file: Mapping[str, Path] | None) -> WeightSource:
+    parts = {f: _file_source(f) for f in files}
+    infos: dict[str, TensorInfo] = {}
+    owner: dict[str, WeightSource] = {}
+    metadata: dict[str, str] = {}
+    for f, src in parts.items():
+        metadata.update(src.metadata)
+        for k in src.keys():
+            if key_to_file is not None and key_to_file.get(k, f) != f:
+                continue
+            if k in owner:
+                raise WeightFormatError(f"{name}: tensor '{k}' appears in two shards ({owner[k].name}, {f}).")
+            infos[k] = src.info(k)
+            owner[k] = src
+    if key_to_file is not None:
+        absent = [k for k in key_to_file if k not in infos]
+        if absent:
+            raise WeightFormatError(
+                f"{name}: the shard index lists {len(absent)} tensors that are not in the shards "
+                f"(first: {absent[:3]}); a shard is missing or incomplete."
+            )
+    return WeightSource(name, infos, lambda k: owner[k].get(k), metadata)
+
+
+def _folder_source(folder: Path, subfolder: str | None) -> WeightSource:
+    candidates = [folder]
+    if subfolder:
+        candidates.insert(0, folder / subfolder)
+    for d in candidates:
+        if not d.is_dir():
+            continue
+        indexes = sorted(d.glob("*.safetensors.index.json"))
+        if indexes:
+            index_path = indexes[0]
+            try:
+                weight_map = json.loads(index_path.read_text())["weight_map"]
+            except (OSError, KeyError, json.JSONDecodeError) as exc:
+                raise WeightFormatError(f"{index_path}: not a valid shard index ({exc}).") from None
+            files = sorted({d / f for f in weight_map.values()})
+            missing = [str(f) for f in files if not f.is_file()]
+            if missing:
+                raise WeightFormatError(f"{index_path}: shard files are missing: {missing[:3]}.")
+            return _sharded_source(str(d), files, {k: d / v for k, v in weight_map.items()})
+        files = sorted(d.glob("*.safetensors"))
+        if len(files) == 1:
+            return _file_source(files[0])
+        if len(files) > 1:
+            return _sharded_source(str(d), files, None)
+    where = f"{folder}" + (f" (or its '{subfolder}' subfolder)" if subfolder else "")
+    raise WeightFormatError(f"{where}: no .safetensors files found.")
+
+
+def _dict_source(sd: Mapping[str, torch.Tensor], name: str) -> WeightSource:
+    infos = {}
+    for k, v in sd.items():
+        if not isinstance(v, torch.Tensor):
+            raise TypeError(f"{name}: value for '{k}' is {type(v).__name__}, expected a torch.Tensor")
+        infos[k] = TensorInfo(tuple(v.shape), v.dtype)
+    return WeightSource(name, infos, lambda k: sd[k])
+
+
+def detect_unsupported_format(src: WeightSource) -> str | None:
+    """Name the quantised format of ``src`` if the core cannot run it yet, else None."""
+    keys = src.keys()
+    if any(k.endswith(".comfy_quant") for k in keys) or "_quantization_metadata" in src.metadata:
+        return "ComfyUI mixed-precision quantised ('comfy_quant', fp8/nvfp4)"
+    if any(k.endswith("scaled_fp8") for k in keys) or any(k.endswith(".scale_weight") for k in keys):
+        return "ComfyUI 'scaled_fp8'"
+    if any(k.endswith(".weight_scale_2") for k in keys):
+        return "nvfp4 (weight_scale_2)"
+    if any(k.endswith((".weight_scale", ".input_scale")) for k in keys):
+        return "scaled fp8 (weight_scale / input_scale)"
+    f8 = {torch.float8_e4m3fn, torch.float8_e5m2}
+    if any(src.dtype(k) in f8 for k in keys):
+        return "float8"
+    return None
+
+
+def open_weights(
+    source: str | os.PathLike | Mapping[str, torch.Tensor] | WeightSource,
+    *,
+    component: str,
+    subfolder: str | None = None,
+) -> WeightSource:
+    """Open ``source`` (a file, a folder, a state dict or a WeightSource) for reading.
+
+    ``component`` ("transformer", "text encoder", "VAE") is used in messages; ``subfolder`` is the
+    Hugging Face repo subfolder to look in when ``source`` is a repo root ("transformer", ...).
+    """
+    if isinstance(source, WeightSource):
+        src = source
+    elif isinstance(source, Mapping):
+        src = _dict_source(source, f"<in-memory {component} state dict>")
+    else:
+        path = Path(source).expanduser()
+        if not path.exists():
+            raise FileNotFoundError(f"{component} weights not found: {path}")
+        if path.is_dir():
+            src = _folder_source(path, subfolder)
+        else:
+            suffix = path.suffix.lower()
+            if suffix in _PICKLE_SUFFIXES:
+                raise WeightFormatError(
+                    f"{path}: '{suffix}' files are Python pickles, which can run arbitrary code when "
+                    f"loaded; klein_core never unpickles. Use the .safetensors {component} file instead."
+                )
+            if suffix == ".gguf":
+                raise WeightFormatError(
+                    f"{path}: GGUF quantised files are not supported yet; use the bf16 .safetensors "
+                    f"{component} file."
+                )
+            with open(path, "rb") as fh:
+                magic = fh.read(4)
+            if magic == b"GGUF":
+                raise WeightFormatError(f"{path}: this is a GGUF file (not supported yet); use .safetensors.")
+            if magic[:2] == b"PK" or magic[:1] == b"\x80":
+                raise WeightFormatError(
+                    f"{path}: this is a pickled PyTorch checkpoint; klein_core never unpickles. "
+                    f"Use the .safetensors {component} file instead."
+                )
+            src = _file_source(path)
+    fmt = detect_unsupported_format(src)
+    if fmt is not None:
+        raise WeightFormatError(
+            f"{src.name}: this {component} file is in the {fmt} format, which this version of "
+            f"klein_core cannot run yet. Use the bf16 (or fp16/fp32) .safetensors file instead."
+        )
+    if len(src) == 0:
+        raise WeightFormatError(f"{src.name}: contains no tensors.")
+    return src
+
+
+# ---------------------------------------------------------------------------------------------
+# Load plans: declarative ops from source keys to internal parameters.
+
+
+class Op:
+    """One internal tensor, described in terms of source tensors. ``shape`` reads no data."""
+
+    def sources(self) -> list[str]:
+        raise NotImplementedError
+
+    def shape(self, src: WeightSource) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    def load(self, src: WeightSource) -> torch.Tensor:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class Take(Op):
+    key: str
+
+    def sources(self) -> list[str]:
+        return [self.key]
+
+    def shape(self, src: WeightSource) -> tuple[int, ...]:
+        return src.shape(self.key)
+
+    def load(self, src: WeightSource) -> torch.Tensor:
+        return src.get(self.key)
+
+
+@dataclass(frozen=True)
+class Cat(Op):
+    """Concatenation of several source tensors along ``dim`` (e.g. to_q/to_k/to_v -> qkv)."""
+
+    keys: tuple[str, ...]
+    dim: int = 0
+
+    def sources(self) -> list[str]:
+        return list(self.keys)
+
+    def shape(self, src: WeightSource) -> tuple[int, ...]:
+        shapes = [src.shape(k) for k in self.keys]
+        if any(len(s) != len(shapes[0]) for s in shapes):
+            return (-1,)
+        out = list(shapes[0])
+        out[self.dim] = sum(s[self.dim] for s in shapes)
+        for s in shapes[1:]:
+            if any(a != b for i, (a, b) in enumerate(zip(s, shapes[0])) if i != self.dim):
+                return (-1,)
+        return tuple(out)
+
+    def load(self, src: WeightSource) -> torch.Tensor:
+        return torch.cat([src.get(k) for k in self.keys], dim=self.dim)
+
+
+@dataclass(frozen=True)
+class SwapHalves(Op):
+    """Swap the two halves along dim 0 (diffusers' final-layer (scale, shift) <-> BFL (shift, scale))."""
+
+    key: str
+
+    def sources(self) -> list[str]:
+        return [self.key]
+
+    def shape(self, src: WeightSource) -> tuple[int, ...]:
+        return src.shape(self.key)
+
+    def load(self, src: WeightSource) -> torch.Tensor:
+        a, b = src.get(self.key).chunk(2, dim=0)
+        return torch.cat([b, a], dim=0)
+
+
+@dataclass(frozen=True)
+class Reshape(Op):
+    """A source tensor viewed with another shape of the same size (e.g. a 1x1 conv as a Linear)."""
+
+    key: str
+    new_shape: tuple[int, ...]
+
+    def sources(self) -> list[str]:
+        return [self.key]
+
+    def shape(self, src: WeightSource) -> tuple[int, ...]:
+        n = 1
+        for s in src.shape(self.key):
+            n *= s
+        m = 1
+        for s in self.new_shape:
+            m *= s
+        return self.new_shape if n == m else (-1,)
+
+    def load(self, src: WeightSource) -> torch.Tensor:
+        return src.get(self.key).reshape(self.new_shape)
+
+
+@dataclass
+class LoadPlan:
+    """How to fill a module: ``ops[internal_name]``, plus the source keys deliberately not read
+    (``ignored``) and those the component did not understand (``unexpected``)."""
+
+    ops: dict[str, Op] = field(default_factory=dict)
+    ignored: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+
+
+def build_plan(
+    src: WeightSource,
+    rename: Callable[[str], str | Op | None],
+    *,
+    ignore: Callable[[str], bool] = lambda k: False,
+) -> LoadPlan:
+    """Map every source key through ``rename`` (-> internal name, an Op for the internal name via
+    a (name, op) tuple, or None for "not understood"), skipping keys for which ``ignore`` is True."""
+    plan = LoadPlan()
+    for key in src.keys():
+        if ignore(key):
+            plan.ignored.append(key)
+            continue
+        target = rename(key)
+        if target is None:
+            plan.unexpected.append(key)
+        elif isinstance(target, str):
+            plan.ops[target] = Take(key)
+        else:
+            name, op = target  # type: ignore[misc]
+            plan.ops[name] = op
+    return plan
+
+
+def _first(items: Iterable[str], n: int = 5) -> str:
+    items = list(items)
+    shown = ", ".join(f"'{i}'" for i in items[:n])
+    return shown + (f" and {len(items) - n} more" if len(items) > n else "")
+
+
+def check_plan(module: nn.Module, plan: LoadPlan, src: WeightSource, component: str) -> None:
+    """Compare a plan with a (meta) module; raise ValueError naming the file and first bad keys."""
+    expected = {k: tuple(v.shape) for k, v in module.state_dict().items()}
+    missing = [k for k in expected if k not in plan.ops]
+    unexpected = list(plan.unexpected) + [k for k in plan.ops if k not in expected]
+    misshaped = []
+    for k, op in plan.ops.items():
+        if k in expected:
+            got = op.shape(src)
+            if got != expected[k]:
+                misshaped.append(f"{k} (file {list(got)}, model {list(expected[k])})")
+    if missing or unexpected or misshaped:
+        parts = [f"{src.name}: does not fit the {component} it appears to be."]
+        if missing:
+            parts.append(f"Missing {len(missing)} tensors: {_first(missing)}.")
+        if unexpected:
+            parts.append(f"Unexpected {len(unexpected)} tensors: {_first(unexpected)}.")
+        if misshaped:
+            parts.append(f"Wrong shape for {len(misshaped)} tensors: {_first(misshaped, 3)}.")
+        parts.append("The file may be incomplete, or a different model than expected.")
+        raise ValueError(" ".join(parts))
+
+
+def materialize(
+    factory: Callable[[], nn.Module],
+    plan: LoadPlan,
+    src: WeightSource,
+    *,
+    component: str,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+    keep_fp32: Callable[[str], bool] = lambda name: False,
+) -> nn.Module:
+    """Build ``factory()`` on the meta device and fill it from ``src`` following ``plan``.
+
+    ``dtype`` (None: keep each tensor's stored floating dtype) applies to floating tensors except
+    those for which ``keep_fp32(name)`` is True, which are loaded as float32. The module is
+    returned in eval mode with gradients off.
+    """
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    with torch.device("meta"):
+        module = factory()
+    check_plan(module, plan, src, component)
+    state: dict[str, torch.Tensor] = {}
+    for name, op in plan.ops.items():
+        t = op.load(src)
+        if t.is_floating_point():
+            target = torch.float32 if keep_fp32(name) else (dtype or t.dtype)
+            t = t.to(device=device, dtype=target)
+        else:
+            t = t.to(device=device)
+        state[name] = t.contiguous()
+    module.load_state_dict(state, strict=True, assign=True)
+    leftovers = [n for n, b in module.named_buffers() if b.is_meta]
+    if leftovers:  # a non-persistent buffer would be left on meta: a bug in the module definition
+        raise RuntimeError(f"{component}: buffers left uninitialised after loading: {leftovers[:5]}")
+    module.eval().requires_grad_(False)
+    n = sum(p.numel() for p in module.parameters())
+    logger.info("Loaded %s from %s: %.1fM parameters, %d tensors", component, src.name, n / 1e6, len(state))
+    return module
