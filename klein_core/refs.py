@@ -1,0 +1,67 @@
+"""Reference-image preprocessing (the diffusers / BFL Klein rules, SPEC §5.1)."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import numpy as np
+import torch
+from PIL import Image
+
+logger = logging.getLogger(__name__)
+
+MAX_REFERENCE_AREA = 1024 * 1024  # larger references are scaled down to about 1 megapixel
+MIN_REFERENCE_SIDE = 64
+MAX_ASPECT_RATIO = 8
+PUBLISHED_REFERENCE_LIMIT = 4  # BFL: Klein 4B/9B support up to 4 references
+
+
+def reference_size(width: int, height: int, multiple: int = 16) -> tuple[int, int]:
+    """The (width, height) a ``width x height`` reference becomes: scaled to at most 1 MP, then
+    cropped down to multiples of ``multiple``."""
+    if width * height > MAX_REFERENCE_AREA:
+        s = math.sqrt(MAX_REFERENCE_AREA / (width * height))
+        width, height = int(width * s), int(height * s)
+    return width // multiple * multiple, height // multiple * multiple
+
+
+def prepare_reference_image(image: Image.Image, multiple: int = 16) -> torch.Tensor:
+    """Preprocess a reference image for VAE encoding: ``Tensor[1, 3, H, W]`` in [-1, 1], float32.
+
+    LANCZOS down-scaling to at most 1024x1024 pixels of area when larger (before RGB conversion,
+    like diffusers), then a centre crop to multiples of ``multiple`` (16 for the FLUX.2 VAE).
+    Grayscale, palette, RGBA (alpha dropped) and 16-bit images are converted to 8-bit RGB.
+    """
+    if not isinstance(image, Image.Image):
+        raise TypeError(f"reference must be a PIL.Image, got {type(image).__name__}")
+    w, h = image.size
+    if w < MIN_REFERENCE_SIDE or h < MIN_REFERENCE_SIDE:
+        raise ValueError(f"reference image is {w}x{h}; both sides must be at least {MIN_REFERENCE_SIDE} px")
+    if max(w / h, h / w) > MAX_ASPECT_RATIO:
+        raise ValueError(f"reference image is {w}x{h}; the aspect ratio must be at most {MAX_ASPECT_RATIO}:1")
+    if w * h > MAX_REFERENCE_AREA:
+        new_w, new_h = reference_size(w, h, 1)
+        image = image.resize((new_w, new_h), Image.Resampling.LANCZOS)
+        w, h = new_w, new_h
+    tw, th = w // multiple * multiple, h // multiple * multiple
+    left, top = (w - tw) // 2, (h - th) // 2
+    image = image.crop((left, top, left + tw, top + th))
+    arr = _to_rgb_array(image)
+    t = torch.from_numpy(arr).permute(2, 0, 1)[None]
+    return t * 2.0 - 1.0
+
+
+def _to_rgb_array(image: Image.Image) -> np.ndarray:
+    """8-bit RGB as float32 [H, W, 3] in [0, 1]; 16-bit and float modes are rescaled, not clipped."""
+    if image.mode in ("I;16", "I;16B", "I;16L", "I"):
+        a = np.asarray(image, dtype=np.float32)
+        peak = 65535.0 if image.mode.startswith("I;16") or a.max() > 255 else 255.0
+        a = np.clip(a / peak, 0.0, 1.0)
+        return np.repeat(a[..., None], 3, axis=-1).astype(np.float32)
+    if image.mode == "F":
+        a = np.clip(np.asarray(image, dtype=np.float32), 0.0, 1.0)
+        return np.repeat(a[..., None], 3, axis=-1)
+    if image.mode != "RGB":
+        image = image.convert("RGB")
+    return np.asarray(image, dtype=np.float32) / 255.0

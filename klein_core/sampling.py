@@ -1,0 +1,173 @@
+"""Schedule, noise, token packing and the Euler denoising loop (pure functions over tensors).
+
+Precision follows the reference pipelines (SPEC §4.4): the schedule is float32, the Euler update
+uses the exact float32 sigmas, the transformer is given ``sigma*1000`` round-tripped through the
+latent dtype, and latents are re-cast to the model dtype after every step.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .transformer import Flux2Transformer, position_ids, text_position_ids
+
+logger = logging.getLogger(__name__)
+
+REF_TIME_OFFSET = 10  # reference i gets RoPE time 10*(i+1) (BFL scale, ComfyUI ref_index_scale)
+MAX_SEED = 2**64 - 1  # ComfyUI seeds are unsigned 64-bit
+
+StepCallback = Callable[[int, int, torch.Tensor], "bool | None"]
+
+
+class GenerationCancelled(RuntimeError):
+    """Raised when a step callback returned ``False`` to stop the run."""
+
+
+def compute_empirical_mu(image_seq_len: int, num_steps: int) -> float:
+    """BFL's empirical time-shift ``mu`` for ``image_seq_len`` noisy tokens and ``num_steps`` steps."""
+    a1, b1 = 8.73809524e-05, 1.89833333
+    a2, b2 = 0.00016927, 0.45666666
+    if image_seq_len > 4300:  # large images: the 200-step line, independent of the step count
+        return float(a2 * image_seq_len + b2)
+    m_200 = a2 * image_seq_len + b2
+    m_10 = a1 * image_seq_len + b1
+    a = (m_200 - m_10) / 190.0
+    b = m_200 - 200.0 * a
+    return float(a * num_steps + b)
+
+
+def get_schedule(num_steps: int, image_seq_len: int) -> torch.Tensor:
+    """Sigmas ``Tensor[num_steps + 1]`` (float32) from 1 down to 0 for ``image_seq_len`` noisy tokens.
+
+    ``linspace(1, 1/N, N)`` shifted by ``e^mu / (e^mu + (1/s - 1))`` with mu from
+    :func:`compute_empirical_mu`, then a final 0; computed in float32 exactly as the diffusers
+    Klein scheduler does (which equals BFL's ``get_schedule``).
+    """
+    if not isinstance(num_steps, int) or num_steps < 1:
+        raise ValueError(f"steps must be a positive integer, got {num_steps!r}")
+    if image_seq_len < 1:
+        raise ValueError(f"image_seq_len must be positive, got {image_seq_len}")
+    mu = compute_empirical_mu(image_seq_len, num_steps)
+    sigmas = torch.linspace(1.0, 1.0 / num_steps, num_steps, dtype=torch.float64).to(torch.float32)
+    # A tensor numerator on purpose: torch evaluates ``scalar / tensor`` as reciprocal-then-
+    # multiply, which is 1 ulp off the reference's true division for some sigmas.
+    e = torch.full_like(sigmas, math.exp(mu))
+    shifted = e / (e + (torch.ones_like(sigmas) / sigmas - 1))
+    return torch.cat([shifted, torch.zeros(1)])
+
+
+def make_noise(seed: int, batch: int, channels: int, height: int, width: int) -> torch.Tensor:
+    """Starting noise ``[batch, channels, height, width]`` (latent grid), float32 on the CPU.
+
+    Drawn in one call from a CPU generator seeded with ``seed``, exactly like ComfyUI's
+    ``RandomNoise``, so a seed gives the same image on any device and in either host.
+    """
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+    if not 0 <= seed <= MAX_SEED:
+        raise ValueError(f"seed must be in [0, 2^64-1], got {seed}")
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    return torch.randn((batch, channels, height, width), generator=g, dtype=torch.float32, device="cpu")
+
+
+def pack(latents: torch.Tensor) -> torch.Tensor:
+    """``[B, C, h, w]`` -> tokens ``[B, h*w, C]`` in row-major order."""
+    return latents.flatten(2).transpose(1, 2)
+
+
+def unpack(tokens: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """Tokens ``[B, h*w, C]`` -> ``[B, C, h, w]``."""
+    return tokens.transpose(1, 2).unflatten(2, (height, width))
+
+
+@dataclass(frozen=True)
+class ReferenceTokens:
+    """Packed reference latents ``tokens [1, R, C]`` with their ids ``[R, 4]`` (t = 10, 20, ...)."""
+
+    tokens: torch.Tensor
+    ids: torch.Tensor
+    sizes: tuple[tuple[int, int], ...]  # (h, w) latent grid of each reference
+
+
+def reference_tokens(latents: Sequence[torch.Tensor]) -> ReferenceTokens | None:
+    """Pack encoded references (each ``[1, C, h, w]``) in order, with time offsets 10, 20, ..."""
+    if not latents:
+        return None
+    toks, ids, sizes = [], [], []
+    for i, lat in enumerate(latents):
+        if lat.ndim != 4 or lat.shape[0] != 1:
+            raise ValueError(f"reference {i + 1}: expected latents [1, C, h, w], got {list(lat.shape)}")
+        _, _, h, w = lat.shape
+        toks.append(pack(lat)[0])
+        ids.append(position_ids(h, w, t=REF_TIME_OFFSET * (i + 1)))
+        sizes.append((h, w))
+    return ReferenceTokens(torch.cat(toks)[None], torch.cat(ids), tuple(sizes))
+
+
+def denoise(
+    model: Flux2Transformer,
+    noise: torch.Tensor,
+    txt: torch.Tensor,
+    sigmas: torch.Tensor,
+    *,
+    neg_txt: torch.Tensor | None = None,
+    guidance: float = 1.0,
+    refs: ReferenceTokens | None = None,
+    callback: StepCallback | None = None,
+) -> torch.Tensor:
+    """Run the Euler flow sampler from ``noise`` along ``sigmas``.
+
+    ``noise``: ``[B, C, h, w]`` starting latents (any dtype/device; cast to the model's).
+    ``txt``: ``[B, L, D]`` prompt embeddings; ``neg_txt``: ``[B, L', D]`` negative embeddings, which
+    turn on classifier-free guidance ``v = v_neg + guidance * (v_pos - v_neg)``, evaluated in one
+    batched forward. ``refs``: reference tokens appended after the noisy tokens (the velocity is
+    kept for the noisy tokens only). ``callback(step, total, latents)`` runs after each step;
+    returning ``False`` cancels with :class:`GenerationCancelled`. Returns ``[B, C, h, w]`` latents
+    in the model dtype.
+    """
+    device, dtype = model.device, model.dtype
+    b, _, h, w = noise.shape
+    n = h * w
+    latents = pack(noise).to(device=device, dtype=dtype)
+    img_ids = position_ids(h, w)
+    cfg = neg_txt is not None
+    txt = txt.to(device=device, dtype=dtype)
+    if txt.shape[0] != b:
+        raise ValueError(f"prompt batch {txt.shape[0]} does not match latent batch {b}")
+    if cfg:
+        neg_txt = neg_txt.to(device=device, dtype=dtype)  # type: ignore[union-attr]
+        if neg_txt.shape[0] != b:
+            raise ValueError(f"negative prompt batch {neg_txt.shape[0]} does not match latent batch {b}")
+        if neg_txt.shape[1] != txt.shape[1]:
+            raise ValueError("prompt and negative prompt embeddings must have the same length")
+        txt = torch.cat([txt, neg_txt])  # one forward for both halves: [pos; neg]
+    ref_tok = None
+    if refs is not None:
+        ref_tok = refs.tokens.to(device=device, dtype=dtype).expand(txt.shape[0], -1, -1)
+        img_ids = torch.cat([img_ids, refs.ids])
+    txt_ids = text_position_ids(txt.shape[1])
+    rope = model.rope(txt_ids, img_ids)  # ids are fixed for the whole run
+    sig = sigmas.to(device=device, dtype=torch.float32)
+    # What the model is told: sigma*1000 in the latent dtype, /1000 (see SPEC §4.4).
+    t_model = ((sig * 1000).to(dtype) / 1000).to(dtype)
+    total = len(sigmas) - 1
+    for i in range(total):
+        x = torch.cat([latents, latents]) if cfg else latents
+        if ref_tok is not None:
+            x = torch.cat([x, ref_tok], dim=1)
+        t = t_model[i].expand(x.shape[0])
+        v = model(img=x, img_ids=img_ids, txt=txt, txt_ids=txt_ids, timesteps=t, rope=rope)[:, :n]
+        if cfg:
+            v_pos, v_neg = v.chunk(2)
+            v = v_neg + guidance * (v_pos - v_neg)
+        # dt is a 0-dim fp32 tensor, so dt*v stays in the model dtype (torch promotion), then the
+        # sum is fp32 and re-cast: bit-for-bit the diffusers FlowMatchEuler step.
+        latents = (latents.float() + (sig[i + 1] - sig[i]) * v).to(dtype)
+        if callback is not None and callback(i + 1, total, unpack(latents, h, w)) is False:
+            raise GenerationCancelled(f"cancelled after step {i + 1} of {total}")
+    return unpack(latents, h, w)
