@@ -1,8 +1,45 @@
 """klein_core: an exact, self-contained PyTorch implementation of FLUX.2 Klein.
 
-Never imports ComfyUI. Public API (stable names): see README.md.
+Never imports ComfyUI. The names below are the stable public API (see README.md).
 """
 
+from .pipeline import (
+    GenerationResult,
+    PromptCache,
+    check_compatible,
+    decode_to_pixels,
+    default_prompt_cache,
+    encode_prompts,
+    encode_references,
+    generate,
+    guess_model_kind,
+    resolve_size,
+)
+from .qwen3 import Qwen3Config, Qwen3TextEncoder, load_text_encoder
+from .refs import prepare_reference_image, reference_size
+from .sampling import (
+    GenerationCancelled,
+    compute_empirical_mu,
+    denoise,
+    get_schedule,
+    make_noise,
+    pack,
+    reference_tokens,
+    unpack,
+)
+from .tokenizer import tokenize_prompts
+from .transformer import Flux2Transformer, TransformerConfig, load_transformer, position_ids, text_position_ids
+from .vae import Flux2VAE, VAEConfig, load_vae
 from .weights import WeightFormatError, WeightSource, open_weights
 
-__all__ = ["WeightFormatError", "WeightSource", "open_weights"]
+__version__ = "0.1.0"
+
+__all__ = [
+    "Flux2Transformer", "Flux2VAE", "GenerationCancelled", "GenerationResult", "PromptCache", "Qwen3Config",
+    "Qwen3TextEncoder", "TransformerConfig", "VAEConfig", "WeightFormatError", "WeightSource",
+    "check_compatible", "compute_empirical_mu", "decode_to_pixels", "default_prompt_cache", "denoise",
+    "encode_prompts", "encode_references", "generate", "get_schedule", "guess_model_kind", "load_text_encoder",
+    "load_transformer", "load_vae", "make_noise", "open_weights", "pack", "position_ids",
+    "prepare_reference_image", "reference_size", "reference_tokens", "resolve_size", "text_position_ids",
+    "tokenize_prompts", "unpack",
+]

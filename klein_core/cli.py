@@ -1,0 +1,222 @@
+"""Command line: ``python -m klein_core generate ...`` or ``klein-generate ...``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from PIL import Image
+from PIL.PngImagePlugin import PngInfo
+
+from . import __version__
+from .catalog import matching_text_encoders, probe
+from .pipeline import GenerationResult, generate, guess_model_kind
+from .sampling import GenerationCancelled
+from .weights import WeightFormatError
+
+logger = logging.getLogger("klein_core.cli")
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+class CLIError(Exception):
+    """A one-line, user-facing error."""
+
+
+def _write(stream, text: str) -> None:
+    stream.write(text)
+    stream.flush()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="klein-generate", description="FLUX.2 Klein text-to-image and editing.")
+    sub = p.add_subparsers(dest="command")
+    g = sub.add_parser("generate", help="generate images (the default command)")
+    _add_generate_args(g)
+    return p
+
+
+def _add_generate_args(g: argparse.ArgumentParser) -> None:
+    src = g.add_argument_group("models")
+    src.add_argument("--transformer", type=Path, help="Klein transformer .safetensors (or diffusers folder)")
+    src.add_argument("--text-encoder", type=Path, help="Qwen3 text encoder .safetensors (or HF folder)")
+    src.add_argument("--vae", type=Path, help="FLUX.2 VAE .safetensors")
+    src.add_argument("--models-dir", type=Path,
+                     help="a ComfyUI models/ folder with diffusion_models/, text_encoders/, vae/")
+    src.add_argument("--model", default=None, help="file name in diffusion_models/ (with --models-dir)")
+    src.add_argument("--demo", action="store_true",
+                     help="tiny random models built in memory: checks the install, the image is noise")
+    g.add_argument("--prompt", default="", help="the prompt")
+    g.add_argument("--negative-prompt", default="", help="negative prompt (base models with guidance > 1)")
+    g.add_argument("--ref", action="append", default=[], type=Path, help="reference image (repeatable)")
+    g.add_argument("--width", type=int, default=None, help="output width (default: first reference, else 1024)")
+    g.add_argument("--height", type=int, default=None, help="output height")
+    g.add_argument("--steps", type=int, default=None, help="steps (distilled 4, base 50)")
+    g.add_argument("--guidance", type=float, default=None, help="CFG scale (distilled 1, base 4)")
+    g.add_argument("--seed", type=int, default=0, help="seed, 0..2^64-1")
+    g.add_argument("--batch", type=int, default=1, help="images per prompt")
+    kind = g.add_mutually_exclusive_group()
+    kind.add_argument("--base", action="store_true", help="base model: CFG with a negative prompt")
+    kind.add_argument("--distilled", action="store_true", help="distilled model (default unless the name says base)")
+    g.add_argument("--out", type=Path, default=Path("klein.png"), help="output PNG (index added for batches)")
+    g.add_argument("--device", default=None, help="cuda, cpu, ... (default: cuda if available)")
+    g.add_argument("--dtype", choices=sorted(_DTYPES), default=None, help="weights dtype (default bf16 on GPU, fp32 on CPU)")
+    g.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+
+
+def _pick(folder: Path, what: str, name: str | None = None) -> Path:
+    if not folder.is_dir():
+        raise CLIError(f"{folder} does not exist (expected the {what} folder of a ComfyUI models/ dir)")
+    if name:
+        p = folder / name
+        if not p.is_file():
+            raise CLIError(f"{p} not found; files there: {', '.join(sorted(f.name for f in folder.glob('*.safetensors')))}")
+        return p
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise CLIError(f"no .safetensors files in {folder}")
+    return files[0]
+
+
+def resolve_files(args: argparse.Namespace) -> tuple[Path, Path, Path]:
+    """Transformer, text encoder and VAE paths from explicit flags and/or ``--models-dir``."""
+    tr, te, vae = args.transformer, args.text_encoder, args.vae
+    if args.models_dir:
+        md = args.models_dir
+        tr = tr or _pick(md / "diffusion_models", "diffusion_models", args.model)
+        vae = vae or (md / "vae" / "flux2-vae.safetensors" if (md / "vae" / "flux2-vae.safetensors").is_file()
+                      else _pick(md / "vae", "vae"))
+        if te is None:
+            info = probe(tr)
+            cands = sorted((md / "text_encoders").glob("*.safetensors"))
+            fits = matching_text_encoders(info.text_width, cands) if info.text_width else []
+            if not fits:
+                raise CLIError(f"no text encoder in {md / 'text_encoders'} fits {tr.name} ({info.description}); "
+                               f"it needs one with text width {info.text_width}")
+            te = fits[0]
+    missing = [n for n, v in (("--transformer", tr), ("--text-encoder", te), ("--vae", vae)) if v is None]
+    if missing:
+        raise CLIError(f"missing {', '.join(missing)} (or pass --models-dir, or --demo)")
+    for p in (tr, te, vae):
+        if not p.exists():
+            raise CLIError(f"file not found: {p}")
+    tinfo, einfo = probe(tr), probe(te)
+    if tinfo.kind == "transformer" and einfo.kind == "text_encoder" and tinfo.text_width != einfo.text_width:
+        fits = matching_text_encoders(tinfo.text_width, sorted(te.parent.glob("*.safetensors")))
+        hint = f"use {fits[0].name}" if fits else f"use a text encoder with text width {tinfo.text_width}"
+        raise CLIError(f"{te.name} ({einfo.description}) does not fit {tr.name} ({tinfo.description}): {hint}")
+    return tr, te, vae
+
+
+class _Progress:
+    def __init__(self, quiet: bool) -> None:
+        self.quiet = quiet
+        self.t0 = time.perf_counter()
+
+    def __call__(self, step: int, total: int, latents: torch.Tensor) -> None:
+        if self.quiet:
+            return
+        dt = (time.perf_counter() - self.t0) / step
+        bar = "#" * step + "-" * (total - step)
+        _write(sys.stderr, f"\rdenoising [{bar}] {step}/{total}  {dt:.2f} s/step")
+        if step == total:
+            _write(sys.stderr, "\n")
+
+
+def _save_images(result: GenerationResult, out: Path, params: dict) -> list[Path]:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for i, img in enumerate(result.images or []):
+        p = out if len(result.images or []) == 1 else out.with_name(f"{out.stem}_{i:02d}{out.suffix or '.png'}")
+        meta = PngInfo()
+        meta.add_text("parameters", json.dumps({**params, "batch_index": i}))
+        meta.add_text("Software", f"klein_core {__version__}")
+        img.save(p, pnginfo=meta)
+        paths.append(p)
+    return paths
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = _DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    t_load = time.perf_counter()
+    if args.demo:
+        from .demo import build_tiny_components
+
+        transformer, text_encoder, vae = build_tiny_components()
+        transformer, text_encoder, vae = (m.to(device=device, dtype=dtype) for m in (transformer, text_encoder, vae))
+        names = {"transformer": "demo", "text_encoder": "demo", "vae": "demo"}
+        distilled = not args.base
+        _write(sys.stderr, "--demo: tiny random models (no download); the image will be noise.\n")
+        if args.width is None and args.height is None and not args.ref:
+            args.width = args.height = 256
+    else:
+        from .qwen3 import load_text_encoder
+        from .transformer import load_transformer
+        from .vae import load_vae
+
+        tr_path, te_path, vae_path = resolve_files(args)
+        distilled = not args.base and (args.distilled or guess_model_kind(tr_path.name) == "distilled")
+        transformer = load_transformer(tr_path, device=device, dtype=dtype)
+        text_encoder = load_text_encoder(te_path, device=device, dtype=dtype)
+        vae = load_vae(vae_path, device=device, dtype=dtype)
+        names = {"transformer": tr_path.name, "text_encoder": te_path.name, "vae": vae_path.name}
+    t_load = time.perf_counter() - t_load
+    refs = []
+    for r in args.ref:
+        try:
+            refs.append(Image.open(r))
+        except (OSError, ValueError) as exc:
+            raise CLIError(f"cannot read reference image {r}: {exc}") from None
+    t0 = time.perf_counter()
+    result = generate(
+        transformer, text_encoder, vae, prompt=args.prompt, negative_prompt=args.negative_prompt,
+        references=refs, width=args.width, height=args.height, steps=args.steps, guidance=args.guidance,
+        seed=args.seed, batch_size=args.batch, distilled=distilled, callback=_Progress(args.quiet),
+    )
+    total = time.perf_counter() - t0
+    params = {
+        "prompt": args.prompt, "negative_prompt": args.negative_prompt, "width": result.width,
+        "height": result.height, "steps": result.steps, "guidance": result.guidance, "seed": args.seed,
+        "model_kind": "distilled" if distilled else "base", "references": [str(r) for r in args.ref],
+        "demo": bool(args.demo), **names,
+    }
+    paths = _save_images(result, args.out, params)
+    stages = ", ".join(f"{k} {v:.2f} s" for k, v in result.timings.items())
+    _write(sys.stdout, f"{len(paths)} image(s) {result.width}x{result.height} in {total:.2f} s "
+                       f"(load {t_load:.2f} s; {stages}) -> {', '.join(str(p) for p in paths)}\n")
+    if args.demo:
+        _write(sys.stdout, "note: --demo uses random weights, so the image is noise; the install works.\n")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in ("generate", "-h", "--help"):
+        argv = ["generate", *argv]  # "generate" is the default command
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")  # CLI process only
+    try:
+        return run_generate(args)
+    except CLIError as exc:
+        _write(sys.stderr, f"error: {exc}\n")
+        return 2
+    except (ValueError, TypeError, FileNotFoundError, WeightFormatError) as exc:
+        _write(sys.stderr, f"error: {exc}\n")
+        return 2
+    except GenerationCancelled as exc:
+        _write(sys.stderr, f"cancelled: {exc}\n")
+        return 130
+    except KeyboardInterrupt:
+        _write(sys.stderr, "\ncancelled\n")
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
