@@ -31,17 +31,18 @@ import urllib.error
 import urllib.parse
 import urllib.request
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from setup_host import HOST_DIR, REPO_ROOT, host_paths, host_problem  # noqa: E402
+from setup_host import HOST_DIR, REPO_ROOT, host_paths, host_problem
 
 PACK_NAME = "klein_nodes"
 MODEL_FOLDERS = ("diffusion_models", "text_encoders", "vae", "loras")
 
-_LIVE: set["ComfyServer"] = set()
+_LIVE: set[ComfyServer] = set()
 
 
 @atexit.register
@@ -75,8 +76,9 @@ class PromptResult:
 
     def of_type(self, kind: str) -> list[Any]:
         """Data of this prompt's messages of one type (messages without a prompt_id are kept)."""
-        return [d for t, d in self.messages if t == kind and (not isinstance(d, dict)
-                                                           or d.get("prompt_id", self.prompt_id) == self.prompt_id)]
+        mine = self.prompt_id
+        return [d for t, d in self.messages
+                if t == kind and (not isinstance(d, dict) or d.get("prompt_id", mine) == mine)]
 
     @property
     def types(self) -> list[str]:
@@ -223,17 +225,19 @@ class ComfyServer:
             *self.extra_args,
         ]
 
-    def start(self) -> "ComfyServer":
+    def start(self) -> ComfyServer:
         if self.proc is not None:
             return self
         problem = host_problem(self.paths["host"])
         if problem:
-            raise ServerError(f"ComfyUI host not ready ({problem}); run: {sys.executable} tests/e2e/setup_host.py")
+            raise ServerError(f"ComfyUI host not ready ({problem}); "
+                              f"run: {sys.executable} tests/e2e/setup_host.py")
         self._prepare_dirs()
         env = dict(os.environ)
         env.update(self.extra_env)
         if self.torchvision_stub:
-            env["PYTHONPATH"] = os.pathsep.join([str(self.paths["stub"])] + [p for p in [env.get("PYTHONPATH")] if p])
+            env["PYTHONPATH"] = os.pathsep.join([str(self.paths["stub"]),
+                                                 *filter(None, [env.get("PYTHONPATH")])])
         env.setdefault("PYTHONUNBUFFERED", "1")
         env.setdefault("HF_HUB_OFFLINE", "1")
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -301,11 +305,11 @@ class ComfyServer:
         """SIGTERM to the server's process group, SIGKILL after 10 s; removes its own temp dir."""
         self._kill()
         _LIVE.discard(self)
-        if self._own_work_dir and not self.keep_work_dir and self.work_dir is not None and self.work_dir.exists():
+        if self._own_work_dir and not self.keep_work_dir and self.work_dir is not None:
             shutil.rmtree(self.work_dir, ignore_errors=True)
             self.work_dir = None
 
-    def __enter__(self) -> "ComfyServer":
+    def __enter__(self) -> ComfyServer:
         return self.start()
 
     def __exit__(self, *exc) -> None:
@@ -436,8 +440,8 @@ class ComfyServer:
                 while True:
                     remaining = deadline - time.perf_counter()
                     if remaining <= 0:
-                        raise TimeoutError(f"prompt {prompt_id} not finished after {timeout}s; messages so far: "
-                                           f"{[t for t, _ in messages]}\n{self.log_tail(3000)}")
+                        raise TimeoutError(f"prompt {prompt_id} not finished after {timeout}s; messages so "
+                                           f"far: {[t for t, _ in messages]}\n{self.log_tail(3000)}")
                     try:
                         msg = await ws.receive(timeout=remaining)
                     except asyncio.TimeoutError:
@@ -455,8 +459,8 @@ class ComfyServer:
                         binary += 1
                     elif msg.type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSING,
                                       aiohttp.WSMsgType.CLOSED, aiohttp.WSMsgType.ERROR):
-                        raise ServerError(f"websocket closed while following prompt {prompt_id} ({msg.type}); "
-                                          f"server alive: {self.alive}\n{self.log_tail(3000)}")
+                        raise ServerError(f"websocket closed while following prompt {prompt_id} "
+                                          f"({msg.type}); server alive: {self.alive}\n{self.log_tail(3000)}")
         seconds = time.perf_counter() - t0
         return PromptResult(prompt_id=prompt_id, number=answer.get("number"), messages=messages,
                             binary_frames=binary, history=self.history(prompt_id), seconds=seconds,

@@ -85,7 +85,8 @@ OPTIONAL_DEPS = [
 # code does `from torchvision import transforms`. Nothing on the Klein path uses it. Once a
 # `torchvision` package is findable, transformers 5.x imports `torchvision.transforms.InterpolationMode`,
 # `...transforms.functional`, `...transforms.v2.functional` and `torchvision.io` at load time (checked
-# with 5.23.0: `transformers.video_utils` needs `io`), so those exist here; every other public name is a function that raises TorchvisionStubError (an ImportError) when *called*.
+# with 5.23.0: `transformers.video_utils` needs `io`), so those exist here; every other public name is
+# a function that raises TorchvisionStubError (an ImportError) when *called*.
 _STUB_HELPER = '''\
 """Helpers of the e2e torchvision stub (written by tests/e2e/setup_host.py). Not the real torchvision."""
 
@@ -237,7 +238,8 @@ def _torch_version() -> str:
     except importlib.metadata.PackageNotFoundError:
         sys.exit(
             "[setup_host] torch is not installed in this interpreter; install it first "
-            "(e.g. `pip install torch==2.13.0`, the CPU build on this machine). This script never installs it."
+            "(e.g. `pip install torch==2.13.0`, the CPU build on this machine). "
+            "This script never installs it."
         )
 
 
@@ -322,13 +324,15 @@ def step_deps(p: dict[str, Path], force: bool) -> list[str]:
 
 def step_verify(p: dict[str, Path]) -> None:
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(p["stub"])] + [x for x in [env.get("PYTHONPATH")] if x])
+    env["PYTHONPATH"] = os.pathsep.join([str(p["stub"]), *filter(None, [env.get("PYTHONPATH")])])
     with tempfile.TemporaryDirectory(prefix="comfy_verify_") as base:
         os.makedirs(os.path.join(base, "custom_nodes"))
-        cmd = [sys.executable, "main.py", "--cpu", "--quick-test-for-ci", "--front-end-root", str(p["frontend"]),
-               "--base-directory", base, "--database-url", "sqlite:///:memory:", "--disable-all-custom-nodes"]
+        cmd = [sys.executable, "main.py", "--cpu", "--quick-test-for-ci",
+               "--front-end-root", str(p["frontend"]), "--base-directory", base,
+               "--database-url", "sqlite:///:memory:", "--disable-all-custom-nodes"]
         _log("$ " + " ".join(cmd))
-        r = subprocess.run(cmd, cwd=p["comfyui"], env=env, capture_output=True, text=True, timeout=300)
+        r = subprocess.run(cmd, cwd=p["comfyui"], env=env, capture_output=True, text=True,
+                           timeout=300, check=False)
     if r.returncode != 0:
         sys.stderr.write(r.stdout[-4000:] + r.stderr[-8000:])
         sys.exit(f"[setup_host] quick test failed with exit code {r.returncode}")
