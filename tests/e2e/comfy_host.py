@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from setup_host import HOST_DIR, REPO_ROOT, host_paths, host_problem
+from setup_host import HOST_DIR, REPO_ROOT, host_paths, host_problem  # noqa: E402
 
 PACK_NAME = "klein_nodes"
 MODEL_FOLDERS = ("diffusion_models", "text_encoders", "vae", "loras")

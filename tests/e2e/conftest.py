@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from comfy_host import MODEL_FOLDERS, ComfyServer
-from setup_host import HOST_DIR, host_problem
+from comfy_host import MODEL_FOLDERS, ComfyServer  # noqa: E402
+from setup_host import HOST_DIR, host_problem  # noqa: E402
 
 _HERE = Path(__file__).resolve().parent
 
