@@ -1,0 +1,87 @@
+"""The klein-generate command line: --demo, real files, and one-line errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from klein_core import cli
+from klein_core.demo import write_tiny_model_files
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    d = tmp_path_factory.mktemp("models")
+    return d, write_tiny_model_files(d)
+
+
+def test_demo_runs_as_module(tmp_path):
+    out = tmp_path / "demo.png"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-m", "klein_core", "generate", "--demo", "--prompt", "a fox",
+                           "--out", str(out)], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "image is noise" in proc.stdout and "denoise" in proc.stdout  # summary with per-stage times
+    assert "4/4" in proc.stderr  # progress bar
+    img = Image.open(out)
+    assert img.size == (256, 256)
+    params = json.loads(img.text["parameters"])
+    assert params["prompt"] == "a fox" and params["steps"] == 4 and params["demo"] is True
+
+
+def test_models_dir_run_picks_fitting_encoder(models, tmp_path, capsys):
+    d, _ = models
+    out = tmp_path / "x.png"
+    rc = cli.main(["--models-dir", str(d), "--model", "flux-2-klein-9b.safetensors", "--prompt", "hi",
+                   "--width", "96", "--height", "64", "--steps", "2", "--seed", "3", "--batch", "2",
+                   "--out", str(out), "-q"])
+    assert rc == 0
+    files = sorted(tmp_path.glob("x_*.png"))
+    assert [f.name for f in files] == ["x_00.png", "x_01.png"]
+    meta = json.loads(Image.open(files[1]).text["parameters"])
+    assert meta["text_encoder"] == "qwen_3_8b.safetensors" and meta["batch_index"] == 1
+    assert meta["width"] == 96 and meta["seed"] == 3
+
+
+def test_explicit_files_with_reference_and_base(models, tmp_path):
+    _, p = models
+    ref = tmp_path / "ref.png"
+    Image.new("RGB", (112, 80), (200, 30, 30)).save(ref)
+    out = tmp_path / "edit.png"
+    rc = cli.main(["--transformer", str(p["klein_base_4b"]), "--text-encoder", str(p["qwen_4b"]), "--vae",
+                   str(p["vae"]), "--prompt", "night", "--negative-prompt", "blurry", "--ref", str(ref),
+                   "--steps", "2", "--out", str(out), "-q"])
+    assert rc == 0
+    img = Image.open(out)
+    meta = json.loads(img.text["parameters"])
+    assert img.size == (112, 80)  # from the reference
+    assert meta["model_kind"] == "base" and meta["guidance"] == 4.0  # base picked from the file name
+
+
+def test_errors_are_one_line(models, tmp_path, capsys):
+    _, p = models
+    rc = cli.main(["--transformer", str(p["klein_9b"]), "--text-encoder", str(p["qwen_4b"]), "--vae",
+                   str(p["vae"]), "--prompt", "x"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and err.count("\n") == 0
+    assert "qwen_3_4b.safetensors" in err and "use qwen_3_8b.safetensors" in err
+    rc = cli.main(["--transformer", str(tmp_path / "missing.safetensors"), "--text-encoder", str(p["qwen_4b"]),
+                   "--vae", str(p["vae"])])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and err == f"error: file not found: {tmp_path / 'missing.safetensors'}"
+    rc = cli.main(["--prompt", "x"])
+    assert rc == 2 and "--models-dir" in capsys.readouterr().err
+    rc = cli.main(["--demo", "--width", "40", "--height", "64"])
+    assert rc == 2 and "too small" in capsys.readouterr().err
+    (tmp_path / "m.ckpt").write_bytes(b"\x80\x02junk")
+    rc = cli.main(["--transformer", str(tmp_path / "m.ckpt"), "--text-encoder", str(p["qwen_4b"]),
+                   "--vae", str(p["vae"])])
+    assert rc == 2 and "never unpickles" in capsys.readouterr().err
