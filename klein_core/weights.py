@@ -445,11 +445,14 @@ def build_plan(
         target = rename(key)
         if target is None:
             plan.unexpected.append(key)
-        elif isinstance(target, str):
-            plan.ops[target] = Take(key)
-        else:
-            name, op = target  # type: ignore[misc]
-            plan.ops[name] = op
+            continue
+        name, op = (target, Take(key)) if isinstance(target, str) else target  # type: ignore[misc]
+        if name in plan.ops:
+            raise ValueError(
+                f"{src.name}: tensors '{plan.ops[name].sources()[0]}' and '{key}' both provide '{name}'; "
+                "the file holds two copies of one weight and it is unclear which to use."
+            )
+        plan.ops[name] = op
     return plan
 
 
@@ -469,7 +472,8 @@ def check_plan(module: nn.Module, plan: LoadPlan, src: WeightSource, component: 
         if k in expected:
             got = op.shape(src)
             if got != expected[k]:
-                misshaped.append(f"{k} (file {list(got)}, model {list(expected[k])})")
+                stored = " + ".join(str(list(src.shape(s))) for s in op.sources())
+                misshaped.append(f"{k} (file {stored}, model {list(expected[k])})")
     if missing or unexpected or misshaped:
         parts = [f"{src.name}: does not fit the {component} it appears to be."]
         if missing:
@@ -494,11 +498,14 @@ def materialize(
 ) -> nn.Module:
     """Build ``factory()`` on the meta device and fill it from ``src`` following ``plan``.
 
-    ``dtype`` (None: keep each tensor's stored floating dtype) applies to floating tensors except
-    those for which ``keep_fp32(name)`` is True, which are loaded as float32. The module is
+    ``dtype`` applies to floating tensors except those for which ``keep_fp32(name)`` is True,
+    which are loaded as float32. None means the stored dtype of most of the weights (a file that
+    mixes dtypes still gives a module of one dtype). The module is
     returned in eval mode with gradients off.
     """
     device = torch.device(device) if device is not None else torch.device("cpu")
+    if dtype is None:
+        dtype = _dominant_float_dtype(plan, src)
     with torch.device("meta"):
         module = factory()
     check_plan(module, plan, src, component)
@@ -506,7 +513,7 @@ def materialize(
     for name, op in plan.ops.items():
         t = op.load(src)
         if t.is_floating_point():
-            target = torch.float32 if keep_fp32(name) else (dtype or t.dtype)
+            target = torch.float32 if keep_fp32(name) else dtype
             t = t.to(device=device, dtype=target)
         else:
             t = t.to(device=device)
@@ -519,3 +526,17 @@ def materialize(
     n = sum(p.numel() for p in module.parameters())
     logger.info("Loaded %s from %s: %.1fM parameters, %d tensors", component, src.name, n / 1e6, len(state))
     return module
+
+
+def _dominant_float_dtype(plan: LoadPlan, src: WeightSource) -> torch.dtype:
+    """The floating dtype holding most of the plan's stored bytes (float32 if there is none)."""
+    sizes: dict[torch.dtype, int] = {}
+    for op in plan.ops.values():
+        for key in op.sources():
+            info = src.info(key)
+            if info.dtype.is_floating_point:
+                n = 1
+                for d in info.shape:
+                    n *= d
+                sizes[info.dtype] = sizes.get(info.dtype, 0) + n * info.dtype.itemsize
+    return max(sizes, key=sizes.__getitem__) if sizes else torch.float32
