@@ -186,7 +186,10 @@ def _file_source(path: Path) -> WeightSource:
                 handle["f"] = safe_open(str(path), framework="pt", device="cpu")
             except Exception as exc:  # safetensors raises its own error type
                 raise WeightFormatError(f"{path}: cannot open as safetensors ({exc}).") from exc
-        return handle["f"].get_tensor(key)
+        try:
+            return handle["f"].get_tensor(key)
+        except Exception as exc:  # the file changed or is corrupt: one clear error type for callers
+            raise WeightFormatError(f"{path}: cannot read tensor '{key}' ({exc}).") from exc
 
     return WeightSource(str(path), infos, reader, metadata)
 
@@ -464,7 +467,8 @@ def _first(items: Iterable[str], n: int = 5) -> str:
 
 def check_plan(module: nn.Module, plan: LoadPlan, src: WeightSource, component: str) -> None:
     """Compare a plan with a (meta) module; raise ValueError naming the file and first bad keys."""
-    expected = {k: tuple(v.shape) for k, v in module.state_dict().items()}
+    state = module.state_dict()
+    expected = {k: tuple(v.shape) for k, v in state.items()}
     missing = [k for k in expected if k not in plan.ops]
     unexpected = list(plan.unexpected) + [k for k in plan.ops if k not in expected]
     misshaped = []
@@ -474,6 +478,12 @@ def check_plan(module: nn.Module, plan: LoadPlan, src: WeightSource, component: 
             if got != expected[k]:
                 stored = " + ".join(str(list(src.shape(s))) for s in op.sources())
                 misshaped.append(f"{k} (file {stored}, model {list(expected[k])})")
+    wrong_dtype = [
+        f"{k} ({src.dtype(s)})" for k, op in plan.ops.items() if k in state and state[k].is_floating_point()
+        for s in op.sources() if not src.dtype(s).is_floating_point
+    ]
+    if wrong_dtype:
+        misshaped += [f"{w} is not floating point" for w in wrong_dtype]
     if missing or unexpected or misshaped:
         parts = [f"{src.name}: does not fit the {component} it appears to be."]
         if missing:
