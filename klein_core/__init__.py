@@ -5,6 +5,7 @@ Never imports ComfyUI. The names below are the stable public API (see README.md)
 
 from .pipeline import (
     GenerationResult,
+    KleinOutOfMemory,
     PromptCache,
     check_compatible,
     decode_to_pixels,
@@ -35,7 +36,7 @@ from .weights import WeightFormatError, WeightSource, open_weights
 __version__ = "0.1.0"
 
 __all__ = [
-    "Flux2Transformer", "Flux2VAE", "GenerationCancelled", "GenerationResult", "PromptCache", "Qwen3Config",
+    "Flux2Transformer", "Flux2VAE", "GenerationCancelled", "GenerationResult", "KleinOutOfMemory", "PromptCache", "Qwen3Config",
     "Qwen3TextEncoder", "TransformerConfig", "VAEConfig", "WeightFormatError", "WeightSource",
     "check_compatible", "compute_empirical_mu", "decode_to_pixels", "default_prompt_cache", "denoise",
     "encode_prompts", "encode_references", "generate", "get_schedule", "guess_model_kind", "load_text_encoder",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 import math
 import threading
@@ -317,9 +319,12 @@ def generate(
 
     # 4. Denoise
     t0 = time.perf_counter()
-    latents = denoise(transformer, noise, txt, sigmas, neg_txt=neg, guidance=guidance, refs=refs, callback=callback)
+    with _explain_oom("denoising", device, w_px, h_px, txt.shape[0] * (2 if use_cfg else 1), len(ref_lat)):
+        latents = denoise(transformer, noise, txt, sigmas, neg_txt=neg, guidance=guidance, refs=refs,
+                          callback=callback)
     _sync(device)
     timings["denoise"] = time.perf_counter() - t0
+    _check_finite(latents, transformer)
     result = GenerationResult(latents, None, None, w_px, h_px, steps, guidance, seed, timings, ref_sizes)
     if output == "latent":
         return result
@@ -328,10 +333,45 @@ def generate(
 
     # 5. Decode
     t0 = time.perf_counter()
-    result.pixels = decode_to_pixels(vae, latents)
+    with _explain_oom("VAE decoding", device, w_px, h_px, latents.shape[0], len(ref_lat)):
+        result.pixels = decode_to_pixels(vae, latents)
     result.images = to_pil(result.pixels)
     timings["decode"] = time.perf_counter() - t0
     return result
+
+
+class KleinOutOfMemory(RuntimeError):
+    """The GPU ran out of memory; the message says which setting to lower. Memory was freed."""
+
+
+@contextlib.contextmanager
+def _explain_oom(stage: str, device: torch.device, w: int, h: int, batch: int, n_refs: int):
+    try:
+        yield
+    except torch.OutOfMemoryError as exc:
+        # Drop the traceback's frames (they pin activations) before emptying the cache.
+        del exc
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        hints = [f"a lower resolution than {w}x{h}"]
+        if batch > 1:
+            hints.append(f"a smaller batch (now {batch} images per step including CFG)")
+        if n_refs:
+            hints.append(f"fewer or smaller references (now {n_refs})")
+        hints.append("a lower-memory mode (offload the text encoder or transformer blocks, tiled VAE)")
+        raise KleinOutOfMemory(
+            f"Out of GPU memory while {stage}; the memory was released. Try " + ", or ".join(hints) + "."
+        ) from None
+
+
+def _check_finite(latents: torch.Tensor, transformer: Flux2Transformer) -> None:
+    # One reduction after the loop (not per step, which would sync the host every step).
+    if not bool(torch.isfinite(latents).all()):
+        dtype = transformer.dtype
+        cause = ("fp16 overflow: load the transformer in bf16 or fp32" if dtype == torch.float16
+                 else "corrupt or mismatched weights, or an extreme guidance value")
+        raise FloatingPointError(f"The sampler produced NaN/Inf latents (transformer in {dtype}); likely cause: {cause}.")
 
 
 def decode_to_pixels(vae: Any, latents: torch.Tensor) -> torch.Tensor:

@@ -98,10 +98,13 @@ def read_safetensors_header(path: str | os.PathLike) -> tuple[dict[str, TensorIn
     for key, entry in header.items():
         try:
             dtype_s, shape, (start, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
-            shape = tuple(int(s) for s in shape)
-            start, end = int(start), int(end)
+            if not isinstance(dtype_s, str) or not isinstance(shape, list):
+                raise TypeError
+            if not all(isinstance(v, int) and not isinstance(v, bool) for v in (*shape, start, end)):
+                raise TypeError
         except (KeyError, TypeError, ValueError):
             raise WeightFormatError(f"{path}: malformed header entry for tensor '{key}'.") from None
+        shape = tuple(shape)
         if dtype_s not in _ST_DTYPES:
             raise WeightFormatError(f"{path}: tensor '{key}' has unsupported dtype '{dtype_s}'.")
         dtype = _ST_DTYPES[dtype_s]
