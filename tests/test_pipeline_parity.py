@@ -84,7 +84,7 @@ def _image(w: int, h: int, seed: int) -> Image.Image:
     return Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
 
 
-def test_distilled_text_to_image(components):
+def test_distilled_text_to_image(components, parity):
     tr, vae, ours_tr, ours_vae = components
     emb = _embeds(1)
     w, h = 96, 64
@@ -94,12 +94,12 @@ def test_distilled_text_to_image(components):
     res = generate(ours_tr, None, ours_vae, prompt_embeds=emb, width=w, height=h, seed=42, distilled=True,
                    output="latent")
     ours = klein_core.pack(res.latents)
-    diff = (ours - ref).abs().max().item()
+    diff = parity("pipeline fp32, distilled t2i", (ours - ref).abs().max().item())
     assert res.steps == 4 and res.guidance == 1.0
     assert diff <= 1e-4, f"distilled t2i: max abs diff {diff:.3e}"
 
 
-def test_base_cfg_with_negative_prompt_batched(components):
+def test_base_cfg_with_negative_prompt_batched(components, parity):
     tr, vae, ours_tr, ours_vae = components
     emb, neg = _embeds(2), _embeds(3)
     w, h = 64, 80
@@ -108,7 +108,7 @@ def test_base_cfg_with_negative_prompt_batched(components):
                          num_inference_steps=5, guidance_scale=4.0, latents=noise, num_images_per_prompt=2)
     res = generate(ours_tr, None, ours_vae, prompt_embeds=emb, negative_embeds=neg, width=w, height=h, seed=7,
                    steps=5, guidance=4.0, batch_size=2, distilled=False, output="latent")
-    diff = (klein_core.pack(res.latents) - ref).abs().max().item()
+    diff = parity("pipeline fp32, base CFG + negative, batch 2", (klein_core.pack(res.latents) - ref).abs().max().item())
     assert diff <= 1e-4, f"base CFG: max abs diff {diff:.3e}"
     # and CFG really changed the result (guards against the negative branch being dropped)
     plain = generate(ours_tr, None, ours_vae, prompt_embeds=emb, width=w, height=h, seed=7, steps=5,
@@ -116,7 +116,7 @@ def test_base_cfg_with_negative_prompt_batched(components):
     assert (plain.latents - res.latents).abs().max().item() > 1e-2
 
 
-def test_two_references_of_different_sizes(components):
+def test_two_references_of_different_sizes(components, parity):
     tr, vae, ours_tr, ours_vae = components
     emb = _embeds(4)
     refs = [_image(80, 64, 1), _image(64, 116, 2)]  # landscape, and portrait not a multiple of 4
@@ -127,11 +127,11 @@ def test_two_references_of_different_sizes(components):
     res = generate(ours_tr, None, ours_vae, prompt_embeds=emb, references=refs, steps=3, seed=3, output="latent")
     assert (res.width, res.height) == (80, 64)
     assert res.reference_sizes == [(80, 64), (64, 116 // 4 * 4)]
-    diff = (klein_core.pack(res.latents) - ref).abs().max().item()
+    diff = parity("pipeline fp32, two references", (klein_core.pack(res.latents) - ref).abs().max().item())
     assert diff <= 1e-4, f"two references: max abs diff {diff:.3e}"
 
 
-def test_decoded_images_match_diffusers(components):
+def test_decoded_images_match_diffusers(components, parity):
     tr, vae, ours_tr, ours_vae = components
     emb = _embeds(5)
     noise = make_noise(9, 1, 4 * LATENT_CH, 16, 16)
@@ -139,7 +139,7 @@ def test_decoded_images_match_diffusers(components):
         ref = _pipe(tr, vae, True)(prompt_embeds=emb, width=64, height=64, num_inference_steps=2,
                                     guidance_scale=1.0, latents=noise, output_type="pt").images
     res = generate(ours_tr, None, ours_vae, prompt_embeds=emb, width=64, height=64, steps=2, seed=9)
-    diff = (res.pixels - ref).abs().max().item()
+    diff = parity("pipeline fp32, decoded pixels", (res.pixels - ref).abs().max().item())
     assert diff <= 1e-4, f"decoded pixels: max abs diff {diff:.3e}"
     assert res.images[0].size == (64, 64)
 

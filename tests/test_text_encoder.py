@@ -125,13 +125,13 @@ def _source(layout: str, files: dict[str, Path], state_dict: dict[str, torch.Ten
 
 
 @pytest.mark.parametrize("layout", ["comfy_file", "hf_folder", "hf_repo_root", "state_dict", "all_in_one"])
-def test_fp32_parity_every_layout(layout, files, state_dict, reference):
+def test_fp32_parity_every_layout(layout, files, state_dict, reference, parity):
     te = load_text_encoder(_source(layout, files, state_dict))
     ids, mask = _batch()
     out = te.encode(ids, mask)
     assert out.shape == (3, 13, 3 * HIDDEN) == (*ids.shape, te.config.text_dim)
     assert out.dtype == torch.float32
-    diff = _max_diff(out, reference)
+    diff = parity(f"text encoder fp32, {layout}", _max_diff(out, reference))
     assert diff <= FP32_TOL, f"{layout}: fp32 max abs diff {diff:.3e} > {FP32_TOL}"
     # pad positions are computed and kept, not zeroed
     assert out[2, 3:].abs().amax() > 0.1

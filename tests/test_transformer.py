@@ -118,7 +118,7 @@ def layouts(reference, tmp_path_factory):
     ["bfl file", "comfy prefixed file", "diffusers file", "diffusers sharded repo", "bfl state dict",
      "diffusers state dict"],
 )
-def test_fp32_parity_every_layout(reference, layouts, layout):
+def test_fp32_parity_every_layout(reference, layouts, layout, parity):
     if layout == "diffusers sharded repo":
         assert len(list((layouts[layout] / "transformer").glob("*.safetensors"))) > 1, "repo must be sharded"
     _, ref = reference
@@ -126,7 +126,7 @@ def test_fp32_parity_every_layout(reference, layouts, layout):
     img, ids, txt, tids, t, _ = _inputs()
     with torch.no_grad():
         out = ours(img=img, img_ids=ids, txt=txt, txt_ids=tids, timesteps=t)
-    diff = (out - ref).abs().max().item()
+    diff = parity(f"transformer fp32, {layout}", (out - ref).abs().max().item())
     assert out.shape == ref.shape
     assert diff <= 1e-4, f"{layout}: max abs diff {diff:.3e}"
 
@@ -143,7 +143,7 @@ def test_batched_ids_and_precomputed_rope_match(layouts, reference):
     assert torch.equal(b, ours(img=img, img_ids=ids, txt=txt, txt_ids=tids, timesteps=t))
 
 
-def test_bf16_close_to_fp32_reference(layouts, reference):
+def test_bf16_close_to_fp32_reference(layouts, reference, parity):
     _, ref = reference
     ours = load_transformer(layouts["bfl file"], dtype=torch.bfloat16)
     assert ours.dtype == torch.bfloat16
@@ -151,6 +151,7 @@ def test_bf16_close_to_fp32_reference(layouts, reference):
     with torch.no_grad():
         out = ours(img=img, img_ids=ids, txt=txt, txt_ids=tids, timesteps=t).float()
     rel = ((out - ref).norm() / ref.norm()).item()
+    parity("transformer bf16 (relative L2 vs fp32 reference)", rel)
     assert rel < 0.03, f"bf16 relative error {rel:.4f}"
 
 

@@ -207,7 +207,7 @@ def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_parity_every_layout(layout: str, files: dict[str, object], ref: AutoencoderKLFlux2,
                              ref_small: AutoencoderKLFlux2, pixels: torch.Tensor,
-                             latents: torch.Tensor) -> None:
+                             latents: torch.Tensor, parity) -> None:
     small = layout.startswith("small")
     reference = ref_small if small else ref
     model = load_vae(files[layout])  # type: ignore[arg-type]
@@ -221,13 +221,13 @@ def test_parity_every_layout(layout: str, files: dict[str, object], ref: Autoenc
     enc = model.encode(pixels)
     enc_ref = ref_encode(reference, pixels)
     assert enc.shape == enc_ref.shape == (2, 16, IMAGE_HW[0] // 4, IMAGE_HW[1] // 4)
-    d_enc = _max_diff(enc, enc_ref)
+    d_enc = parity(f"VAE fp32 encode, {layout}", _max_diff(enc, enc_ref))
     assert d_enc <= TOL, f"{layout}: encode max abs diff {d_enc:.3g}"
 
     dec = model.decode(latents)
     dec_ref = ref_decode(reference, latents)
     assert dec.shape == dec_ref.shape == (2, 3, *IMAGE_HW)
-    d_dec = _max_diff(dec, dec_ref)
+    d_dec = parity(f"VAE fp32 decode, {layout}", _max_diff(dec, dec_ref))
     assert d_dec <= TOL, f"{layout}: decode max abs diff {d_dec:.3g}"
 
 
