@@ -1,0 +1,45 @@
+"""Small helpers shared by the nodes: model files by folder, and errors that name the node input."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+from klein_core import catalog
+
+from . import host
+
+# What a file picked in the wrong place is, for a one-line hint (catalog kinds -> where it belongs).
+_KINDS = {
+    "transformer": ("a Klein diffusion model", "Klein Model Loader's model_name"),
+    "text_encoder": ("a Qwen3 text encoder", "Qwen3 Layer-Concat Encoder's text_encoder"),
+    "vae": ("a FLUX.2 VAE", "Klein Model Loader's vae_name"),
+}
+
+
+def model_file(node: str, input_name: str, folder: str, name: str, expect: str) -> str:
+    """Absolute path of ``name`` in the ``folder`` models folder; ``expect`` is the catalog kind wanted.
+
+    Raises a ValueError naming the node, the input and the fix when the file is missing or is another
+    kind of Klein component (read from the safetensors header only).
+    """
+    path = host.full_path(folder, name)
+    if path is None:
+        where = ", ".join(host.folder_paths_of(folder)) or f"models/{folder}"
+        raise ValueError(f"{node}: {input_name} '{name}' was not found in the {folder} folder ({where}). "
+                         f"Put the file there and refresh, or pick another file.")
+    info = catalog.probe(path)
+    if info.kind in _KINDS and info.kind != expect:
+        (noun, where), wanted = _KINDS[info.kind], _KINDS[expect][0]
+        raise ValueError(f"{node}: {input_name} '{name}' is {noun} ({info.description}), not {wanted}: "
+                         f"use it in {where}, and pick {wanted} here.")
+    return path
+
+
+@contextlib.contextmanager
+def errors_named(node: str, input_name: str, name: str) -> Iterator[None]:
+    """Re-raise loader errors (wrong format, missing tensors) with the node and input in front."""
+    try:
+        yield
+    except (ValueError, OSError) as exc:
+        raise ValueError(f"{node}: {input_name} '{name}': {exc}") from exc

@@ -1,0 +1,159 @@
+"""Every use of the ComfyUI host (``comfy.*``, ``folder_paths``) in one place.
+
+The imports happen inside the functions, at call time, so the other modules import without touching
+the host's model management (no CUDA initialisation at import or schema time), and tests can patch
+``comfy.model_management`` attributes and see the patch take effect.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+def _mm():
+    import comfy.model_management
+
+    return comfy.model_management
+
+
+# ----- devices and dtypes ---------------------------------------------------------------------------
+
+
+def torch_device() -> torch.device:
+    """Where the transformer computes (the GPU, or the CPU under ``--cpu``)."""
+    return _mm().get_torch_device()
+
+
+def text_encoder_device() -> torch.device:
+    return _mm().text_encoder_device()
+
+
+def vae_device() -> torch.device:
+    return _mm().vae_device()
+
+
+def vae_dtype(device: torch.device) -> torch.dtype:
+    """bf16 where the host would use it for a VAE, else fp32 (honours --fp32-vae / --bf16-vae)."""
+    return _mm().vae_dtype(device, [torch.bfloat16])
+
+
+def intermediate_device() -> torch.device:
+    """Where IMAGE and LATENT outputs live (the CPU unless ``--gpu-only``)."""
+    return _mm().intermediate_device()
+
+
+def offload_device() -> torch.device:
+    return _mm().unet_offload_device()
+
+
+def bf16_supported(device: torch.device) -> bool:
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    return True
+
+
+# ----- memory ---------------------------------------------------------------------------------------
+
+
+def free_bytes(device: torch.device) -> int:
+    return int(_mm().get_free_memory(device))
+
+
+def make_room(nbytes: int, device: torch.device) -> None:
+    """Ask ComfyUI to unload its own models until ``nbytes`` fit on ``device``."""
+    if device.type != "cpu":
+        _mm().free_memory(nbytes, device)
+
+
+def empty_cache() -> None:
+    _mm().soft_empty_cache()
+
+
+def install_unload_hook(on_unload: Callable[[], object]) -> bool:
+    """Call ``on_unload()`` whenever ComfyUI unloads all models (``POST /free``, OOM recovery,
+    ``--disable-smart-memory``). Wraps ``comfy.model_management.unload_all_models`` once, chaining to
+    the original; returns False if it was already wrapped."""
+    mm = _mm()
+    original = mm.unload_all_models
+    if getattr(original, "_klein_unload_hook", False):
+        return False
+
+    @functools.wraps(original)
+    def unload_all_models(*args, **kwargs):
+        try:
+            on_unload()
+        except Exception:  # never let the pack break ComfyUI's own unloading
+            logger.exception("Klein: releasing cached models failed")
+        return original(*args, **kwargs)
+
+    unload_all_models._klein_unload_hook = True
+    mm.unload_all_models = unload_all_models
+    return True
+
+
+# ----- progress, interrupt, previews ----------------------------------------------------------------
+
+
+def check_interrupt() -> None:
+    """Raise ComfyUI's InterruptProcessingException if Cancel was pressed (``POST /interrupt``)."""
+    _mm().throw_exception_if_processing_interrupted()
+
+
+def progress_bar(total: int):
+    import comfy.utils
+
+    return comfy.utils.ProgressBar(total)
+
+
+def previews_enabled() -> bool:
+    """True when a progress hook is installed and the host's --preview-method is not "none"."""
+    import comfy.utils
+    from comfy.cli_args import LatentPreviewMethod, args
+
+    return comfy.utils.PROGRESS_BAR_HOOK is not None and args.preview_method != LatentPreviewMethod.NoPreviews
+
+
+def preview_size() -> int:
+    from comfy.cli_args import args
+
+    return int(args.preview_size)
+
+
+def flux2_latent_rgb() -> tuple[torch.Tensor, torch.Tensor] | None:
+    """ComfyUI's Flux2 latent->RGB factors ``([32, 3], [3])`` for un-patchified latents, if it has them."""
+    try:
+        import comfy.latent_formats
+
+        fmt = comfy.latent_formats.Flux2()
+        factors = torch.tensor(fmt.latent_rgb_factors, dtype=torch.float32)
+        bias = torch.tensor(fmt.latent_rgb_factors_bias or [0.0, 0.0, 0.0], dtype=torch.float32)
+    except (ImportError, AttributeError, TypeError):
+        return None
+    return (factors, bias) if factors.shape == (32, 3) else None
+
+
+# ----- model folders --------------------------------------------------------------------------------
+
+
+def filename_list(folder: str) -> list[str]:
+    import folder_paths
+
+    return folder_paths.get_filename_list(folder)
+
+
+def full_path(folder: str, name: str) -> str | None:
+    import folder_paths
+
+    return folder_paths.get_full_path(folder, name)
+
+
+def folder_paths_of(folder: str) -> list[str]:
+    import folder_paths
+
+    return folder_paths.get_folder_paths(folder)

@@ -1,0 +1,80 @@
+"""Klein Model Loader: the transformer and the FLUX.2 VAE from ComfyUI's model folders."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from comfy_api.latest import io
+
+import klein_core as kc
+
+from . import cache, host
+from .common import errors_named, model_file
+from .types import KleinModel, KleinModelType, KleinVAE, KleinVAEType
+
+logger = logging.getLogger(__name__)
+
+NODE = "Klein Model Loader"
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+KINDS = ("auto", "distilled", "base")
+
+
+def weight_dtype_for(name: str, device: torch.device) -> torch.dtype:
+    """The chosen dtype, unless the device cannot run it (bf16 on pre-Ampere GPUs -> fp16)."""
+    dtype = DTYPES[name]
+    if dtype == torch.bfloat16 and not host.bf16_supported(device):
+        logger.warning("%s: %s does not support bf16; using fp16 instead", NODE, device)
+        return torch.float16
+    if device.type == "cpu" and dtype != torch.float32:
+        logger.info("%s: computing on the CPU in %s as chosen (fp32 is often faster on CPUs)", NODE, name)
+    return dtype
+
+
+class KleinModelLoader(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="KleinModelLoader",
+            display_name=NODE,
+            category="Klein/loaders",
+            description="Loads a FLUX.2 Klein transformer (4B or 9B, distilled or base) and the FLUX.2 VAE. "
+                        "Sizes are read from the weights; files stay cached until ComfyUI frees memory.",
+            inputs=[
+                io.Combo.Input("model_name", options=host.filename_list("diffusion_models"),
+                               tooltip="Klein transformer from models/diffusion_models, e.g. "
+                                       "flux-2-klein-4b.safetensors or flux-2-klein-base-4b.safetensors (bf16 "
+                                       "files; fp8 and GGUF files are refused)."),
+                io.Combo.Input("vae_name", options=host.filename_list("vae"),
+                               tooltip="FLUX.2 VAE from models/vae: flux2-vae.safetensors (or BFL's small-"
+                                       "decoder file)."),
+                io.Combo.Input("weight_dtype", options=list(DTYPES), default="bf16",
+                               tooltip="Compute dtype of the transformer. bf16 is the native precision; fp16 "
+                                       "for GPUs without bf16; fp32 doubles memory."),
+                io.Combo.Input("model_kind", options=list(KINDS), default="auto",
+                               tooltip="Sets the sampler defaults: distilled = 4 steps without CFG, base = 50 "
+                                       "steps with CFG 4. auto = base if the file name contains 'base'."),
+            ],
+            outputs=[
+                KleinModelType.Output(display_name="model", tooltip="The transformer and its sampler defaults."),
+                KleinVAEType.Output(display_name="vae", tooltip="The FLUX.2 VAE (for references and decoding)."),
+            ],
+        )
+
+    @classmethod
+    def execute(cls, model_name: str, vae_name: str, weight_dtype: str = "bf16",
+                model_kind: str = "auto") -> io.NodeOutput:
+        device = host.torch_device()
+        model_path = model_file(NODE, "model_name", "diffusion_models", model_name, expect="transformer")
+        vae_path = model_file(NODE, "vae_name", "vae", vae_name, expect="vae")
+        tref = cache.model_ref("transformer", model_path, model_name, device, weight_dtype_for(weight_dtype, device))
+        vref = cache.model_ref("vae", vae_path, vae_name, host.vae_device(), host.vae_dtype(host.vae_device()))
+        with errors_named(NODE, "model_name", model_name):
+            transformer = tref.get()
+        with errors_named(NODE, "vae_name", vae_name):
+            vae = vref.get()
+            kc.check_compatible(transformer, None, vae)
+        kind = kc.guess_model_kind(model_name) if model_kind == "auto" else model_kind
+        logger.info("%s: %s (%s) as a %s model%s", NODE, model_name, transformer.config.variant, kind,
+                    " (from the file name)" if model_kind == "auto" else "")
+        return io.NodeOutput(KleinModel(tref, kind, transformer.config), KleinVAE(vref, vae.config))

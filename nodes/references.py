@@ -1,0 +1,89 @@
+"""Klein Reference Stacker: IMAGE frames -> VAE-encoded reference latents, chainable."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+from comfy_api.latest import io, ui
+from PIL import Image
+
+import klein_core as kc
+from klein_core.refs import PUBLISHED_REFERENCE_LIMIT
+
+from . import host
+from .types import KleinReferences, KleinRefsType, KleinVAE, KleinVAEType, Reference
+
+logger = logging.getLogger(__name__)
+
+NODE = "Klein Reference Stacker"
+
+
+def frames_to_pil(image: torch.Tensor) -> list[Image.Image]:
+    """ComfyUI IMAGE ``[B, H, W, C]`` in 0..1 -> one 8-bit PIL image per frame (L, LA, RGB or RGBA).
+
+    Rounded to 8 bits exactly as the inverse of LoadImage, so a frame loaded from a file becomes the
+    PIL image the core would open from that file; ``prepare_reference_image`` then resizes and
+    converts it to RGB (gray repeated, alpha dropped) exactly as in the CLI and the Python API.
+    """
+    if image.ndim == 3:
+        image = image[None]
+    if image.ndim != 4 or not 1 <= image.shape[-1] <= 4:
+        raise ValueError(f"{NODE}: image must be an IMAGE [batch, height, width, channels] with 1-4 channels, "
+                         f"got shape {list(image.shape)}.")
+    arr = (image.float().clamp(0, 1) * 255).round().to(torch.uint8).cpu().numpy()
+    if arr.shape[-1] == 1:
+        arr = arr[..., 0]
+    return [Image.fromarray(np.ascontiguousarray(frame)) for frame in arr]  # L, LA, RGB or RGBA
+
+
+def encode_frame(vae: torch.nn.Module, pil: Image.Image, number: int) -> Reference:
+    """Preprocess like ``prepare_reference_image`` and VAE-encode once (``number`` counts in the stack)."""
+    try:
+        latent = kc.encode_references(vae, [pil])[0]
+    except ValueError as exc:
+        raise ValueError(f"{NODE}: image frame for ref {number}: {exc}. Use a larger or less elongated "
+                         f"image, or crop it first.") from exc
+    down = vae.config.downscale
+    w, h = pil.size
+    return Reference(latent.to(host.intermediate_device()), latent.shape[-1] * down, latent.shape[-2] * down, w, h)
+
+
+class KleinReferenceStacker(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="KleinReferenceStacker",
+            display_name=NODE,
+            category="Klein/conditioning",
+            description="Adds reference images for editing: each frame is scaled to at most 1 megapixel, "
+                        "cropped to multiples of 16 and VAE-encoded once. Chain stackers for more references "
+                        f"(Klein is published for up to {PUBLISHED_REFERENCE_LIMIT}).",
+            inputs=[
+                io.Image.Input("image", tooltip="Reference image(s); every frame of a batch becomes its own "
+                                                "reference. Alpha is dropped, grayscale becomes RGB."),
+                KleinVAEType.Input("vae", tooltip="The FLUX.2 VAE from Klein Model Loader."),
+                KleinRefsType.Input("references", optional=True,
+                                    tooltip="References from a previous stacker; the new ones are appended "
+                                            "(the first reference sets the default output size)."),
+            ],
+            outputs=[
+                KleinRefsType.Output(display_name="references", tooltip="The stack, for Klein Sampler."),
+                io.String.Output(display_name="sizes", tooltip="The size each reference was resized to."),
+            ],
+        )
+
+    @classmethod
+    def execute(cls, image: torch.Tensor, vae: KleinVAE, references: KleinReferences | None = None) -> io.NodeOutput:
+        items = list(references.items) if references is not None else []
+        vae_model = vae.ref.get()
+        for pil in frames_to_pil(image):
+            host.check_interrupt()
+            items.append(encode_frame(vae_model, pil, len(items) + 1))
+        if len(items) > PUBLISHED_REFERENCE_LIMIT:
+            logger.warning("%s: %d references; Klein is published for at most %d", NODE, len(items),
+                           PUBLISHED_REFERENCE_LIMIT)
+        stack = KleinReferences(tuple(items))
+        text = stack.describe()
+        return io.NodeOutput(stack, text, ui=ui.PreviewText(text))

@@ -1,0 +1,91 @@
+"""Flux2 VAE Decode / Encode: between ComfyUI's LATENT (FLUX.2 layout) and IMAGE."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from comfy_api.latest import io
+
+import klein_core as kc
+
+from . import host
+from .types import KleinVAE, KleinVAEType
+
+logger = logging.getLogger(__name__)
+
+DECODE_NODE = "Flux2 VAE Decode"
+ENCODE_NODE = "Flux2 VAE Encode"
+
+
+def flux2_samples(latent: dict, channels: int) -> torch.Tensor:
+    """``latent["samples"]``, checked to be FLUX.2 latents ``[B, 128, h, w]``."""
+    samples = latent.get("samples") if isinstance(latent, dict) else None
+    if not isinstance(samples, torch.Tensor) or samples.ndim != 4 or samples.shape[1] != channels:
+        shape = list(samples.shape) if isinstance(samples, torch.Tensor) else type(samples).__name__
+        raise ValueError(f"{DECODE_NODE}: samples must be FLUX.2 latents [batch, {channels}, height/16, width/16], "
+                         f"got {shape}. Connect Klein Sampler (or another FLUX.2 latent); SD, SDXL and FLUX.1 "
+                         f"latents need their own VAE and VAE Decode.")
+    return samples
+
+
+def center_crop(pixels: torch.Tensor, multiple: int) -> torch.Tensor:
+    """Crop ``[B, H, W, C]`` to multiples of ``multiple``, centred (like ComfyUI's VAE Encode)."""
+    h, w = pixels.shape[1] // multiple * multiple, pixels.shape[2] // multiple * multiple
+    top, left = (pixels.shape[1] - h) // 2, (pixels.shape[2] - w) // 2
+    return pixels[:, top:top + h, left:left + w]
+
+
+class KleinVAEDecode(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="KleinVAEDecode",
+            display_name=DECODE_NODE,
+            category="Klein/latent",
+            description="Decodes FLUX.2 latents (128 channels) to images with the FLUX.2 VAE.",
+            inputs=[
+                io.Latent.Input("samples", tooltip="FLUX.2 latents [B, 128, H/16, W/16], e.g. from Klein Sampler."),
+                KleinVAEType.Input("vae", tooltip="The FLUX.2 VAE from Klein Model Loader."),
+            ],
+            outputs=[io.Image.Output(display_name="image", tooltip="Images [B, H, W, 3] in 0..1.")],
+        )
+
+    @classmethod
+    def execute(cls, samples: dict, vae: KleinVAE) -> io.NodeOutput:
+        latents = flux2_samples(samples, vae.config.latent_channels)
+        model = vae.ref.get()
+        frames = []
+        for i in range(latents.shape[0]):  # one at a time: decoding memory grows with the batch
+            host.check_interrupt()
+            frames.append(kc.decode_to_pixels(model, latents[i:i + 1]))
+        image = torch.cat(frames).permute(0, 2, 3, 1).contiguous()
+        return io.NodeOutput(image.to(host.intermediate_device()))
+
+
+class KleinVAEEncode(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="KleinVAEEncode",
+            display_name=ENCODE_NODE,
+            category="Klein/latent",
+            description="Encodes images to FLUX.2 latents with the FLUX.2 VAE (centre-cropped to multiples of 16).",
+            inputs=[
+                io.Image.Input("pixels", tooltip="Images [B, H, W, C] in 0..1; alpha is dropped."),
+                KleinVAEType.Input("vae", tooltip="The FLUX.2 VAE from Klein Model Loader."),
+            ],
+            outputs=[io.Latent.Output(display_name="latent", tooltip="FLUX.2 latents [B, 128, H/16, W/16].")],
+        )
+
+    @classmethod
+    def execute(cls, pixels: torch.Tensor, vae: KleinVAE) -> io.NodeOutput:
+        down = vae.config.downscale
+        if pixels.ndim != 4 or pixels.shape[1] < down or pixels.shape[2] < down:
+            raise ValueError(f"{ENCODE_NODE}: pixels must be an IMAGE [batch, height, width, channels] of at "
+                             f"least {down}x{down} pixels, got shape {list(pixels.shape)}.")
+        px = center_crop(pixels, down)
+        rgb = px[..., :3] if px.shape[-1] >= 3 else px[..., :1].expand(*px.shape[:-1], 3)  # gray -> RGB
+        model = vae.ref.get()
+        latents = [model.encode(frame[None].permute(0, 3, 1, 2).float() * 2 - 1) for frame in rgb]
+        return io.NodeOutput({"samples": torch.cat(latents).to(host.intermediate_device(), torch.float32)})
