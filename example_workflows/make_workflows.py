@@ -1,0 +1,261 @@
+"""Write the example workflows from one description, in both ComfyUI formats.
+
+    python example_workflows/make_workflows.py           # (re)write the files
+    python example_workflows/make_workflows.py --check   # exit 1 if a committed file differs
+
+Each workflow becomes ``example_workflows/<name>.json`` (the UI format the frontend loads; ComfyUI lists
+these as the pack's templates) and ``example_workflows/api/<name>.api.json`` (the API format that
+``POST /prompt`` takes; kept in a subfolder so the template browser does not offer it). Both come from
+the same :class:`Node` list, so they cannot disagree. Standard library only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+API_DIR = HERE / "api"
+
+_HF = "https://huggingface.co/Comfy-Org"
+MODEL_URLS = {
+    "flux-2-klein-4b.safetensors": f"{_HF}/flux2-klein/resolve/main/split_files/diffusion_models/",
+    "flux-2-klein-base-4b.safetensors": f"{_HF}/flux2-klein/resolve/main/split_files/diffusion_models/",
+    "qwen_3_4b.safetensors": f"{_HF}/flux2-klein/resolve/main/split_files/text_encoders/",
+    "flux2-vae.safetensors": f"{_HF}/flux2-dev/resolve/main/split_files/vae/",
+}
+
+
+@dataclass(frozen=True)
+class Spec:
+    """What the UI format needs to know of a node type (checked against the live /object_info by the
+    e2e tests). ``widgets`` in input order; ``frontend_extra`` maps a widget to the frontend-only value
+    stored right after it (the seed's control_after_generate, LoadImage's upload button)."""
+
+    sockets: tuple[tuple[str, str, bool], ...] = ()  # (name, type, optional)
+    widgets: tuple[str, ...] = ()
+    outputs: tuple[tuple[str, str], ...] = ()
+    frontend_extra: tuple[tuple[str, str], ...] = ()
+    size: tuple[int, int] = (320, 120)
+    virtual: bool = False  # frontend-only node (notes): not in the API format
+
+
+SPECS = {
+    "KleinModelLoader": Spec(
+        widgets=("model_name", "vae_name", "weight_dtype", "model_kind"),
+        outputs=(("model", "KLEIN_MODEL"), ("vae", "KLEIN_VAE")), size=(340, 150)),
+    "KleinTextEncode": Spec(
+        widgets=("text_encoder", "prompt", "negative_prompt"), outputs=(("conditioning", "KLEIN_COND"),),
+        size=(420, 300)),
+    "KleinReferenceStacker": Spec(
+        sockets=(("image", "IMAGE", False), ("vae", "KLEIN_VAE", False), ("references", "KLEIN_REFS", True)),
+        outputs=(("references", "KLEIN_REFS"), ("sizes", "STRING")), size=(300, 100)),
+    "KleinSampler": Spec(
+        sockets=(("model", "KLEIN_MODEL", False), ("conditioning", "KLEIN_COND", False),
+                 ("references", "KLEIN_REFS", True)),
+        widgets=("width", "height", "steps", "guidance", "seed", "batch_size"),
+        outputs=(("latent", "LATENT"),), frontend_extra=(("seed", "randomize"),), size=(320, 260)),
+    "KleinVAEDecode": Spec(
+        sockets=(("samples", "LATENT", False), ("vae", "KLEIN_VAE", False)), outputs=(("image", "IMAGE"),),
+        size=(240, 60)),
+    "LoadImage": Spec(widgets=("image",), outputs=(("IMAGE", "IMAGE"), ("MASK", "MASK")),
+                      frontend_extra=(("image", "image"),), size=(320, 330)),
+    "SaveImage": Spec(sockets=(("images", "IMAGE", False),), widgets=("filename_prefix",), size=(420, 460)),
+    "Note": Spec(widgets=("text",), size=(340, 140), virtual=True),
+}
+DISPLAY_NAMES = {
+    "KleinModelLoader": "Klein Model Loader", "KleinTextEncode": "Qwen3 Layer-Concat Encoder",
+    "KleinReferenceStacker": "Klein Reference Stacker", "KleinSampler": "Klein Sampler",
+    "KleinVAEDecode": "Flux2 VAE Decode", "LoadImage": "Load Image", "SaveImage": "Save Image", "Note": "Note",
+}
+
+
+@dataclass
+class Node:
+    id: int
+    type: str
+    pos: tuple[int, int]
+    values: dict = field(default_factory=dict)  # widget name -> value
+    links: dict = field(default_factory=dict)  # socket name -> (source node id, source output slot)
+    title: str | None = None
+
+
+@dataclass
+class Workflow:
+    name: str
+    nodes: list[Node]
+
+
+# ----- the three workflows ----------------------------------------------------------------------------
+
+def _loader(nid: int, model: str) -> Node:
+    return Node(nid, "KleinModelLoader", (40, 80), {"model_name": model, "vae_name": "flux2-vae.safetensors",
+                                                     "weight_dtype": "bf16", "model_kind": "auto"})
+
+
+def _encoder(nid: int, prompt: str, negative: str = "") -> Node:
+    return Node(nid, "KleinTextEncode", (40, 290),
+                {"text_encoder": "qwen_3_4b.safetensors", "prompt": prompt, "negative_prompt": negative})
+
+
+def _sampler(nid: int, size: int, steps: int, guidance: float, refs: tuple[int, int] | None = None) -> Node:
+    links = {"model": (1, 0), "conditioning": (2, 0), **({"references": refs} if refs else {})}
+    return Node(nid, "KleinSampler", (520, 80), {"width": size, "height": size, "steps": steps,
+                                                  "guidance": guidance, "seed": 42, "batch_size": 1}, links)
+
+
+def _decode_save(prefix: str, sampler: int = 3) -> list[Node]:
+    return [Node(4, "KleinVAEDecode", (520, 400), links={"samples": (sampler, 0), "vae": (1, 1)}),
+            Node(5, "SaveImage", (900, 80), {"filename_prefix": prefix}, {"images": (4, 0)})]
+
+
+WORKFLOWS = [
+    Workflow("klein_4b_text_to_image", [
+        _loader(1, "flux-2-klein-4b.safetensors"),
+        _encoder(2, "A red fox sitting in fresh snow at sunrise, soft golden light, shallow depth of field, "
+                    "detailed fur"),
+        _sampler(3, 1024, 4, 1.0),
+        *_decode_save("Klein-4B"),
+        Node(6, "Note", (40, 640), {"text": "FLUX.2 Klein 4B distilled: 4 steps, no CFG (guidance 1). Files: "
+                                            "diffusion_models/flux-2-klein-4b.safetensors, text_encoders/"
+                                            "qwen_3_4b.safetensors, vae/flux2-vae.safetensors."}),
+    ]),
+    Workflow("klein_4b_base_cfg", [
+        _loader(1, "flux-2-klein-base-4b.safetensors"),
+        _encoder(2, "A cozy reading corner in a sunlit library, wooden shelves, a green armchair, dust "
+                    "floating in the light beams, photorealistic",
+                 "blurry, low quality, distorted, watermark, text"),
+        _sampler(3, 1024, 50, 4.0),
+        *_decode_save("Klein-4B-base"),
+        Node(6, "Note", (40, 640), {"text": "FLUX.2 Klein base 4B: classifier-free guidance 4 with the negative "
+                                            "prompt, 50 steps (two transformer passes per step). Fewer steps "
+                                            "(20-30) are faster at some cost in detail."}),
+    ]),
+    Workflow("klein_4b_two_reference_edit", [
+        _loader(1, "flux-2-klein-4b.safetensors"),
+        _encoder(2, "Place the object from image 2 into the scene of image 1, keeping the lighting and "
+                    "perspective of image 1."),
+        Node(7, "LoadImage", (-340, 420), {"image": "klein_reference_1.png"}, title="Reference 1 (sets the size)"),
+        Node(8, "LoadImage", (-340, 800), {"image": "klein_reference_2.png"}, title="Reference 2"),
+        Node(9, "KleinReferenceStacker", (40, 620), links={"image": (7, 0), "vae": (1, 1)}),
+        Node(10, "KleinReferenceStacker", (40, 760), links={"image": (8, 0), "vae": (1, 1), "references": (9, 0)}),
+        _sampler(3, 0, 4, 1.0, refs=(10, 0)),
+        *_decode_save("Klein-4B-edit"),
+        Node(6, "Note", (520, 640), {"text": "Replace klein_reference_1.png and klein_reference_2.png with your "
+                                             "own images (upload them in the Load Image nodes). Width and "
+                                             "height 0 = the size of reference 1 (scaled to at most 1 megapixel, "
+                                             "multiples of 16). Chain more stackers for more references (up to 4)."}),
+    ]),
+]
+
+
+# ----- the two formats ----------------------------------------------------------------------------------
+
+def _execution_order(wf: Workflow) -> dict[int, int]:
+    order: dict[int, int] = {}
+    pending = list(wf.nodes)
+    while pending:
+        for node in pending:
+            if all(src in order for src, _ in node.links.values()):
+                order[node.id] = len(order)
+                pending.remove(node)
+                break
+        else:
+            raise ValueError(f"{wf.name}: the links form a cycle or name a missing node")
+    return order
+
+
+def to_ui(wf: Workflow) -> dict:
+    by_id = {n.id: n for n in wf.nodes}
+    order = _execution_order(wf)
+    links, out_links = [], {}
+    for node in sorted(wf.nodes, key=lambda n: order[n.id]):
+        spec = SPECS[node.type]
+        for slot, (name, typ, _) in enumerate(spec.sockets):
+            if name in node.links:
+                src, src_slot = node.links[name]
+                if SPECS[by_id[src].type].outputs[src_slot][1] != typ:
+                    raise ValueError(f"{wf.name}: node {node.id}.{name} ({typ}) linked to a different type")
+                links.append([len(links) + 1, src, src_slot, node.id, slot, typ])
+                out_links.setdefault((src, src_slot), []).append(len(links))
+    link_of = {(lk[3], lk[4]): lk[0] for lk in links}
+    nodes = []
+    for node in sorted(wf.nodes, key=lambda n: n.id):
+        spec = SPECS[node.type]
+        extra = dict(spec.frontend_extra)
+        widgets = []
+        for w in spec.widgets:
+            widgets.append(node.values[w])
+            if w in extra:
+                widgets.append(extra[w])
+        entry = {
+            "id": node.id, "type": node.type, "pos": list(node.pos), "size": list(spec.size), "flags": {},
+            "order": order[node.id], "mode": 0,
+            "inputs": [{"name": n, "type": t, "link": link_of.get((node.id, slot)), **({"shape": 7} if opt else {})}
+                       for slot, (n, t, opt) in enumerate(spec.sockets)],
+            "outputs": [{"name": n, "type": t, "links": out_links.get((node.id, slot), []), "slot_index": slot}
+                        for slot, (n, t) in enumerate(spec.outputs)],
+            "properties": {"Node name for S&R": node.type},
+            "widgets_values": widgets,
+        }
+        models = [{"name": v, "url": MODEL_URLS[v] + v, "directory": _folder(w)}
+                  for w, v in node.values.items() if v in MODEL_URLS]
+        if models:
+            entry["properties"]["models"] = models
+        if node.title:
+            entry["title"] = node.title
+        nodes.append(entry)
+    return {
+        "id": str(uuid.uuid5(uuid.NAMESPACE_URL, f"klein-nodes/example_workflows/{wf.name}")),
+        "revision": 0, "last_node_id": max(by_id), "last_link_id": len(links), "nodes": nodes, "links": links,
+        "groups": [], "config": {}, "extra": {"ds": {"scale": 1.0, "offset": [400, 0]}}, "version": 0.4,
+    }
+
+
+def _folder(widget: str) -> str:
+    return {"model_name": "diffusion_models", "vae_name": "vae", "text_encoder": "text_encoders"}[widget]
+
+
+def to_api(wf: Workflow) -> dict:
+    graph = {}
+    for node in sorted(wf.nodes, key=lambda n: n.id):
+        if SPECS[node.type].virtual:
+            continue
+        inputs = {w: node.values[w] for w in SPECS[node.type].widgets}
+        inputs.update({name: [str(src), slot] for name, (src, slot) in node.links.items()})
+        graph[str(node.id)] = {"inputs": inputs, "class_type": node.type,
+                               "_meta": {"title": node.title or DISPLAY_NAMES[node.type]}}
+    return graph
+
+
+def rendered() -> dict[Path, str]:
+    """Every file this script writes, with its exact text."""
+    files = {}
+    for wf in WORKFLOWS:
+        files[HERE / f"{wf.name}.json"] = json.dumps(to_ui(wf), indent=2) + "\n"
+        files[API_DIR / f"{wf.name}.api.json"] = json.dumps(to_api(wf), indent=2) + "\n"
+    return files
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--check", action="store_true", help="only compare the committed files")
+    args = ap.parse_args(argv)
+    stale = [p for p, text in rendered().items() if not p.is_file() or p.read_text() != text]
+    if args.check:
+        for p in stale:
+            sys.stderr.write(f"out of date: {p.relative_to(HERE.parent)}\n")
+        return 1 if stale else 0
+    API_DIR.mkdir(exist_ok=True)
+    for p in stale:
+        p.write_text(rendered()[p])
+        sys.stdout.write(f"wrote {p.relative_to(HERE.parent)}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
