@@ -11,7 +11,7 @@ import logging
 import math
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -146,14 +146,53 @@ def _modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torc
     return (1 + scale) * F.layer_norm(x, x.shape[-1:], eps=NORM_EPS) + shift
 
 
-def _heads(x: torch.Tensor, num_heads: int) -> torch.Tensor:
-    # [B, L, H*D] -> [B, H, L, D]
-    return x.unflatten(-1, (num_heads, -1)).transpose(1, 2)
-
-
 def _merge_heads(x: torch.Tensor) -> torch.Tensor:
     # [B, H, L, D] -> [B, L, H*D]
     return x.transpose(1, 2).flatten(2)
+
+
+# One stream's share of the joint attention: (q, k, q_scale, k_scale), q/k [B, L_i, H, D].
+QKPart = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+class BlockOps:
+    """The steps of a block that a fast path may replace (see :mod:`klein_core.fast`).
+
+    These methods are the plain PyTorch path: the default, and the reference every fast path is
+    tested against. A model holds one in :attr:`Flux2Transformer.ops`; :meth:`bind` runs once per
+    forward, outside the blocks, so a subclass can pick backends for the call's device and dtype
+    there (and keep that decision out of any compiled region).
+    """
+
+    def bind(self, device: torch.device, dtype: torch.dtype) -> BlockOps:
+        """The ops to use for one forward on ``device`` in ``dtype``."""
+        return self
+
+    def modulate(self, x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """``(1 + scale) * LayerNorm(x) + shift``: x ``[B, L, D]``, shift/scale ``[B, 1, D]``."""
+        return _modulate(x, shift, scale)
+
+    def qk_norm_rope(
+        self, parts: Sequence[QKPart], cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-head RMSNorm of q and k, joined along the sequence, then RoPE.
+
+        ``parts``: one ``(q, k, q_scale, k_scale)`` per stream in sequence order ([txt, img] in
+        double blocks), q/k ``[B, L_i, H, D]`` (views of the projection), scales ``[D]``.
+        ``cos``/``sin``: ``[1 or B, 1, sum(L_i), D]`` float32. Returns q, k ``[B, H, sum(L_i), D]``.
+        """
+        q = [rms_norm(p[0].transpose(1, 2), p[2], NORM_EPS) for p in parts]
+        k = [rms_norm(p[1].transpose(1, 2), p[3], NORM_EPS) for p in parts]
+        q_all = q[0] if len(q) == 1 else torch.cat(q, dim=2)
+        k_all = k[0] if len(k) == 1 else torch.cat(k, dim=2)
+        return apply_rope(q_all, cos, sin), apply_rope(k_all, cos, sin)
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Unmasked attention, scale 1/sqrt(D): q/k/v ``[B, H, L, D]`` -> ``[B, L, H*D]``."""
+        return _merge_heads(attention(q, k, v))
+
+
+PLAIN_OPS = BlockOps()  # stateless, shared by every model that has no fast path enabled
 
 
 # ---------------------------------------------------------------------------------------------
@@ -186,11 +225,13 @@ class _Attention(nn.Module):
         self.norm = _QKNorm(hidden // num_heads)
         self.proj = nn.Linear(hidden, hidden, bias=False)
 
-    def qkv_heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def split_heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Project ``x [B, L, hidden]`` to q, k, v ``[B, L, H, D]`` (views of one output, no copy)."""
         q, k, v = self.qkv(x).chunk(3, dim=-1)
-        q = self.norm.query_norm(_heads(q, self.num_heads))
-        k = self.norm.key_norm(_heads(k, self.num_heads))
-        return q, k, _heads(v, self.num_heads)
+        return tuple(t.unflatten(-1, (self.num_heads, -1)) for t in (q, k, v))  # type: ignore[return-value]
+
+    def qk_part(self, q: torch.Tensor, k: torch.Tensor) -> QKPart:
+        return q, k, self.norm.query_norm.scale, self.norm.key_norm.scale
 
 
 class _SwiGLU(nn.Module):
@@ -234,20 +275,20 @@ class DoubleStreamBlock(nn.Module):
         sin: torch.Tensor,
         mod_img: tuple[torch.Tensor, ...],
         mod_txt: tuple[torch.Tensor, ...],
+        ops: BlockOps = PLAIN_OPS,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         i_shift1, i_scale1, i_gate1, i_shift2, i_scale2, i_gate2 = mod_img
         t_shift1, t_scale1, t_gate1, t_shift2, t_scale2, t_gate2 = mod_txt
-        iq, ik, iv = self.img_attn.qkv_heads(_modulate(img, i_shift1, i_scale1))
-        tq, tk, tv = self.txt_attn.qkv_heads(_modulate(txt, t_shift1, t_scale1))
+        iq, ik, iv = self.img_attn.split_heads(ops.modulate(img, i_shift1, i_scale1))
+        tq, tk, tv = self.txt_attn.split_heads(ops.modulate(txt, t_shift1, t_scale1))
         # Joint attention over [txt, img]; RoPE tables are laid out in the same order.
-        q = apply_rope(torch.cat([tq, iq], dim=2), cos, sin)
-        k = apply_rope(torch.cat([tk, ik], dim=2), cos, sin)
-        out = _merge_heads(attention(q, k, torch.cat([tv, iv], dim=2)))
+        q, k = ops.qk_norm_rope([self.txt_attn.qk_part(tq, tk), self.img_attn.qk_part(iq, ik)], cos, sin)
+        out = ops.attention(q, k, torch.cat([tv.transpose(1, 2), iv.transpose(1, 2)], dim=2))
         n_txt = txt.shape[1]
         txt = txt + t_gate1 * self.txt_attn.proj(out[:, :n_txt])
         img = img + i_gate1 * self.img_attn.proj(out[:, n_txt:])
-        img = img + i_gate2 * self.img_mlp(_modulate(img, i_shift2, i_scale2))
-        txt = txt + t_gate2 * self.txt_mlp(_modulate(txt, t_shift2, t_scale2))
+        img = img + i_gate2 * self.img_mlp(ops.modulate(img, i_shift2, i_scale2))
+        txt = txt + t_gate2 * self.txt_mlp(ops.modulate(txt, t_shift2, t_scale2))
         return img, txt
 
 
@@ -264,16 +305,16 @@ class SingleStreamBlock(nn.Module):
         self.norm = _QKNorm(cfg.head_dim)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mod: tuple[torch.Tensor, ...]
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mod: tuple[torch.Tensor, ...],
+        ops: BlockOps = PLAIN_OPS,
     ) -> torch.Tensor:
         shift, scale, gate = mod
-        qkv, mlp = self.linear1(_modulate(x, shift, scale)).split(
+        qkv, mlp = self.linear1(ops.modulate(x, shift, scale)).split(
             [3 * self.hidden, 2 * self.mlp_hidden], dim=-1
         )
-        q, k, v = qkv.chunk(3, dim=-1)
-        q = apply_rope(self.norm.query_norm(_heads(q, self.num_heads)), cos, sin)
-        k = apply_rope(self.norm.key_norm(_heads(k, self.num_heads)), cos, sin)
-        attn = _merge_heads(attention(q, k, _heads(v, self.num_heads)))
+        q, k, v = (t.unflatten(-1, (self.num_heads, -1)) for t in qkv.chunk(3, dim=-1))
+        q, k = ops.qk_norm_rope([(q, k, self.norm.query_norm.scale, self.norm.key_norm.scale)], cos, sin)
+        attn = ops.attention(q, k, v.transpose(1, 2))
         gate_mlp, up = mlp.chunk(2, dim=-1)
         return x + gate * self.linear2(torch.cat([attn, F.silu(gate_mlp) * up], dim=-1))
 
@@ -311,6 +352,9 @@ class Flux2Transformer(nn.Module):
     def __init__(self, config: TransformerConfig) -> None:
         super().__init__()
         self.config = config
+        # Replaceable block steps (attention, QK-norm + RoPE, modulation); klein_core.fast swaps
+        # in kernels. Not a submodule: it holds no weights and never enters the state dict.
+        self.ops: BlockOps = PLAIN_OPS
         h = config.hidden_size
         self.img_in = nn.Linear(config.in_channels, h, bias=False)
         self.txt_in = nn.Linear(config.context_dim, h, bias=False)
@@ -392,14 +436,15 @@ class Flux2Transformer(nn.Module):
         mod_single = self.single_stream_modulation(vec)
 
         cos, sin = rope if rope is not None else self.rope(txt_ids, img_ids)
+        ops = self.ops.bind(img.device, dtype)
         x = self.img_in(img)
         c = self.txt_in(txt)
         for block in self.double_blocks:
-            x, c = block(x, c, cos, sin, mod_img, mod_txt)
+            x, c = block(x, c, cos, sin, mod_img, mod_txt, ops)
         n_txt = c.shape[1]
         h = torch.cat([c, x], dim=1)
         for block in self.single_blocks:
-            h = block(h, cos, sin, mod_single)
+            h = block(h, cos, sin, mod_single, ops)
         return self.final_layer(h[:, n_txt:], vec)
 
 
