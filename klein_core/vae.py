@@ -329,6 +329,7 @@ class Flux2VAE(nn.Module):
         self.encoder = _Encoder(config)
         self.decoder = _Decoder(config)
         self.bn = _LatentBatchNorm(config.latent_channels)
+        self.decode_channels_last = False  # see set_decode_format
 
     @property
     def device(self) -> torch.device:
@@ -338,6 +339,26 @@ class Flux2VAE(nn.Module):
     def dtype(self) -> torch.dtype:
         """The compute dtype of the convolutions (the BatchNorm statistics are always float32)."""
         return self.encoder.conv_in.weight.dtype
+
+    @property
+    def decoder_dtype(self) -> torch.dtype:
+        """The dtype :meth:`decode` runs in (the model dtype unless :meth:`set_decode_format` changed it)."""
+        return self.decoder.conv_in.weight.dtype
+
+    def set_decode_format(self, *, dtype: torch.dtype | None = None, channels_last: bool = False) -> None:
+        """Optional fast decode (off by default): the decoder in ``dtype`` and/or channels-last.
+
+        ``dtype`` (e.g. ``torch.bfloat16``) converts the decoder's weights; None keeps them.
+        ``channels_last`` stores conv weights and runs activations in NHWC memory order, the layout
+        of cuDNN's tensor-core convolutions. The encoder and the float32 BatchNorm statistics are
+        untouched, and the maths is the same (only rounding changes with the dtype).
+        """
+        if dtype is not None:
+            if not dtype.is_floating_point:
+                raise ValueError(f"set_decode_format: dtype must be a floating dtype, got {dtype}.")
+            self.decoder.to(dtype=dtype)
+        self.decoder.to(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+        self.decode_channels_last = channels_last
 
     def _bn_stats(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         mean = self.bn.running_mean.to(device=device, dtype=torch.float32).view(1, -1, 1, 1)
@@ -384,7 +405,8 @@ class Flux2VAE(nn.Module):
             latents: ``[B, 128, h, w]`` as produced by :meth:`encode` or the sampler.
 
         Returns:
-            ``[B, 3, 16h, 16w]`` in the model dtype, about in [-1, 1] and *not* clamped.
+            ``[B, 3, 16h, 16w]`` in the decoder's dtype (the model dtype unless
+            :meth:`set_decode_format` changed it), about in [-1, 1] and *not* clamped.
         """
         cfg = self.config
         if latents.ndim != 4 or latents.shape[1] != cfg.latent_channels:
@@ -394,7 +416,9 @@ class Flux2VAE(nn.Module):
         # De-normalise in float32 before rounding to the model dtype once.
         p = latents.to(device=self.device, dtype=torch.float32)
         bn_mean, bn_std = self._bn_stats(p.device)
-        z = unpatchify(p * bn_std + bn_mean).to(self.dtype)
+        z = unpatchify(p * bn_std + bn_mean).to(self.decoder_dtype)
+        if self.decode_channels_last:
+            z = z.contiguous(memory_format=torch.channels_last)
         return self.decoder(z)
 
 
