@@ -43,3 +43,19 @@ def errors_named(node: str, input_name: str, name: str) -> Iterator[None]:
         yield
     except (ValueError, OSError) as exc:
         raise ValueError(f"{node}: {input_name} '{name}': {exc}") from exc
+
+
+def check_choices(node: type, folders: dict[str, str], **values: object) -> bool | str:
+    """A ``validate_inputs`` for combo inputs: ComfyUI 0.3.75 does not check V3 combo values against
+    their options, so a wrong file name would only fail at run time. ``folders`` maps file inputs to
+    their models folder, for the hint."""
+    options = {i.id: i.options for i in node.define_schema().inputs if getattr(i, "options", None) is not None}
+    for name, value in values.items():
+        choices = options.get(name)
+        if value is None or choices is None or value in choices:
+            continue
+        listed = ", ".join(map(str, choices[:8])) + (", ..." if len(choices) > 8 else "") or "none"
+        where = f"; files are listed from models/{folders[name]} (add the file there, then refresh)" \
+            if name in folders else ""
+        return f"{name} '{value}' is not available (choices: {listed}){where}"
+    return True

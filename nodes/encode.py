@@ -10,7 +10,7 @@ from comfy_api.latest import io
 import klein_core as kc
 
 from . import cache, host
-from .common import errors_named, model_file
+from .common import check_choices, errors_named, model_file
 from .types import KleinCondType, KleinConditioning
 
 logger = logging.getLogger(__name__)
@@ -45,6 +45,10 @@ class KleinTextEncode(io.ComfyNode):
             outputs=[KleinCondType.Output(display_name="conditioning",
                                           tooltip="Prompt and negative embeddings [1, 512, text width].")],
         )
+
+    @classmethod
+    def validate_inputs(cls, text_encoder: str) -> bool | str:
+        return check_choices(cls, {"text_encoder": "text_encoders"}, text_encoder=text_encoder)
 
     @classmethod
     def execute(cls, text_encoder: str, prompt: str, negative_prompt: str = "") -> io.NodeOutput:

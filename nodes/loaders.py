@@ -10,7 +10,7 @@ from comfy_api.latest import io
 import klein_core as kc
 
 from . import cache, host
-from .common import errors_named, model_file
+from .common import check_choices, errors_named, model_file
 from .types import KleinModel, KleinModelType, KleinVAE, KleinVAEType
 
 logger = logging.getLogger(__name__)
@@ -60,6 +60,11 @@ class KleinModelLoader(io.ComfyNode):
                 KleinVAEType.Output(display_name="vae", tooltip="The FLUX.2 VAE (for references and decoding)."),
             ],
         )
+
+    @classmethod
+    def validate_inputs(cls, model_name: str, vae_name: str, weight_dtype: str, model_kind: str) -> bool | str:
+        return check_choices(cls, {"model_name": "diffusion_models", "vae_name": "vae"}, model_name=model_name,
+                             vae_name=vae_name, weight_dtype=weight_dtype, model_kind=model_kind)
 
     @classmethod
     def execute(cls, model_name: str, vae_name: str, weight_dtype: str = "bf16",
