@@ -1,0 +1,511 @@
+"""Unit tests of the ComfyUI nodes: each node's ``execute`` called directly, on the CPU, with tiny models.
+
+The nodes need ``comfy_api`` and ``comfy.*``: the ``comfy`` fixture puts the e2e host prepared by
+``tests/e2e/setup_host.py`` on ``sys.path`` (appended, so nothing of the repo is shadowed) with
+``--cpu``, loads ``nodes/`` as the package ``klein_pack_nodes`` (never as top-level ``nodes``, which
+is ComfyUI's own module), and points the model folders at tiny files. A missing host skips these
+tests with the command to run, or fails them when ``CI`` is set.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import os
+import shutil
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+from unittest.mock import ANY
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import klein_core as kc
+from klein_core.demo import write_tiny_model_files
+
+REPO = Path(__file__).resolve().parents[1]
+PACK = "klein_pack_nodes"
+NODE_IDS = {
+    "KleinTextEncode": "Qwen3 Layer-Concat Encoder",
+    "KleinModelLoader": "Klein Model Loader",
+    "KleinReferenceStacker": "Klein Reference Stacker",
+    "KleinSampler": "Klein Sampler",
+    "KleinVAEDecode": "Flux2 VAE Decode",
+    "KleinVAEEncode": "Flux2 VAE Encode",
+}
+M4B, M4B_BASE, M9B = "flux-2-klein-4b.safetensors", "flux-2-klein-base-4b.safetensors", "flux-2-klein-9b.safetensors"
+Q4B, Q8B, VAE = "qwen_3_4b.safetensors", "qwen_3_8b.safetensors", "flux2-vae.safetensors"
+FOLDERS = ("diffusion_models", "text_encoders", "vae")
+
+
+def _load_by_path(name: str, path: Path, package_dir: Path | None = None):
+    spec = importlib.util.spec_from_file_location(
+        name, path, submodule_search_locations=[str(package_dir)] if package_dir else None)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _in_ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
+
+
+@pytest.fixture(scope="module")
+def comfy(tmp_path_factory):
+    setup = _load_by_path("klein_unit_setup_host", REPO / "tests" / "e2e" / "setup_host.py")
+    problem = setup.host_problem(setup.HOST_DIR)
+    if problem is not None:
+        msg = f"ComfyUI host not ready: {problem}. Prepare it with: {sys.executable} tests/e2e/setup_host.py"
+        if _in_ci():
+            pytest.fail(msg + "  (CI is set, so a missing host fails instead of skipping)", pytrace=False)
+        pytest.skip(msg)
+    host_dir = str(setup.host_paths(setup.HOST_DIR)["comfyui"])
+    added = [p for p in (str(REPO), host_dir) if p not in sys.path]
+    sys.path.extend(added)
+    argv = sys.argv
+    try:
+        sys.argv = [argv[0], "--cpu"]
+        import comfy.options
+
+        comfy.options.enable_args_parsing()
+        import comfy.cli_args
+        import comfy.model_management
+        import comfy.utils
+        import folder_paths
+    finally:
+        sys.argv = argv
+    pack = sys.modules.get(PACK) or _load_by_path(PACK, REPO / "nodes" / "__init__.py", REPO / "nodes")
+
+    models = tmp_path_factory.mktemp("unit_models")
+    paths = write_tiny_model_files(models)
+    # A VAE under the transformers' folder, to check the wrong-kind message.
+    shutil.copy(paths["vae"], models / "diffusion_models" / "flux2-vae-copy.safetensors")
+    saved = {f: folder_paths.folder_names_and_paths[f] for f in FOLDERS}
+    for f in FOLDERS:
+        folder_paths.folder_names_and_paths[f] = ([str(models / f)], saved[f][1])
+    folder_paths.filename_list_cache.clear()
+    asyncio.run(pack.comfy_entrypoint())  # installs the /free hook, as inside the host
+    mods = {m: importlib.import_module(f"{PACK}.{m}") for m in
+            ("cache", "host", "encode", "loaders", "references", "sampler", "vae", "preview", "types")}
+    try:
+        yield SimpleNamespace(pack=pack, mm=comfy.model_management, utils=comfy.utils, args=comfy.cli_args,
+                              folder_paths=folder_paths, models=models, paths=paths, **mods)
+    finally:
+        mods["cache"].release_all("unit tests done")
+        for f in FOLDERS:
+            folder_paths.folder_names_and_paths[f] = saved[f]
+        folder_paths.filename_list_cache.clear()
+        for p in added:
+            sys.path.remove(p)
+
+
+@pytest.fixture
+def progress(comfy, monkeypatch):
+    """Records ComfyUI progress-bar updates ``(value, total, preview)``, as main.py's hook would receive."""
+    calls = []
+    monkeypatch.setattr(comfy.utils, "PROGRESS_BAR_HOOK", lambda v, t, p, node_id=None: calls.append((v, t, p)))
+    return calls
+
+
+@pytest.fixture
+def spy_generate(monkeypatch):
+    """Records the keyword arguments of every ``klein_core.generate`` call made by the sampler node."""
+    calls = []
+    real = kc.generate
+
+    def generate(*args, **kwargs):
+        calls.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(kc, "generate", generate)
+    return calls
+
+
+def _load(comfy, model=M4B, dtype="bf16", kind="auto"):
+    with torch.inference_mode():
+        return comfy.pack.KleinModelLoader.execute(model, VAE, dtype, kind).args
+
+
+def _encode(comfy, prompt="a red fox in the snow", negative="", encoder=Q4B):
+    with torch.inference_mode():
+        return comfy.pack.KleinTextEncode.execute(encoder, prompt, negative).args[0]
+
+
+def _stack(comfy, image, vae, references=None):
+    with torch.inference_mode():
+        return comfy.pack.KleinReferenceStacker.execute(image, vae, references).args
+
+
+def _sample(comfy, model, cond, **kw):
+    kw = {"width": 64, "height": 64, "steps": 2, "guidance": 0.0, "seed": 7, "batch_size": 1, **kw}
+    with torch.inference_mode():
+        return comfy.pack.KleinSampler.execute(model, cond, **kw).args[0]["samples"]
+
+
+def _as_loadimage(pil: Image.Image) -> torch.Tensor:
+    """What ComfyUI's LoadImage makes of a file: RGB float32 [1, H, W, 3] = uint8 / 255."""
+    return torch.from_numpy(np.asarray(pil.convert("RGB")).astype(np.float32) / 255.0)[None]
+
+
+def _random_image(w: int, h: int, mode: str = "RGB", seed: int = 0) -> Image.Image:
+    channels = {"L": 1, "LA": 2, "RGB": 3, "RGBA": 4}[mode]
+    arr = np.random.default_rng(seed).integers(0, 256, (h, w, channels), dtype=np.uint8)
+    return Image.fromarray(arr[..., 0] if channels == 1 else arr)
+
+
+# ----- registration and schemas ----------------------------------------------------------------------
+
+
+def test_nodes_registered_with_names_categories_and_tooltips(comfy, monkeypatch):
+    ext = asyncio.run(comfy.pack.comfy_entrypoint())
+    nodes = asyncio.run(ext.get_node_list())
+
+    def no_cuda(*a, **k):
+        raise AssertionError("CUDA touched at schema time")
+
+    monkeypatch.setattr(torch.cuda, "_lazy_init", no_cuda)
+    monkeypatch.setattr(torch.cuda, "is_available", no_cuda)
+    infos = {n.GET_NODE_INFO_V1()["name"]: n.GET_NODE_INFO_V1() for n in nodes}
+    assert {k: v["display_name"] for k, v in infos.items()} == NODE_IDS
+    for name, info in infos.items():
+        assert info["category"].split("/")[0] == "Klein", name
+        assert info["description"], name
+        for group in ("required", "optional"):
+            for inp, (_, opts) in info["input"].get(group, {}).items():
+                assert opts.get("tooltip"), f"{name}.{inp} has no tooltip"
+        assert all(info["output_tooltips"]), name
+    sampler = infos["KleinSampler"]["input"]
+    assert sampler["optional"]["references"][0] == "KLEIN_REFS"
+    assert sampler["required"]["seed"][1]["control_after_generate"] is True
+    assert sampler["required"]["seed"][1]["max"] == 2**64 - 1
+    assert infos["KleinTextEncode"]["input"]["required"]["text_encoder"] == (
+        "COMBO", {"options": [Q4B, Q8B], "multiselect": False, "tooltip": ANY})
+    assert infos["KleinModelLoader"]["input"]["required"]["weight_dtype"][1]["default"] == "bf16"
+    assert infos["KleinVAEDecode"]["output"] == ["IMAGE"] and infos["KleinSampler"]["output"] == ["LATENT"]
+
+
+def test_workflow_generator_specs_match_the_node_schemas(comfy):
+    wf = _load_by_path("klein_make_workflows", REPO / "example_workflows" / "make_workflows.py")
+    for node in comfy.pack.NODES:
+        info = node.GET_NODE_INFO_V1()
+        spec = wf.SPECS.get(info["name"])
+        if spec is None:
+            continue
+        assert wf.DISPLAY_NAMES[info["name"]] == info["display_name"]
+        sockets, widgets, extra = [], [], {}
+        for group in ("required", "optional"):
+            for name in info["input_order"].get(group, []):
+                typ, opts = info["input"][group][name]
+                if typ in ("COMBO", "INT", "FLOAT", "STRING", "BOOLEAN"):
+                    widgets.append(name)
+                    if opts.get("control_after_generate"):
+                        extra[name] = "randomize"
+                else:
+                    sockets.append((name, typ, group == "optional"))
+        assert list(spec.sockets) == sockets, info["name"]
+        assert list(spec.widgets) == widgets, info["name"]
+        assert dict(spec.frontend_extra) == extra, info["name"]
+        assert list(spec.outputs) == list(zip(info["output_name"], info["output"])), info["name"]
+
+
+# ----- Qwen3 Layer-Concat Encoder --------------------------------------------------------------------
+
+
+def test_text_encoder_outputs_and_exact_embeddings(comfy):
+    cond = _encode(comfy, "a red fox", "blurry")
+    assert isinstance(cond, comfy.types.KleinConditioning)
+    assert cond.positive.shape == cond.negative.shape == (1, 512, 96)
+    assert (cond.encoder_name, cond.text_dim) == (Q4B, 96)
+    assert cond.variant.startswith("Qwen3")
+    direct = kc.load_text_encoder(comfy.paths["qwen_4b"], dtype=torch.bfloat16)
+    expected = kc.encode_prompts(direct, ["a red fox", "blurry"], cache=None)
+    assert torch.equal(cond.positive, expected[:1]) and torch.equal(cond.negative, expected[1:])
+
+
+def test_text_encoder_is_cached_and_only_changed_texts_are_encoded(comfy):
+    cache = comfy.cache
+    cache.release_all("test start")
+    loads, misses = cache.loads["text_encoder"], cache.prompts.misses
+    first = _encode(comfy, "a castle on a hill", "fog")
+    assert cache.loads["text_encoder"] == loads + 1 and cache.prompts.misses == misses + 2
+    again = _encode(comfy, "a castle on a hill", "fog")
+    assert cache.loads["text_encoder"] == loads + 1, "the encoder was reloaded"
+    assert cache.prompts.misses == misses + 2, "an unchanged prompt was encoded again"
+    assert torch.equal(first.positive, again.positive)
+    _encode(comfy, "a castle at night", "fog")
+    assert cache.loads["text_encoder"] == loads + 1 and cache.prompts.misses == misses + 3
+    _encode(comfy, "a castle at night", "fog", encoder=Q8B)  # another file replaces the cached one
+    assert cache.loads["text_encoder"] == loads + 2 and cache.resident()["text_encoder"] == Q8B
+
+
+# ----- Klein Model Loader ----------------------------------------------------------------------------
+
+
+def test_model_loader_outputs_kinds_and_reuse(comfy):
+    loads = comfy.cache.loads["transformer"]
+    model, vae = _load(comfy)
+    assert isinstance(model, comfy.types.KleinModel) and isinstance(vae, comfy.types.KleinVAE)
+    assert (model.name, model.kind, model.config.context_dim) == (M4B, "distilled", 96)
+    assert (model.ref.device, model.ref.dtype) == ("cpu", torch.bfloat16)
+    assert (vae.name, vae.config.latent_channels, vae.ref.dtype) == (VAE, 128, torch.float32)  # no bf16 VAE on CPU
+    transformer = model.ref.get()
+    assert transformer.dtype == torch.bfloat16 and transformer.device.type == "cpu"
+    assert _load(comfy, M4B_BASE)[0].kind == "base"
+    assert _load(comfy, M4B_BASE, kind="distilled")[0].kind == "distilled"
+    assert _load(comfy, M4B, kind="base")[0].kind == "base"
+    assert comfy.cache.loads["transformer"] == loads + 3  # 4b, base-4b, 4b again (one transformer kept)
+    _load(comfy, M4B, kind="distilled")
+    assert comfy.cache.loads["transformer"] == loads + 3, "the same file was loaded again"
+    assert _load(comfy, M4B, dtype="fp32")[0].ref.get().dtype == torch.float32
+
+
+def test_model_loader_names_the_input_for_wrong_or_missing_files(comfy):
+    with pytest.raises(ValueError) as err:
+        _load(comfy, "flux2-vae-copy.safetensors")
+    msg = str(err.value)
+    assert msg.startswith("Klein Model Loader: model_name 'flux2-vae-copy.safetensors' is a FLUX.2 VAE")
+    assert "vae_name" in msg and "pick a Klein diffusion model here" in msg
+    with pytest.raises(ValueError, match=r"Klein Model Loader: model_name 'missing\.safetensors' was not found"):
+        _load(comfy, "missing.safetensors")
+
+
+# ----- Klein Reference Stacker -----------------------------------------------------------------------
+
+
+def test_reference_stacker_matches_the_core_preprocessing(comfy, tmp_path):
+    _, vae = _load(comfy)
+    png = tmp_path / "ref.png"
+    _random_image(300, 200).save(png)
+    refs, text = _stack(comfy, _as_loadimage(Image.open(png)), vae)
+    expected = kc.encode_references(vae.ref.get(), [Image.open(png)])[0]
+    (ref,) = refs.items
+    assert torch.equal(ref.latent, expected)
+    assert (ref.width, ref.height) == (288, 192) == (expected.shape[-1] * 16, expected.shape[-2] * 16)
+    assert text == "ref 1: 288x192 (from 300x200)"
+    assert ref.latent.device == comfy.host.intermediate_device()
+
+
+def test_reference_frames_become_the_pil_images_the_core_opens(comfy, tmp_path):
+    # Over 1 MP, so the core scales it down; the stacker hands the core the very same pixels.
+    png = tmp_path / "big.png"
+    _random_image(1100, 1000, seed=9).save(png)
+    (pil,) = comfy.references.frames_to_pil(_as_loadimage(Image.open(png)))
+    assert pil.mode == "RGB" and np.array_equal(np.asarray(pil), np.asarray(Image.open(png)))
+    assert torch.equal(kc.prepare_reference_image(pil), kc.prepare_reference_image(Image.open(png)))
+
+
+@pytest.mark.parametrize("mode", ["L", "LA", "RGBA"])
+def test_reference_stacker_channel_counts(comfy, mode):
+    _, vae = _load(comfy)
+    pil = _random_image(96, 80, mode, seed=3)
+    arr = np.asarray(pil).astype(np.float32) / 255.0
+    image = torch.from_numpy(arr if arr.ndim == 3 else arr[..., None])[None]
+    (ref,) = _stack(comfy, image, vae)[0].items
+    assert torch.equal(ref.latent, kc.encode_references(vae.ref.get(), [pil])[0])
+
+
+def test_reference_stacker_batches_and_chaining(comfy):
+    _, vae = _load(comfy)
+    batch = torch.stack([_as_loadimage(_random_image(200, 150, seed=s))[0] for s in (1, 2)])
+    first, text1 = _stack(comfy, batch, vae)
+    assert len(first.items) == 2
+    assert text1 == "ref 1: 192x144 (from 200x150)\nref 2: 192x144 (from 200x150)"
+    assert not torch.equal(first.items[0].latent, first.items[1].latent)
+    second, text2 = _stack(comfy, _as_loadimage(_random_image(128, 96, seed=4)), vae, first)
+    assert len(second.items) == 3 and len(first.items) == 2, "the incoming stack must not change"
+    assert second.items[:2] == first.items
+    assert text2.splitlines()[2] == "ref 3: 128x96 (from 128x96)"
+
+
+def test_reference_stacker_error_names_the_node_and_reference(comfy):
+    _, vae = _load(comfy)
+    refs, _ = _stack(comfy, _as_loadimage(_random_image(96, 96)), vae)
+    with pytest.raises(ValueError, match=r"Klein Reference Stacker: image frame for ref 2: .*at least 64 px"):
+        _stack(comfy, torch.rand(1, 40, 40, 3), vae, refs)
+    with pytest.raises(ValueError, match=r"Klein Reference Stacker: image must be an IMAGE"):
+        _stack(comfy, torch.rand(1, 64, 64, 5), vae)
+
+
+# ----- Klein Sampler ---------------------------------------------------------------------------------
+
+
+def test_sampler_defaults_distilled(comfy, spy_generate, progress):
+    model, _ = _load(comfy)
+    samples = _sample(comfy, model, _encode(comfy), width=0, height=0, steps=0)
+    call = spy_generate[-1]
+    assert (call["steps"], call["guidance"], call["width"], call["height"]) == (4, 1.0, 1024, 1024)
+    assert call["distilled"] is True and call["negative_embeds"] is None
+    assert samples.shape == (1, 128, 64, 64)
+    assert [(v, t) for v, t, _ in progress] == [(1, 4), (2, 4), (3, 4), (4, 4)]
+
+
+def test_sampler_defaults_base(comfy, spy_generate, progress):
+    model, _ = _load(comfy, M4B_BASE)
+    _sample(comfy, model, _encode(comfy, negative="blurry"), steps=0, guidance=0.0)
+    call = spy_generate[-1]
+    assert (call["steps"], call["guidance"], call["distilled"]) == (50, 4.0, False)
+    assert call["negative_embeds"].shape == (1, 512, 96)
+    assert len(progress) == 50
+    _sample(comfy, model, _encode(comfy, negative="blurry"), steps=3, guidance=2.5)
+    assert (spy_generate[-1]["steps"], spy_generate[-1]["guidance"]) == (3, 2.5)
+
+
+def test_sampler_size_from_the_first_reference(comfy):
+    model, vae = _load(comfy)
+    refs, _ = _stack(comfy, _as_loadimage(_random_image(200, 150)), vae)
+    refs, _ = _stack(comfy, _as_loadimage(_random_image(96, 128, seed=1)), vae, refs)
+    cond = _encode(comfy)
+    assert _sample(comfy, model, cond, width=0, height=0, references=refs).shape == (1, 128, 9, 12)
+    assert _sample(comfy, model, cond, width=320, height=0, references=refs).shape == (1, 128, 9, 20)
+    with pytest.raises(ValueError, match=r"Klein Sampler: width/height: .*too small.*Set both to 0"):
+        _sample(comfy, model, cond, width=32, height=32)
+
+
+def test_sampler_output_is_the_core_result_in_comfy_layout(comfy):
+    model, _ = _load(comfy)
+    samples = _sample(comfy, model, _encode(comfy, "a lighthouse"), width=96, height=80, steps=3, seed=11,
+                      batch_size=2)
+    assert samples.shape == (2, 128, 5, 6) and samples.dtype == torch.float32
+    assert samples.device == comfy.host.intermediate_device()
+    te = kc.load_text_encoder(comfy.paths["qwen_4b"], dtype=torch.bfloat16)
+    tr = kc.load_transformer(comfy.paths["klein_4b"], dtype=torch.bfloat16)
+    direct = kc.generate(tr, te, prompt="a lighthouse", width=96, height=80, steps=3, seed=11, batch_size=2,
+                         output="latent", cache=None).latents
+    assert torch.equal(samples, direct.float())
+
+
+def test_sampler_refuses_a_mismatched_encoder_before_compute(comfy, spy_generate):
+    model9, _ = _load(comfy, M9B)
+    with pytest.raises(ValueError) as err:
+        _sample(comfy, model9, _encode(comfy))
+    msg = str(err.value)
+    for part in ("Klein Sampler", M9B, Q4B, f"set text_encoder in Qwen3 Layer-Concat Encoder to {Q8B}"):
+        assert part in msg, msg
+    assert not spy_generate
+
+
+def test_sampler_mismatch_without_a_fitting_file_says_what_to_get(comfy, tmp_path, monkeypatch):
+    model9, _ = _load(comfy, M9B)
+    cond = _encode(comfy)
+    only_4b = tmp_path / "te"
+    only_4b.mkdir()
+    shutil.copy(comfy.paths["qwen_4b"], only_4b / Q4B)
+    monkeypatch.setitem(comfy.folder_paths.folder_names_and_paths, "text_encoders",
+                        ([str(only_4b)], comfy.folder_paths.supported_pt_extensions))
+    comfy.folder_paths.filename_list_cache.clear()
+    with pytest.raises(ValueError, match=r"put a Qwen3 encoder with hidden size 48 into models/text_encoders"):
+        _sample(comfy, model9, cond)
+    comfy.folder_paths.filename_list_cache.clear()
+
+
+def test_sampler_reports_each_step_with_a_preview(comfy, progress, monkeypatch):
+    model, _ = _load(comfy)
+    cond = _encode(comfy)
+    monkeypatch.setattr(comfy.args.args, "preview_method", comfy.args.LatentPreviewMethod.Auto)
+    _sample(comfy, model, cond, width=128, height=96, steps=3)
+    assert [(v, t) for v, t, _ in progress] == [(1, 3), (2, 3), (3, 3)]
+    for _, _, preview in progress:
+        fmt, image, max_size = preview
+        assert fmt == "JPEG" and isinstance(image, Image.Image) and image.size == (16, 12)
+        assert max_size == comfy.args.args.preview_size
+    progress.clear()
+    monkeypatch.setattr(comfy.args.args, "preview_method", comfy.args.LatentPreviewMethod.NoPreviews)
+    _sample(comfy, model, cond, width=128, height=96, steps=2)
+    assert [p for _, _, p in progress] == [None, None]
+
+
+def test_preview_unpatchify_inverts_the_vae_patchify(comfy):
+    from klein_core.vae import patchify
+
+    x = torch.randn(2, 32, 6, 8)
+    assert torch.equal(comfy.preview.unpatchify(patchify(x)), x)
+    assert comfy.host.flux2_latent_rgb()[0].shape == (32, 3)  # ComfyUI's own Flux2 preview factors
+
+
+def test_interrupt_stops_within_a_step_and_the_next_run_is_correct(comfy, monkeypatch, progress):
+    model, _ = _load(comfy)
+    cond = _encode(comfy, "a harbour at dusk")
+    loads = comfy.cache.loads["transformer"]
+    real = comfy.mm.throw_exception_if_processing_interrupted
+    calls = []
+
+    def interrupt_at_step_2():
+        calls.append(1)
+        if len(calls) == 2:
+            raise comfy.mm.InterruptProcessingException()
+
+    monkeypatch.setattr(comfy.mm, "throw_exception_if_processing_interrupted", interrupt_at_step_2)
+    with pytest.raises(comfy.mm.InterruptProcessingException):
+        _sample(comfy, model, cond, width=128, height=96, steps=6, seed=5)
+    assert [v for v, _, _ in progress] == [1], "the run did not stop at step 2"
+    monkeypatch.setattr(comfy.mm, "throw_exception_if_processing_interrupted", real)
+    after = _sample(comfy, model, cond, width=128, height=96, steps=6, seed=5)
+    assert comfy.cache.loads["transformer"] == loads, "the model had to be reloaded after the interrupt"
+    comfy.cache.release_all("fresh run")
+    fresh = _sample(comfy, *_load(comfy)[:1], _encode(comfy, "a harbour at dusk"), width=128, height=96,
+                    steps=6, seed=5)
+    assert torch.equal(after, fresh)
+
+
+# ----- Flux2 VAE Decode / Encode ---------------------------------------------------------------------
+
+
+def test_vae_decode_gives_comfy_images(comfy):
+    model, vae = _load(comfy)
+    samples = _sample(comfy, model, _encode(comfy), width=96, height=64, batch_size=2)
+    with torch.inference_mode():
+        (image,) = comfy.pack.KleinVAEDecode.execute({"samples": samples}, vae).args
+    assert image.shape == (2, 64, 96, 3) and image.dtype == torch.float32
+    assert image.device == comfy.host.intermediate_device()
+    assert 0.0 <= image.min() and image.max() <= 1.0
+    expected = kc.decode_to_pixels(vae.ref.get(), samples).permute(0, 2, 3, 1)
+    torch.testing.assert_close(image, expected, atol=1e-5, rtol=0)  # decoded one by one: conv batching noise
+
+
+def test_vae_decode_refuses_other_latents(comfy):
+    _, vae = _load(comfy)
+    with pytest.raises(ValueError, match=r"Flux2 VAE Decode: samples must be FLUX.2 latents \[batch, 128.*"
+                                         r"got \[1, 4, 8, 8\]"):
+        comfy.pack.KleinVAEDecode.execute({"samples": torch.zeros(1, 4, 8, 8)}, vae)
+
+
+def test_vae_encode_crops_to_16_and_round_trips_shapes(comfy):
+    _, vae = _load(comfy)
+    with torch.inference_mode():
+        (latent,) = comfy.pack.KleinVAEEncode.execute(torch.rand(2, 70, 100, 3), vae).args
+        (gray,) = comfy.pack.KleinVAEEncode.execute(torch.rand(1, 64, 64, 1), vae).args
+        (image,) = comfy.pack.KleinVAEDecode.execute(latent, vae).args
+    assert latent["samples"].shape == (2, 128, 4, 6) and latent["samples"].dtype == torch.float32
+    assert gray["samples"].shape == (1, 128, 4, 4)
+    assert image.shape == (2, 64, 96, 3)
+
+
+# ----- /free ----------------------------------------------------------------------------------------
+
+
+def test_free_hook_releases_every_cache_and_models_reload_on_demand(comfy, caplog):
+    model, vae = _load(comfy)
+    cond = _encode(comfy, "a windmill")
+    assert set(comfy.cache.resident()) == {"transformer", "text_encoder", "vae"}
+    assert len(comfy.cache.prompts) > 0
+    loads = comfy.cache.loads["transformer"]
+    with caplog.at_level("INFO"):
+        comfy.mm.unload_all_models()  # what POST /free runs in ComfyUI's prompt worker
+    assert comfy.cache.resident() == {} and len(comfy.cache.prompts) == 0
+    assert "Klein: released 3 cached model(s)" in caplog.text
+    # Outputs still held by ComfyUI's cache keep working: the model is loaded again when needed.
+    assert _sample(comfy, model, cond).shape == (1, 128, 4, 4)
+    assert comfy.cache.loads["transformer"] == loads + 1
+
+
+def test_free_hook_is_installed_once(comfy):
+    hooked = comfy.mm.unload_all_models
+    assert hooked._klein_unload_hook
+    assert not comfy.host.install_unload_hook(lambda: None)
+    asyncio.run(comfy.pack.comfy_entrypoint())
+    assert comfy.mm.unload_all_models is hooked
+    assert not getattr(hooked.__wrapped__, "_klein_unload_hook", False)

@@ -1,0 +1,99 @@
+"""The example workflows: committed files equal the generator's output, and each UI file agrees with
+itself and with its API twin. (Validation against a live server's /object_info is in tests/e2e.)"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+NAMES = ("klein_4b_text_to_image", "klein_4b_base_cfg", "klein_4b_two_reference_edit")
+
+
+@pytest.fixture(scope="module")
+def make():
+    spec = importlib.util.spec_from_file_location("klein_make_workflows", REPO / "example_workflows" / "make_workflows.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _ui(name: str) -> dict:
+    return json.loads((REPO / "example_workflows" / f"{name}.json").read_text())
+
+
+def _api(name: str) -> dict:
+    return json.loads((REPO / "example_workflows" / "api" / f"{name}.api.json").read_text())
+
+
+def test_committed_files_are_the_generated_ones(make):
+    assert make.main(["--check"]) == 0, "run: python example_workflows/make_workflows.py"
+    assert sorted(p.name for p in (REPO / "example_workflows").glob("*.json")) == sorted(f"{n}.json" for n in NAMES)
+    assert sorted(p.name for p in (REPO / "example_workflows" / "api").glob("*.json")) == \
+        sorted(f"{n}.api.json" for n in NAMES)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_ui_links_are_consistent(name):
+    wf = _ui(name)
+    assert wf["version"] == 0.4
+    nodes = {n["id"]: n for n in wf["nodes"]}
+    assert wf["last_node_id"] == max(nodes) and wf["last_link_id"] == max(lk[0] for lk in wf["links"])
+    for link_id, src, src_slot, dst, dst_slot, typ in wf["links"]:
+        out, inp = nodes[src]["outputs"][src_slot], nodes[dst]["inputs"][dst_slot]
+        assert link_id in out["links"] and inp["link"] == link_id
+        assert out["type"] == inp["type"] == typ
+        assert nodes[src]["order"] < nodes[dst]["order"]
+    linked = {lk[0] for lk in wf["links"]}
+    assert {i["link"] for n in wf["nodes"] for i in n["inputs"]} - {None} == linked
+    assert {x for n in wf["nodes"] for o in n["outputs"] for x in o["links"]} == linked
+    assert sorted(n["order"] for n in wf["nodes"]) == list(range(len(nodes)))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_api_twin_matches_the_ui_file(make, name):
+    ui, api = _ui(name), _api(name)
+    real = {str(n["id"]): n for n in ui["nodes"] if not make.SPECS[n["type"]].virtual}
+    assert set(api) == set(real)
+    for nid, node in real.items():
+        spec = make.SPECS[node["type"]]
+        assert api[nid]["class_type"] == node["type"]
+        values = list(node["widgets_values"])
+        for widget, _ in spec.frontend_extra:  # drop the frontend-only entries
+            values.pop(spec.widgets.index(widget) + 1)
+        assert {w: api[nid]["inputs"][w] for w in spec.widgets} == dict(zip(spec.widgets, values))
+        for inp in node["inputs"]:
+            if inp["link"] is not None:
+                _, src, slot, _, _, _ = next(lk for lk in ui["links"] if lk[0] == inp["link"])
+                assert api[nid]["inputs"][inp["name"]] == [str(src), slot]
+            else:
+                assert inp["name"] not in api[nid]["inputs"]
+
+
+def test_workflows_use_the_public_file_names_and_settings():
+    t2i, base, edit = (_api(n) for n in NAMES)
+
+    def only(graph, cls):
+        (node,) = [n for n in graph.values() if n["class_type"] == cls]
+        return node["inputs"]
+
+    assert only(t2i, "KleinModelLoader")["model_name"] == "flux-2-klein-4b.safetensors"
+    assert only(base, "KleinModelLoader")["model_name"] == "flux-2-klein-base-4b.safetensors"
+    for graph in (t2i, base, edit):
+        assert only(graph, "KleinModelLoader")["vae_name"] == "flux2-vae.safetensors"
+        assert only(graph, "KleinTextEncode")["text_encoder"] == "qwen_3_4b.safetensors"
+        assert "SaveImage" in {n["class_type"] for n in graph.values()}
+    assert (only(t2i, "KleinSampler")["steps"], only(t2i, "KleinSampler")["guidance"]) == (4, 1.0)
+    assert (only(base, "KleinSampler")["steps"], only(base, "KleinSampler")["guidance"]) == (50, 4.0)
+    assert only(base, "KleinTextEncode")["negative_prompt"]
+    sampler = only(edit, "KleinSampler")
+    assert (sampler["width"], sampler["height"]) == (0, 0)
+    assert sorted(n["inputs"]["image"] for n in edit.values() if n["class_type"] == "LoadImage") == \
+        ["klein_reference_1.png", "klein_reference_2.png"]
+    stackers = [n["inputs"] for n in edit.values() if n["class_type"] == "KleinReferenceStacker"]
+    assert len(stackers) == 2 and sum("references" in s for s in stackers) == 1
