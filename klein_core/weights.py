@@ -5,7 +5,8 @@ Every loader in the core goes through this module:
 * :func:`open_weights` turns a file path, a folder or an in-memory state dict into a
   :class:`WeightSource`, a read-only view that knows every tensor's shape and dtype from the
   safetensors header and reads a tensor's bytes only when asked. Formats the core cannot run
-  (pickles, GGUF, quantised safetensors) are refused here with a message naming the format.
+  (pickles, GGUF, nvfp4 and other non-fp8 quantisations) are refused here with a message naming
+  the format; fp8 files are opened as a view prepared by :func:`klein_core.quant.prepare_quantized`.
 * A component describes how its module's parameters come from the source as a :class:`LoadPlan`:
   internal name -> an op (:class:`Take`, :class:`Cat`, :class:`SwapHalves`, :class:`Reshape`) whose
   output shape is known *before* any data is read, so key and shape mismatches are reported before
@@ -259,20 +260,14 @@ def _dict_source(sd: Mapping[str, torch.Tensor], name: str) -> WeightSource:
 
 
 def detect_unsupported_format(src: WeightSource) -> str | None:
-    """Name the quantised format of ``src`` if the core cannot run it yet, else None."""
-    keys = src.keys()
-    if any(k.endswith(".comfy_quant") for k in keys) or "_quantization_metadata" in src.metadata:
-        return "ComfyUI mixed-precision quantised ('comfy_quant', fp8/nvfp4)"
-    if any(k.endswith("scaled_fp8") for k in keys) or any(k.endswith(".scale_weight") for k in keys):
-        return "ComfyUI 'scaled_fp8'"
-    if any(k.endswith(".weight_scale_2") for k in keys):
-        return "nvfp4 (weight_scale_2)"
-    if any(k.endswith((".weight_scale", ".input_scale")) for k in keys):
-        return "scaled fp8 (weight_scale / input_scale)"
-    f8 = {torch.float8_e4m3fn, torch.float8_e5m2}
-    if any(src.dtype(k) in f8 for k in keys):
-        return "float8"
-    return None
+    """Name the quantised format of ``src`` if the core cannot run it (nvfp4, mxfp8, int8, ...).
+
+    fp8 files (ComfyUI ``comfy_quant`` mixed precision, ``scaled_fp8``, ``weight_scale`` /
+    ``input_scale``, plain float8) are runnable and give None; see :mod:`klein_core.quant`.
+    """
+    from .quant import unsupported_format  # quant builds on this module
+
+    return unsupported_format(src)
 
 
 def open_weights(
@@ -322,11 +317,15 @@ def open_weights(
     if fmt is not None:
         raise WeightFormatError(
             f"{src.name}: this {component} file is in the {fmt} format, which this version of "
-            f"klein_core cannot run yet. Use the bf16 (or fp16/fp32) .safetensors file instead."
+            f"klein_core cannot run yet. Use the bf16 or fp8 .safetensors {component} file instead."
         )
     if len(src) == 0:
         raise WeightFormatError(f"{src.name}: contains no tensors.")
-    return src
+    from .quant import prepare_quantized
+
+    # fp8 files: a view without the scale/marker tensors, whose quantised weights carry their
+    # scales, so every component plan sees the keys and shapes of the bf16 file.
+    return prepare_quantized(src)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -508,23 +507,42 @@ def materialize(
     device: torch.device | str | None = None,
     dtype: torch.dtype | None = None,
     keep_fp32: Callable[[str], bool] = lambda name: False,
+    quantize: str | None = None,
 ) -> nn.Module:
     """Build ``factory()`` on the meta device and fill it from ``src`` following ``plan``.
 
     ``dtype`` applies to floating tensors except those for which ``keep_fp32(name)`` is True,
     which are loaded as float32. None means the stored dtype of most of the weights (a file that
-    mixes dtypes still gives a module of one dtype). The module is
-    returned in eval mode with gradients off.
+    mixes dtypes still gives a module of one dtype; float8 is a storage format, never the compute
+    dtype: an all-fp8 file computes in bfloat16). The module is returned in eval mode with
+    gradients off.
+
+    ``quantize`` (see :func:`klein_core.quant.plan_fp8`): None keeps fp8 block weights of fp8
+    files in fp8 (as :class:`~klein_core.quant.FP8Linear`) and dequantises any other float8
+    tensor; ``"fp8"`` also quantises float block weights while loading (the float copy never
+    reaches ``device``); ``"dequantize"`` loads everything in ``dtype``.
     """
+    from . import quant  # quant builds on this module
+
     device = torch.device(device) if device is not None else torch.device("cpu")
+    if dtype is not None and quant.is_fp8(dtype):
+        raise ValueError(
+            f"{component}: dtype {dtype} is a storage format, not a compute dtype; load with "
+            "dtype=torch.bfloat16 and quantize='fp8' to keep the weights in fp8."
+        )
     if dtype is None:
         dtype = _dominant_float_dtype(plan, src)
     with torch.device("meta"):
         module = factory()
     check_plan(module, plan, src, component)
+    fp8 = quant.plan_fp8(module, plan.ops, src, quantize)
+    quant.swap_to_fp8_(module, fp8.values())  # free: the module is still on the meta device
     state: dict[str, torch.Tensor] = {}
     for name, op in plan.ops.items():
-        t = op.load(src)
+        if name in fp8:
+            state.update(quant.load_fp8(name, fp8[name], op, src, device))
+            continue
+        t = quant.dequantize_op(op, src) if quant.reads_fp8(op, src) else op.load(src)
         if t.is_floating_point():
             target = torch.float32 if keep_fp32(name) else dtype
             t = t.to(device=device, dtype=target)
@@ -538,18 +556,29 @@ def materialize(
     module.eval().requires_grad_(False)
     n = sum(p.numel() for p in module.parameters())
     logger.info("Loaded %s from %s: %.1fM parameters, %d tensors", component, src.name, n / 1e6, len(state))
+    if fp8:
+        made = sum(1 for spec in fp8.values() if spec.quantize)
+        logger.info("%s: %d Linear layers in fp8 (%d quantised while loading), compute dtype %s",
+                    component, len(fp8), made, dtype)
     return module
 
 
 def _dominant_float_dtype(plan: LoadPlan, src: WeightSource) -> torch.dtype:
-    """The floating dtype holding most of the plan's stored bytes (float32 if there is none)."""
+    """The floating dtype holding most of the plan's stored bytes (float32 if there is none;
+    bfloat16 if every float tensor is float8, the dtype fp8 checkpoints are made from)."""
+    fp8 = (torch.float8_e4m3fn, torch.float8_e5m2)
     sizes: dict[torch.dtype, int] = {}
+    saw_fp8 = False
     for op in plan.ops.values():
         for key in op.sources():
             info = src.info(key)
-            if info.dtype.is_floating_point:
+            # float8 is storage only: the compute dtype comes from the other tensors.
+            saw_fp8 = saw_fp8 or info.dtype in fp8
+            if info.dtype.is_floating_point and info.dtype not in fp8:
                 n = 1
                 for d in info.shape:
                     n *= d
                 sizes[info.dtype] = sizes.get(info.dtype, 0) + n * info.dtype.itemsize
-    return max(sizes, key=sizes.__getitem__) if sizes else torch.float32
+    if not sizes:
+        return torch.bfloat16 if saw_fp8 else torch.float32
+    return max(sizes, key=sizes.__getitem__)

@@ -70,10 +70,13 @@ def test_refuses_pickles_gguf_and_quantised(tmp_path):
             open_weights(tmp_path / name, component="transformer")
     for extra, match in [({"x.scale_weight": torch.ones(1)}, "scaled_fp8"),
                          ({"x.weight_scale_2": torch.ones(1)}, "nvfp4"),
-                         ({"x.weight_scale": torch.ones(1)}, "weight_scale"),
-                         ({"x.weight": torch.zeros(2, dtype=torch.float8_e4m3fn)}, "float8")]:
-        with pytest.raises(WeightFormatError, match=match):
+                         ({"x.weight_scale": torch.ones(1)}, "weight_scale")]:
+        with pytest.raises(WeightFormatError, match=match):  # scales without a weight, nvfp4
             open_weights({"a": torch.zeros(1), **extra}, component="transformer")
+    # fp8 files load (issue 6): plain float8 opens as stored, scale 1 (tests/test_quant.py has the rest).
+    src = open_weights({"a": torch.zeros(1), "x.weight": torch.zeros(2, dtype=torch.float8_e4m3fn)},
+                       component="transformer")
+    assert src.dtype("x.weight") == torch.float8_e4m3fn
     with pytest.raises(FileNotFoundError):
         open_weights(tmp_path / "absent.safetensors", component="VAE")
     with pytest.raises(WeightFormatError, match="no tensors"):

@@ -1,0 +1,688 @@
+"""fp8 weights: reading quantised checkpoints, the :class:`FP8Linear` layer, quantize-on-load.
+
+Formats read (all per-tensor or per-output-row scaled float8; a weight ``W`` is ``q * scale``):
+
+* ComfyUI "mixed precision": ``<layer>.comfy_quant`` (uint8 bytes of a JSON object such as
+  ``{"format": "float8_e4m3fn"}``), ``<layer>.weight`` in float8 (or a uint8 container),
+  ``<layer>.weight_scale`` (fp32 scalar), optional ``<layer>.input_scale``. Unquantised layers stay
+  bf16. The older file-level ``_quantization_metadata`` JSON (ComfyUI 0.3.7x) is read too.
+* the older ComfyUI ``scaled_fp8`` marker tensor with per-layer ``scale_weight`` / ``scale_input``;
+* BFL / ModelOpt style: float8 weights with ``weight_scale`` (+ ``input_scale``) and no marker;
+* plain float8 weights (scale 1), e.g. files saved by ComfyUI's ``weight_dtype=fp8_e4m3fn``.
+
+nvfp4 (``weight_scale_2``, packed uint8), mxfp8, int8 and other formats are refused by name.
+
+How fp8 flows through loading without touching the component loaders:
+
+1. :func:`prepare_quantized` (called by ``weights.open_weights``) returns a view of the file in
+   which the scale and marker tensors are hidden, so every plan sees the same keys and shapes as
+   the bf16 file; a quantised weight's :class:`QuantTensorInfo` carries its format and scales, and
+   reading it returns the raw float8 data (nothing is dequantised here).
+2. ``weights.materialize`` asks :func:`plan_fp8` which internal weights stay in fp8 (by default
+   the ``nn.Linear`` weights inside the model's repeated blocks), swaps those ``nn.Linear`` modules
+   for :class:`FP8Linear` while the model is still on the meta device (free), and fills them with
+   :func:`load_fp8`. Other float8 tensors (embedders, norms in plain-fp8 files) are dequantised to
+   the compute dtype by :func:`dequantize_op`.
+
+``materialize(..., quantize="fp8")`` quantises bf16 block weights while loading (per-tensor absmax
+scale, e4m3 max 448), so the bf16 model never has to exist on the GPU; :func:`quantize_model_`
+does the same for a model that is already loaded, bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .weights import Cat, Op, SwapHalves, Take, TensorInfo, WeightFormatError, WeightSource
+
+logger = logging.getLogger(__name__)
+
+FP8_DTYPES: dict[str, torch.dtype] = {
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+}
+FP8_FORMAT_OF: dict[torch.dtype, str] = {v: k for k, v in FP8_DTYPES.items()}
+E4M3_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
+# fp8 tensor-core matmul (torch._scaled_mm) needs Ada (8.9) or newer.
+MIN_SCALED_MM_CAPABILITY = (8, 9)
+
+QuantizeMode = str | None  # None (as stored), "fp8" (quantise bf16 block weights), "dequantize"
+QUANTIZE_MODES = (None, "fp8", "dequantize")
+
+_WEIGHT_SCALE_SUFFIXES = (".weight_scale", ".scale_weight")  # ComfyUI reads both spellings
+_INPUT_SCALE_SUFFIXES = (".input_scale", ".scale_input")
+_COMFY_QUANT = ".comfy_quant"
+_SCALED_FP8_MARKER = "scaled_fp8"
+_METADATA_KEY = "_quantization_metadata"
+# Tensors that belong to formats we do not run; named in the refusal.
+_REFUSED_SUFFIXES = {
+    ".weight_scale_2": "nvfp4 (weight_scale_2, packed 4-bit weights)",
+    ".pre_quant_scale": "AWQ / SmoothQuant (pre_quant_scale)",
+}
+
+
+@dataclass(frozen=True, eq=False)
+class QuantTensorInfo(TensorInfo):
+    """Header info of a quantised weight: ``dtype`` is its float8 dtype, the rest says how to
+    read it. ``scale`` is fp32, ``[]`` (per tensor) or ``[rows]`` (per output row); ``input_scale``
+    is the calibrated fp32 activation scale or None."""
+
+    fmt: str = "float8_e4m3fn"
+    scale: torch.Tensor | None = None
+    input_scale: torch.Tensor | None = None
+    full_precision_mm: bool = False  # ComfyUI's "full_precision_matrix_mult" hint
+    origin: str = "weight_scale"  # comfy_quant | scaled_fp8 | weight_scale, for messages
+
+
+def is_fp8(dtype: torch.dtype) -> bool:
+    return dtype in FP8_FORMAT_OF
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading quantised files
+
+
+def _layer_of(key: str, suffixes: Iterable[str]) -> str | None:
+    for s in suffixes:
+        if key.endswith(s):
+            return key[: -len(s)]
+    return None
+
+
+def unsupported_format(src: WeightSource) -> str | None:
+    """Name the quantised format of ``src`` if klein_core cannot run it (nvfp4, mxfp8, int8, ...).
+
+    Reads only key names, the header metadata and the tiny ``.comfy_quant`` tensors.
+    """
+    for key in src.keys():
+        for suffix, name in _REFUSED_SUFFIXES.items():
+            if key.endswith(suffix):
+                return name
+    for layer, spec in _declared_formats(src).items():
+        fmt = spec.get("format")
+        if fmt not in FP8_DTYPES:
+            return f"'{fmt}' quantised (declared for layer '{layer}')"
+    return None
+
+
+def _declared_formats(src: WeightSource) -> dict[str, dict]:
+    """Per-layer format declarations: ``.comfy_quant`` tensors and ``_quantization_metadata``."""
+    out: dict[str, dict] = {}
+    raw_meta = src.metadata.get(_METADATA_KEY)
+    if raw_meta:
+        try:
+            layers = json.loads(raw_meta).get("layers", {})
+            if not isinstance(layers, dict):
+                raise TypeError
+        except (json.JSONDecodeError, TypeError, AttributeError):
+            raise WeightFormatError(
+                f"{src.name}: the '{_METADATA_KEY}' header entry is not the JSON object ComfyUI writes; "
+                "the file is corrupt or from an unknown tool."
+            ) from None
+        for layer, spec in layers.items():
+            out[str(layer)] = dict(spec) if isinstance(spec, dict) else {"format": spec}
+    for key in src.keys():
+        if key.endswith(_COMFY_QUANT):
+            out[key[: -len(_COMFY_QUANT)]] = _read_comfy_quant(src, key)
+    return out
+
+
+def _read_comfy_quant(src: WeightSource, key: str) -> dict:
+    info = src.info(key)
+    if info.dtype != torch.uint8 or len(info.shape) != 1:
+        raise WeightFormatError(
+            f"{src.name}: '{key}' should be a 1-D uint8 tensor holding JSON (ComfyUI comfy_quant), "
+            f"got {info.dtype} {list(info.shape)}."
+        )
+    try:
+        spec = json.loads(bytes(src.get(key).tolist()).decode("utf-8"))
+        if not isinstance(spec, dict) or not isinstance(spec.get("format"), str):
+            raise TypeError
+    except (UnicodeDecodeError, json.JSONDecodeError, TypeError):
+        raise WeightFormatError(
+            f"{src.name}: '{key}' does not hold a comfy_quant JSON object with a \"format\" entry."
+        ) from None
+    return spec
+
+
+def _read_scale(src: WeightSource, key: str, rows: int, what: str) -> torch.Tensor:
+    t = src.get(key)
+    if not t.is_floating_point():
+        raise WeightFormatError(f"{src.name}: {what} '{key}' has dtype {t.dtype}, expected a float scale.")
+    t = t.float()
+    if t.numel() == 1:
+        return t.reshape(())
+    if t.numel() == rows and (t.ndim == 1 or (t.ndim == 2 and t.shape[1] == 1)):
+        return t.reshape(rows)
+    raise WeightFormatError(
+        f"{src.name}: {what} '{key}' has shape {list(t.shape)}; only per-tensor or per-output-row "
+        "fp8 scales are supported (block-wise scales are another format). Use a per-tensor fp8 file "
+        "or the bf16 file."
+    )
+
+
+def prepare_quantized(src: WeightSource) -> WeightSource:
+    """A view of ``src`` in which fp8-quantised layers look like plain weights.
+
+    Scale, marker and ``.comfy_quant`` tensors are hidden; each quantised ``<layer>.weight`` keeps
+    its key and shape, reports its float8 dtype and carries a :class:`QuantTensorInfo`; reading it
+    returns the raw float8 data (a uint8 container is viewed as float8). Returns ``src`` itself when
+    nothing is quantised (plain float8 tensors need no view: their scale is 1).
+
+    Raises :class:`WeightFormatError` (naming the file, key and fix) for formats klein_core cannot
+    run and for inconsistent files (a scale with no weight, a "float8" layer stored as bf16, ...).
+    """
+    fmt = unsupported_format(src)
+    if fmt is not None:
+        raise WeightFormatError(
+            f"{src.name}: this file is {fmt}, which klein_core cannot run. Use the bf16 or fp8 "
+            ".safetensors file of the same model."
+        )
+    keys = src.keys()
+    declared = _declared_formats(src)
+    markers = [k for k in keys if k == _SCALED_FP8_MARKER or k.endswith("." + _SCALED_FP8_MARKER)]
+    marker_fmt = None
+    if markers:
+        marker_fmt = FP8_FORMAT_OF.get(src.dtype(markers[0]), "float8_e4m3fn")
+    scale_keys = {layer: k for k in keys if (layer := _layer_of(k, _WEIGHT_SCALE_SUFFIXES)) is not None}
+    input_keys = {layer: k for k in keys if (layer := _layer_of(k, _INPUT_SCALE_SUFFIXES)) is not None}
+    layers = set(scale_keys) | {layer for layer in declared if layer + ".weight" in src or layer + _COMFY_QUANT in src}
+    if not layers and not markers and not declared:
+        if input_keys:  # only activation scales: nothing to run differently
+            logger.warning("%s: ignoring %d input_scale tensors of unquantised layers", src.name, len(input_keys))
+            hidden = set(input_keys.values())
+            return _view(src, {k: src.info(k) for k in keys if k not in hidden}, set())
+        return src
+
+    infos: dict[str, TensorInfo] = {}
+    containers: set[str] = set()
+    for layer in sorted(layers):
+        wkey = layer + ".weight"
+        tag = scale_keys.get(layer) or (layer + _COMFY_QUANT)
+        if wkey not in src:
+            kind = "scaled_fp8 weight scale" if tag.endswith(".scale_weight") else "quantisation entry"
+            raise WeightFormatError(
+                f"{src.name}: '{tag}' is a {kind}, but there is no '{wkey}' for it to scale; the "
+                "file is incomplete or its keys were renamed. Download it again."
+            )
+        winfo = src.info(wkey)
+        spec = declared.get(layer, {})
+        origin = "comfy_quant" if layer in declared else ("scaled_fp8" if markers else "weight_scale")
+        want = spec.get("format") or FP8_FORMAT_OF.get(winfo.dtype) or marker_fmt
+        if winfo.dtype == torch.uint8 and want in FP8_DTYPES:
+            containers.add(wkey)  # fp8 bytes stored in a uint8 container: same shape, reinterpret
+        elif not is_fp8(winfo.dtype) or (want is not None and FP8_DTYPES.get(want) != winfo.dtype):
+            where = f"'{layer}{_COMFY_QUANT}'" if layer in declared else f"'{tag}'"
+            raise WeightFormatError(
+                f"{src.name}: {where} marks layer '{layer}' as {want or 'fp8-scaled'}, but '{wkey}' "
+                f"is stored as {winfo.dtype}; the file is inconsistent. Re-export it, or use the bf16 file."
+            )
+        rows = winfo.shape[0] if winfo.shape else 1
+        scale = (_read_scale(src, scale_keys[layer], rows, "weight scale") if layer in scale_keys
+                 else torch.ones((), dtype=torch.float32))
+        in_scale = (_read_scale(src, input_keys[layer], 1, "input scale") if layer in input_keys else None)
+        infos[wkey] = QuantTensorInfo(
+            winfo.shape, FP8_DTYPES[want], fmt=want, scale=scale, input_scale=in_scale,
+            full_precision_mm=bool(spec.get("full_precision_matrix_mult", False)), origin=origin,
+        )
+    hidden = set(markers) | set(scale_keys.values()) | set(input_keys.values())
+    hidden |= {k for k in keys if k.endswith(_COMFY_QUANT)}
+    orphans = [k for layer, k in input_keys.items() if layer not in layers]
+    if orphans:  # calibrated scales of layers left in bf16 (seen in BFL/NVIDIA mixed files)
+        logger.info("%s: ignoring %d input scales of unquantised layers (e.g. %s)", src.name, len(orphans), orphans[0])
+    for k in keys:
+        if k not in hidden and k not in infos:
+            infos[k] = src.info(k)
+    n_fp8 = sum(1 for i in infos.values() if isinstance(i, QuantTensorInfo))
+    logger.info("%s: %d fp8-scaled layers (%s)", src.name, n_fp8,
+                ", ".join(sorted({i.origin for i in infos.values() if isinstance(i, QuantTensorInfo)})))
+    return _view(src, infos, containers)
+
+
+def _view(src: WeightSource, infos: Mapping[str, TensorInfo], containers: set[str]) -> WeightSource:
+    def reader(key: str) -> torch.Tensor:
+        t = src.get(key)
+        return t.view(infos[key].dtype) if key in containers else t
+
+    return WeightSource(src.name, infos, reader, src.metadata)
+
+
+# ---------------------------------------------------------------------------------------------
+# Quantising
+
+
+def quantize_fp8(weight: torch.Tensor, fmt: str = "float8_e4m3fn") -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-tensor absmax quantisation: ``weight ~ q.float() * scale``.
+
+    Returns ``(q, scale)``: ``q`` has ``weight``'s shape in the float8 dtype of ``fmt``; ``scale``
+    is a 0-dim float32 ``absmax / fp8_max`` (1 for an all-zero tensor). Computed in float32, so
+    a bf16 and an fp32 copy of the same values give the same bytes.
+    """
+    dtype = FP8_DTYPES[fmt]
+    fmax = float(torch.finfo(dtype).max)
+    w = weight.float()
+    amax = w.abs().amax()
+    scale = torch.where(amax > 0, amax / fmax, torch.ones_like(amax)).to(torch.float32)
+    q = (w / scale).clamp(-fmax, fmax).to(dtype)
+    return q, scale.reshape(())
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``q * scale`` in float32, cast to ``dtype``; ``scale`` is ``[]`` or ``[rows]``."""
+    s = scale.float()
+    if s.ndim == 1:
+        s = s.reshape(-1, *([1] * (q.ndim - 1)))
+    return (q.float() * s).to(dtype)
+
+
+def quantize_state_dict(
+    state: Mapping[str, torch.Tensor],
+    layers: Iterable[str],
+    *,
+    style: str = "comfy_quant",
+    fmt: str = "float8_e4m3fn",
+    input_scales: Mapping[str, float] | None = None,
+) -> dict[str, torch.Tensor]:
+    """Write an fp8 checkpoint state dict from a float one (a converter, and the tests' fixture).
+
+    ``layers``: layer names (``<layer>.weight`` must be in ``state``) to quantise per tensor.
+    ``style``: ``"comfy_quant"`` (``.comfy_quant`` JSON + ``weight_scale``), ``"scaled_fp8"`` (a
+    ``scaled_fp8`` marker + ``scale_weight``), ``"bfl"`` (``weight_scale`` only) or ``"plain"``
+    (float8 weights, scale 1: saturating cast, so only for weights within the fp8 range).
+    ``input_scales``: optional calibrated activation scales by layer (not used by ``"plain"``).
+    Other tensors are copied unchanged.
+    """
+    if style not in ("comfy_quant", "scaled_fp8", "bfl", "plain"):
+        raise ValueError(f"quantize_state_dict: unknown style '{style}' (comfy_quant, scaled_fp8, bfl, plain)")
+    out = dict(state)
+    dtype = FP8_DTYPES[fmt]
+    fmax = float(torch.finfo(dtype).max)
+    for layer in layers:
+        key = layer + ".weight"
+        if key not in state:
+            raise ValueError(f"quantize_state_dict: no tensor '{key}' to quantise")
+        if style == "plain":
+            out[key] = state[key].float().clamp(-fmax, fmax).to(dtype)
+            continue
+        q, scale = quantize_fp8(state[key], fmt)
+        out[key] = q
+        out[layer + (".scale_weight" if style == "scaled_fp8" else ".weight_scale")] = scale
+        if input_scales and layer in input_scales:
+            out[layer + (".scale_input" if style == "scaled_fp8" else ".input_scale")] = torch.tensor(
+                float(input_scales[layer]), dtype=torch.float32)
+        if style == "comfy_quant":
+            out[layer + _COMFY_QUANT] = torch.tensor(list(json.dumps({"format": fmt}).encode()), dtype=torch.uint8)
+    if style == "scaled_fp8":
+        out[_SCALED_FP8_MARKER] = torch.empty(0, dtype=dtype)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The layer
+
+
+_scaled_mm_support: dict[tuple[str, int | None], bool] = {}
+
+
+def scaled_mm_available(device: torch.device) -> bool:
+    """Whether ``device`` has fp8 tensor cores (CUDA compute capability >= 8.9).
+
+    Checked once per device, at first use (never at import), with one info log line.
+    """
+    if device.type != "cuda":
+        return False
+    key = (device.type, device.index)
+    if key not in _scaled_mm_support:
+        cap = torch.cuda.get_device_capability(device)
+        ok = tuple(cap) >= MIN_SCALED_MM_CAPABILITY and hasattr(torch, "_scaled_mm")
+        _scaled_mm_support[key] = ok
+        logger.info(
+            "fp8 matmul on %s (compute capability %d.%d): %s", device, cap[0], cap[1],
+            "torch._scaled_mm" if ok else "not available, fp8 weights are upcast per layer",
+        )
+    return _scaled_mm_support[key]
+
+
+class FP8Linear(nn.Module):
+    """A Linear layer whose weight is stored in float8: ``y = x @ (weight * weight_scale)^T + bias``.
+
+    Parameters and buffers: ``weight [out, in]`` float8 (a non-trainable Parameter),
+    ``weight_scale`` fp32 ``[]`` or ``[out]``, ``input_scale`` fp32 ``[]`` or None (a calibrated
+    activation scale; without it activations are scaled dynamically), ``bias [out]`` or None.
+
+    ``matmul``: ``"auto"`` uses ``torch._scaled_mm`` on CUDA GPUs with compute capability >= 8.9
+    (e4m3 weights, sizes multiple of 16, half-precision activations, no full-precision hint) and
+    otherwise upcasts the weight to the activation dtype for this one layer; ``"upcast"`` and
+    ``"scaled_mm"`` force a path (``torch._scaled_mm`` also runs on CPU, which the tests use).
+    Input ``x [..., in]`` in any float dtype; output ``[..., out]`` in ``x.dtype``.
+    """
+
+    matmul: str = "auto"
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        bias: bool = False,
+        fmt: str = "float8_e4m3fn",
+        per_row_scale: bool = False,
+        input_scale: bool = False,
+        full_precision_mm: bool = False,
+        device: torch.device | str | None = None,
+        bias_dtype: torch.dtype = torch.float32,
+    ) -> None:
+        super().__init__()
+        if fmt not in FP8_DTYPES:
+            raise ValueError(f"FP8Linear: unknown format '{fmt}' (expected one of {sorted(FP8_DTYPES)})")
+        self.in_features = in_features
+        self.out_features = out_features
+        self.fmt = fmt
+        self.full_precision_mm = full_precision_mm
+        self.weight = nn.Parameter(
+            torch.empty(out_features, in_features, dtype=FP8_DTYPES[fmt], device=device), requires_grad=False
+        )
+        self.register_buffer("weight_scale", torch.ones((out_features,) if per_row_scale else (), device=device))
+        self.register_buffer("input_scale", torch.ones((), device=device) if input_scale else None)
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features, dtype=bias_dtype, device=device), requires_grad=False)
+        else:
+            self.register_parameter("bias", None)
+
+    def extra_repr(self) -> str:
+        scale = "per-row" if self.weight_scale.ndim else "per-tensor"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, fmt={self.fmt}, "
+                f"{scale} scale, bias={self.bias is not None}")
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, fmt: str = "float8_e4m3fn") -> FP8Linear:
+        """Quantise an ``nn.Linear`` (per-tensor absmax) on the device its weight is on."""
+        w = linear.weight
+        layer = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, fmt=fmt, device="meta")
+        q, scale = quantize_fp8(w.detach(), fmt)
+        layer.weight = nn.Parameter(q, requires_grad=False)
+        layer.weight_scale = scale.to(w.device)
+        if linear.bias is not None:
+            layer.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+        return layer
+
+    def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight as ``dtype`` (``[out, in]``): float8 upcast, then scaled in ``dtype``."""
+        w = self.weight.to(dtype)
+        s = self.weight_scale.to(dtype)
+        return w.mul_(s[:, None] if s.ndim else s)
+
+    def _use_scaled_mm(self, x: torch.Tensor) -> bool:
+        if self.matmul == "upcast":
+            return False
+        shape_ok = self.in_features % 16 == 0 and self.out_features % 16 == 0
+        if self.matmul == "scaled_mm":
+            return shape_ok
+        return (
+            not self.full_precision_mm and shape_ok and self.fmt == "float8_e4m3fn"
+            and x.dtype in (torch.bfloat16, torch.float16) and scaled_mm_available(x.device)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._use_scaled_mm(x):
+            return self._scaled_mm(x)
+        # Upcast one layer at a time: the only extra memory is this layer's weight in x.dtype.
+        bias = self.bias.to(x.dtype) if self.bias is not None else None
+        return F.linear(x, self.dequantized_weight(x.dtype), bias)
+
+    def _scaled_mm(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        if self.input_scale is not None:
+            xs = self.input_scale.float()
+        else:
+            xs = (x2.abs().amax().float() / E4M3_MAX).clamp(min=1e-12)
+        # Round the activation scale to x's dtype first so the division below and the scale given
+        # to the kernel are the same number.
+        xs = xs.to(x.dtype).float().reshape(())
+        xq = (x2 / xs.to(x.dtype)).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+        per_row = self.weight_scale.ndim == 1
+        ws = torch.ones((), device=x.device) if per_row else self.weight_scale.float().reshape(())
+        out_dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.float32
+        y = torch._scaled_mm(xq, self.weight.t(), scale_a=xs, scale_b=ws, out_dtype=out_dtype)
+        if per_row:  # per-row weight scales factor out of the dot products: scale the columns
+            y = y * self.weight_scale.to(y.dtype)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y.reshape(*lead, self.out_features).to(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Integration with weights.materialize
+
+
+def block_linear_names(module: nn.Module) -> list[str]:
+    """Qualified names of the ``nn.Linear`` layers inside repeated blocks (any ``nn.ModuleList``).
+
+    These are the layers kept in (or quantised to) fp8 by default: the transformer's
+    ``double_blocks``/``single_blocks`` and the text encoder's ``layers``. Embedders, modulation,
+    the final layer, embeddings and norms stay in the compute dtype: they are a few percent of the
+    weights, run once per step on a handful of rows, and the models read their compute dtype from
+    ``img_in`` / ``embed_tokens``.
+    """
+    names: list[str] = []
+
+    def walk(mod: nn.Module, prefix: str, in_list: bool) -> None:
+        for name, child in mod.named_children():
+            q = f"{prefix}{name}"
+            if isinstance(child, (nn.Linear, FP8Linear)) and in_list:
+                names.append(q)
+            walk(child, q + ".", in_list or isinstance(child, nn.ModuleList))
+
+    walk(module, "", False)
+    return names
+
+
+@dataclass(frozen=True)
+class Fp8Layer:
+    """One layer :func:`plan_fp8` keeps in fp8. ``quantize``: its source is float and gets
+    quantised while loading; otherwise it is read from fp8 data."""
+
+    name: str  # module path
+    fmt: str
+    per_row_scale: bool
+    input_scale: bool
+    full_precision_mm: bool
+    quantize: bool
+
+
+def reads_fp8(op: Op, src: WeightSource) -> bool:
+    """Whether ``op`` reads any float8 tensor from ``src``."""
+    return any(is_fp8(src.dtype(k)) for k in op.sources())
+
+
+def _scales(op: Op, src: WeightSource) -> list[torch.Tensor]:
+    out = []
+    for k in op.sources():
+        info = src.info(k)
+        out.append(info.scale if isinstance(info, QuantTensorInfo) and info.scale is not None
+                   else torch.ones((), dtype=torch.float32))
+    return out
+
+
+def _raw_layout(op: Op, src: WeightSource) -> tuple[bool, bool]:
+    """(can stay fp8, needs a per-row scale) for an op over fp8 sources."""
+    dtypes = {src.dtype(k) for k in op.sources()}
+    if len(dtypes) != 1 or not is_fp8(next(iter(dtypes))):
+        return False, False  # mixed sources: dequantise
+    scales = _scales(op, src)
+    uniform = all(s.ndim == 0 for s in scales) and all(torch.equal(s, scales[0]) for s in scales)
+    if uniform:
+        return True, False
+    # Row-preserving ops carry per-row scales along exactly (e.g. diffusers to_q/to_k/to_v -> qkv,
+    # each with its own per-tensor scale).
+    rows_ok = isinstance(op, (Take, SwapHalves)) or (isinstance(op, Cat) and op.dim == 0)
+    return rows_ok, True
+
+
+def plan_fp8(
+    module: nn.Module, plan_ops: Mapping[str, Op], src: WeightSource, quantize: QuantizeMode = None,
+    layers: Callable[[str], bool] | None = None,
+) -> dict[str, Fp8Layer]:
+    """Which internal weights of ``module`` (built on meta) to hold in fp8: ``{weight name: layer}``.
+
+    ``quantize``: None keeps what the file stores (fp8 block weights stay fp8); ``"fp8"`` also
+    quantises float block weights; ``"dequantize"`` keeps nothing in fp8 (for devices without
+    float8 support, e.g. MPS). ``layers(name)`` overrides the default selection
+    (:func:`block_linear_names`).
+    """
+    if quantize not in QUANTIZE_MODES:
+        raise ValueError(f"quantize must be one of {QUANTIZE_MODES}, got {quantize!r}")
+    if quantize == "dequantize":
+        return {}
+    allowed = set(block_linear_names(module)) if layers is None else None
+    out: dict[str, Fp8Layer] = {}
+    for name, op in plan_ops.items():
+        if not name.endswith(".weight"):
+            continue
+        layer = name[: -len(".weight")]
+        if (allowed is not None and layer not in allowed) or (layers is not None and not layers(layer)):
+            continue
+        if not isinstance(module.get_submodule(layer), nn.Linear):
+            continue
+        if reads_fp8(op, src):
+            ok, per_row = _raw_layout(op, src)
+            if not ok:
+                if quantize == "fp8":
+                    out[name] = Fp8Layer(layer, "float8_e4m3fn", False, False, False, True)
+                continue
+            infos = [src.info(k) for k in op.sources()]
+            q = [i for i in infos if isinstance(i, QuantTensorInfo)]
+            out[name] = Fp8Layer(
+                layer, FP8_FORMAT_OF[infos[0].dtype], per_row,
+                input_scale=bool(q) and len(q) == len(infos) and all(i.input_scale is not None for i in q),
+                full_precision_mm=any(i.full_precision_mm for i in q), quantize=False,
+            )
+        elif quantize == "fp8" and all(src.dtype(k).is_floating_point for k in op.sources()):
+            out[name] = Fp8Layer(layer, "float8_e4m3fn", False, False, False, True)
+    return out
+
+
+def swap_to_fp8_(module: nn.Module, layers: Iterable[Fp8Layer]) -> None:
+    """Replace the ``nn.Linear`` modules named in ``layers`` by empty :class:`FP8Linear` (meta)."""
+    for spec in layers:
+        parent_name, _, child = spec.name.rpartition(".")
+        parent = module.get_submodule(parent_name) if parent_name else module
+        old = getattr(parent, child)
+        new = FP8Linear(
+            old.in_features, old.out_features, bias=old.bias is not None, fmt=spec.fmt,
+            per_row_scale=spec.per_row_scale, input_scale=spec.input_scale,
+            full_precision_mm=spec.full_precision_mm, device="meta",
+        )
+        setattr(parent, child, new)
+
+
+class _RowScales:
+    """A stand-in source whose tensors are each key's weight scale as a ``[rows]`` vector, so an
+    Op applied to it moves the scales exactly as it moves the weight rows."""
+
+    def __init__(self, src: WeightSource) -> None:
+        self._src = src
+
+    def get(self, key: str) -> torch.Tensor:
+        info = self._src.info(key)
+        s = info.scale if isinstance(info, QuantTensorInfo) and info.scale is not None else torch.ones(())
+        return s.float().expand(info.shape[0]).clone() if s.ndim == 0 else s.float()
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return (self._src.shape(key)[0],)
+
+
+class _Dequantized:
+    """A stand-in source that reads float8 tensors dequantised to float32."""
+
+    def __init__(self, src: WeightSource) -> None:
+        self._src = src
+
+    def get(self, key: str) -> torch.Tensor:
+        t = self._src.get(key)
+        if not is_fp8(t.dtype):
+            return t
+        info = self._src.info(key)
+        scale = info.scale if isinstance(info, QuantTensorInfo) and info.scale is not None else torch.ones(())
+        return dequantize(t, scale)
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return self._src.shape(key)
+
+
+def dequantize_op(op: Op, src: WeightSource) -> torch.Tensor:
+    """``op`` evaluated on dequantised (float32) sources."""
+    return op.load(_Dequantized(src))  # type: ignore[arg-type]
+
+
+def load_fp8(name: str, spec: Fp8Layer, op: Op, src: WeightSource, device: torch.device) -> dict[str, torch.Tensor]:
+    """State-dict entries (``weight``, ``weight_scale``, [``input_scale``]) of one FP8Linear."""
+    prefix = spec.name + "."
+    if spec.quantize:
+        q, scale = quantize_fp8(dequantize_op(op, src) if reads_fp8(op, src) else op.load(src), spec.fmt)
+        return {name: q.to(device), prefix + "weight_scale": scale.to(device)}
+    data = op.load(src)
+    if spec.per_row_scale:
+        scale = op.load(_RowScales(src))  # type: ignore[arg-type]
+    else:
+        scale = _scales(op, src)[0]
+    out = {name: data.contiguous().to(device), prefix + "weight_scale": scale.float().to(device)}
+    if spec.input_scale:
+        infos = [src.info(k) for k in op.sources()]
+        # Fused layers read one input; the largest calibrated scale never clips any of them.
+        xs = torch.stack([i.input_scale.float().reshape(()) for i in infos]).amax()  # type: ignore[union-attr]
+        out[prefix + "input_scale"] = xs.to(device)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Models already loaded
+
+
+def quantize_model_(
+    model: nn.Module, layers: Callable[[str], bool] | Iterable[str] | None = None, fmt: str = "float8_e4m3fn"
+) -> list[str]:
+    """Replace ``nn.Linear`` layers of a loaded model by :class:`FP8Linear`, in place.
+
+    ``layers``: a predicate on module names, an explicit list of names, or None for the default
+    (:func:`block_linear_names`). Each layer is quantised on its own device, one at a time, so the
+    extra memory is one layer. Gives the same bytes as loading a file written by
+    :func:`quantize_state_dict` from the same weights. Returns the names replaced.
+    """
+    candidates = block_linear_names(model) if layers is None or callable(layers) else list(layers)
+    if callable(layers):
+        all_linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+        candidates = [n for n in all_linears if layers(n)]
+    done = []
+    for name in candidates:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        old = getattr(parent, child)
+        if isinstance(old, FP8Linear):
+            continue
+        if not isinstance(old, nn.Linear):
+            raise ValueError(f"quantize_model_: '{name}' is a {type(old).__name__}, not an nn.Linear")
+        setattr(parent, child, FP8Linear.from_linear(old, fmt))
+        done.append(name)
+    logger.info("Quantised %d Linear layers to %s", len(done), fmt)
+    return done
+
+
+def fp8_layers(model: nn.Module) -> list[str]:
+    """Names of the :class:`FP8Linear` modules of ``model``."""
+    return [n for n, m in model.named_modules() if isinstance(m, FP8Linear)]
+
+
+__all__ = [
+    "E4M3_MAX", "FP8Linear", "QuantTensorInfo", "block_linear_names", "dequantize", "fp8_layers",
+    "prepare_quantized", "quantize_fp8", "quantize_model_", "quantize_state_dict", "scaled_mm_available",
+    "unsupported_format",
+]

@@ -1,0 +1,339 @@
+"""fp8 weights: every file format loads and matches bf16, quantize-on-load is exact, FP8Linear paths.
+
+Each fp8 file is written by the test from a tiny random model (``klein_core.demo``) in the layout
+the format uses, then loaded through the normal loaders. The reference is the same bf16 weights
+loaded unquantised; both run in float32 so the difference is the fp8 rounding alone.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+from torch import nn
+
+from klein_core import demo
+from klein_core.qwen3 import load_text_encoder
+from klein_core.quant import (
+    E4M3_MAX, FP8Linear, QuantTensorInfo, block_linear_names, fp8_layers, prepare_quantized, quantize_fp8,
+    quantize_model_, quantize_state_dict, scaled_mm_available,
+)
+from klein_core.transformer import Flux2Transformer, load_transformer, plan_transformer, position_ids, text_position_ids
+from klein_core.weights import WeightFormatError, materialize, open_weights
+
+F8 = torch.float8_e4m3fn
+
+
+def _bf16(sd):
+    return {k: (v.to(torch.bfloat16) if v.is_floating_point() else v).contiguous() for k, v in sd.items()}
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model = demo.tiny_transformer(demo.TINY_4B, seed=3)
+    sd = dict(model.state_dict())
+    for k, v in sd.items():
+        if "modulation" in k:
+            # Random init leaves the gates small and the blocks barely move the output; larger
+            # gates make the blocks (the fp8 part) dominate, so the measured error is theirs.
+            sd[k] = v * 30
+        if k.endswith("attn.qkv.weight"):
+            # q, k and v of different magnitudes: diffusers-named files then carry three scales.
+            sd[k] = v * torch.tensor([1.0, 0.5, 2.0]).repeat_interleave(v.shape[0] // 3)[:, None]
+    return _bf16(sd), block_linear_names(model)
+
+
+def _inputs(cfg, batch=2, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.cat([position_ids(4, 5), position_ids(2, 3, t=10)])
+    img = torch.randn(batch, ids.shape[0], cfg.in_channels, generator=g)
+    txt = torch.randn(batch, 7, cfg.context_dim, generator=g)
+    return dict(img=img, img_ids=ids, txt=txt, txt_ids=text_position_ids(7), timesteps=torch.tensor([0.9, 0.4]))
+
+
+def _rel(a, b):
+    return float((a - b).norm() / b.norm())
+
+
+# Test-local BFL -> diffusers key table (the inverse of SPEC §1.5), to write diffusers-named files.
+def _to_diffusers(sd, n_double, n_single):
+    out = {
+        "x_embedder.weight": sd["img_in.weight"], "context_embedder.weight": sd["txt_in.weight"],
+        "time_guidance_embed.timestep_embedder.linear_1.weight": sd["time_in.in_layer.weight"],
+        "time_guidance_embed.timestep_embedder.linear_2.weight": sd["time_in.out_layer.weight"],
+        "double_stream_modulation_img.linear.weight": sd["double_stream_modulation_img.lin.weight"],
+        "double_stream_modulation_txt.linear.weight": sd["double_stream_modulation_txt.lin.weight"],
+        "single_stream_modulation.linear.weight": sd["single_stream_modulation.lin.weight"],
+        "proj_out.weight": sd["final_layer.linear.weight"],
+    }
+    shift, scale = sd["final_layer.adaLN_modulation.1.weight"].chunk(2)
+    out["norm_out.linear.weight"] = torch.cat([scale, shift])
+    for i in range(n_double):
+        b, d = f"double_blocks.{i}.", f"transformer_blocks.{i}."
+        for x, part in zip("qkv", sd[b + "img_attn.qkv.weight"].chunk(3)):
+            out[d + f"attn.to_{x}.weight"] = part
+        for x, part in zip("qkv", sd[b + "txt_attn.qkv.weight"].chunk(3)):
+            out[d + f"attn.add_{x}_proj.weight"] = part
+        out[d + "attn.norm_q.weight"] = sd[b + "img_attn.norm.query_norm.scale"]
+        out[d + "attn.norm_k.weight"] = sd[b + "img_attn.norm.key_norm.scale"]
+        out[d + "attn.norm_added_q.weight"] = sd[b + "txt_attn.norm.query_norm.scale"]
+        out[d + "attn.norm_added_k.weight"] = sd[b + "txt_attn.norm.key_norm.scale"]
+        out[d + "attn.to_out.0.weight"] = sd[b + "img_attn.proj.weight"]
+        out[d + "attn.to_add_out.weight"] = sd[b + "txt_attn.proj.weight"]
+        out[d + "ff.linear_in.weight"] = sd[b + "img_mlp.0.weight"]
+        out[d + "ff.linear_out.weight"] = sd[b + "img_mlp.2.weight"]
+        out[d + "ff_context.linear_in.weight"] = sd[b + "txt_mlp.0.weight"]
+        out[d + "ff_context.linear_out.weight"] = sd[b + "txt_mlp.2.weight"]
+    for i in range(n_single):
+        b, d = f"single_blocks.{i}.", f"single_transformer_blocks.{i}."
+        out[d + "attn.to_qkv_mlp_proj.weight"] = sd[b + "linear1.weight"]
+        out[d + "attn.to_out.weight"] = sd[b + "linear2.weight"]
+        out[d + "attn.norm_q.weight"] = sd[b + "norm.query_norm.scale"]
+        out[d + "attn.norm_k.weight"] = sd[b + "norm.key_norm.scale"]
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def _diffusers_linears(layers):
+    """Diffusers layer names of the BFL block linears (q/k/v split)."""
+    names = []
+    for layer in layers:
+        parts = layer.split(".")
+        i = parts[1]
+        if parts[0] == "double_blocks":
+            tail = ".".join(parts[2:])
+            names += {
+                "img_attn.qkv": [f"transformer_blocks.{i}.attn.to_{x}" for x in "qkv"],
+                "txt_attn.qkv": [f"transformer_blocks.{i}.attn.add_{x}_proj" for x in "qkv"],
+                "img_attn.proj": [f"transformer_blocks.{i}.attn.to_out.0"],
+                "txt_attn.proj": [f"transformer_blocks.{i}.attn.to_add_out"],
+                "img_mlp.0": [f"transformer_blocks.{i}.ff.linear_in"],
+                "img_mlp.2": [f"transformer_blocks.{i}.ff.linear_out"],
+                "txt_mlp.0": [f"transformer_blocks.{i}.ff_context.linear_in"],
+                "txt_mlp.2": [f"transformer_blocks.{i}.ff_context.linear_out"],
+            }[tail]
+        else:
+            names.append(f"single_transformer_blocks.{i}.attn." + {"linear1": "to_qkv_mlp_proj", "linear2": "to_out"}[parts[2]])
+    return names
+
+
+def _write(tmp_path, name, sd, metadata=None):
+    path = tmp_path / name
+    save_file(sd, str(path), metadata=metadata)
+    return path
+
+
+FORMATS = ["comfy_quant mixed", "scaled_fp8", "bfl diffusers weight_scale+input_scale", "plain float8"]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_fp8_files_load_and_match_bf16(tmp_path, tiny, fmt, parity):
+    sd, layers = tiny
+    ref = load_transformer(sd, dtype=torch.float32)
+    cfg = ref.config
+    n_expected = len(layers)
+    if fmt == "comfy_quant mixed":
+        kept_bf16 = [l for l in layers if l.startswith("single_blocks.1.")]  # like fp8mixed files
+        quantised = [l for l in layers if l not in kept_bf16]
+        file_sd = quantize_state_dict(sd, quantised, style="comfy_quant",
+                                      input_scales={quantised[0]: 0.05})
+        file_sd[kept_bf16[0] + ".input_scale"] = torch.tensor(0.1)  # stray calibration of a bf16 layer
+        n_expected = len(quantised)
+    elif fmt == "scaled_fp8":
+        file_sd = {"model.diffusion_model." + k: v
+                   for k, v in quantize_state_dict(sd, layers, style="scaled_fp8").items() if k != "scaled_fp8"}
+        file_sd["scaled_fp8"] = torch.empty(0, dtype=F8)  # the marker sits at the root in ComfyUI files
+    elif fmt == "plain float8":
+        # Everything float8, norms and embedders too (as ComfyUI's weight_dtype=fp8_e4m3fn saves).
+        file_sd = {k: v.float().to(F8) for k, v in sd.items()}
+    else:
+        dsd = _to_diffusers(sd, cfg.depth, cfg.depth_single)
+        dl = _diffusers_linears(layers)
+        file_sd = quantize_state_dict(dsd, dl, style="bfl", input_scales={n: 0.02 * (1 + j % 3) for j, n in enumerate(dl)})
+    path = _write(tmp_path, "flux-2-klein-4b-fp8.safetensors", file_sd)
+    model = load_transformer(path, dtype=torch.float32)
+    assert isinstance(model, Flux2Transformer) and model.dtype == torch.float32
+    assert len(fp8_layers(model)) == n_expected
+    assert isinstance(model.img_in, nn.Linear) and not isinstance(model.img_in, FP8Linear)
+    if fmt.startswith("bfl"):  # q/k/v each had its own scale: fused exactly with per-row scales
+        qkv = model.double_blocks[0].img_attn.qkv
+        assert qkv.weight_scale.shape == (qkv.out_features,) and qkv.input_scale is not None
+        assert float(qkv.input_scale) == pytest.approx(0.06)
+    inputs = _inputs(cfg)
+    with torch.no_grad():
+        out, want = model(**inputs), ref(**inputs)
+    rel = _rel(out, want)
+    parity(f"fp8 {fmt}: transformer output, relative L2 vs bf16 weights", rel)
+    # e4m3 keeps 3 mantissa bits: ~2-4% relative error per layer; scale-1 plain files lose more to
+    # subnormals (tiny random weights are ~0.1).
+    assert rel < (0.15 if fmt == "plain float8" else 0.08), rel
+
+
+def test_text_encoder_fp8mixed(tmp_path, parity):
+    te = demo.tiny_text_encoder(demo.TINY_4B, seed=1)
+    sd = _bf16(te.state_dict())
+    layers = block_linear_names(te)
+    quantised = [l for l in layers if not l.endswith("o_proj")]  # a mixed file: some layers stay bf16
+    file_sd = {"model." + k: v for k, v in quantize_state_dict(sd, quantised, style="comfy_quant").items()}
+    path = _write(tmp_path, "qwen_3_8b_fp8mixed.safetensors", file_sd)
+    ref = load_text_encoder({"model." + k: v for k, v in sd.items()}, dtype=torch.float32)
+    model = load_text_encoder(path, dtype=torch.float32)
+    assert len(fp8_layers(model)) == len(quantised) and model.embed_tokens.weight.dtype == torch.float32
+    ids = torch.randint(0, 1000, (2, 12), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    rel = _rel(model.encode(ids, mask), ref.encode(ids, mask))
+    parity("fp8 comfy_quant mixed: text encoder output, relative L2 vs bf16 weights", rel)
+    assert rel < 0.06, rel
+    default = load_text_encoder(path)  # no dtype: computes in the bf16 of the unquantised tensors
+    assert default.embed_tokens.weight.dtype == torch.bfloat16 and len(fp8_layers(default)) == len(quantised)
+
+
+def test_quantize_on_load_equals_prequantized_file(tmp_path, tiny):
+    sd, layers = tiny
+    bf16_path = _write(tmp_path, "bf16.safetensors", sd)
+    fp8_path = _write(tmp_path, "fp8.safetensors", quantize_state_dict(sd, layers, style="comfy_quant"))
+    from_file = load_transformer(fp8_path, dtype=torch.float32)
+    # What load_transformer(..., quantize="fp8") does: the same plan, materialize with quantize.
+    src = open_weights(bf16_path, component="transformer")
+    plan, config, _, view = plan_transformer(src)
+    on_load = materialize(lambda: Flux2Transformer(config), plan, view, component="t", dtype=torch.float32,
+                          quantize="fp8")
+    after = load_transformer(bf16_path, dtype=torch.float32)
+    assert sorted(quantize_model_(after)) == sorted(layers)
+    a, b, c = from_file.state_dict(), on_load.state_dict(), after.state_dict()
+    assert a.keys() == b.keys() == c.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype == c[k].dtype, k
+        assert torch.equal(a[k].view(torch.uint8) if a[k].dtype == F8 else a[k],
+                           b[k].view(torch.uint8) if b[k].dtype == F8 else b[k]), k
+        assert torch.equal(a[k].float(), c[k].float()), k
+    inputs = _inputs(config)
+    with torch.no_grad():
+        assert torch.equal(from_file(**inputs), on_load(**inputs))
+        assert torch.equal(from_file(**inputs), after(**inputs))
+
+
+@pytest.mark.parametrize("per_row", [False, True])
+def test_fp8linear_upcast_equals_dequantized_matmul(per_row):
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(48, 32, generator=g)
+    layer = FP8Linear(32, 48, per_row_scale=per_row, bias=True)
+    q, s = quantize_fp8(w)
+    layer.weight.data = q
+    layer.weight_scale = torch.linspace(0.5, 2.0, 48) * s if per_row else s
+    layer.bias.data = torch.randn(48, generator=g)
+    x = torch.randn(3, 5, 32, generator=g)
+    scale = layer.weight_scale[:, None] if per_row else layer.weight_scale
+    deq = q.float() * scale
+    assert torch.equal(layer(x), F.linear(x, deq, layer.bias))  # float32: exact
+    xb = x.bfloat16()
+    # bf16 activations: the weight is upcast to bf16 and scaled in bf16, one layer at a time.
+    want = F.linear(xb, q.bfloat16() * scale.bfloat16(), layer.bias.bfloat16())
+    assert torch.equal(layer(xb), want)
+    assert _rel(layer(xb).float(), F.linear(x, deq, layer.bias)) < 1e-2
+    assert not scaled_mm_available(torch.device("cpu"))
+
+
+@pytest.mark.parametrize("per_row,static", [(False, False), (True, False), (False, True)])
+def test_scaled_mm_path_matches_upcast(per_row, static, parity):
+    # torch._scaled_mm also runs on CPU, so the fp8 tensor-core code path is exercised here.
+    g = torch.Generator().manual_seed(1)
+    lin = nn.Linear(64, 96, bias=False)
+    lin.weight.data = torch.randn(96, 64, generator=g) * 0.05
+    layer = FP8Linear.from_linear(lin)
+    if per_row:
+        layer.weight_scale = layer.weight_scale * torch.linspace(0.5, 1.5, 96)
+    x = torch.randn(2, 7, 64, generator=g).bfloat16()
+    if static:
+        layer.input_scale = (x.float().abs().amax() / E4M3_MAX).reshape(())
+    layer.matmul = "upcast"
+    up = layer(x)
+    layer.matmul = "scaled_mm"
+    mm = layer(x)
+    assert mm.dtype == torch.bfloat16 and mm.shape == (2, 7, 96)
+    rel = _rel(mm.float(), up.float())
+    parity(f"fp8 scaled_mm vs upcast (per_row={per_row}, static={static}), relative L2", rel)
+    assert rel < 0.05, rel  # the activations are quantised to e4m3 on this path
+
+
+def test_nvfp4_and_other_formats_refused(tmp_path, tiny):
+    sd, layers = tiny
+    bad = dict(sd)
+    layer = layers[0]
+    rows, cols = sd[layer + ".weight"].shape
+    bad[layer + ".weight"] = torch.zeros(rows, cols // 2, dtype=torch.uint8)  # two fp4 values a byte
+    bad[layer + ".weight_scale"] = torch.ones(rows, cols // 16, dtype=F8)
+    bad[layer + ".weight_scale_2"] = torch.tensor(1.0)
+    bad[layer + ".comfy_quant"] = torch.tensor(list(b'{"format": "nvfp4"}'), dtype=torch.uint8)
+    path = _write(tmp_path, "flux-2-klein-base-9b-nvfp4.safetensors", bad)
+    with pytest.raises(WeightFormatError, match="nvfp4") as exc:
+        load_transformer(path)
+    assert str(path) in str(exc.value)
+    mx = dict(sd)
+    mx[layer + ".comfy_quant"] = torch.tensor(list(b'{"format": "mxfp8"}'), dtype=torch.uint8)
+    with pytest.raises(WeightFormatError, match=f"'mxfp8'.*'{layer}'"):
+        load_transformer(mx)
+    meta_bad = _write(tmp_path, "m.safetensors", sd,
+                      metadata={"_quantization_metadata": json.dumps({"layers": {layer: {"format": "int8_blockwise"}}})})
+    with pytest.raises(WeightFormatError, match="int8_blockwise"):
+        load_transformer(meta_bad)
+    (tmp_path / "klein.gguf").write_bytes(b"GGUF" + b"\0" * 16)
+    with pytest.raises(WeightFormatError, match="GGUF"):
+        load_transformer(tmp_path / "klein.gguf")
+
+
+def test_inconsistent_fp8_files_are_named(tiny):
+    sd, layers = tiny
+    layer = layers[0]
+    marked = dict(sd)  # "float8" declared, bf16 stored
+    marked[layer + ".comfy_quant"] = torch.tensor(list(b'{"format": "float8_e4m3fn"}'), dtype=torch.uint8)
+    with pytest.raises(WeightFormatError, match=rf"{layer}\.comfy_quant.*stored as torch\.bfloat16"):
+        load_transformer(marked)
+    blocky = quantize_state_dict(sd, [layer])
+    blocky[layer + ".weight_scale"] = torch.ones(4, 4)
+    with pytest.raises(WeightFormatError, match="block-wise"):
+        load_transformer(blocky)
+    with pytest.raises(ValueError, match="storage format"):
+        load_transformer(quantize_state_dict(sd, layers), dtype=F8)
+
+
+def test_uint8_container_and_dequantize_mode(tiny):
+    sd, layers = tiny
+    q = quantize_state_dict(sd, layers, style="comfy_quant")
+    as_u8 = {k: (v.view(torch.uint8) if v.dtype == F8 else v) for k, v in q.items()}
+    src = prepare_quantized(open_weights(as_u8, component="transformer"))
+    info = src.info(layers[0] + ".weight")
+    assert isinstance(info, QuantTensorInfo) and info.dtype == F8 and src.get(layers[0] + ".weight").dtype == F8
+    assert not any(k.endswith((".comfy_quant", ".weight_scale")) for k in src.keys())
+    a = load_transformer(as_u8, dtype=torch.float32)
+    b = load_transformer(q, dtype=torch.float32)
+    inputs = _inputs(a.config)
+    with torch.no_grad():
+        assert torch.equal(a(**inputs), b(**inputs))
+    # quantize="dequantize": no fp8 modules (for devices without float8, e.g. MPS), same values.
+    s2 = open_weights(q, component="transformer")
+    plan, config, _, view = plan_transformer(s2)
+    d = materialize(lambda: Flux2Transformer(config), plan, view, component="t", dtype=torch.float32,
+                    quantize="dequantize")
+    assert not fp8_layers(d)
+    with torch.no_grad():
+        assert _rel(d(**inputs), b(**inputs)) < 1e-6
+
+
+def test_no_cuda_query_at_import():
+    import subprocess
+    import sys
+
+    code = (
+        "import torch\n"
+        "def boom(*a, **k): raise AssertionError('CUDA queried')\n"
+        "torch.cuda.get_device_capability = boom\n"
+        "torch.cuda.is_available = boom\n"
+        "import klein_core, klein_core.quant as q\n"
+        "layer = q.FP8Linear(16, 16)\n"
+        "layer.weight.data = torch.zeros(16, 16, dtype=torch.float8_e4m3fn)\n"
+        "layer(torch.randn(2, 16, dtype=torch.bfloat16))\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
