@@ -57,7 +57,8 @@ def e2e_models_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def comfy_server(comfy_host_dir, e2e_models_dir):
-    srv = ComfyServer(e2e_models_dir, host_dir=comfy_host_dir)
+    # Latent previews on (ComfyUI's default is none), so progress events carry preview images.
+    srv = ComfyServer(e2e_models_dir, host_dir=comfy_host_dir, extra_args=["--preview-method", "auto"])
     try:
         srv.start()
     except Exception:
