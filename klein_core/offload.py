@@ -1,0 +1,289 @@
+"""Placing components on the compute device only while they run, and streaming blocks.
+
+Two tools, both exact (weights are copied, never converted) and both device-agnostic: on a
+CPU-only machine the same code runs with CPU-to-CPU copies and no streams, which is how the tests
+check it.
+
+* :func:`on_device` moves a component (text encoder, VAE, transformer) to the compute device for
+  one stage and puts its original (CPU, ideally pinned) tensors back afterwards. Weights are
+  read-only during inference, so nothing is copied back: leaving the stage just drops the device
+  copies. Used stage by stage, peak device memory is about the largest component, not the sum.
+* :class:`BlockOffloader` keeps the repeated blocks of a model (the transformer's
+  ``double_blocks``/``single_blocks``, the text encoder's ``layers``) in pinned CPU memory and
+  copies each one to the device just before its forward, while the previous block computes: the
+  copy for block ``i + 1`` is issued on a side CUDA stream from block ``i``'s forward pre-hook, so
+  the transfer hides behind compute when a block's compute takes longer than its copy. The
+  non-block weights (embedders, modulation, final layer) stay resident. At most ``prefetch + 1``
+  blocks are on the device at any time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Slot:
+    """One parameter or buffer: where it lives in the module tree and its home (offload) copy."""
+
+    owner: nn.Module
+    name: str
+    is_param: bool
+    home: torch.Tensor
+
+
+def _slots(module: nn.Module) -> list[_Slot]:
+    out = []
+    for owner in module.modules():
+        for name, p in owner._parameters.items():
+            if p is not None:
+                out.append(_Slot(owner, name, True, p.data))
+        for name, b in owner._buffers.items():
+            if b is not None:
+                out.append(_Slot(owner, name, False, b))
+    return out
+
+
+def _set(slot: _Slot, t: torch.Tensor) -> None:
+    if slot.is_param:
+        # A new Parameter rather than ``.data =``: that refuses some device pairs (e.g. meta).
+        old = slot.owner._parameters[slot.name]
+        slot.owner._parameters[slot.name] = nn.Parameter(t, requires_grad=bool(old is not None and old.requires_grad))
+    else:
+        slot.owner._buffers[slot.name] = t
+
+
+def module_bytes(module: nn.Module) -> int:
+    """Bytes of all parameters and buffers of ``module``."""
+    return sum(s.home.numel() * s.home.element_size() for s in _slots(module))
+
+
+def _pinnable() -> bool:
+    # Pinning needs a CUDA driver; asked at call time, never at import.
+    return torch.cuda.is_available()
+
+
+def pin_memory_(module: nn.Module) -> nn.Module:
+    """Move ``module``'s tensors to pinned (page-locked) CPU memory, in place.
+
+    Pinned memory lets host-to-device copies run asynchronously at full PCIe speed. Without CUDA
+    the tensors are just moved to the CPU.
+    """
+    pin = _pinnable()
+    for slot in _slots(module):
+        t = slot.home.to("cpu")
+        if pin and not t.is_pinned():
+            t = t.pin_memory()
+        _set(slot, t)
+    return module
+
+
+@contextlib.contextmanager
+def on_device(
+    module: nn.Module, device: torch.device | str, *, non_blocking: bool = True
+) -> Iterator[nn.Module]:
+    """Run a stage with ``module`` on ``device``; afterwards its original tensors are back.
+
+    ``with on_device(text_encoder, "cuda"): emb = text_encoder.encode(ids, mask)``. The module's
+    tensors are copied to ``device`` on entry and the copies dropped on exit (weights are not
+    modified by inference, so nothing is copied back). A module already on ``device`` is left
+    alone. Keep offloaded modules in pinned CPU memory (:func:`pin_memory_`) for fast copies.
+    """
+    device = torch.device(device)
+    slots = _slots(module)
+    if all(_same_device(s.home.device, device) for s in slots):
+        yield module
+        return
+    try:
+        for s in slots:
+            _set(s, s.home.to(device, non_blocking=non_blocking, copy=True))
+        yield module
+    finally:
+        for s in slots:
+            _set(s, s.home)
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    if a.type != b.type:
+        return False
+    if a.type != "cuda":
+        return True
+    # "cuda" means the current device; compare indices only when both are explicit.
+    return a.index is None or b.index is None or a.index == b.index
+
+
+def find_block_lists(model: nn.Module) -> list[nn.ModuleList]:
+    """The direct ``nn.ModuleList`` children of ``model``, in forward order (the blocks)."""
+    return [m for m in model.children() if isinstance(m, nn.ModuleList)]
+
+
+@dataclass
+class OffloadStats:
+    """Instrumentation: block copies issued, bytes copied, and block residency on the device."""
+
+    loads: int = 0
+    bytes_copied: int = 0
+    resident: int = 0
+    max_resident: int = 0
+
+
+class BlockOffloader:
+    """Stream the repeated blocks of ``model`` through ``device``; keep the rest resident.
+
+    Args:
+        model: e.g. a :class:`~klein_core.transformer.Flux2Transformer` or a Qwen3 encoder.
+        device: the compute device.
+        blocks: the block lists in forward order (default: the model's ``nn.ModuleList``
+            children, i.e. ``double_blocks`` then ``single_blocks``, or ``layers``).
+        prefetch: how many blocks ahead to copy (the device then holds at most ``prefetch + 1``
+            blocks). After the last block the first ``prefetch`` blocks of the next forward are
+            fetched, so they overlap the final layer and the sampler step.
+
+    :meth:`attach` (or ``with BlockOffloader(...)``) moves the non-block weights to ``device``,
+    the block weights to pinned CPU memory, and installs forward hooks on every block;
+    :meth:`detach` removes the hooks and leaves every weight on ``device`` or ``to``.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        device: torch.device | str,
+        *,
+        blocks: Sequence[nn.ModuleList] | None = None,
+        prefetch: int = 1,
+    ) -> None:
+        if prefetch < 0:
+            raise ValueError(f"prefetch must be >= 0, got {prefetch}")
+        self.model = model
+        self.device = torch.device(device)
+        lists = list(blocks) if blocks is not None else find_block_lists(model)
+        self.blocks: list[nn.Module] = [b for lst in lists for b in lst]
+        if not self.blocks:
+            raise ValueError(f"{type(model).__name__} has no nn.ModuleList of blocks to offload")
+        self.prefetch = min(prefetch, len(self.blocks) - 1)
+        self.stats = OffloadStats()
+        self._slots = [_slots(b) for b in self.blocks]
+        self._loaded: dict[int, torch.cuda.Event | None] = {}
+        self._hooks: list[torch.utils.hooks.RemovableHandle] = []
+        self._stream: torch.cuda.Stream | None = None
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    def attach(self) -> BlockOffloader:
+        if self._hooks:
+            return self
+        in_blocks = {(id(s.owner), s.name) for slots in self._slots for s in slots}
+        pin = _pinnable()
+        for slot in _slots(self.model):
+            if (id(slot.owner), slot.name) not in in_blocks:  # non-block weights live on the device
+                _set(slot, slot.home.to(self.device))
+        for slots in self._slots:
+            for s in slots:
+                home = s.home.to("cpu")
+                if pin and not home.is_pinned():
+                    home = home.pin_memory()
+                s.home = home
+                _set(s, home)
+        if self.device.type == "cuda":
+            self._stream = torch.cuda.Stream(self.device)
+        for i, block in enumerate(self.blocks):
+            self._hooks.append(block.register_forward_pre_hook(self._make_pre_hook(i)))
+            self._hooks.append(block.register_forward_hook(self._make_post_hook(i)))
+        n = sum(module_bytes(b) for b in self.blocks)
+        logger.info("Block offload: %d blocks (%.2f GB) stream to %s, %d ahead", len(self.blocks), n / 1e9,
+                    self.device, self.prefetch)
+        return self
+
+    def detach(self, to: torch.device | str | None = None) -> None:
+        """Remove the hooks; block weights go back to their CPU home, or to ``to`` if given."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        for i in list(self._loaded):
+            self._release(i)
+        if to is not None:
+            for slots in self._slots:
+                for s in slots:
+                    s.home = s.home.to(to)
+                    _set(s, s.home)
+
+    def __enter__(self) -> BlockOffloader:
+        return self.attach()
+
+    def __exit__(self, *exc: object) -> None:
+        self.detach()
+
+    # -- streaming ------------------------------------------------------------------------------
+
+    def _make_pre_hook(self, i: int):
+        def hook(module: nn.Module, args: object) -> None:
+            self._acquire(i)
+            for k in range(1, self.prefetch + 1):
+                self._load((i + k) % len(self.blocks))
+
+        return hook
+
+    def _make_post_hook(self, i: int):
+        def hook(module: nn.Module, args: object, output: object) -> None:
+            self._release(i)
+
+        return hook
+
+    def _load(self, i: int) -> None:
+        """Issue the copy of block ``i`` to the device (asynchronously on CUDA)."""
+        if i in self._loaded:
+            return
+        slots = self._slots[i]
+        event = None
+        if self._stream is not None:
+            with torch.cuda.stream(self._stream):
+                for s in slots:
+                    _set(s, s.home.to(self.device, non_blocking=True, copy=True))
+                event = torch.cuda.Event()
+                event.record(self._stream)
+        else:
+            for s in slots:
+                _set(s, s.home.to(self.device, copy=True))
+        self._loaded[i] = event
+        st = self.stats
+        st.loads += 1
+        st.bytes_copied += sum(s.home.numel() * s.home.element_size() for s in slots)
+        st.resident = len(self._loaded)
+        st.max_resident = max(st.max_resident, st.resident)
+
+    def _acquire(self, i: int) -> None:
+        """Make block ``i``'s weights usable by the compute stream."""
+        self._load(i)  # not prefetched (first forward, or prefetch=0): copy now
+        event = self._loaded[i]
+        if event is not None:
+            compute = torch.cuda.current_stream(self.device)
+            compute.wait_event(event)
+            # The copies were allocated on the side stream: tell the allocator they are used on
+            # the compute stream, so their memory is not reused before this block has run.
+            for s in self._slots[i]:
+                t = s.owner._parameters[s.name] if s.is_param else s.owner._buffers[s.name]
+                t.record_stream(compute)  # type: ignore[union-attr]
+
+    def _release(self, i: int) -> None:
+        if self._loaded.pop(i, "absent") == "absent":
+            return
+        for s in self._slots[i]:
+            _set(s, s.home)
+        self.stats.resident = len(self._loaded)
+
+
+def offload_blocks(model: nn.Module, device: torch.device | str, *, prefetch: int = 1) -> BlockOffloader:
+    """Attach a :class:`BlockOffloader` to ``model`` and return it (``.detach()`` to undo)."""
+    return BlockOffloader(model, device, prefetch=prefetch).attach()
+
+
+__all__ = ["BlockOffloader", "OffloadStats", "find_block_lists", "module_bytes", "offload_blocks", "on_device",
+           "pin_memory_"]
