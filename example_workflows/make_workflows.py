@@ -70,7 +70,8 @@ SPECS = {
 DISPLAY_NAMES = {
     "KleinModelLoader": "Klein Model Loader", "KleinTextEncode": "Qwen3 Layer-Concat Encoder",
     "KleinReferenceStacker": "Klein Reference Stacker", "KleinSampler": "Klein Sampler",
-    "KleinVAEDecode": "Flux2 VAE Decode", "LoadImage": "Load Image", "SaveImage": "Save Image", "Note": "Note",
+    "KleinVAEDecode": "Flux2 VAE Decode", "LoadImage": "Load Image", "SaveImage": "Save Image",
+    "Note": "Note",
 }
 
 
@@ -131,24 +132,27 @@ WORKFLOWS = [
                  "blurry, low quality, distorted, watermark, text"),
         _sampler(3, 1024, 50, 4.0),
         *_decode_save("Klein-4B-base"),
-        Node(6, "Note", (40, 640), {"text": "FLUX.2 Klein base 4B: classifier-free guidance 4 with the negative "
-                                            "prompt, 50 steps (two transformer passes per step). Fewer steps "
-                                            "(20-30) are faster at some cost in detail."}),
+        Node(6, "Note", (40, 640), {"text": "FLUX.2 Klein base 4B: classifier-free guidance 4 with the "
+                                            "negative prompt, 50 steps (two transformer passes per step). "
+                                            "Fewer steps (20-30) are faster at some cost in detail."}),
     ]),
     Workflow("klein_4b_two_reference_edit", [
         _loader(1, "flux-2-klein-4b.safetensors"),
         _encoder(2, "Place the object from image 2 into the scene of image 1, keeping the lighting and "
                     "perspective of image 1."),
-        Node(7, "LoadImage", (-340, 420), {"image": "klein_reference_1.png"}, title="Reference 1 (sets the size)"),
+        Node(7, "LoadImage", (-340, 420), {"image": "klein_reference_1.png"},
+             title="Reference 1 (sets the size)"),
         Node(8, "LoadImage", (-340, 800), {"image": "klein_reference_2.png"}, title="Reference 2"),
         Node(9, "KleinReferenceStacker", (40, 620), links={"image": (7, 0), "vae": (1, 1)}),
-        Node(10, "KleinReferenceStacker", (40, 760), links={"image": (8, 0), "vae": (1, 1), "references": (9, 0)}),
+        Node(10, "KleinReferenceStacker", (40, 760),
+             links={"image": (8, 0), "vae": (1, 1), "references": (9, 0)}),
         _sampler(3, 0, 4, 1.0, refs=(10, 0)),
         *_decode_save("Klein-4B-edit"),
-        Node(6, "Note", (520, 640), {"text": "Replace klein_reference_1.png and klein_reference_2.png with your "
-                                             "own images (upload them in the Load Image nodes). Width and "
-                                             "height 0 = the size of reference 1 (scaled to at most 1 megapixel, "
-                                             "multiples of 16). Chain more stackers for more references (up to 4)."}),
+        Node(6, "Note", (520, 640), {"text": "Replace klein_reference_1.png and klein_reference_2.png with "
+                                             "your own images (upload them in the Load Image nodes). Width "
+                                             "and height 0 = the size of reference 1 (scaled to at most 1 "
+                                             "megapixel, multiples of 16). Chain more stackers for more "
+                                             "references (up to 4)."}),
     ]),
 ]
 
@@ -195,10 +199,11 @@ def to_ui(wf: Workflow) -> dict:
         entry = {
             "id": node.id, "type": node.type, "pos": list(node.pos), "size": list(spec.size), "flags": {},
             "order": order[node.id], "mode": 0,
-            "inputs": [{"name": n, "type": t, "link": link_of.get((node.id, slot)), **({"shape": 7} if opt else {})}
+            "inputs": [{"name": n, "type": t, "link": link_of.get((node.id, slot)),
+                        **({"shape": 7} if opt else {})}  # 7: the frontend's optional-socket shape
                        for slot, (n, t, opt) in enumerate(spec.sockets)],
-            "outputs": [{"name": n, "type": t, "links": out_links.get((node.id, slot), []), "slot_index": slot}
-                        for slot, (n, t) in enumerate(spec.outputs)],
+            "outputs": [{"name": n, "type": t, "links": out_links.get((node.id, slot), []),
+                         "slot_index": slot} for slot, (n, t) in enumerate(spec.outputs)],
             "properties": {"Node name for S&R": node.type},
             "widgets_values": widgets,
         }

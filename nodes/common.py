@@ -49,7 +49,8 @@ def check_choices(node: type, folders: dict[str, str], **values: object) -> bool
     """A ``validate_inputs`` for combo inputs: ComfyUI 0.3.75 does not check V3 combo values against
     their options, so a wrong file name would only fail at run time. ``folders`` maps file inputs to
     their models folder, for the hint."""
-    options = {i.id: i.options for i in node.define_schema().inputs if getattr(i, "options", None) is not None}
+    inputs = node.define_schema().inputs
+    options = {i.id: i.options for i in inputs if getattr(i, "options", None) is not None}
     for name, value in values.items():
         choices = options.get(name)
         if value is None or choices is None or value in choices:

@@ -11,7 +11,7 @@ import klein_core as kc
 
 from . import cache, host
 from .common import check_choices, errors_named, model_file
-from .types import KleinCondType, KleinConditioning
+from .types import KleinConditioning, KleinCondType
 
 logger = logging.getLogger(__name__)
 
@@ -33,9 +33,9 @@ class KleinTextEncode(io.ComfyNode):
             description="Encodes the prompt with Qwen3 (hidden states of layers 9, 18 and 27, concatenated "
                         "per token) for FLUX.2 Klein. Only changed texts are re-encoded.",
             inputs=[
-                io.Combo.Input("text_encoder", options=host.filename_list("text_encoders"),
-                               tooltip="Qwen3 file from models/text_encoders: qwen_3_4b.safetensors for Klein "
-                                       "4B models, qwen_3_8b.safetensors for Klein 9B models."),
+                io.Combo.Input("text_encoder", options=host.filename_list("text_encoders"), tooltip=(
+                    "Qwen3 file from models/text_encoders: qwen_3_4b.safetensors for Klein 4B models, "
+                    "qwen_3_8b.safetensors for Klein 9B models.")),
                 io.String.Input("prompt", multiline=True, dynamic_prompts=True,
                                 tooltip="What to generate, or for edits what to change in the references."),
                 io.String.Input("negative_prompt", multiline=True, dynamic_prompts=True, default="",

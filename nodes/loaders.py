@@ -41,30 +41,34 @@ class KleinModelLoader(io.ComfyNode):
             description="Loads a FLUX.2 Klein transformer (4B or 9B, distilled or base) and the FLUX.2 VAE. "
                         "Sizes are read from the weights; files stay cached until ComfyUI frees memory.",
             inputs=[
-                io.Combo.Input("model_name", options=host.filename_list("diffusion_models"),
-                               tooltip="Klein transformer from models/diffusion_models, e.g. "
-                                       "flux-2-klein-4b.safetensors or flux-2-klein-base-4b.safetensors (bf16 "
-                                       "files; fp8 and GGUF files are refused)."),
+                io.Combo.Input("model_name", options=host.filename_list("diffusion_models"), tooltip=(
+                    "Klein transformer from models/diffusion_models, e.g. flux-2-klein-4b.safetensors or "
+                    "flux-2-klein-base-4b.safetensors (4B or 9B is read from the weights; unsupported "
+                    "formats are refused by name).")),
                 io.Combo.Input("vae_name", options=host.filename_list("vae"),
                                tooltip="FLUX.2 VAE from models/vae: flux2-vae.safetensors (or BFL's small-"
                                        "decoder file)."),
                 io.Combo.Input("weight_dtype", options=list(DTYPES), default="bf16",
                                tooltip="Compute dtype of the transformer. bf16 is the native precision; fp16 "
                                        "for GPUs without bf16; fp32 doubles memory."),
-                io.Combo.Input("model_kind", options=list(KINDS), default="auto",
-                               tooltip="Sets the sampler defaults: distilled = 4 steps without CFG, base = 50 "
-                                       "steps with CFG 4. auto = base if the file name contains 'base'."),
+                io.Combo.Input("model_kind", options=list(KINDS), default="auto", tooltip=(
+                    "Sets the sampler defaults: distilled = 4 steps without CFG, base = 50 steps with CFG 4. "
+                    "auto = base if the file name contains 'base'.")),
             ],
             outputs=[
-                KleinModelType.Output(display_name="model", tooltip="The transformer and its sampler defaults."),
-                KleinVAEType.Output(display_name="vae", tooltip="The FLUX.2 VAE (for references and decoding)."),
+                KleinModelType.Output(display_name="model",
+                                      tooltip="The transformer and its sampler defaults."),
+                KleinVAEType.Output(display_name="vae",
+                                    tooltip="The FLUX.2 VAE (for references and decoding)."),
             ],
         )
 
     @classmethod
-    def validate_inputs(cls, model_name: str, vae_name: str, weight_dtype: str, model_kind: str) -> bool | str:
-        return check_choices(cls, {"model_name": "diffusion_models", "vae_name": "vae"}, model_name=model_name,
-                             vae_name=vae_name, weight_dtype=weight_dtype, model_kind=model_kind)
+    def validate_inputs(cls, model_name: str, vae_name: str, weight_dtype: str,
+                        model_kind: str) -> bool | str:
+        folders = {"model_name": "diffusion_models", "vae_name": "vae"}
+        return check_choices(cls, folders, model_name=model_name, vae_name=vae_name,
+                             weight_dtype=weight_dtype, model_kind=model_kind)
 
     @classmethod
     def execute(cls, model_name: str, vae_name: str, weight_dtype: str = "bf16",
@@ -72,8 +76,9 @@ class KleinModelLoader(io.ComfyNode):
         device = host.torch_device()
         model_path = model_file(NODE, "model_name", "diffusion_models", model_name, expect="transformer")
         vae_path = model_file(NODE, "vae_name", "vae", vae_name, expect="vae")
-        tref = cache.model_ref("transformer", model_path, model_name, device, weight_dtype_for(weight_dtype, device))
-        vref = cache.model_ref("vae", vae_path, vae_name, host.vae_device(), host.vae_dtype(host.vae_device()))
+        dtype, vae_device = weight_dtype_for(weight_dtype, device), host.vae_device()
+        tref = cache.model_ref("transformer", model_path, model_name, device, dtype)
+        vref = cache.model_ref("vae", vae_path, vae_name, vae_device, host.vae_dtype(vae_device))
         with errors_named(NODE, "model_name", model_name):
             transformer = tref.get()
         with errors_named(NODE, "vae_name", vae_name):

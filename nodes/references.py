@@ -30,8 +30,8 @@ def frames_to_pil(image: torch.Tensor) -> list[Image.Image]:
     if image.ndim == 3:
         image = image[None]
     if image.ndim != 4 or not 1 <= image.shape[-1] <= 4:
-        raise ValueError(f"{NODE}: image must be an IMAGE [batch, height, width, channels] with 1-4 channels, "
-                         f"got shape {list(image.shape)}.")
+        raise ValueError(f"{NODE}: image must be an IMAGE [batch, height, width, channels] with 1-4 "
+                         f"channels, got shape {list(image.shape)}.")
     arr = (image.float().clamp(0, 1) * 255).round().to(torch.uint8).cpu().numpy()
     if arr.shape[-1] == 1:
         arr = arr[..., 0]
@@ -47,7 +47,8 @@ def encode_frame(vae: torch.nn.Module, pil: Image.Image, number: int) -> Referen
                          f"image, or crop it first.") from exc
     down = vae.config.downscale
     w, h = pil.size
-    return Reference(latent.to(host.intermediate_device()), latent.shape[-1] * down, latent.shape[-2] * down, w, h)
+    latent = latent.to(host.intermediate_device())
+    return Reference(latent, latent.shape[-1] * down, latent.shape[-2] * down, w, h)
 
 
 class KleinReferenceStacker(io.ComfyNode):
@@ -75,7 +76,8 @@ class KleinReferenceStacker(io.ComfyNode):
         )
 
     @classmethod
-    def execute(cls, image: torch.Tensor, vae: KleinVAE, references: KleinReferences | None = None) -> io.NodeOutput:
+    def execute(cls, image: torch.Tensor, vae: KleinVAE,
+                references: KleinReferences | None = None) -> io.NodeOutput:
         items = list(references.items) if references is not None else []
         vae_model = vae.ref.get()
         for pil in frames_to_pil(image):

@@ -18,7 +18,14 @@ from . import host
 from .common import errors_named
 from .encode import NODE as ENCODER_NODE
 from .preview import StepReporter
-from .types import KleinCondType, KleinConditioning, KleinModel, KleinModelType, KleinReferences, KleinRefsType
+from .types import (
+    KleinConditioning,
+    KleinCondType,
+    KleinModel,
+    KleinModelType,
+    KleinReferences,
+    KleinRefsType,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -37,9 +44,9 @@ def check_encoder_fits(model: KleinModel, cond: KleinConditioning) -> None:
     fix = (f"set text_encoder in {ENCODER_NODE} to {' or '.join(fits)}" if fits else
            f"put {TEXT_ENCODER_FOR_WIDTH.get(want, f'a Qwen3 encoder with hidden size {want // 3}')} into "
            f"models/text_encoders and select it in {ENCODER_NODE}")
-    raise ValueError(f"{NODE}: the conditioning was encoded with {cond.encoder_name} ({cond.variant}, text width "
-                     f"{cond.text_dim}), but the model {model.name} ({model.config.variant}) needs text width "
-                     f"{want}: {fix}.")
+    raise ValueError(f"{NODE}: the conditioning was encoded with {cond.encoder_name} ({cond.variant}, "
+                     f"text width {cond.text_dim}), but the model {model.name} ({model.config.variant}) "
+                     f"needs text width {want}: {fix}.")
 
 
 def output_size(width: int, height: int, refs: tuple) -> tuple[int, int]:
@@ -59,14 +66,17 @@ class KleinSampler(io.ComfyNode):
             node_id="KleinSampler",
             display_name=NODE,
             category="Klein/sampling",
-            description="Generates FLUX.2 Klein latents (Euler flow sampler, BFL's schedule). Distilled models "
-                        "run without CFG; base models use CFG with the negative prompt when guidance > 1.",
+            description="Generates FLUX.2 Klein latents (Euler flow sampler, BFL's schedule). Distilled "
+                        "models run without CFG; base models use CFG with the negative prompt when "
+                        "guidance > 1.",
             inputs=[
                 KleinModelType.Input("model", tooltip="From Klein Model Loader."),
-                KleinCondType.Input("conditioning", tooltip="From Qwen3 Layer-Concat Encoder; the encoder must "
-                                                            "match the model (Qwen3-4B for 4B, Qwen3-8B for 9B)."),
+                KleinCondType.Input("conditioning", tooltip=(
+                    "From Qwen3 Layer-Concat Encoder; the encoder must match the model (Qwen3-4B for 4B, "
+                    "Qwen3-8B for 9B).")),
                 KleinRefsType.Input("references", optional=True,
-                                    tooltip="Reference images to edit from or combine (Klein Reference Stacker)."),
+                                    tooltip="Reference images to edit from or combine (Klein Reference "
+                                            "Stacker)."),
                 io.Int.Input("width", default=0, min=0, max=MAX_SIDE, step=16,
                              tooltip="Output width in pixels (multiple of 16). 0 = the first reference's "
                                      "width, or 1024 without references."),
@@ -76,16 +86,16 @@ class KleinSampler(io.ComfyNode):
                 io.Int.Input("steps", default=0, min=0, max=1000,
                              tooltip="Sampling steps. 0 = model default: 4 (distilled) or 50 (base)."),
                 io.Float.Input("guidance", default=0.0, min=0.0, max=20.0, step=0.1, round=0.01,
-                               tooltip="CFG scale for base models (uses the negative prompt when > 1). 0 = model "
-                                       "default: 4.0 (base); distilled models always run at 1.0."),
+                               tooltip="CFG scale for base models (uses the negative prompt when > 1). 0 = "
+                                       "model default: 4.0 (base); distilled models always run at 1.0."),
                 io.Int.Input("seed", default=0, min=0, max=MAX_SEED, control_after_generate=True,
-                             tooltip="Noise seed (drawn on the CPU like ComfyUI's RandomNoise, so a seed gives "
-                                     "the same image on any device)."),
+                             tooltip="Noise seed (drawn on the CPU like ComfyUI's RandomNoise, so a seed "
+                                     "gives the same image on any device)."),
                 io.Int.Input("batch_size", default=1, min=1, max=64,
                              tooltip="Images per run, with noise drawn together from the seed."),
             ],
-            outputs=[io.Latent.Output(display_name="latent",
-                                      tooltip="FLUX.2 latents [B, 128, H/16, W/16] (ComfyUI's Flux2 layout).")],
+            outputs=[io.Latent.Output(display_name="latent", tooltip="FLUX.2 latents [B, 128, H/16, W/16] "
+                                                                     "(ComfyUI's Flux2 layout).")],
         )
 
     @classmethod
@@ -97,8 +107,8 @@ class KleinSampler(io.ComfyNode):
         w, h = output_size(width, height, refs)
         defaults = DISTILLED_DEFAULTS if model.kind == "distilled" else BASE_DEFAULTS
         steps, guidance = steps or defaults["steps"], guidance or defaults["guidance"]
-        logger.info("%s: %s %dx%d, %d steps, guidance %.2f, seed %d, batch %d, %d reference(s)", NODE, model.kind,
-                    w, h, steps, guidance, seed, batch_size, len(refs))
+        logger.info("%s: %s %dx%d, %d steps, guidance %.2f, seed %d, batch %d, %d reference(s)", NODE,
+                    model.kind, w, h, steps, guidance, seed, batch_size, len(refs))
         with errors_named(NODE, "model", model.name):
             transformer = model.ref.get()
         result = kc.generate(

@@ -23,9 +23,9 @@ def flux2_samples(latent: dict, channels: int) -> torch.Tensor:
     samples = latent.get("samples") if isinstance(latent, dict) else None
     if not isinstance(samples, torch.Tensor) or samples.ndim != 4 or samples.shape[1] != channels:
         shape = list(samples.shape) if isinstance(samples, torch.Tensor) else type(samples).__name__
-        raise ValueError(f"{DECODE_NODE}: samples must be FLUX.2 latents [batch, {channels}, height/16, width/16], "
-                         f"got {shape}. Connect Klein Sampler (or another FLUX.2 latent); SD, SDXL and FLUX.1 "
-                         f"latents need their own VAE and VAE Decode.")
+        raise ValueError(f"{DECODE_NODE}: samples must be FLUX.2 latents [batch, {channels}, height/16, "
+                         f"width/16], got {shape}. Connect Klein Sampler (or another FLUX.2 latent); SD, "
+                         f"SDXL and FLUX.1 latents need their own VAE and VAE Decode.")
     return samples
 
 
@@ -45,7 +45,8 @@ class KleinVAEDecode(io.ComfyNode):
             category="Klein/latent",
             description="Decodes FLUX.2 latents (128 channels) to images with the FLUX.2 VAE.",
             inputs=[
-                io.Latent.Input("samples", tooltip="FLUX.2 latents [B, 128, H/16, W/16], e.g. from Klein Sampler."),
+                io.Latent.Input("samples",
+                                tooltip="FLUX.2 latents [B, 128, H/16, W/16], e.g. from Klein Sampler."),
                 KleinVAEType.Input("vae", tooltip="The FLUX.2 VAE from Klein Model Loader."),
             ],
             outputs=[io.Image.Output(display_name="image", tooltip="Images [B, H, W, 3] in 0..1.")],
@@ -70,7 +71,8 @@ class KleinVAEEncode(io.ComfyNode):
             node_id="KleinVAEEncode",
             display_name=ENCODE_NODE,
             category="Klein/latent",
-            description="Encodes images to FLUX.2 latents with the FLUX.2 VAE (centre-cropped to multiples of 16).",
+            description="Encodes images to FLUX.2 latents with the FLUX.2 VAE (centre-cropped to multiples "
+                        "of 16).",
             inputs=[
                 io.Image.Input("pixels", tooltip="Images [B, H, W, C] in 0..1; alpha is dropped."),
                 KleinVAEType.Input("vae", tooltip="The FLUX.2 VAE from Klein Model Loader."),
