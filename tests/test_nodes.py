@@ -36,7 +36,8 @@ NODE_IDS = {
     "KleinVAEDecode": "Flux2 VAE Decode",
     "KleinVAEEncode": "Flux2 VAE Encode",
 }
-M4B, M4B_BASE, M9B = "flux-2-klein-4b.safetensors", "flux-2-klein-base-4b.safetensors", "flux-2-klein-9b.safetensors"
+M4B, M9B = "flux-2-klein-4b.safetensors", "flux-2-klein-9b.safetensors"
+M4B_BASE = "flux-2-klein-base-4b.safetensors"
 Q4B, Q8B, VAE = "qwen_3_4b.safetensors", "qwen_3_8b.safetensors", "flux2-vae.safetensors"
 FOLDERS = ("diffusion_models", "text_encoders", "vae")
 
@@ -107,7 +108,10 @@ def comfy(tmp_path_factory):
 def progress(comfy, monkeypatch):
     """Records ComfyUI progress-bar updates ``(value, total, preview)``, as main.py's hook would receive."""
     calls = []
-    monkeypatch.setattr(comfy.utils, "PROGRESS_BAR_HOOK", lambda v, t, p, node_id=None: calls.append((v, t, p)))
+    def hook(value, total, preview, node_id=None):
+        calls.append((value, total, preview))
+
+    monkeypatch.setattr(comfy.utils, "PROGRESS_BAR_HOOK", hook)
     return calls
 
 
@@ -170,7 +174,7 @@ def test_nodes_registered_with_names_categories_and_tooltips(comfy, monkeypatch)
     monkeypatch.setattr(torch.cuda, "_lazy_init", no_cuda)
     monkeypatch.setattr(torch.cuda, "is_available", no_cuda)
     infos = {n.GET_NODE_INFO_V1()["name"]: n.GET_NODE_INFO_V1() for n in nodes}
-    assert {k: v["display_name"] for k, v in infos.items()} == NODE_IDS
+    assert NODE_IDS.items() <= {k: v["display_name"] for k, v in infos.items()}.items()
     for name, info in infos.items():
         assert info["category"].split("/")[0] == "Klein", name
         assert info["description"], name
@@ -209,7 +213,7 @@ def test_workflow_generator_specs_match_the_node_schemas(comfy):
         assert list(spec.sockets) == sockets, info["name"]
         assert list(spec.widgets) == widgets, info["name"]
         assert dict(spec.frontend_extra) == extra, info["name"]
-        assert list(spec.outputs) == list(zip(info["output_name"], info["output"])), info["name"]
+        assert list(spec.outputs) == list(zip(info["output_name"], info["output"], strict=True)), info["name"]
 
 
 # ----- Qwen3 Layer-Concat Encoder --------------------------------------------------------------------
@@ -251,7 +255,8 @@ def test_model_loader_outputs_kinds_and_reuse(comfy):
     assert isinstance(model, comfy.types.KleinModel) and isinstance(vae, comfy.types.KleinVAE)
     assert (model.name, model.kind, model.config.context_dim) == (M4B, "distilled", 96)
     assert (model.ref.device, model.ref.dtype) == ("cpu", torch.bfloat16)
-    assert (vae.name, vae.config.latent_channels, vae.ref.dtype) == (VAE, 128, torch.float32)  # no bf16 VAE on CPU
+    assert (vae.name, vae.config.latent_channels) == (VAE, 128)
+    assert vae.ref.dtype == torch.float32  # ComfyUI's vae_dtype: no bf16 VAE on the CPU
     transformer = model.ref.get()
     assert transformer.dtype == torch.bfloat16 and transformer.device.type == "cpu"
     assert _load(comfy, M4B_BASE)[0].kind == "base"
@@ -269,7 +274,7 @@ def test_model_loader_names_the_input_for_wrong_or_missing_files(comfy):
     msg = str(err.value)
     assert msg.startswith("Klein Model Loader: model_name 'flux2-vae-copy.safetensors' is a FLUX.2 VAE")
     assert "vae_name" in msg and "pick a Klein diffusion model here" in msg
-    with pytest.raises(ValueError, match=r"Klein Model Loader: model_name 'missing\.safetensors' was not found"):
+    with pytest.raises(ValueError, match=r"Klein Model Loader: model_name 'missing\.safetensors' was not"):
         _load(comfy, "missing.safetensors")
 
 
@@ -397,7 +402,7 @@ def test_sampler_mismatch_without_a_fitting_file_says_what_to_get(comfy, tmp_pat
     monkeypatch.setitem(comfy.folder_paths.folder_names_and_paths, "text_encoders",
                         ([str(only_4b)], comfy.folder_paths.supported_pt_extensions))
     comfy.folder_paths.filename_list_cache.clear()
-    with pytest.raises(ValueError, match=r"put a Qwen3 encoder with hidden size 48 into models/text_encoders"):
+    with pytest.raises(ValueError, match=r"put a Qwen3 encoder with hidden size 48 into models/text_enc"):
         _sample(comfy, model9, cond)
     comfy.folder_paths.filename_list_cache.clear()
 
@@ -488,7 +493,7 @@ def test_vae_encode_crops_to_16_and_round_trips_shapes(comfy):
 
 
 def test_free_hook_releases_every_cache_and_models_reload_on_demand(comfy, caplog):
-    model, vae = _load(comfy)
+    model, _ = _load(comfy)
     cond = _encode(comfy, "a windmill")
     assert set(comfy.cache.resident()) == {"transformer", "text_encoder", "vae"}
     assert len(comfy.cache.prompts) > 0

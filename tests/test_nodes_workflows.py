@@ -16,7 +16,8 @@ NAMES = ("klein_4b_text_to_image", "klein_4b_base_cfg", "klein_4b_two_reference_
 
 @pytest.fixture(scope="module")
 def make():
-    spec = importlib.util.spec_from_file_location("klein_make_workflows", REPO / "example_workflows" / "make_workflows.py")
+    path = REPO / "example_workflows" / "make_workflows.py"
+    spec = importlib.util.spec_from_file_location("klein_make_workflows", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
@@ -33,7 +34,8 @@ def _api(name: str) -> dict:
 
 def test_committed_files_are_the_generated_ones(make):
     assert make.main(["--check"]) == 0, "run: python example_workflows/make_workflows.py"
-    assert sorted(p.name for p in (REPO / "example_workflows").glob("*.json")) == sorted(f"{n}.json" for n in NAMES)
+    listed = sorted(p.name for p in (REPO / "example_workflows").glob("*.json"))
+    assert listed == sorted(f"{n}.json" for n in NAMES)
     assert sorted(p.name for p in (REPO / "example_workflows" / "api").glob("*.json")) == \
         sorted(f"{n}.api.json" for n in NAMES)
 
@@ -66,7 +68,8 @@ def test_api_twin_matches_the_ui_file(make, name):
         values = list(node["widgets_values"])
         for widget, _ in spec.frontend_extra:  # drop the frontend-only entries
             values.pop(spec.widgets.index(widget) + 1)
-        assert {w: api[nid]["inputs"][w] for w in spec.widgets} == dict(zip(spec.widgets, values))
+        widgets = {w: api[nid]["inputs"][w] for w in spec.widgets}
+        assert widgets == dict(zip(spec.widgets, values, strict=True))
         for inp in node["inputs"]:
             if inp["link"] is not None:
                 _, src, slot, _, _, _ = next(lk for lk in ui["links"] if lk[0] == inp["link"])

@@ -35,9 +35,10 @@ def _value_problem(name: str, typ: Any, opts: dict, value: Any) -> str | None:
         options = typ if isinstance(typ, list) else opts.get("options", [])
         return None if value in options else f"{name}: {value!r} is not in the live list {options[:10]}"
     if typ in ("INT", "FLOAT"):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or (typ == "INT" and value != int(value)):
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not number or (typ == "INT" and value != int(value)):
             return f"{name}: {value!r} is not a valid {typ}"
-        if "min" in opts and value < opts["min"] or "max" in opts and value > opts["max"]:
+        if ("min" in opts and value < opts["min"]) or ("max" in opts and value > opts["max"]):
             return f"{name}: {value} is outside [{opts.get('min')}, {opts.get('max')}]"
         return None
     if typ == "STRING":
@@ -83,7 +84,7 @@ def check_ui_workflow(workflow: dict, object_info: dict) -> list[str]:
             problems.append(f"{where}: required inputs missing: {missing}")
         # outputs
         got = [(o["name"], o["type"]) for o in node["outputs"]]
-        want = list(zip(info["output_name"], info["output"]))
+        want = list(zip(info["output_name"], info["output"], strict=True))
         if [t for _, t in got] != [t for _, t in want]:
             problems.append(f"{where}: outputs {got} != server {want}")
         # widgets, positionally
@@ -99,7 +100,7 @@ def check_ui_workflow(workflow: dict, object_info: dict) -> list[str]:
             problems.append(f"{where}: {len(values)} widget values, the server's inputs need {len(expected)} "
                             f"({[e[1] + ('' if e[0] == 'value' else '/' + e[0]) for e in expected]})")
             continue
-        for value, (kind, name, typ, opts) in zip(values, expected):
+        for value, (kind, name, typ, opts) in zip(values, expected, strict=True):
             if kind == "control" and value not in CONTROL_VALUES:
                 problems.append(f"{where}: {name}: control_after_generate value {value!r}")
             elif kind == "upload" and value != "image":
@@ -112,9 +113,11 @@ def check_ui_workflow(workflow: dict, object_info: dict) -> list[str]:
             problems.append(f"{where}: joins a missing node")
             continue
         src_info = object_info.get(nodes[src]["type"])
-        if src_info is not None and (src_slot >= len(src_info["output"]) or src_info["output"][src_slot] != typ):
+        outputs = src_info["output"] if src_info is not None else None
+        if outputs is not None and (src_slot >= len(outputs) or outputs[src_slot] != typ):
             problems.append(f"{where}: {typ} does not match output {src_slot} of {nodes[src]['type']}")
         dst_inputs = nodes[dst]["inputs"]
-        if dst_slot >= len(dst_inputs) or dst_inputs[dst_slot]["type"] != typ or dst_inputs[dst_slot]["link"] != link_id:
+        arrives = dst_slot < len(dst_inputs) and dst_inputs[dst_slot]["link"] == link_id
+        if not arrives or dst_inputs[dst_slot]["type"] != typ:
             problems.append(f"{where}: does not arrive at input {dst_slot} of node {dst} as {typ}")
     return problems
