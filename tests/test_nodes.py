@@ -10,10 +10,12 @@ tests with the command to run, or fails them when ``CI`` is set.
 from __future__ import annotations
 
 import asyncio
+import gc
 import importlib.util
 import os
 import shutil
 import sys
+import weakref
 from pathlib import Path
 from types import SimpleNamespace
 from unittest.mock import ANY
@@ -498,10 +500,13 @@ def test_free_hook_releases_every_cache_and_models_reload_on_demand(comfy, caplo
     assert set(comfy.cache.resident()) == {"transformer", "text_encoder", "vae"}
     assert len(comfy.cache.prompts) > 0
     loads = comfy.cache.loads["transformer"]
+    weights = weakref.ref(model.ref.get())
     with caplog.at_level("INFO"):
         comfy.mm.unload_all_models()  # what POST /free runs in ComfyUI's prompt worker
     assert comfy.cache.resident() == {} and len(comfy.cache.prompts) == 0
     assert "Klein: released 3 cached model(s)" in caplog.text
+    gc.collect()
+    assert weights() is None, "the node outputs still pin the released transformer"
     # Outputs still held by ComfyUI's cache keep working: the model is loaded again when needed.
     assert _sample(comfy, model, cond).shape == (1, 128, 4, 4)
     assert comfy.cache.loads["transformer"] == loads + 1
@@ -514,3 +519,34 @@ def test_free_hook_is_installed_once(comfy):
     asyncio.run(comfy.pack.comfy_entrypoint())
     assert comfy.mm.unload_all_models is hooked
     assert not getattr(hooked.__wrapped__, "_klein_unload_hook", False)
+
+
+def test_gpu_room_is_made_by_comfy_first_then_by_offloading_our_idle_models(comfy, monkeypatch):
+    # No GPU here: the bookkeeping of cache._make_room is checked with stand-in models and memory.
+    cache, host = comfy.cache, comfy.host
+    moved, asked = [], []
+
+    class Held:
+        def __init__(self, role):
+            self.role = role
+
+        def to(self, device):
+            moved.append((self.role, str(device)))
+
+    def ref(role, name):
+        return cache.ModelRef(role, name, "/nowhere", 0, "cuda:0", torch.bfloat16)
+
+    resident = {r: (ref(r, f"{r}.safetensors"), Held(r)) for r in ("text_encoder", "vae", "transformer")}
+    free = iter([100, 100, 500])  # after ComfyUI freed its models, after the encoder left, ...
+    monkeypatch.setattr(cache, "_resident", resident)
+    monkeypatch.setattr(cache, "_device_of", lambda model: torch.device("cuda", 0))
+    monkeypatch.setattr(host, "make_room", lambda n, d: asked.append((n, str(d))))
+    monkeypatch.setattr(host, "free_bytes", lambda d: next(free))
+    monkeypatch.setattr(host, "offload_device", lambda: torch.device("cpu"))
+    monkeypatch.setattr(host, "empty_cache", lambda: None)
+    cache._make_room(ref("transformer", "new.safetensors"), 400)
+    assert asked == [(400, "cuda:0")]
+    assert moved == [("text_encoder", "cpu"), ("vae", "cpu")]  # never the role being placed
+    moved.clear()
+    cache._make_room(cache.ModelRef("vae", "v", "/nowhere", 0, "cpu", torch.float32), 400)
+    assert moved == [] and asked == [(400, "cuda:0")]  # nothing to do for the CPU
