@@ -55,6 +55,8 @@ def _add_generate_args(g: argparse.ArgumentParser) -> None:
     g.add_argument("--prompt", default="", help="the prompt")
     g.add_argument("--negative-prompt", default="", help="negative prompt (base models with guidance > 1)")
     g.add_argument("--ref", action="append", default=[], type=Path, help="reference image (repeatable)")
+    g.add_argument("--lora", action="append", default=[], type=_lora_arg, metavar="FILE[:STRENGTH]",
+                   help="LoRA .safetensors with optional strength (default 1), merged after loading (repeatable)")
     g.add_argument("--width", type=int, default=None, help="output width (default: first reference, else 1024)")
     g.add_argument("--height", type=int, default=None, help="output height")
     g.add_argument("--steps", type=int, default=None, help="steps (distilled 4, base 50)")
@@ -68,6 +70,17 @@ def _add_generate_args(g: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default=None, help="cuda, cpu, ... (default: cuda if available)")
     g.add_argument("--dtype", choices=sorted(_DTYPES), default=None, help="weights dtype (default bf16 on GPU, fp32 on CPU)")
     g.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+
+
+def _lora_arg(text: str) -> tuple[Path, float]:
+    """``FILE[:STRENGTH]``; a tail that is not a number is part of the path (``C:\\x.safetensors``)."""
+    path, sep, tail = text.rpartition(":")
+    if sep and path:
+        try:
+            return Path(path), float(tail)
+        except ValueError:
+            pass
+    return Path(text), 1.0
 
 
 def _pick(folder: Path, what: str, name: str | None = None) -> Path:
@@ -167,6 +180,10 @@ def run_generate(args: argparse.Namespace) -> int:
         text_encoder = load_text_encoder(te_path, device=device, dtype=dtype)
         vae = load_vae(vae_path, device=device, dtype=dtype)
         names = {"transformer": tr_path.name, "text_encoder": te_path.name, "vae": vae_path.name}
+    if args.lora:
+        from .lora import apply_loras, load_lora
+
+        apply_loras((transformer, text_encoder), [(load_lora(p), s) for p, s in args.lora], mode="merge")
     t_load = time.perf_counter() - t_load
     refs = []
     for r in args.ref:
@@ -185,7 +202,7 @@ def run_generate(args: argparse.Namespace) -> int:
         "prompt": args.prompt, "negative_prompt": args.negative_prompt, "width": result.width,
         "height": result.height, "steps": result.steps, "guidance": result.guidance, "seed": args.seed,
         "model_kind": "distilled" if distilled else "base", "references": [str(r) for r in args.ref],
-        "demo": bool(args.demo), **names,
+        "demo": bool(args.demo), **names, "loras": [f"{p.name}:{s:g}" for p, s in args.lora],
     }
     paths = _save_images(result, args.out, params)
     stages = ", ".join(f"{k} {v:.2f} s" for k, v in result.timings.items())
