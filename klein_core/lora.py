@@ -134,6 +134,14 @@ class LoRAPatch:
         b = self.tensors["B"].to(device=device, dtype=torch.float32) * self.scale
         return a, (_swap_halves(b) if self.target.swap_halves else b)
 
+    def kron_factors(self, device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """LoKr kind only: float32 ``(w1 [a, b], w2 [c, d])`` with ``scale`` folded into w1;
+        ``delta() == kron(w1, w2)`` (halves not swapped here)."""
+        if self.kind != "lokr":
+            raise ValueError(f"kron_factors() is defined for LoKr patches, not {self.kind}")
+        t = {k: v.to(device=device, dtype=torch.float32) for k, v in self.tensors.items()}
+        return _lokr_factor(t, "1") * self.scale, _lokr_factor(t, "2")
+
     def delta(self, device: torch.device | str | None = None) -> torch.Tensor:
         """The float32 weight delta ``[out, in]``, scale included, halves swapped if needed."""
         t = {k: v.to(device=device, dtype=torch.float32) for k, v in self.tensors.items()}
@@ -647,18 +655,24 @@ def _summed_delta(plan: _ModulePlan, weight: torch.Tensor) -> torch.Tensor:
 
 
 class LoRABranch:
-    """Forward hook computing ``out + x @ A.T @ B.T + x @ D.T`` for one Linear.
+    """Forward hook adding the LoRAs' output to one Linear's: ``out + x @ A.T @ B.T + ...``.
 
-    ``A`` ``[R, in]`` / ``B`` ``[out, R]`` concatenate every low-rank patch (strength and scale
-    folded into B, q/k/v parts zero-padded to the fused rows, halves swapped); ``D`` ``[out, in]``
-    sums the patches that have no low-rank form (LoKr, LoHa, full deltas). Factors are kept in the
-    weight dtype and follow the input to its device.
+    * Low-rank patches: ``A`` ``[R, in]`` and ``B`` ``[out, R]`` concatenate them all (strength
+      and scale folded into B, q/k/v parts zero-padded to the fused rows, halves swapped).
+    * LoKr patches stay factored: ``kron(w1, w2) @ x`` is ``w1 @ X @ w2.T`` with ``x`` viewed as
+      ``X [b, d]``, so a Kronecker delta never has to exist as a full ``[out, in]`` matrix.
+    * LoHa and full deltas have no such form: their sum ``D`` ``[out, in]`` is kept dense (as
+      large as the weight).
+
+    Factors are kept in the weight dtype and follow the input to its device.
     """
 
     def __init__(self, plan: _ModulePlan, weight: torch.Tensor) -> None:
         out_features = weight.shape[0]
         dtype, device = weight.dtype, weight.device
+        self.out_features = out_features
         a_parts, b_parts = [], []
+        self.kron: list[tuple[torch.Tensor, torch.Tensor, slice, bool]] = []
         dense: torch.Tensor | None = None
         for patch, strength in plan.items:
             rows = _rows(patch, out_features)
@@ -668,6 +682,9 @@ class LoRABranch:
                 b_full[rows] = b * strength
                 a_parts.append(a)
                 b_parts.append(b_full)
+            elif patch.kind == "lokr":
+                w1, w2 = patch.kron_factors(device)
+                self.kron.append(((w1 * strength).to(dtype), w2.to(dtype), rows, patch.target.swap_halves))
             else:
                 if dense is None:
                     dense = torch.zeros(weight.shape, dtype=torch.float32, device=device)
@@ -681,17 +698,29 @@ class LoRABranch:
             t = getattr(self, name)
             if t is not None and t.device != device:
                 setattr(self, name, t.to(device))
+        if self.kron and self.kron[0][0].device != device:
+            self.kron = [(w1.to(device), w2.to(device), rows, swap) for w1, w2, rows, swap in self.kron]
 
     def __call__(self, module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> torch.Tensor:
         x = args[0]
         self._to(x.device)
         extra = None
         if self.a is not None and self.b is not None:
-            xa = x.to(self.a.dtype)
-            extra = F.linear(F.linear(xa, self.a), self.b)
+            extra = F.linear(F.linear(x.to(self.a.dtype), self.a), self.b)
         if self.dense is not None:
             d = F.linear(x.to(self.dense.dtype), self.dense)
             extra = d if extra is None else extra + d
+        if self.kron:
+            lead = x.shape[:-1]
+            if extra is None:
+                extra = x.new_zeros(*lead, self.out_features, dtype=self.kron[0][0].dtype)
+            for w1, w2, rows, swap in self.kron:
+                xr = x.to(w1.dtype).reshape(*lead, w1.shape[1], w2.shape[1])  # [..., b, d]
+                y = torch.einsum("ab,...bd,cd->...ac", w1, xr, w2).reshape(*lead, -1)  # [..., a*c]
+                if swap:  # diffusers' final-layer rows: swap the output halves
+                    first, second = y.chunk(2, dim=-1)
+                    y = torch.cat([second, first], dim=-1)
+                extra[..., rows] = extra[..., rows] + y.to(extra.dtype)
         return output if extra is None else output + extra.to(output.dtype)
 
 

@@ -576,6 +576,26 @@ def test_branch_mode_equals_merge_and_removes_cleanly(base, two_loras, parity):
     assert torch.equal(base.run(branched), base.out)
 
 
+def test_branch_mode_lokr_loha_equal_merge(base, parity):
+    # LoKr stays factored in branch mode (q/k/v parts, fused qkv, the swapped final layer); LoHa is dense.
+    g = torch.Generator().manual_seed(22)
+    sd = {}
+    for path, s1, s2 in (("lycoris_transformer_blocks_0_attn_to_k", (4, 4), (8, 8)),
+                         ("diffusion_model.double_blocks.1.txt_attn.qkv", (4, 4), (24, 8)),
+                         ("transformer.norm_out.linear", (4, 4), (16, 8))):
+        sd.update({f"{path}.{k}": v for k, v in _lokr(s1, s2, 2, g).items()})
+        sd[f"{path}.alpha"] = torch.tensor(1.0)
+    o, i = base.shapes["single_blocks.0.linear1"]
+    for k, shape in (("hada_w1_a", (o, 2)), ("hada_w1_b", (2, i)), ("hada_w2_a", (o, 2)), ("hada_w2_b", (2, i))):
+        sd[f"lora_unet_single_blocks_0_linear1.{k}"] = torch.randn(*shape, generator=g) * 0.4
+    lora = load_lora(sd)
+    assert sorted(p.kind for p in lora.patches) == ["loha", "lokr", "lokr", "lokr"]
+    merged, branched = base.ours(), base.ours()
+    apply_loras(merged, [(lora, 0.9)])
+    apply_loras(branched, [(lora, 0.9)], mode="branch")
+    _check(parity, "branch vs merge (LoKr + LoHa)", base.run(branched), base.run(merged), base.out)
+
+
 def test_with_loras_copy_leaves_input_untouched(base, two_loras, parity):
     (la, _), (lb, _) = two_loras
     model = base.ours()
