@@ -118,7 +118,7 @@ class KleinLoraLoader(io.ComfyNode):
         )
 
     @classmethod
-    def fingerprint_inputs(cls, model: Any = None, lora_name: str = "", strength: float = 1.0) -> Any:
+    def fingerprint_inputs(cls, lora_name: str = "", strength: float = 1.0, **_: Any) -> Any:
         # Re-run when the LoRA file is replaced under the same name.
         import folder_paths
 
