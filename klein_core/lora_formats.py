@@ -67,6 +67,8 @@ UNSUPPORTED_SUFFIXES: dict[str, str] = {
     "lokr_t2": "Tucker-decomposed LoKr (conv layers) is not supported",
     "hada_t1": "Tucker-decomposed LoHa (conv layers) is not supported",
     "hada_t2": "Tucker-decomposed LoHa (conv layers) is not supported",
+    "lora_embedding_A": "LoRA on the token embedding is not supported",
+    "lora_embedding_B": "LoRA on the token embedding is not supported",
 }
 _ALL_SUFFIXES = sorted([*_SUFFIX_ROLES, *UNSUPPORTED_SUFFIXES], key=len, reverse=True)
 
@@ -197,7 +199,7 @@ _FLUX1_ONLY: list[str] = [
 _TEXT_NAMES = [f"layers.{{i}}.{n}" for n in (
     "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
     "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")]
-_TEXT_UNUSED = ("lm_head", "norm", "embed_tokens")
+_TEXT_UNUSED = ("lm_head", "norm")  # the final norm and LM head: Klein stops at layer 27
 
 # Dotted prefixes in front of the module path, with the component they imply (None: either).
 _DOTTED_PREFIXES: list[tuple[str, str | None]] = [
@@ -234,6 +236,7 @@ _T_IGNORED = [(_regexes(p), reason) for p, reason in _TRANSFORMER_IGNORED]
 _FLUX1_PATTERNS = [_regexes(p) for p in _FLUX1_ONLY]
 _TE_PATTERNS = [(_regexes(p, "model"), p) for p in _TEXT_NAMES]
 _TE_UNUSED = [_regexes(p, "model") for p in _TEXT_UNUSED]
+_TE_EMBED = _regexes("embed_tokens", "model")
 
 
 def strip_prefixes(path: str) -> tuple[str, str | None, bool]:
@@ -309,6 +312,8 @@ def resolve_module(path: str) -> Resolution:
         for pats in _TE_UNUSED:
             if _match(pats, rest)[0]:
                 return Resolution("ignored", reason="ignored: text-encoder module not used by Klein")
+        if _match(_TE_EMBED, rest)[0]:
+            return Resolution("unknown", reason="LoRA on the token embedding is not supported")
         if rest.startswith(("text_model", "encoder_block", "encoder.block", "shared")):
             return Resolution("unknown", reason="a CLIP/T5 text encoder module (SD / FLUX.1); Klein uses Qwen3")
     return Resolution("unknown", reason="no FLUX.2 Klein module has this name")
