@@ -643,17 +643,18 @@ def test_cli_lora_flag(tmp_path, capsys):
     assert rc == 2 and len(errors) == 1 and errors[0].startswith("error: ") and "trained for" in errors[0], errors
 
 
-def _load_pack_nodes():
-    """The pack's nodes package as ``klein_pack_nodes`` (never top-level ``nodes``) inside the e2e host."""
+@pytest.fixture(scope="module")
+def pack_lora():
+    """``nodes/lora.py`` loaded as ``klein_pack_nodes.lora`` (never top-level ``nodes``, which is
+    ComfyUI's own module) inside the e2e host, plus ComfyUI's ``folder_paths``; sys.path is restored."""
     spec = importlib.util.spec_from_file_location("klein_unit_setup_host", REPO / "tests" / "e2e" / "setup_host.py")
     setup = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(setup)
     if setup.host_problem(setup.HOST_DIR) is not None:
         pytest.skip(f"ComfyUI host not ready; prepare it with: {sys.executable} tests/e2e/setup_host.py")
     host_dir = str(setup.host_paths(setup.HOST_DIR)["comfyui"])
-    for p in (str(REPO), host_dir):
-        if p not in sys.path:
-            sys.path.append(p)
+    added = [p for p in (str(REPO), host_dir) if p not in sys.path]
+    sys.path.extend(added)  # appended: nothing of the repo is shadowed
     argv = sys.argv
     try:
         sys.argv = [argv[0], "--cpu"]
@@ -669,7 +670,11 @@ def _load_pack_nodes():
         pack = importlib.util.module_from_spec(spec)
         sys.modules["klein_pack_nodes"] = pack
         spec.loader.exec_module(pack)
-    return importlib.import_module("klein_pack_nodes.lora"), folder_paths
+    try:
+        yield importlib.import_module("klein_pack_nodes.lora"), folder_paths
+    finally:
+        for p in added:
+            sys.path.remove(p)
 
 
 @dataclass(frozen=True)
@@ -699,8 +704,8 @@ class _RefModel:
         return self.ref.name
 
 
-def test_lora_loader_node(base, two_loras, tmp_path, monkeypatch, parity):
-    node_mod, folder_paths = _load_pack_nodes()
+def test_lora_loader_node(base, two_loras, pack_lora, tmp_path, monkeypatch, parity):
+    node_mod, folder_paths = pack_lora
     (_, fa), (_, fb) = two_loras
     loras = tmp_path / "loras"
     loras.mkdir()
