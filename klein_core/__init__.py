@@ -3,6 +3,7 @@
 Never imports ComfyUI. The names below are the stable public API (see README.md).
 """
 
+from .lora import AppliedLoRAs, LoRA, LoRAPatch, apply_loras, check_loras, load_lora, with_loras
 from .pipeline import (
     GenerationResult,
     KleinOutOfMemory,
@@ -36,6 +37,7 @@ from .weights import WeightFormatError, WeightSource, open_weights
 __version__ = "0.1.0"
 
 __all__ = [
+    "AppliedLoRAs", "LoRA", "LoRAPatch", "apply_loras", "check_loras", "load_lora", "with_loras",
     "Flux2Transformer", "Flux2VAE", "GenerationCancelled", "GenerationResult", "KleinOutOfMemory", "PromptCache", "Qwen3Config",
     "Qwen3TextEncoder", "TransformerConfig", "VAEConfig", "WeightFormatError", "WeightSource",
     "check_compatible", "compute_empirical_mu", "decode_to_pixels", "default_prompt_cache", "denoise",

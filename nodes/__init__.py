@@ -7,12 +7,14 @@ from comfy_api.latest import ComfyExtension, io
 from . import cache
 from .encode import KleinTextEncode
 from .loaders import KleinModelLoader
+from .lora import KleinLoraLoader
 from .references import KleinReferenceStacker
 from .sampler import KleinSampler
 from .vae import KleinVAEDecode, KleinVAEEncode
 
 NODES: list[type[io.ComfyNode]] = [
     KleinModelLoader, KleinTextEncode, KleinReferenceStacker, KleinSampler, KleinVAEDecode, KleinVAEEncode,
+    KleinLoraLoader,
 ]
 
 
