@@ -131,6 +131,24 @@ def spy_generate(monkeypatch):
     return calls
 
 
+@pytest.fixture
+def fake_generate(monkeypatch):
+    """Stands in for ``klein_core.generate`` (records its arguments, reports each step, returns zeros):
+    for tests of what the sampler node passes, without the cost of sampling."""
+    calls = []
+
+    def generate(transformer, **kw):
+        calls.append(kw)
+        latents = torch.zeros(kw["batch_size"], 128, kw["height"] // 16, kw["width"] // 16)
+        for step in range(1, kw["steps"] + 1):
+            kw["callback"](step, kw["steps"], latents)
+        return kc.GenerationResult(latents, None, None, kw["width"], kw["height"], kw["steps"],
+                                   kw["guidance"], kw["seed"])
+
+    monkeypatch.setattr(kc, "generate", generate)
+    return calls
+
+
 def _load(comfy, model=M4B, dtype="bf16", kind="auto"):
     with torch.inference_mode():
         return comfy.pack.KleinModelLoader.execute(model, VAE, dtype, kind).args
@@ -340,25 +358,27 @@ def test_reference_stacker_error_names_the_node_and_reference(comfy):
 # ----- Klein Sampler ---------------------------------------------------------------------------------
 
 
-def test_sampler_defaults_distilled(comfy, spy_generate, progress):
+def test_sampler_defaults_distilled(comfy, fake_generate, progress):
     model, _ = _load(comfy)
     samples = _sample(comfy, model, _encode(comfy), width=0, height=0, steps=0)
-    call = spy_generate[-1]
+    call = fake_generate[-1]
     assert (call["steps"], call["guidance"], call["width"], call["height"]) == (4, 1.0, 1024, 1024)
     assert call["distilled"] is True and call["negative_embeds"] is None
     assert samples.shape == (1, 128, 64, 64)
     assert [(v, t) for v, t, _ in progress] == [(1, 4), (2, 4), (3, 4), (4, 4)]
 
 
-def test_sampler_defaults_base(comfy, spy_generate, progress):
+def test_sampler_defaults_base(comfy, fake_generate, progress):
     model, _ = _load(comfy, M4B_BASE)
-    _sample(comfy, model, _encode(comfy, negative="blurry"), steps=0, guidance=0.0)
-    call = spy_generate[-1]
-    assert (call["steps"], call["guidance"], call["distilled"]) == (50, 4.0, False)
-    assert call["negative_embeds"].shape == (1, 512, 96)
+    cond = _encode(comfy, negative="blurry")
+    _sample(comfy, model, cond, steps=0, guidance=0.0, batch_size=3)
+    call = fake_generate[-1]
+    assert (call["steps"], call["guidance"], call["distilled"], call["batch_size"]) == (50, 4.0, False, 3)
+    assert torch.equal(call["negative_embeds"], cond.negative)
+    assert torch.equal(call["prompt_embeds"], cond.positive)
     assert len(progress) == 50
-    _sample(comfy, model, _encode(comfy, negative="blurry"), steps=3, guidance=2.5)
-    assert (spy_generate[-1]["steps"], spy_generate[-1]["guidance"]) == (3, 2.5)
+    _sample(comfy, model, cond, steps=3, guidance=2.5)
+    assert (fake_generate[-1]["steps"], fake_generate[-1]["guidance"]) == (3, 2.5)
 
 
 def test_sampler_size_from_the_first_reference(comfy):
