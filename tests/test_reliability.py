@@ -178,7 +178,8 @@ def test_generate_inputs_property(tiny, width, height, steps, guidance, seed, di
     tr, te, vae = tiny
     kw = dict(prompt="p", width=width, height=height, steps=steps, guidance=guidance, seed=seed,
               distilled=distilled, output="latent")
-    w, h = width or 1024, height or 1024
+    w = 1024 if width is None else width
+    h = 1024 if height is None else height
     ok = (
         (steps is None or (isinstance(steps, int) and steps >= 1))
         and (guidance is None or (math.isfinite(guidance) and guidance >= 0))
