@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 from pathlib import Path
 
 import torch
@@ -97,6 +98,15 @@ class KleinSampler(io.ComfyNode):
             outputs=[io.Latent.Output(display_name="latent", tooltip="FLUX.2 latents [B, 128, H/16, W/16] "
                                                                      "(ComfyUI's Flux2 layout).")],
         )
+
+    @classmethod
+    def validate_inputs(cls, guidance: float = 0.0) -> bool | str:
+        # ComfyUI's own min/max check lets NaN through (every comparison with NaN is False). Naming
+        # only `guidance` here makes the host skip its default check for this input alone (a
+        # **kwargs signature would disable it for every input), so the range is checked here too.
+        if not isinstance(guidance, (int, float)) or not math.isfinite(guidance) or not 0 <= guidance <= 20:
+            return f"{NODE}: guidance must be a finite number from 0 to 20, got {guidance!r}."
+        return True
 
     @classmethod
     def execute(cls, model: KleinModel, conditioning: KleinConditioning, width: int = 0, height: int = 0,
