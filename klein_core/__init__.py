@@ -5,6 +5,8 @@ Never imports ComfyUI. The names below are the stable public API (see README.md)
 
 from .lora import AppliedLoRAs, LoRA, LoRAPatch, apply_loras, check_loras, load_lora, with_loras
 from .pipeline import (
+    BASE_DEFAULTS,
+    DISTILLED_DEFAULTS,
     GenerationResult,
     KleinOutOfMemory,
     PromptCache,
@@ -18,8 +20,9 @@ from .pipeline import (
     resolve_size,
 )
 from .qwen3 import Qwen3Config, Qwen3TextEncoder, load_text_encoder
-from .refs import prepare_reference_image, reference_size
+from .refs import PUBLISHED_REFERENCE_LIMIT, prepare_reference_image, reference_size
 from .sampling import (
+    MAX_SEED,
     GenerationCancelled,
     compute_empirical_mu,
     denoise,
@@ -30,13 +33,14 @@ from .sampling import (
     unpack,
 )
 from .tokenizer import tokenize_prompts
-from .transformer import Flux2Transformer, TransformerConfig, load_transformer, position_ids, text_position_ids
+from .transformer import TEXT_ENCODER_FOR_WIDTH, Flux2Transformer, TransformerConfig, load_transformer, position_ids, text_position_ids
 from .vae import Flux2VAE, VAEConfig, load_vae
 from .weights import WeightFormatError, WeightSource, open_weights
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "BASE_DEFAULTS", "DISTILLED_DEFAULTS", "MAX_SEED", "PUBLISHED_REFERENCE_LIMIT", "TEXT_ENCODER_FOR_WIDTH",
     "AppliedLoRAs", "LoRA", "LoRAPatch", "apply_loras", "check_loras", "load_lora", "with_loras",
     "Flux2Transformer", "Flux2VAE", "GenerationCancelled", "GenerationResult", "KleinOutOfMemory", "PromptCache", "Qwen3Config",
     "Qwen3TextEncoder", "TransformerConfig", "VAEConfig", "WeightFormatError", "WeightSource",
