@@ -1,0 +1,203 @@
+"""klein_core.fast (the switchboard for optional fast paths) and benchmarks/speed.py, on the CPU.
+
+Without a GPU every fast path must fall back to the plain PyTorch path, say so once, and give
+the plain result. The fused Triton kernels themselves are tested in tests/test_kernels.py.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import logging
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import klein_core
+from klein_core import demo, fast
+from klein_core.transformer import PLAIN_OPS
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _inputs(model, batch: int = 2, seed: int = 0):
+    ids = torch.cat([klein_core.position_ids(3, 4), klein_core.position_ids(2, 2, t=10)])
+    g = torch.Generator().manual_seed(seed)
+    return dict(img=torch.randn(batch, ids.shape[0], 128, generator=g), img_ids=ids,
+                txt=torch.randn(batch, 6, model.config.context_dim, generator=g),
+                txt_ids=klein_core.text_position_ids(6), timesteps=torch.linspace(0.9, 0.3, batch))
+
+
+@pytest.fixture
+def model():
+    return demo.tiny_transformer()
+
+
+@pytest.mark.parametrize("attention", fast.ATTENTION_BACKENDS)
+def test_fast_paths_match_plain_on_cpu(model, attention):
+    kw = _inputs(model)
+    with torch.no_grad():
+        ref = model(**kw)
+        ops = fast.enable_fast_paths(model, attention=attention)
+        out = model(**kw)
+    assert model.ops is ops
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    # On the CPU every choice falls back to the plain path.
+    assert ops.resolved() == {
+        "cpu torch.float32": "attention=plain, qk-norm+rope=plain, modulation=plain, compile=False"}
+
+
+def test_fallback_is_logged_once_and_disable_restores_plain(model, caplog):
+    kw = _inputs(model)
+    with torch.no_grad():
+        ref = model(**kw)
+        fast.enable_fast_paths(model, attention="flash3")
+        with caplog.at_level(logging.INFO, logger="klein_core.fast"):
+            outs = [model(**kw) for _ in range(3)]
+        fast.disable_fast_paths(model)
+        again = model(**kw)
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "flash3" in warnings[0].getMessage() and "CUDA" in warnings[0].getMessage()
+    assert sum("klein fast paths on cpu" in r.getMessage() for r in caplog.records) == 1
+    for out in outs:
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    assert model.ops is PLAIN_OPS
+    assert torch.equal(again, ref)
+
+
+def test_missing_triton_or_device_falls_back(model, monkeypatch, caplog):
+    monkeypatch.setattr(fast.kernels, "available", lambda device: (False, "Triton is not installed (test)"))
+    kw = _inputs(model, batch=1)
+    with torch.no_grad():
+        ref = model(**kw)
+        ops = fast.enable_fast_paths(model, attention="plain")
+        with caplog.at_level(logging.INFO, logger="klein_core.fast"):
+            out = model(**kw)
+            model(**kw)
+    msgs = [r.getMessage() for r in caplog.records if "unavailable" in r.getMessage()]
+    # one line each for the rope and modulation kernels, on the first call only
+    assert len(msgs) == 2 and all("Triton is not installed" in m for m in msgs)
+    assert "qk-norm+rope=plain" in ops.resolved()["cpu torch.float32"]
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_bf16_and_dtype_specific_binding(model):
+    kw = _inputs(model)
+    m16 = copy.deepcopy(model).to(torch.bfloat16)
+    with torch.no_grad():
+        ref = m16(**kw)
+        ops = fast.enable_fast_paths(m16)
+        out = m16(**kw)
+    assert list(ops.resolved()) == ["cpu torch.bfloat16"]
+    assert torch.equal(out, ref)
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="attention must be one of"):
+        fast.enable_fast_paths(demo.tiny_transformer(), attention="flash4")
+    with pytest.raises(TypeError, match="Flux2Transformer"):
+        fast.enable_fast_paths(torch.nn.Linear(2, 2))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="Flux2VAE"):
+        fast.enable_fast_vae(torch.nn.Linear(2, 2))  # type: ignore[arg-type]
+
+
+def test_compile_wiring_logs_first_call_time(model, caplog):
+    """torch.compile of the blocks (eager backend: traced by dynamo, no code generation, so fast)."""
+    kw = _inputs(model, batch=1)
+    with torch.no_grad():
+        ref = model(**kw)
+        with caplog.at_level(logging.INFO, logger="klein_core.fast"):
+            ops = fast.enable_fast_paths(model, compile=True, compile_backend="eager")
+            out = model(**kw)
+            model(**kw)
+        assert all(b._compiled_call_impl is not None for b in [*model.double_blocks, *model.single_blocks])
+        fast.disable_fast_paths(model)
+        assert all(b._compiled_call_impl is None for b in [*model.double_blocks, *model.single_blocks])
+        assert not model._forward_hooks and not model._forward_pre_hooks
+    timed = [r.getMessage() for r in caplog.records if "first forward" in r.getMessage()]
+    assert len(timed) == 1 and " s (compilation included" in timed[0]
+    assert "qk-norm+rope=inductor" in next(iter(ops.resolved().values()))
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_fast_vae_decode_and_restore():
+    vae = demo.tiny_vae()
+    lat = torch.randn(1, 128, 3, 4, generator=torch.Generator().manual_seed(0))
+    ref = vae.decode(lat)
+    fast.enable_fast_vae(vae, dtype=None)  # channels-last, model dtype
+    assert vae.decoder.conv_in.weight.is_contiguous(memory_format=torch.channels_last)
+    torch.testing.assert_close(vae.decode(lat), ref, rtol=1e-4, atol=1e-4)
+    fast.disable_fast_vae(vae)
+    assert not vae.decode_channels_last and vae.decoder.conv_in.weight.is_contiguous()
+    assert torch.equal(vae.decode(lat), ref)
+    fast.enable_fast_vae(vae)  # bf16 decoder; encoder and BatchNorm statistics untouched
+    out = vae.decode(lat)
+    assert out.dtype == torch.bfloat16 and vae.dtype == torch.float32
+    assert vae.bn.running_mean.dtype == torch.float32
+    assert ((out.float() - ref).norm() / ref.norm()).item() < 5e-2  # bf16 through a random net
+    fast.disable_fast_vae(vae)  # back to fp32 (the bf16-rounded weights stay rounded)
+    assert vae.decoder_dtype == torch.float32 and vae.decode(lat).dtype == torch.float32
+
+
+def test_generate_with_fast_paths_matches_plain():
+    tr, te, vae = demo.build_tiny_components()
+    kw = dict(prompt="a fox", width=64, height=80, seed=3, cache=None)
+    plain = klein_core.generate(tr, te, vae, **kw)
+    fast.enable_fast_paths(tr)
+    fast.enable_fast_vae(vae, dtype=None)
+    quick = klein_core.generate(tr, te, vae, **kw)
+    torch.testing.assert_close(quick.latents, plain.latents, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(quick.pixels, plain.pixels, rtol=1e-4, atol=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------
+# benchmarks/speed.py
+
+
+def _speed_module():
+    spec = importlib.util.spec_from_file_location("klein_speed_benchmark", REPO / "benchmarks" / "speed.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_weight_conversion_round_trips_through_the_loader():
+    """BFL -> diffusers names in the benchmark is the inverse of klein_core's diffusers loader."""
+    speed = _speed_module()
+    tr, _, vae = demo.build_tiny_components()
+    d_tr = speed.bfl_to_diffusers_transformer(tr.state_dict(), tr.config)
+    back = klein_core.load_transformer(d_tr)
+    for k, v in tr.state_dict().items():
+        assert torch.equal(back.state_dict()[k], v), k
+    d_vae = speed.bfl_to_diffusers_vae(vae.state_dict(), vae.config)
+    back_vae = klein_core.load_vae(d_vae)
+    for k, v in vae.state_dict().items():
+        assert torch.equal(back_vae.state_dict()[k], v), k
+
+
+@pytest.mark.skipif(importlib.util.find_spec("diffusers") is None, reason="diffusers is not installed")
+def test_speed_benchmark_tiny_cpu(tmp_path, capsys):
+    speed = _speed_module()
+    out = tmp_path / "speed.json"
+    report = speed.main(["--tiny", "--runs", "1", "--warmup", "0", "--cases", "a,b,c", "--out", str(out)])
+    printed = capsys.readouterr().out
+    saved = json.loads(out.read_text())
+    assert saved["results"][0]["model"] == "tiny" and saved["env"]["device"] == "cpu"
+    cases = report["results"][0]["cases"]
+    assert set(cases) == {"a", "b", "c"}
+    for key, case in cases.items():
+        variants = case["variants"]
+        assert list(variants) == ["diffusers", "plain", "fast"]
+        for name, v in variants.items():
+            assert v["finite"], (key, name)
+            assert v["e2e_ms"] > 0 and v["stages_ms"]["text"] > 0 and v["stages_ms"]["decode"] > 0
+            assert len(v["stages_ms"]["steps"]) == 4, (key, name)  # --tiny runs every case in 4 steps
+            # same weights, fp32: klein_core agrees with diffusers (batched CFG included)
+            assert v["diff_vs_diffusers"]["latents_max_abs"] < 1e-4, (key, name)
+            assert v["diff_vs_diffusers"]["image_max_abs_255"] <= 2, (key, name)
+        assert variants["diffusers"]["stages_ms"].get("references", 0) > 0 if key == "b" else True
+    assert "speed-up vs diffusers" in printed and "latents max|d|" in printed
