@@ -299,10 +299,7 @@ def _blocks(model: Flux2Transformer) -> list[torch.nn.Module]:
 
 
 def _uncompile(module: torch.nn.Module) -> None:
-    # nn.Module.compile() stores the compiled callable here; clearing it restores eager calls.
-    if getattr(module, "_compiled_call_impl", None) is not None:
-        module._compiled_call_impl = None
-    # enable_fast_vae compiles the bound forward instead (an instance attribute shadowing the method)
+    # The compiled bound forward is an instance attribute shadowing the class method.
     module.__dict__.pop("forward", None)
 
 
@@ -345,7 +342,11 @@ def enable_fast_paths(
     model.ops = ops
     if compile:
         for block in _blocks(model):
-            block.compile(mode=compile_mode, dynamic=compile_dynamic, backend=compile_backend)
+            # The bound forward, not the module call, so block hooks (e.g. klein_core.offload's
+            # weight streaming) stay eager. All blocks of a type share one compiled graph.
+            block.forward = torch.compile(  # type: ignore[method-assign]
+                block.forward, mode=compile_mode, dynamic=compile_dynamic, backend=compile_backend
+            )
         timer = _CompileTimer()
         model._fast_hooks = [  # type: ignore[assignment]
             model.register_forward_pre_hook(timer.pre, with_kwargs=True),
