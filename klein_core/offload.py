@@ -147,9 +147,9 @@ class BlockOffloader:
             blocks). After the last block the first ``prefetch`` blocks of the next forward are
             fetched, so they overlap the final layer and the sampler step.
 
-    :meth:`attach` (or ``with BlockOffloader(...)``) moves the non-block weights to ``device``,
-    the block weights to pinned CPU memory, and installs forward hooks on every block;
-    :meth:`detach` removes the hooks and leaves every weight on ``device`` or ``to``.
+    :meth:`attach` (or ``with BlockOffloader(...)``) copies the non-block weights to ``device``,
+    moves the block weights to pinned CPU memory, and installs forward hooks on every block;
+    :meth:`detach` removes the hooks and puts every weight back in its CPU home (or on ``to``).
     """
 
     def __init__(
@@ -174,6 +174,7 @@ class BlockOffloader:
         self._loaded: dict[int, torch.cuda.Event | None] = {}
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         self._stream: torch.cuda.Stream | None = None
+        self._resident: list[_Slot] = []
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -182,9 +183,12 @@ class BlockOffloader:
             return self
         in_blocks = {(id(s.owner), s.name) for slots in self._slots for s in slots}
         pin = _pinnable()
-        for slot in _slots(self.model):
-            if (id(slot.owner), slot.name) not in in_blocks:  # non-block weights live on the device
-                _set(slot, slot.home.to(self.device))
+        # Non-block weights are on the device while attached; their own tensors come back at
+        # detach, so an offloaded model leaves nothing behind on the device.
+        self._resident = [s for s in _slots(self.model) if (id(s.owner), s.name) not in in_blocks]
+        for slot in self._resident:
+            if not _same_device(slot.home.device, self.device):
+                _set(slot, slot.home.to(self.device, copy=True))
         for slots in self._slots:
             for s in slots:
                 home = s.home.to("cpu")
@@ -209,6 +213,9 @@ class BlockOffloader:
         self._hooks.clear()
         for i in list(self._loaded):
             self._release(i)
+        for slot in self._resident:
+            _set(slot, slot.home if to is None else slot.home.to(to))
+        self._resident = []
         if to is not None:
             for slots in self._slots:
                 for s in slots:
@@ -280,10 +287,49 @@ class BlockOffloader:
         self.stats.resident = len(self._loaded)
 
 
+class StagePlacer:
+    """Applies a memory plan stage by stage.
+
+    ``components`` maps ``"text_encoder"`` / ``"transformer"`` / ``"vae"`` to modules and
+    ``placements`` maps them to ``"resident"`` (moved to ``device`` once, kept there), ``"staged"``
+    (on ``device`` only inside :meth:`stage`) or ``"blocks"`` (blocks streamed inside
+    :meth:`stage`). Offloaded modules should live on the CPU (pinned: :func:`pin_memory_`).
+
+    ``with placer.stage("transformer") as model: ...`` runs a stage.
+    """
+
+    def __init__(
+        self, device: torch.device | str, components: dict[str, nn.Module], placements: dict[str, str],
+        *, prefetch: int = 1,
+    ) -> None:
+        unknown = {p for p in placements.values()} - {"resident", "staged", "blocks"}
+        if unknown:
+            raise ValueError(f"unknown placements {sorted(unknown)}; use resident, staged or blocks")
+        self.device = torch.device(device)
+        self.components = components
+        self.placements = placements
+        self.prefetch = prefetch
+
+    @contextlib.contextmanager
+    def stage(self, component: str) -> Iterator[nn.Module]:
+        module = self.components[component]
+        placement = self.placements.get(component, "resident")
+        if placement == "resident":
+            if not all(_same_device(s.home.device, self.device) for s in _slots(module)):
+                module.to(self.device)
+            yield module
+        elif placement == "staged":
+            with on_device(module, self.device):
+                yield module
+        else:
+            with BlockOffloader(module, self.device, prefetch=self.prefetch):
+                yield module
+
+
 def offload_blocks(model: nn.Module, device: torch.device | str, *, prefetch: int = 1) -> BlockOffloader:
     """Attach a :class:`BlockOffloader` to ``model`` and return it (``.detach()`` to undo)."""
     return BlockOffloader(model, device, prefetch=prefetch).attach()
 
 
-__all__ = ["BlockOffloader", "OffloadStats", "find_block_lists", "module_bytes", "offload_blocks", "on_device",
+__all__ = ["BlockOffloader", "OffloadStats", "StagePlacer", "find_block_lists", "module_bytes", "offload_blocks", "on_device",
            "pin_memory_"]

@@ -123,3 +123,23 @@ def test_offloader_refuses_models_without_blocks():
         BlockOffloader(torch.nn.Linear(2, 2), "cpu")
     with pytest.raises(ValueError, match="prefetch"):
         BlockOffloader(_tiny(), "cpu", prefetch=-1)
+
+
+@pytest.mark.parametrize("placement", ["resident", "staged", "blocks"])
+def test_stage_placer_runs_each_placement(placement):
+    from klein_core.offload import StagePlacer
+
+    model = _tiny()
+    inputs = _inputs(model.config)
+    with torch.no_grad():
+        want = model(**inputs)
+    before = {k: v.data_ptr() for k, v in model.state_dict().items()}
+    placer = StagePlacer("cpu", {"transformer": model}, {"transformer": placement})
+    with placer.stage("transformer") as m, torch.no_grad():
+        got = m(**inputs)
+    assert torch.equal(got, want)
+    # Staged and streamed models are left as they were found (their CPU tensors).
+    assert {k: v.data_ptr() for k, v in model.state_dict().items()} == before
+    assert not any(b._forward_pre_hooks for b in model.double_blocks)
+    with pytest.raises(ValueError, match="unknown placements"):
+        StagePlacer("cpu", {"transformer": model}, {"transformer": "swap"})

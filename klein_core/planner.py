@@ -1,0 +1,564 @@
+"""Memory planner: estimate a request's peak device memory per stage and pick a placement plan.
+
+A generation runs four stages, each on one component: ``text`` (text encoder), ``references``
+(VAE encoder, one reference at a time), ``denoise`` (transformer, every step) and ``decode`` (VAE
+decoder). A stage's peak is the weights on the device during it plus its activations.
+
+:func:`estimate` is a pure function of the request and the component sizes (configs or loaded
+modules); :func:`choose_plan` picks the fastest placement whose peak fits the free memory:
+
+1. everything resident;
+2. the same with the VAE tiled;
+3. text encoder and transformer take turns on the device (each is there only for its stage);
+4. the transformer's blocks streamed from pinned CPU memory (:class:`~klein_core.offload.BlockOffloader`);
+5. the text encoder's layers streamed too, the VAE staged, and smaller VAE tiles.
+
+What the activation formulas rest on (honestly): the coefficients are *structural* measurements
+on CPU, taken with :func:`trace_activation_bytes`, which runs the real forward pass on the meta
+device (no data, no compute) and tracks the bytes of every tensor the eager code allocates and
+frees, with scaled-dot-product attention counted as a memory-efficient kernel (output plus a
+float32 logsumexp, as flash / memory-efficient SDPA allocate). tests/test_planner.py re-traces
+real-size Klein 4B/9B, Qwen3 and VAE configs and checks every formula against the trace. Not
+captured, because they do not exist on CPU: CUDA allocator rounding and cuBLAS/cuDNN workspaces
+(covered by ``reserve_bytes``), and whether the GPU's SDPA backend really is memory-efficient for
+the VAE's single 512-wide attention head. The GPU check is ``benchmarks/memory.py``, which compares
+these estimates with ``torch.cuda.max_memory_allocated``; no GPU figure has been measured here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import weakref
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+logger = logging.getLogger(__name__)
+
+GB = 1e9
+
+# --- activation coefficients (bytes, 16-bit activations), from trace_activation_bytes ----------
+# Transformer: the peak is inside a single-stream block, during RoPE on k: the fused linear1
+# output (9 x hidden), the residual, q, and the float32 RoPE temporaries. Per token and hidden
+# unit of every sequence in the (CFG-doubled) batch; Klein 4B and 9B both trace to 66.0.
+TRANSFORMER_BYTES_PER_TOKEN_DIM = 66.0
+# Qwen3: inside a late layer's MLP, five hidden-size maps (the kept states 9 and 18, the residual,
+# its norm, the attention output) and three intermediate-size ones (gate, up, their product);
+# after layer 27 the three states and their concatenation (12 x hidden). Plus the boolean
+# attention masks: the causal [L, L] and the per-prompt [B, 1, L, L].
+TEXT_BYTES_PER_TOKEN_HIDDEN = 10
+TEXT_BYTES_PER_TOKEN_INTER = 6
+TEXT_BYTES_PER_TOKEN_CONCAT = 12
+# VAE: within a resolution level the level's input stays alive (the caller holds it) while its
+# ResNet blocks run; a block holds its input, GroupNorm output and SiLU output, and from the second
+# block on also its first conv's output. So a level peaks at max(3 c_in, c_in + 4 c_out) maps of
+# its resolution; in the full decoder that is the first full-resolution level (3 x 256 maps).
+
+DECODE_TILES = (64, 32, 16)  # latent positions per tile side, tried largest first
+DECODE_OVERLAP = {64: 16, 32: 8, 16: 4}
+DEFAULT_RESERVE_BYTES = 768 * 1024**2  # allocator rounding, cuBLAS/cuDNN workspaces, fragmentation
+
+Placement = str  # "resident" | "staged" | "blocks"
+COMPONENTS = ("text_encoder", "transformer", "vae")
+STAGES = {"text": "text_encoder", "references": "vae", "denoise": "transformer", "decode": "vae"}
+
+
+# ---------------------------------------------------------------------------------------------
+# Requests and component sizes
+
+
+@dataclass(frozen=True)
+class Request:
+    """What one generation asks for. Sizes in pixels (multiples of 16)."""
+
+    width: int = 1024
+    height: int = 1024
+    references: tuple[tuple[int, int], ...] = ()  # (width, height) after preprocessing (<= 1 MP)
+    batch: int = 1  # images generated together (prompts x batch size)
+    cfg: bool = False  # classifier-free guidance: the transformer runs pos and neg in one batch
+    text_length: int = 512  # Klein pads prompts to at least 512 tokens
+    encode_text: bool = True  # False when the prompt embeddings are cached
+    decode: bool = True
+    activation_bytes: int = 2  # bf16/fp16 activations
+
+    def __post_init__(self) -> None:
+        for name in ("width", "height"):
+            v = getattr(self, name)
+            if v < 16 or v % 16:
+                raise ValueError(f"Request.{name} must be a positive multiple of 16 pixels, got {v}")
+        if self.batch < 1 or self.text_length < 1:
+            raise ValueError(f"Request.batch and text_length must be positive, got {self.batch}, {self.text_length}")
+
+    @property
+    def image_tokens(self) -> int:
+        return (self.width // 16) * (self.height // 16)
+
+    @property
+    def reference_tokens(self) -> int:
+        return sum((w // 16) * (h // 16) for w, h in self.references)
+
+
+@dataclass(frozen=True)
+class ComponentSize:
+    """Weight bytes of a component: ``total``; under block streaming ``nonblock`` stays on the
+    device and ``blocks`` (each block's bytes, in forward order) pass through it."""
+
+    total: int
+    nonblock: int = 0
+    blocks: tuple[int, ...] = ()
+
+    def streamed(self, prefetch: int = 1) -> int:
+        """Bytes on the device while streaming: non-block weights + the largest run of
+        ``prefetch + 1`` consecutive blocks (cyclic, since the next forward is prefetched)."""
+        if not self.blocks:
+            return self.total
+        k = min(prefetch + 1, len(self.blocks))
+        ring = self.blocks + self.blocks[: k - 1]
+        return self.nonblock + max(sum(ring[i : i + k]) for i in range(len(self.blocks)))
+
+
+@dataclass(frozen=True)
+class Components:
+    """The three components by config (plus each one's weight bytes and shape parameters).
+
+    Build with :meth:`from_configs` (sizes counted on a meta-device model, for bf16 or fp8
+    weights) or :meth:`from_modules` (bytes of the loaded tensors, fp8 layers included).
+    """
+
+    transformer: ComponentSize
+    text_encoder: ComponentSize | None
+    vae_encoder: ComponentSize | None
+    vae_decoder: ComponentSize | None
+    hidden: int  # transformer width
+    text_hidden: int = 0
+    text_inter: int = 0
+    context_dim: int = 0
+    encoder_channels: tuple[int, ...] = ()
+    decoder_channels: tuple[int, ...] = ()
+    downscale: int = 16
+
+    @classmethod
+    def from_configs(
+        cls,
+        transformer: Any,
+        text_encoder: Any | None = None,
+        vae: Any | None = None,
+        *,
+        transformer_precision: str = "bf16",
+        text_precision: str = "bf16",
+    ) -> Components:
+        """Sizes from ``TransformerConfig`` / ``Qwen3Config`` / ``VAEConfig``; ``*_precision`` is
+        ``"bf16"`` or ``"fp8"`` (block Linear weights in float8, the rest bf16)."""
+        from .qwen3 import Qwen3TextEncoder
+        from .transformer import Flux2Transformer
+        from .vae import Flux2VAE
+
+        tr = _meta_size(Flux2Transformer, transformer, transformer_precision)
+        te = _meta_size(Qwen3TextEncoder, text_encoder, text_precision) if text_encoder is not None else None
+        enc = dec = None
+        if vae is not None:
+            enc, dec = _meta_vae_sizes(Flux2VAE, vae)
+        return cls(
+            transformer=tr, text_encoder=te, vae_encoder=enc, vae_decoder=dec,
+            hidden=transformer.hidden_size, context_dim=transformer.context_dim,
+            text_hidden=getattr(text_encoder, "hidden_size", 0), text_inter=getattr(text_encoder, "intermediate_size", 0),
+            encoder_channels=tuple(getattr(vae, "block_channels", ())),
+            decoder_channels=tuple(getattr(vae, "decoder_block_channels", ())),
+            downscale=getattr(vae, "downscale", 16),
+        )
+
+    @classmethod
+    def from_modules(cls, transformer: nn.Module, text_encoder: nn.Module | None = None,
+                     vae: nn.Module | None = None) -> Components:
+        """Sizes of loaded components, from the bytes their tensors occupy."""
+        from .offload import find_block_lists, module_bytes
+
+        def size(m: nn.Module) -> ComponentSize:
+            blocks = tuple(module_bytes(b) for lst in find_block_lists(m) for b in lst)
+            total = module_bytes(m)
+            return ComponentSize(total, total - sum(blocks), blocks)
+
+        enc = dec = None
+        if vae is not None:
+            enc = ComponentSize(module_bytes(vae.encoder) + module_bytes(vae.bn))
+            dec = ComponentSize(module_bytes(vae.decoder) + module_bytes(vae.bn))
+        tc = transformer.config  # type: ignore[union-attr]
+        qc = text_encoder.config if text_encoder is not None else None  # type: ignore[union-attr]
+        vc = vae.config if vae is not None else None  # type: ignore[union-attr]
+        return cls(
+            transformer=size(transformer), text_encoder=size(text_encoder) if text_encoder is not None else None,
+            vae_encoder=enc, vae_decoder=dec, hidden=tc.hidden_size, context_dim=tc.context_dim,
+            text_hidden=getattr(qc, "hidden_size", 0), text_inter=getattr(qc, "intermediate_size", 0),
+            encoder_channels=tuple(getattr(vc, "block_channels", ())),
+            decoder_channels=tuple(getattr(vc, "decoder_block_channels", ())),
+            downscale=getattr(vc, "downscale", 16),
+        )
+
+    @property
+    def vae(self) -> ComponentSize | None:
+        if self.vae_encoder is None or self.vae_decoder is None:
+            return None
+        return ComponentSize(self.vae_encoder.total + self.vae_decoder.total)
+
+
+@functools.lru_cache(maxsize=16)
+def _meta_size(cls: type, config: Any, precision: str) -> ComponentSize:
+    from .offload import find_block_lists
+    from .quant import block_linear_names
+
+    if precision not in ("bf16", "fp8"):
+        raise ValueError(f"precision must be 'bf16' or 'fp8', got {precision!r}")
+    with torch.device("meta"):
+        model = cls(config)
+    fp8 = set(block_linear_names(model)) if precision == "fp8" else set()
+
+    def nbytes(mod: nn.Module, prefix: str) -> int:
+        total = 0
+        for name, p in mod.named_parameters():
+            layer = (prefix + name).rpartition(".")[0]
+            # fp8 Linear: one byte a weight plus a float32 scale; everything else bf16.
+            total += p.numel() + 4 if layer in fp8 and name.endswith("weight") else 2 * p.numel()
+        return total
+
+    blocks = []
+    for lst in find_block_lists(model):
+        lst_name = next(n for n, m in model.named_children() if m is lst)
+        blocks += [nbytes(b, f"{lst_name}.{i}.") for i, b in enumerate(lst)]
+    total = nbytes(model, "")
+    return ComponentSize(total, total - sum(blocks), tuple(blocks))
+
+
+@functools.lru_cache(maxsize=8)
+def _meta_vae_sizes(cls: type, config: Any) -> tuple[ComponentSize, ComponentSize]:
+    with torch.device("meta"):
+        model = cls(config)
+    enc = sum(2 * p.numel() for p in model.encoder.parameters())
+    dec = sum(2 * p.numel() for p in model.decoder.parameters())
+    bn = 4 * 2 * config.latent_channels  # float32 running mean and variance
+    return ComponentSize(enc + bn), ComponentSize(dec + bn)
+
+
+# ---------------------------------------------------------------------------------------------
+# Activation formulas
+
+
+def transformer_activation_bytes(tokens: int, batch: int, hidden: int, text_tokens: int, context_dim: int,
+                                 image_tokens: int, head_dim: int = 128, elem: int = 2) -> int:
+    """Peak bytes a denoising step allocates for ``batch`` sequences of ``tokens`` tokens.
+
+    Adds what the sampler keeps alive across the step: text features ``[batch, L, context]``,
+    the RoPE tables (float32) and the latents / velocity in float32.
+    """
+    blocks = TRANSFORMER_BYTES_PER_TOKEN_DIM * batch * tokens * hidden * elem / 2
+    sampler = batch * text_tokens * context_dim * elem + 2 * tokens * head_dim * 4 + 4 * batch * image_tokens * 128 * 4
+    return int(blocks + sampler)
+
+
+def text_activation_bytes(length: int, batch: int, hidden: int, inter: int, elem: int = 2) -> int:
+    """Peak bytes of a Qwen3 text-encoder forward: one layer's temporaries, the kept hidden states,
+    and the boolean attention masks ``[B, 1, L, L]``."""
+    per_token = max(TEXT_BYTES_PER_TOKEN_HIDDEN * hidden + TEXT_BYTES_PER_TOKEN_INTER * inter,
+                    TEXT_BYTES_PER_TOKEN_CONCAT * hidden)
+    return int(batch * length * per_token * elem / 2 + (batch + 1) * length * length)
+
+
+def _level_peak(channels: Sequence[int], decoder: bool) -> float:
+    """Elements per full-resolution pixel at the busiest resolution level (see the VAE note at
+    the top): a level ``b`` has a quarter as many pixels as level ``b - 1``."""
+    n = len(channels)
+    best = 0.0
+    for b in range(n):
+        c_out = channels[b]
+        if decoder:  # fed by the (upsampled) level below it, or by the mid block
+            c_in = channels[min(b + 1, n - 1)]
+        else:  # fed by conv_in, or by the (downsampled) level above it
+            c_in = channels[max(b - 1, 0)]
+        best = max(best, max(3 * c_in, c_in + 4 * c_out) / 4**b)
+    return best
+
+
+def vae_decode_activation_bytes(height: int, width: int, batch: int, channels: Sequence[int], elem: int = 2) -> int:
+    """Peak bytes of decoding ``batch`` images of ``height x width`` pixels (untiled)."""
+    per_px = _level_peak(channels, decoder=True) + 3
+    return int(batch * height * width * per_px * elem)
+
+
+def vae_encode_activation_bytes(height: int, width: int, batch: int, channels: Sequence[int], elem: int = 2) -> int:
+    """Peak bytes of encoding ``batch`` images of ``height x width`` pixels (untiled)."""
+    per_px = _level_peak(channels, decoder=False) + 3
+    return int(batch * height * width * per_px * elem)
+
+
+def tiled_decode_bytes(req: Request, channels: Sequence[int], tile: int) -> int:
+    """Peak bytes of :func:`~klein_core.vae_tiling.decode_tiled`: one tile's activations plus the
+    float32 accumulator and weight map of the whole image."""
+    side = 16 * tile
+    one = vae_decode_activation_bytes(min(side, req.height), min(side, req.width), req.batch, channels,
+                                      req.activation_bytes)
+    return one + req.batch * req.height * req.width * (3 * 4 + 3 * 4) + req.height * req.width * 4
+
+
+# ---------------------------------------------------------------------------------------------
+# Estimate
+
+
+@dataclass(frozen=True)
+class StageEstimate:
+    """One stage: the component it runs, its activation bytes untiled and per VAE tile size."""
+
+    component: str
+    activations: int
+    tiled: Mapping[int, int] = field(default_factory=dict)  # decode tile -> activation bytes
+
+    def activation_bytes(self, tile: int | None) -> int:
+        return self.tiled.get(tile, self.activations) if tile is not None else self.activations
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Per-stage activation bytes and per-component weight bytes for one request."""
+
+    request: Request
+    components: Mapping[str, ComponentSize]
+    stages: Mapping[str, StageEstimate]
+
+    def stage_peaks(self, plan: Plan) -> dict[str, int]:
+        """Peak device bytes of each stage under ``plan``."""
+        out = {}
+        for stage, est in self.stages.items():
+            on_device = 0
+            for comp, size in self.components.items():
+                placement = plan.placements.get(comp, "resident")
+                if placement == "resident":
+                    on_device += size.total
+                elif comp == est.component:
+                    on_device += size.streamed(plan.prefetch) if placement == "blocks" else size.total
+            out[stage] = on_device + est.activation_bytes(plan.vae_tile)
+        return out
+
+    def peak(self, plan: Plan) -> int:
+        return max(self.stage_peaks(plan).values(), default=0)
+
+
+def estimate(request: Request, components: Components) -> Estimate:
+    """Estimate per-stage memory for ``request`` (pure: sizes and formulas only, no device)."""
+    r = request
+    e = r.activation_bytes
+    comps: dict[str, ComponentSize] = {"transformer": components.transformer}
+    if components.text_encoder is not None:
+        comps["text_encoder"] = components.text_encoder
+    if components.vae is not None:
+        comps["vae"] = components.vae
+    stages: dict[str, StageEstimate] = {}
+    if r.encode_text and components.text_encoder is not None:
+        stages["text"] = StageEstimate("text_encoder", text_activation_bytes(
+            r.text_length, r.batch, components.text_hidden, components.text_inter, e))
+    if r.references and components.vae is not None:
+        enc = components.encoder_channels
+        # References are encoded one at a time; the largest one sets the peak.
+        act = max(vae_encode_activation_bytes(h, w, 1, enc, e) for w, h in r.references)
+        tiled = {}
+        for tile in DECODE_TILES:
+            side = 16 * tile
+            tiled[tile] = max(vae_encode_activation_bytes(min(h, side), min(w, side), 1, enc, e)
+                              + h * w // 256 * 128 * 8 for w, h in r.references)
+        stages["references"] = StageEstimate("vae", act, tiled)
+    seqs = r.batch * (2 if r.cfg else 1)
+    tokens = r.text_length + r.image_tokens + r.reference_tokens
+    stages["denoise"] = StageEstimate("transformer", transformer_activation_bytes(
+        tokens, seqs, components.hidden, r.text_length, components.context_dim, r.image_tokens, elem=e))
+    if r.decode and components.vae is not None:
+        dec = components.decoder_channels
+        act = vae_decode_activation_bytes(r.height, r.width, r.batch, dec, e)
+        stages["decode"] = StageEstimate("vae", act, {t: tiled_decode_bytes(r, dec, t) for t in DECODE_TILES})
+    return Estimate(r, comps, stages)
+
+
+# ---------------------------------------------------------------------------------------------
+# Plans
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Where each component lives, and whether the VAE is tiled.
+
+    ``placements[component]``: ``"resident"`` (on the device throughout), ``"staged"`` (on the
+    device only for its own stages, see :func:`~klein_core.offload.on_device`) or ``"blocks"``
+    (blocks streamed during its stage, :class:`~klein_core.offload.BlockOffloader`).
+    ``vae_tile``: decode tile side in latent positions (encode tiles are 16x that in pixels), or
+    None for untiled. ``reason`` is one line for the log.
+    """
+
+    placements: Mapping[str, Placement]
+    vae_tile: int | None = None
+    prefetch: int = 1
+    name: str = "resident"
+    peak_bytes: int = 0
+    free_bytes: int = 0
+    fits: bool = True
+    reason: str = ""
+
+    @property
+    def vae_overlap(self) -> int | None:
+        return DECODE_OVERLAP.get(self.vae_tile) if self.vae_tile is not None else None
+
+
+_R, _S, _B = "resident", "staged", "blocks"
+# Fastest first. Staging the text encoder only helps if the transformer leaves the device during
+# the text stage too, so the two are staged together. Streaming blocks costs PCIe bandwidth every
+# step, so it comes after staging (which costs a copy only when the prompt is not cached).
+PLACEMENT_ORDER: tuple[tuple[str, dict[str, Placement]], ...] = (
+    ("resident", {"text_encoder": _R, "transformer": _R, "vae": _R}),
+    ("swap text encoder and transformer", {"text_encoder": _S, "transformer": _S, "vae": _R}),
+    ("stream transformer blocks", {"text_encoder": _S, "transformer": _B, "vae": _R}),
+    ("stream all blocks", {"text_encoder": _B, "transformer": _B, "vae": _S}),
+)
+MODES = ("auto", "resident", "swap", "blocks", "minimum")
+
+
+def _candidates(mode: str) -> list[tuple[str, dict[str, Placement], int | None]]:
+    if mode not in MODES:
+        raise ValueError(f"memory mode must be one of {MODES}, got {mode!r}")
+    out = []
+    for i, (name, placements) in enumerate(PLACEMENT_ORDER):
+        if mode != "auto" and i != MODES.index(mode) - 1:
+            continue
+        # Tiling down to 32 is cheaper than moving weights; tiles of 16 only in the last resort.
+        tiles: tuple[int | None, ...] = (None, 64, 32) + ((16,) if i == len(PLACEMENT_ORDER) - 1 else ())
+        out += [(name, placements, t) for t in tiles]
+    return out
+
+
+def choose_plan(
+    est: Estimate, free_bytes: int, *, mode: str = "auto", reserve_bytes: int = DEFAULT_RESERVE_BYTES,
+    prefetch: int = 1,
+) -> Plan:
+    """The fastest plan whose estimated peak fits ``free_bytes - reserve_bytes``.
+
+    ``mode``: ``"auto"`` searches every placement in :data:`PLACEMENT_ORDER`; ``"resident"``,
+    ``"swap"``, ``"blocks"`` or ``"minimum"`` fix the placement (the VAE may still be tiled).
+    If nothing fits, the plan with the smallest peak is returned with ``fits=False`` and a reason
+    that says how much is missing.
+    """
+    budget = free_bytes - reserve_bytes
+    best: Plan | None = None
+    first_peak: int | None = None
+    for name, placements, tile in _candidates(mode):
+        placements = {c: p for c, p in placements.items() if c in est.components}
+        plan = Plan(placements, tile, prefetch, name)
+        peak = est.peak(plan)
+        first_peak = peak if first_peak is None else first_peak
+        plan = replace(plan, peak_bytes=peak, free_bytes=free_bytes, fits=peak <= budget)
+        if plan.fits:
+            return replace(plan, reason=_reason(est, plan, first_peak, budget))
+        if best is None or peak <= best.peak_bytes:  # ties: the later, more frugal plan
+            best = plan
+    assert best is not None
+    return replace(best, reason=_reason(est, best, first_peak or 0, budget))
+
+
+def _reason(est: Estimate, plan: Plan, resident_peak: int, budget: int) -> str:
+    peaks = est.stage_peaks(plan)
+    worst = max(peaks, key=peaks.__getitem__)
+    tiling = f", VAE tiles of {plan.vae_tile} latents" if plan.vae_tile else ""
+    head = f"{plan.name}{tiling}: estimated peak {plan.peak_bytes / GB:.2f} GB ({worst})"
+    if not plan.fits:
+        return (f"{head} does not fit {budget / GB:.2f} GB usable ({plan.free_bytes / GB:.2f} GB free); "
+                f"short by {(plan.peak_bytes - budget) / GB:.2f} GB: use fp8 weights, a smaller size or fewer "
+                "references")
+    if plan.name == "resident" and not plan.vae_tile:
+        return f"{head} fits {budget / GB:.2f} GB usable"
+    return f"{head} fits {budget / GB:.2f} GB usable; everything resident would need {resident_peak / GB:.2f} GB"
+
+
+# ---------------------------------------------------------------------------------------------
+# Calibration: tracing the bytes an eager forward allocates
+
+
+class _AllocationTracker(TorchDispatchMode):
+    """Counts live bytes of tensors created by ops (views and in-place results share their
+    source's allocation), freeing them when the last tensor object using them dies."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self._alloc: dict[int, list[int]] = {}  # allocation id -> [tensor objects, bytes]
+        self._owner: dict[int, int] = {}  # id(tensor) -> allocation id
+        self._next = 0
+
+    def _attach(self, t: torch.Tensor, alloc: int) -> None:
+        self._alloc[alloc][0] += 1
+        tid = id(t)
+        self._owner[tid] = alloc
+        weakref.finalize(t, self._detach, tid, alloc)
+
+    def _detach(self, tid: int, alloc: int) -> None:
+        self._owner.pop(tid, None)
+        entry = self._alloc[alloc]
+        entry[0] -= 1
+        if entry[0] == 0:
+            self.live -= entry[1]
+            del self._alloc[alloc]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        out = func(*args, **(kwargs or {}))
+        returns = func._schema.returns
+        for i, o in enumerate(out if isinstance(out, (tuple, list)) else (out,)):
+            if not isinstance(o, torch.Tensor):
+                continue
+            if i < len(returns) and returns[i].alias_info is not None:  # a view or in-place result
+                src = next((a for s, a in zip(func._schema.arguments, args)
+                            if s.alias_info is not None and isinstance(a, torch.Tensor)), None)
+                alloc = self._owner.get(id(src)) if src is not None else None
+                if alloc is not None and o is not src:
+                    self._attach(o, alloc)
+                continue
+            alloc, self._next = self._next, self._next + 1
+            self._alloc[alloc] = [0, o.numel() * o.element_size()]
+            self.live += self._alloc[alloc][1]
+            self.peak = max(self.peak, self.live)
+            self._attach(o, alloc)
+        return out
+
+
+def _efficient_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kw):  # noqa: ANN001
+    # What flash / memory-efficient SDPA allocate: the output and a float32 logsumexp.
+    lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
+    del lse
+    return q.new_empty(*q.shape[:-1], v.shape[-1])
+
+
+@contextlib.contextmanager
+def _sdpa_as_efficient() -> Iterator[None]:
+    real = F.scaled_dot_product_attention
+    F.scaled_dot_product_attention = _efficient_sdpa
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = real
+
+
+def trace_activation_bytes(fn: Callable[[], Any]) -> int:
+    """Peak bytes of the tensors allocated while ``fn()`` runs (its inputs and the weights, made
+    before, are not counted). Run it on meta-device modules and inputs to measure real-size
+    models without memory or compute. Scaled-dot-product attention is counted as a
+    memory-efficient kernel. A calibration tool: slow-ish (Python per op), not for every request.
+    """
+    with _sdpa_as_efficient(), torch.no_grad(), _AllocationTracker() as tracker:
+        fn()
+    return tracker.peak
+
+
+__all__ = [
+    "Components", "ComponentSize", "Estimate", "MODES", "PLACEMENT_ORDER", "Plan", "Request", "StageEstimate",
+    "choose_plan", "estimate", "text_activation_bytes", "trace_activation_bytes", "transformer_activation_bytes",
+    "vae_decode_activation_bytes", "vae_encode_activation_bytes",
+]

@@ -1,0 +1,264 @@
+"""Memory planner: formulas against traced allocations, component sizes, the plan table, and the
+CPU-safe parts of benchmarks/memory.py.
+
+The activation formulas are checked against :func:`trace_activation_bytes`, which runs the real
+forward pass of real-size Klein 4B/9B, Qwen3 and VAE configs on the meta device (no memory, no
+compute) and counts the bytes the eager code allocates. That is a structural calibration, not a
+GPU measurement (see the planner's docstring).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from klein_core import demo
+from klein_core.planner import (
+    DEFAULT_RESERVE_BYTES, Components, Request, choose_plan, estimate, text_activation_bytes, trace_activation_bytes,
+    transformer_activation_bytes, vae_decode_activation_bytes, vae_encode_activation_bytes,
+)
+from klein_core.quant import quantize_model_
+from klein_core.qwen3 import Qwen3Config, Qwen3TextEncoder
+from klein_core.transformer import Flux2Transformer, TransformerConfig, position_ids, text_position_ids
+from klein_core.vae import Flux2VAE, VAEConfig
+from klein_core.vae_tiling import decode_tiled, encode_tiled
+
+REPO = Path(__file__).resolve().parent.parent
+GB = 1e9
+
+K4 = TransformerConfig(hidden_size=3072, num_heads=24, depth=5, depth_single=20, context_dim=7680, mlp_hidden=9216)
+K9 = TransformerConfig(hidden_size=4096, num_heads=32, depth=8, depth_single=24, context_dim=12288, mlp_hidden=12288)
+Q4 = Qwen3Config(hidden_size=2560, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                 intermediate_size=9728, vocab_size=151936, num_layers_in_file=36)
+Q8 = Qwen3Config(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                 intermediate_size=12288, vocab_size=151936, num_layers_in_file=36)
+VAE = VAEConfig()
+EDIT = Request(1024, 1024, references=((1024, 1024),))
+
+
+# ---------------------------------------------------------------------------------------------
+# Formulas against traced allocations
+
+
+@pytest.mark.parametrize("cfg", [K4, K9], ids=["4B", "9B"])
+@pytest.mark.parametrize("batch,image_tokens", [(1, 4096), (1, 8192), (2, 8192)])
+def test_transformer_formula_matches_trace(cfg, batch, image_tokens, parity):
+    with torch.device("meta"):
+        model = Flux2Transformer(cfg).to(torch.bfloat16)
+    L = 512
+    ids = position_ids(1, image_tokens)
+    rope = model.rope(text_position_ids(L), ids)  # the sampler computes RoPE once, outside the step
+    kw = dict(img=torch.empty(batch, image_tokens, 128, device="meta", dtype=torch.bfloat16), img_ids=ids,
+              txt=torch.empty(batch, L, cfg.context_dim, device="meta", dtype=torch.bfloat16),
+              txt_ids=text_position_ids(L), timesteps=torch.empty(batch, device="meta"), rope=rope)
+    traced = trace_activation_bytes(lambda: model(**kw))
+    tokens = L + image_tokens
+    formula = transformer_activation_bytes(tokens, batch, cfg.hidden_size, L, cfg.context_dim, image_tokens)
+    sampler_terms = batch * L * cfg.context_dim * 2 + 2 * tokens * 128 * 4 + 4 * batch * image_tokens * 128 * 4
+    rel = abs(formula - sampler_terms - traced) / traced
+    parity(f"planner transformer {cfg.variant} B{batch} N{tokens}: |formula - trace| / trace", rel)
+    assert rel < 0.02, (formula - sampler_terms, traced)
+
+
+@pytest.mark.parametrize("cfg", [VAE, VAEConfig(decoder_block_channels=(96, 192, 384, 384)),
+                                 VAEConfig(block_channels=(32,) * 4, decoder_block_channels=(32,) * 4)],
+                         ids=["full", "small decoder", "tiny"])
+def test_vae_formulas_match_trace(cfg, parity):
+    with torch.device("meta"):
+        vae = Flux2VAE(cfg).to(torch.bfloat16)
+    for h, w in ((512, 512), (1024, 768)):
+        z = torch.empty(1, 128, h // 16, w // 16, device="meta", dtype=torch.bfloat16)
+        dec = trace_activation_bytes(lambda: vae.decode(z))
+        px = torch.empty(1, 3, h, w, device="meta", dtype=torch.bfloat16)
+        enc = trace_activation_bytes(lambda: vae.encode(px))
+        f_dec = vae_decode_activation_bytes(h, w, 1, cfg.decoder_block_channels)
+        f_enc = vae_encode_activation_bytes(h, w, 1, cfg.block_channels)
+        parity(f"planner VAE decode {list(cfg.decoder_block_channels)} {h}x{w}: |formula - trace| / trace",
+               abs(f_dec - dec) / dec)
+        assert abs(f_dec - dec) / dec < 0.03, (f_dec, dec)
+        assert abs(f_enc - enc) / enc < 0.03, (f_enc, enc)
+
+
+def test_tiled_vae_formulas_match_trace(parity):
+    with torch.device("meta"):
+        vae = Flux2VAE(VAE).to(torch.bfloat16)
+    tiny_transformer = TransformerConfig(hidden_size=64, num_heads=2, depth=1, depth_single=1, context_dim=96,
+                                         mlp_hidden=192, axes_dim=(8, 8, 8, 8))
+    for h, w, tile in ((2048, 2048, 64), (1024, 1536, 32)):
+        z = torch.empty(1, 128, h // 16, w // 16, device="meta", dtype=torch.bfloat16)
+        dec = trace_activation_bytes(lambda: decode_tiled(vae, z, tile=tile, overlap=tile // 4))
+        px = torch.empty(1, 3, h, w, device="meta", dtype=torch.bfloat16)
+        enc = trace_activation_bytes(lambda: encode_tiled(vae, px, tile=16 * tile, overlap=4 * tile))
+        est = estimate(Request(w, h, references=((w, h),)), Components.from_configs(tiny_transformer, None, VAE))
+        f_dec, f_enc = est.stages["decode"].tiled[tile], est.stages["references"].tiled[tile]
+        parity(f"planner tiled VAE decode {h}x{w} tile {tile}: formula / trace", f_dec / dec)
+        assert 1.0 <= f_dec / dec < 1.15 and 1.0 <= f_enc / enc < 1.15, (f_dec / dec, f_enc / enc)
+
+
+def test_text_formula_matches_trace(parity):
+    # The full encoder forward reads its mask's values, so it runs on CPU with a narrow (but
+    # 27-layer, 512-token) model; the formula's masks (L^2) weigh more here than at real size.
+    cfg = Qwen3Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                      intermediate_size=192, vocab_size=1000, num_layers_in_file=27)
+    torch.manual_seed(0)
+    te = Qwen3TextEncoder(cfg).to(torch.bfloat16).eval()
+    for batch in (1, 2):
+        ids = torch.randint(0, 1000, (batch, 512))
+        traced = trace_activation_bytes(lambda: te.forward(ids, torch.ones_like(ids)))
+        formula = text_activation_bytes(512, batch, 64, 192)
+        parity(f"planner text encoder B{batch}: |formula - trace| / trace", abs(formula - traced) / traced)
+        assert abs(formula - traced) / traced < 0.03, (formula, traced)
+
+
+# ---------------------------------------------------------------------------------------------
+# Component sizes
+
+
+def test_component_sizes_from_configs_and_modules():
+    c4 = Components.from_configs(K4, Q4, VAE)
+    assert c4.transformer.total / 2 == pytest.approx(3.8755e9, rel=2e-5)  # SPEC §1.1: 3.8755 B parameters, bf16
+    assert c4.transformer.nonblock + sum(c4.transformer.blocks) == c4.transformer.total
+    assert len(c4.transformer.blocks) == 25 and c4.vae.total / 1e6 == pytest.approx(168.1, abs=0.1)
+    assert Components.from_configs(K9, Q8, VAE).transformer.total / 2 == pytest.approx(9.0786e9, rel=2e-5)
+    fp8 = Components.from_configs(K4, Q4, VAE, transformer_precision="fp8", text_precision="fp8")
+    assert 4.0 < fp8.transformer.total / GB < 4.2  # BFL's flux-2-klein-4b-fp8 file is 4.07 GB
+    # Configs and loaded modules agree, fp8 layers included.
+    tr, te, vae = demo.build_tiny_components()
+    tr, te, vae = tr.bfloat16(), te.bfloat16(), vae.bfloat16()
+    vae.bn.float()
+    for precision in ("bf16", "fp8"):
+        if precision == "fp8":
+            quantize_model_(tr)
+            quantize_model_(te)
+        a = Components.from_modules(tr, te, vae)
+        b = Components.from_configs(tr.config, te.config, vae.config, transformer_precision=precision,
+                                    text_precision=precision)
+        assert a.transformer == b.transformer and a.text_encoder == b.text_encoder, precision
+        assert a.vae.total == b.vae.total
+    with pytest.raises(ValueError, match="precision"):
+        Components.from_configs(K4, transformer_precision="int4")
+
+
+# ---------------------------------------------------------------------------------------------
+# The plan table
+
+
+def _est(t, q, req, precision="bf16"):
+    return estimate(req, Components.from_configs(t, q, VAE, transformer_precision=precision, text_precision=precision))
+
+
+# (model, precision, request, free GB, expected plan, expected tile)
+# Weights: 4B bf16 = transformer 7.75 + text encoder 6.23 + VAE 0.17 GB; fp8 4.07 + 3.50 + 0.17;
+# 9B bf16 18.16 + 11.66 + 0.17; fp8 9.43 + 6.45 + 0.17. Denoise activations at 1024^2 + one
+# reference: 1.8 GB (4B), 2.4 GB (9B). DEFAULT_RESERVE_BYTES (0.8 GB) of every card stays unplanned.
+TABLE = [
+    ("4B", "bf16", EDIT, 80, "resident", None),
+    ("4B", "bf16", EDIT, 24, "resident", None),
+    ("4B", "bf16", EDIT, 16, "swap text encoder and transformer", None),
+    ("4B", "bf16", EDIT, 12, "swap text encoder and transformer", None),
+    ("4B", "bf16", EDIT, 8, "stream transformer blocks", None),  # target: 4B edit in 8 GB
+    ("4B", "bf16", EDIT, 6, "stream all blocks", None),
+    ("4B", "fp8", EDIT, 12, "resident", None),
+    ("4B", "fp8", EDIT, 8, "swap text encoder and transformer", None),  # target with fp8 weights
+    ("4B", "fp8", EDIT, 6, "stream transformer blocks", None),
+    ("9B", "bf16", EDIT, 40, "resident", None),
+    ("9B", "bf16", EDIT, 24, "swap text encoder and transformer", None),
+    ("9B", "bf16", EDIT, 12, "stream all blocks", None),  # target: 9B edit in 12 GB
+    ("9B", "fp8", EDIT, 24, "resident", None),
+    ("9B", "fp8", EDIT, 12, "stream transformer blocks", None),
+    ("4B", "bf16", Request(1024, 1024, encode_text=False), 12, "swap text encoder and transformer", None),
+    # 2048^2: untiled decode needs 6.45 GB of activations an image (the denoise step 3.4 GB), so
+    # tiles of 64 latents let everything stay resident on cards that would otherwise swap.
+    ("4B", "fp8", Request(2048, 2048), 16, "resident", None),
+    ("4B", "fp8", Request(2048, 2048), 14, "resident", 64),
+    ("4B", "bf16", Request(2048, 2048), 20, "resident", 64),
+    ("4B", "fp8", Request(2048, 2048, batch=2), 13, "swap text encoder and transformer", 64),
+    ("4B", "fp8", Request(2048, 2048, batch=2), 10, "stream transformer blocks", 64),
+    ("9B", "bf16", EDIT, 3, "stream all blocks", 16),  # does not fit at all: the smallest plan
+]
+
+
+@pytest.mark.parametrize("model,precision,req,free_gb,plan_name,tile", TABLE)
+def test_plan_table(model, precision, req, free_gb, plan_name, tile):
+    t, q = (K4, Q4) if model == "4B" else (K9, Q8)
+    est = _est(t, q, req, precision)
+    plan = choose_plan(est, int(free_gb * GB))
+    assert (plan.name, plan.vae_tile) == (plan_name, tile), plan.reason
+    assert plan.fits == (free_gb > 3), plan.reason
+    assert plan.name in plan.reason and "GB" in plan.reason
+    if plan.fits:
+        assert plan.peak_bytes <= free_gb * GB - DEFAULT_RESERVE_BYTES
+
+
+def test_reasons_forced_modes_and_request_checks():
+    est = _est(K4, Q4, EDIT)
+    big = choose_plan(est, int(80 * GB))
+    assert big.reason.startswith("resident: estimated peak 15.9") and big.fits
+    small = choose_plan(est, int(8 * GB))
+    assert "everything resident would need 15.9" in small.reason
+    none = choose_plan(est, int(2 * GB))
+    assert not none.fits and "short by" in none.reason and "fp8" in none.reason
+    forced = choose_plan(est, int(80 * GB), mode="blocks")
+    assert forced.name == "stream transformer blocks" and forced.placements["transformer"] == "blocks"
+    assert forced.peak_bytes < big.peak_bytes
+    with pytest.raises(ValueError, match="memory mode"):
+        choose_plan(est, int(GB), mode="lowvram")
+    cfg = _est(K4, Q4, Request(1024, 1024, cfg=True)).stages["denoise"].activations
+    plain = _est(K4, Q4, Request(1024, 1024)).stages["denoise"].activations
+    assert 1.9 < cfg / plain < 2.05  # CFG doubles the transformer batch
+    with pytest.raises(ValueError, match="multiple of 16"):
+        Request(1000, 1024)
+    stages = est.stage_peaks(big)
+    assert set(stages) == {"text", "references", "denoise", "decode"} and max(stages.values()) == big.peak_bytes
+
+
+# ---------------------------------------------------------------------------------------------
+# benchmarks/memory.py (its CPU-safe parts)
+
+
+def _memory_module():
+    spec = importlib.util.spec_from_file_location("klein_memory_benchmark", REPO / "benchmarks" / "memory.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_memory_benchmark_arguments_and_builders():
+    mem = _memory_module()
+    args = mem.parse_args(["--out", "x.json", "--models", "9b", "--precision", "fp8", "--modes", "auto,swap",
+                           "--cap-gb", "12"])
+    assert args.models == ["9b"] and args.precision == ["fp8"] and args.modes == ["auto", "swap"]
+    assert args.cap_gb == 12
+    with pytest.raises(SystemExit):
+        mem.parse_args(["--out", "x.json", "--models", "30b"])
+    with pytest.raises(SystemExit):
+        mem.parse_args(["--out", "x.json", "--modes", "turbo"])
+    # The fast builder on CPU at a small size: meta -> to_empty -> random init, bf16, no NaN.
+    small = TransformerConfig(hidden_size=64, num_heads=2, depth=1, depth_single=1, context_dim=96, mlp_hidden=192,
+                              axes_dim=(8, 8, 8, 8))
+    tr = mem._on(lambda: Flux2Transformer(small), torch.device("cpu"), torch.bfloat16)
+    assert tr.dtype == torch.bfloat16 and not any(p.is_meta for p in tr.parameters())
+    assert float(tr.img_in.weight.float().std()) == pytest.approx(0.02, rel=0.2)
+    assert Components.from_modules(tr).transformer.total == Components.from_configs(small).transformer.total
+
+
+def test_memory_benchmark_tiny_cpu(tmp_path, capsys):
+    mem = _memory_module()
+    out = tmp_path / "memory.json"
+    report = mem.main(["--tiny", "--device", "cpu", "--steps", "1", "--cases", "edit1024", "--precision", "fp8",
+                       "--modes", "auto,minimum", "--out", str(out)])
+    printed = capsys.readouterr().out
+    saved = json.loads(out.read_text())
+    assert saved == json.loads(json.dumps(report)) and saved["env"]["device"] == "cpu"
+    rows = saved["results"]
+    assert [r["mode"] for r in rows] == ["auto", "minimum"] and "stream all blocks" in printed
+    for r in rows:
+        assert r["finite"] and r["fits"] and set(r["time_s"]) == {"text", "references", "denoise", "decode"}
+        assert r["peak_total"] is None  # no CUDA memory statistics on the CPU
+        assert r["estimated_peak"] == max(r["estimated_stages"].values())
