@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from . import kernels
-from .transformer import NORM_EPS, PLAIN_OPS, BlockOps, Flux2Transformer, QKPart
+from .transformer import NORM_EPS, PLAIN_OPS, BlockOps, Flux2Transformer, QKPart, rope_cos_sin
 from .vae import Flux2VAE
 
 logger = logging.getLogger(__name__)
@@ -206,12 +206,52 @@ class _BoundOps(BlockOps):
         return self._attention_fn(q, k, v)
 
 
+def _self_check(
+    name: str, device: torch.device, dtype: torch.dtype, head_dim: int, hidden: int
+) -> str | None:
+    """Run a fused kernel once on small random data against the plain path.
+
+    Returns why it cannot be trusted (it raised, or its result is off), or None. This guards
+    against a GPU / Triton combination the kernels were never run on: such a kernel is switched
+    off with a warning instead of producing wrong images. Once per device and dtype (one sync).
+    """
+    g = torch.Generator(device=device).manual_seed(0)
+    try:
+        if name == "qk-norm+rope":
+            heads, lengths = 3, (5, 7)
+            qkv = torch.randn(2, sum(lengths), 3, heads, head_dim, generator=g, device=device).to(dtype)
+            scales = (1 + 0.1 * torch.randn(4, head_dim, generator=g, device=device)).to(dtype)
+            streams = qkv.split(lengths, dim=1)
+            parts = [(st[:, :, 0], st[:, :, 1], scales[2 * i], scales[2 * i + 1])
+                     for i, st in enumerate(streams)]
+            ids = torch.randint(0, 64, (sum(lengths), 1), generator=g, device=device)
+            cos, sin = rope_cos_sin(ids, (head_dim,), 2000.0)
+            cos, sin = cos[None, None], sin[None, None]
+            fused = _BoundOps(None, True, False).qk_norm_rope(parts, cos, sin)
+            plain = PLAIN_OPS.qk_norm_rope(parts, cos, sin)
+        else:
+            x = (torch.randn(2, 7, hidden, generator=g, device=device) * 3).to(dtype)
+            mod = torch.randn(2, 1, 3 * hidden, generator=g, device=device).to(dtype)
+            shift, scale, _ = mod.chunk(3, dim=-1)
+            fused = (kernels.modulate(x, shift, scale, NORM_EPS),)
+            plain = (PLAIN_OPS.modulate(x, shift, scale),)
+        tol = 1e-4 if dtype == torch.float32 else 2e-2
+        for a, b in zip(fused, plain):
+            err = ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-6)).item()
+            if not err <= tol:  # also catches NaN
+                return f"its self-check is off by {err:.2e} (relative) against the plain path"
+    except Exception as exc:  # a compile or launch failure must not take the model down
+        return f"its self-check raised {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    return None
+
+
 class FastOps(BlockOps):
     """The ops :func:`enable_fast_paths` installs: resolves backends per (device, dtype) on first use."""
 
-    def __init__(self, settings: FastSettings, head_dim: int) -> None:
+    def __init__(self, settings: FastSettings, head_dim: int, hidden: int) -> None:
         self.settings = settings
         self.head_dim = head_dim
+        self.hidden = hidden
         self._bound: dict[tuple[str, int | None, torch.dtype], _BoundOps] = {}
         self._described: dict[str, str] = {}
 
@@ -236,6 +276,10 @@ class FastOps(BlockOps):
             ok, why = False, f"dtype {dtype} is not supported"
         if ok and name == "qk-norm+rope" and (self.head_dim % 2 or self.head_dim & (self.head_dim - 1)):
             ok, why = False, f"head dim {self.head_dim} is not a power of two"
+        if ok:
+            failure = _self_check(name, device, dtype, self.head_dim, self.hidden)
+            if failure is not None:
+                ok, why = False, failure
         if not ok:
             # Expected on CPU, so only an info line there; a warning where a GPU user asked for it.
             log = logger.warning if device.type == "cuda" else logger.info
@@ -338,7 +382,7 @@ def enable_fast_paths(
         raise TypeError(f"enable_fast_paths expects a Flux2Transformer, got {type(model).__name__}")
     disable_fast_paths(model)
     settings = FastSettings(attention, fused_rope, fused_modulation, compile)
-    ops = FastOps(settings, model.config.head_dim)
+    ops = FastOps(settings, model.config.head_dim, model.config.hidden_size)
     model.ops = ops
     if compile:
         for block in _blocks(model):

@@ -231,3 +231,23 @@ def test_transformer_with_fused_kernels_matches_plain(kernels, dtype, caplog):
     else:
         rel = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
         assert rel < 1e-2, rel
+
+
+@child_only
+def test_kernel_failing_its_self_check_is_switched_off(kernels, monkeypatch, caplog):
+    """A kernel that computes wrong on this device/Triton is caught at first use, not trusted."""
+    from klein_core import fast
+
+    model = demo.tiny_transformer()
+    monkeypatch.setattr(kernels, "modulate", lambda x, shift, scale, eps=1e-6: torch.zeros_like(x))
+    ids = klein_core.position_ids(2, 2)
+    kw = dict(img=torch.randn(1, 4, 128), img_ids=ids, txt=torch.randn(1, 3, model.config.context_dim),
+              txt_ids=klein_core.text_position_ids(3), timesteps=torch.tensor([0.5]))
+    with torch.no_grad():
+        ref = model(**kw)
+        ops = fast.enable_fast_paths(model)
+        with caplog.at_level("INFO", logger="klein_core.fast"):
+            out = model(**kw)
+    assert "self-check is off" in caplog.text
+    assert "qk-norm+rope=triton, modulation=plain" in ops.resolved()["cpu torch.float32"]
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
