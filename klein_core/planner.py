@@ -478,6 +478,53 @@ def _reason(est: Estimate, plan: Plan, resident_peak: int, budget: int) -> str:
     return f"{head} fits {budget / GB:.2f} GB usable; everything resident would need {resident_peak / GB:.2f} GB"
 
 
+def free_device_bytes(device: torch.device | str, modules: Sequence[nn.Module] = ()) -> int:
+    """Memory a plan may use on ``device``: free memory reported by the driver, plus what
+    PyTorch's allocator holds cached, plus what ``modules`` already occupy there (the estimate
+    counts their weights itself). Queried now; CUDA only."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"free_device_bytes needs a CUDA device, got {device}")
+    free, _ = torch.cuda.mem_get_info(device)
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    mine = 0
+    seen: set[int] = set()
+    for m in modules:
+        for t in [*m.parameters(), *m.buffers()]:
+            if t.device.type == "cuda" and t.device.index == idx and id(t) not in seen:
+                seen.add(id(t))
+                mine += t.numel() * t.element_size()
+    return int(free + cached + mine)
+
+
+def plan_for(
+    request: Request,
+    transformer: nn.Module,
+    text_encoder: nn.Module | None = None,
+    vae: nn.Module | None = None,
+    *,
+    device: torch.device | str = "cuda",
+    mode: str = "auto",
+    free_bytes: int | None = None,
+) -> Plan:
+    """Plan a request for loaded components on ``device`` (what a sampler calls before running).
+
+    ``free_bytes`` defaults to :func:`free_device_bytes` on CUDA; on other devices (CPU, MPS)
+    there is nothing to plan and everything stays resident.
+    """
+    device = torch.device(device)
+    est = estimate(request, Components.from_modules(transformer, text_encoder, vae))
+    if free_bytes is None:
+        if device.type != "cuda":
+            plan = Plan({c: "resident" for c in est.components}, name="resident")
+            return replace(plan, peak_bytes=est.peak(plan), reason=f"{device.type}: no memory planning, all resident")
+        free_bytes = free_device_bytes(device, [m for m in (transformer, text_encoder, vae) if m is not None])
+    plan = choose_plan(est, free_bytes, mode=mode)
+    logger.info("memory plan: %s", plan.reason)
+    return plan
+
+
 # ---------------------------------------------------------------------------------------------
 # Calibration: tracing the bytes an eager forward allocates
 
@@ -559,6 +606,6 @@ def trace_activation_bytes(fn: Callable[[], Any]) -> int:
 
 __all__ = [
     "Components", "ComponentSize", "Estimate", "MODES", "PLACEMENT_ORDER", "Plan", "Request", "StageEstimate",
-    "choose_plan", "estimate", "text_activation_bytes", "trace_activation_bytes", "transformer_activation_bytes",
+    "choose_plan", "estimate", "free_device_bytes", "plan_for", "text_activation_bytes", "trace_activation_bytes", "transformer_activation_bytes",
     "vae_decode_activation_bytes", "vae_encode_activation_bytes",
 ]

@@ -341,7 +341,8 @@ def scaled_mm_available(device: torch.device) -> bool:
     key = (device.type, device.index)
     if key not in _scaled_mm_support:
         cap = torch.cuda.get_device_capability(device)
-        ok = tuple(cap) >= MIN_SCALED_MM_CAPABILITY and hasattr(torch, "_scaled_mm")
+        # ROCm reports "cuda" devices too, but its fp8 matmul wants the e4m3fnuz flavour.
+        ok = tuple(cap) >= MIN_SCALED_MM_CAPABILITY and hasattr(torch, "_scaled_mm") and torch.version.hip is None
         _scaled_mm_support[key] = ok
         logger.info(
             "fp8 matmul on %s (compute capability %d.%d): %s", device, cap[0], cap[1],
@@ -432,7 +433,14 @@ class FP8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._use_scaled_mm(x):
-            return self._scaled_mm(x)
+            if self.matmul == "scaled_mm":
+                return self._scaled_mm(x)
+            try:
+                return self._scaled_mm(x)
+            except RuntimeError as exc:  # an unsupported shape or build: upcast from now on
+                logger.warning("fp8 matmul failed for a %dx%d layer (%s); upcasting its weight instead",
+                               self.out_features, self.in_features, str(exc).splitlines()[0])
+                self.full_precision_mm = True
         # Upcast one layer at a time: the only extra memory is this layer's weight in x.dtype.
         bias = self.bias.to(x.dtype) if self.bias is not None else None
         return F.linear(x, self.dequantized_weight(x.dtype), bias)

@@ -262,3 +262,14 @@ def test_memory_benchmark_tiny_cpu(tmp_path, capsys):
         assert r["finite"] and r["fits"] and set(r["time_s"]) == {"text", "references", "denoise", "decode"}
         assert r["peak_total"] is None  # no CUDA memory statistics on the CPU
         assert r["estimated_peak"] == max(r["estimated_stages"].values())
+
+
+def test_plan_for_loaded_components_on_cpu():
+    from klein_core.planner import plan_for
+
+    tr, te, vae = demo.build_tiny_components()
+    req = Request(128, 128, references=((128, 128),))
+    plan = plan_for(req, tr, te, vae, device="cpu")
+    assert plan.name == "resident" and plan.fits and "no memory planning" in plan.reason
+    tight = plan_for(req, tr, te, vae, device="cpu", free_bytes=plan.peak_bytes + DEFAULT_RESERVE_BYTES - 1)
+    assert tight.name != "resident" and tight.fits  # one byte short of resident + reserve
