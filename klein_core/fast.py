@@ -206,6 +206,34 @@ class _BoundOps(BlockOps):
         return self._attention_fn(q, k, v)
 
 
+def _compare(fused: Sequence[torch.Tensor], plain: Sequence[torch.Tensor], dtype: torch.dtype) -> str | None:
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    for a, b in zip(fused, plain):
+        err = ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-6)).item()
+        if not err <= tol:  # also catches NaN
+            return f"its self-check is off by {err:.2e} (relative) against the plain path"
+    return None
+
+
+def _first_line(exc: Exception) -> str:
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+
+
+def _attention_self_check(
+    fn: AttentionFn, device: torch.device, dtype: torch.dtype, head_dim: int
+) -> str | None:
+    """Run an attention backend once in the layouts the blocks use (q/k transposed views of
+    [B, L, H, D] buffers, v a strided view of a fused projection) against the plain path."""
+    g = torch.Generator(device=device).manual_seed(0)
+    try:
+        qkv = torch.randn(1, 37, 3, 2, head_dim, generator=g, device=device).to(dtype)
+        q, k = (qkv[:, :, i].contiguous().transpose(1, 2) for i in (0, 1))
+        v = qkv[:, :, 2].transpose(1, 2)
+        return _compare([fn(q, k, v)], [PLAIN_OPS.attention(q, k, v)], dtype)
+    except Exception as exc:  # a backend that fails here would fail inside every block
+        return f"its self-check raised {_first_line(exc)}"
+
+
 def _self_check(
     name: str, device: torch.device, dtype: torch.dtype, head_dim: int, hidden: int
 ) -> str | None:
@@ -235,14 +263,9 @@ def _self_check(
             shift, scale, _ = mod.chunk(3, dim=-1)
             fused = (kernels.modulate(x, shift, scale, NORM_EPS),)
             plain = (PLAIN_OPS.modulate(x, shift, scale),)
-        tol = 1e-4 if dtype == torch.float32 else 2e-2
-        for a, b in zip(fused, plain):
-            err = ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-6)).item()
-            if not err <= tol:  # also catches NaN
-                return f"its self-check is off by {err:.2e} (relative) against the plain path"
+        return _compare(fused, plain, dtype)
     except Exception as exc:  # a compile or launch failure must not take the model down
-        return f"its self-check raised {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-    return None
+        return f"its self-check raised {_first_line(exc)}"
 
 
 class FastOps(BlockOps):
@@ -289,6 +312,12 @@ class FastOps(BlockOps):
     def _resolve(self, device: torch.device, dtype: torch.dtype) -> _BoundOps:
         s = self.settings
         attention_fn, attention_name = _resolve_attention(s.attention, device, dtype, self.head_dim)
+        if attention_fn is not None:
+            failure = _attention_self_check(attention_fn, device, dtype, self.head_dim)
+            if failure is not None:
+                logger.warning("attention=%s on %s: %s; using the plain path",
+                               attention_name, device, failure)
+                attention_fn, attention_name = None, "plain"
         rope = self._kernel_choice(s.fused_rope, "qk-norm+rope", device, dtype)
         mod = self._kernel_choice(s.fused_modulation, "modulation", device, dtype)
         fused = "inductor" if s.compile else "triton"

@@ -84,6 +84,43 @@ def test_missing_triton_or_device_falls_back(model, monkeypatch, caplog):
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
+def _fake_flash(q, k, v):
+    """A flash-attn stand-in: [B, L, H, D] in and out, returning (out, lse) like some FA3 releases."""
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    out = sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+    return out.transpose(1, 2), None
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "flash"])
+def test_attention_backend_wrappers(model, monkeypatch, backend):
+    """The SDPA and flash-attn wrappers (layouts, priorities, tuple outputs) on CPU stand-ins."""
+    fn = fast._make_sdpa(["MATH"]) if backend == "sdpa" else fast._make_flash(_fake_flash)
+    monkeypatch.setattr(fast, "_resolve_attention", lambda *a: (fn, backend))
+    kw = _inputs(model)
+    with torch.no_grad():
+        ref = model(**kw)
+        ops = fast.enable_fast_paths(model)
+        out = model(**kw)
+    assert f"attention={backend}," in ops.resolved()["cpu torch.float32"]
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_attention_backend_failing_its_self_check_falls_back(model, monkeypatch, caplog):
+    def broken(q, k, v):
+        raise RuntimeError("No available kernel for this layout")
+
+    monkeypatch.setattr(fast, "_resolve_attention", lambda *a: (broken, "flash3"))
+    kw = _inputs(model)
+    with torch.no_grad():
+        ref = model(**kw)
+        ops = fast.enable_fast_paths(model)
+        with caplog.at_level(logging.WARNING, logger="klein_core.fast"):
+            out = model(**kw)
+    assert "attention=flash3 on cpu: its self-check raised RuntimeError: No available kernel" in caplog.text
+    assert "attention=plain," in ops.resolved()["cpu torch.float32"]
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
 def test_bf16_and_dtype_specific_binding(model):
     kw = _inputs(model)
     m16 = copy.deepcopy(model).to(torch.bfloat16)
