@@ -28,10 +28,16 @@ activation peak (``max_memory_allocated`` minus what was allocated at the start 
 ``reset_peak_memory_stats``) and the pipeline peak = its own components' weight bytes + that
 activation peak (what the pipeline would peak at on its own).
 
+``--attention auto,sdpa_cudnn`` times one ``fast`` variant per attention backend. Warm-up runs
+(``--warmup``, default 1) come first and are reported as ``first_call_ms`` (torch.compile and
+Triton compile there). ``--tiny`` shrinks everything (64x64, 4 steps in every case, fp32 on the
+CPU) to test the script itself.
+
 Usage (GPU, from the repository root; diffusers is imported only when used)::
 
-    python benchmarks/speed.py --models 4b --cases a,b,c --runs 5 --out speed_4b.json
-    python benchmarks/speed.py --models 9b --cases a,b --runs 5 --compile --out speed_9b.json
+    python benchmarks/speed.py --models 4b --cases a,b --runs 5 --attention auto,sdpa_cudnn --out s4.json
+    python benchmarks/speed.py --models 4b --cases c --runs 3 --out s4c.json
+    python benchmarks/speed.py --models 9b --cases a,b --runs 5 --compile --out s9.json
     python benchmarks/speed.py --tiny --runs 1 --out /tmp/speed_tiny.json   # CPU self-test
 """
 
@@ -673,7 +679,8 @@ def bench_model(spec: ModelSpec, cases: list[Case], args: argparse.Namespace, de
             plan.append(("diffusers", None, probe_diff,
                          lambda: run_diffusers(pipe, case, probe_diff, noise, refs, device)))
         for name, setup in variants:
-            plan.append((name, setup, probe_ours, lambda: run_ours(ours, case, probe_ours, noise, refs, device)))
+            plan.append((name, setup, probe_ours,
+                         lambda: run_ours(ours, case, probe_ours, noise, refs, device)))
         runs: dict[str, list[RunOutput]] = {}
         warm_ms: dict[str, float] = {}
         notes: dict[str, Any] = {}
