@@ -29,7 +29,7 @@ import platform
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -41,7 +41,14 @@ from torch import nn  # noqa: E402
 
 from klein_core import demo  # noqa: E402
 from klein_core.offload import StagePlacer, pin_memory_  # noqa: E402
-from klein_core.planner import MODES, Components, Plan, Request, choose_plan, estimate  # noqa: E402
+from klein_core.planner import (  # noqa: E402
+    MODES,
+    MemoryPlan,
+    MemoryRequest,
+    ModelSizes,
+    choose_plan,
+    estimate,
+)
 from klein_core.quant import quantize_model_  # noqa: E402
 from klein_core.qwen3 import Qwen3Config, Qwen3TextEncoder  # noqa: E402
 from klein_core.sampling import denoise, get_schedule, make_noise, reference_tokens  # noqa: E402
@@ -65,11 +72,11 @@ MODELS = {
                              mlp_hidden=12288), _qwen(4096, 12288)),
 }
 CASES = {
-    "t2i1024": Request(1024, 1024),
-    "edit1024": Request(1024, 1024, references=((1024, 1024),)),
-    "edit1024x2": Request(1024, 1024, references=((1024, 1024), (1024, 1024))),
-    "t2i2048": Request(2048, 2048),
-    "base-cfg1024": Request(1024, 1024, cfg=True),
+    "t2i1024": MemoryRequest(1024, 1024),
+    "edit1024": MemoryRequest(1024, 1024, references=((1024, 1024),)),
+    "edit1024x2": MemoryRequest(1024, 1024, references=((1024, 1024), (1024, 1024))),
+    "t2i2048": MemoryRequest(2048, 2048),
+    "base-cfg1024": MemoryRequest(1024, 1024, cfg=True),
 }
 TINY_SIZE = 128  # pixels, --tiny cases keep their reference count but use this size
 
@@ -108,7 +115,7 @@ def _split(value: str, allowed, what: str) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------
-# Components
+# ModelSizes
 
 
 def _random_init_(module: nn.Module) -> nn.Module:
@@ -147,7 +154,7 @@ def build_components(model: str, precision: str, device: torch.device, dtype: to
     return tr, te, vae
 
 
-def _tiny_request(req: Request) -> Request:
+def _tiny_request(req: MemoryRequest) -> MemoryRequest:
     refs = tuple((TINY_SIZE, TINY_SIZE) for _ in req.references)
     return replace(req, width=TINY_SIZE, height=TINY_SIZE, references=refs, activation_bytes=4)
 
@@ -175,8 +182,10 @@ def _meter(name: str, device: torch.device, out: dict) -> Iterator[None]:
 
 
 @torch.no_grad()
-def run_generation(components: dict[str, nn.Module], req: Request, plan: Plan, device: torch.device,
-                   steps: int, seed: int = 0) -> dict:
+def run_generation(
+    components: dict[str, nn.Module], req: MemoryRequest, plan: MemoryPlan, device: torch.device, steps: int,
+    seed: int = 0,
+) -> dict:
     """One generation following ``plan``; returns per-stage times, peaks and a finiteness check."""
     placer = StagePlacer(device, components, dict(plan.placements), prefetch=plan.prefetch)
     out: dict = {}
@@ -229,16 +238,18 @@ def main(argv: list[str] | None = None) -> dict:
     env = {"torch": torch.__version__, "python": platform.python_version(), "device": device.type}
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
-        env.update(gpu=props.name, total_gb=props.total_memory / GB, capability=list(torch.cuda.get_device_capability(device)))
+        env.update(gpu=props.name, total_gb=props.total_memory / GB,
+                   capability=list(torch.cuda.get_device_capability(device)))
         if args.cap_gb:
-            torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_gb * GB / props.total_memory), device)
+            fraction = min(1.0, args.cap_gb * GB / props.total_memory)
+            torch.cuda.set_per_process_memory_fraction(fraction, device)
             env["cap_gb"] = args.cap_gb
     results = []
     for model in args.models:
         for precision in args.precision:
             tr, te, vae = build_components(model, precision, device, dtype)
             comps = {"text_encoder": te, "transformer": tr, "vae": vae}
-            sizes = Components.from_modules(tr, te, vae)
+            sizes = ModelSizes.from_modules(tr, te, vae)
             _home(comps)
             for case in args.cases:
                 req = _tiny_request(CASES[case]) if model == "tiny" else CASES[case]
@@ -249,7 +260,8 @@ def main(argv: list[str] | None = None) -> dict:
                     row = {"model": model, "precision": precision, "case": case, "mode": mode,
                            "request": asdict(req), "plan": plan.name, "placements": dict(plan.placements),
                            "vae_tile": plan.vae_tile, "fits": plan.fits, "reason": plan.reason,
-                           "free_bytes": free, "estimated_peak": plan.peak_bytes, "estimated_stages": est.stage_peaks(plan)}
+                           "free_bytes": free, "estimated_peak": plan.peak_bytes,
+                           "estimated_stages": est.stage_peaks(plan)}
                     try:
                         run_generation(comps, req, plan, device, args.steps)  # warm-up (first moves, kernels)
                         row.update(run_generation(comps, req, plan, device, args.steps))

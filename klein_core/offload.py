@@ -56,7 +56,8 @@ def _set(slot: _Slot, t: torch.Tensor) -> None:
     if slot.is_param:
         # A new Parameter rather than ``.data =``: that refuses some device pairs (e.g. meta).
         old = slot.owner._parameters[slot.name]
-        slot.owner._parameters[slot.name] = nn.Parameter(t, requires_grad=bool(old is not None and old.requires_grad))
+        grad = bool(old is not None and old.requires_grad)
+        slot.owner._parameters[slot.name] = nn.Parameter(t, requires_grad=grad)
     else:
         slot.owner._buffers[slot.name] = t
 
@@ -331,5 +332,7 @@ def offload_blocks(model: nn.Module, device: torch.device | str, *, prefetch: in
     return BlockOffloader(model, device, prefetch=prefetch).attach()
 
 
-__all__ = ["BlockOffloader", "OffloadStats", "StagePlacer", "find_block_lists", "module_bytes", "offload_blocks", "on_device",
-           "pin_memory_"]
+__all__ = [
+    "BlockOffloader", "OffloadStats", "StagePlacer", "find_block_lists", "module_bytes", "offload_blocks",
+    "on_device", "pin_memory_",
+]

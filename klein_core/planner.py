@@ -75,7 +75,7 @@ STAGES = {"text": "text_encoder", "references": "vae", "denoise": "transformer",
 
 
 @dataclass(frozen=True)
-class Request:
+class MemoryRequest:
     """What one generation asks for. Sizes in pixels (multiples of 16)."""
 
     width: int = 1024
@@ -92,9 +92,11 @@ class Request:
         for name in ("width", "height"):
             v = getattr(self, name)
             if v < 16 or v % 16:
-                raise ValueError(f"Request.{name} must be a positive multiple of 16 pixels, got {v}")
+                raise ValueError(f"MemoryRequest.{name} must be a positive multiple of 16 pixels, got {v}")
         if self.batch < 1 or self.text_length < 1:
-            raise ValueError(f"Request.batch and text_length must be positive, got {self.batch}, {self.text_length}")
+            raise ValueError(
+                f"MemoryRequest.batch and text_length must be positive, got {self.batch}, {self.text_length}"
+            )
 
     @property
     def image_tokens(self) -> int:
@@ -125,7 +127,7 @@ class ComponentSize:
 
 
 @dataclass(frozen=True)
-class Components:
+class ModelSizes:
     """The three components by config (plus each one's weight bytes and shape parameters).
 
     Build with :meth:`from_configs` (sizes counted on a meta-device model, for bf16 or fp8
@@ -153,7 +155,7 @@ class Components:
         *,
         transformer_precision: str = "bf16",
         text_precision: str = "bf16",
-    ) -> Components:
+    ) -> ModelSizes:
         """Sizes from ``TransformerConfig`` / ``Qwen3Config`` / ``VAEConfig``; ``*_precision`` is
         ``"bf16"`` or ``"fp8"`` (block Linear weights in float8, the rest bf16)."""
         from .qwen3 import Qwen3TextEncoder
@@ -168,7 +170,8 @@ class Components:
         return cls(
             transformer=tr, text_encoder=te, vae_encoder=enc, vae_decoder=dec,
             hidden=transformer.hidden_size, context_dim=transformer.context_dim,
-            text_hidden=getattr(text_encoder, "hidden_size", 0), text_inter=getattr(text_encoder, "intermediate_size", 0),
+            text_hidden=getattr(text_encoder, "hidden_size", 0),
+            text_inter=getattr(text_encoder, "intermediate_size", 0),
             encoder_channels=tuple(getattr(vae, "block_channels", ())),
             decoder_channels=tuple(getattr(vae, "decoder_block_channels", ())),
             downscale=getattr(vae, "downscale", 16),
@@ -176,7 +179,7 @@ class Components:
 
     @classmethod
     def from_modules(cls, transformer: nn.Module, text_encoder: nn.Module | None = None,
-                     vae: nn.Module | None = None) -> Components:
+                     vae: nn.Module | None = None) -> ModelSizes:
         """Sizes of loaded components, from the bytes their tensors occupy."""
         from .offload import find_block_lists, module_bytes
 
@@ -193,7 +196,8 @@ class Components:
         qc = text_encoder.config if text_encoder is not None else None  # type: ignore[union-attr]
         vc = vae.config if vae is not None else None  # type: ignore[union-attr]
         return cls(
-            transformer=size(transformer), text_encoder=size(text_encoder) if text_encoder is not None else None,
+            transformer=size(transformer),
+            text_encoder=size(text_encoder) if text_encoder is not None else None,
             vae_encoder=enc, vae_decoder=dec, hidden=tc.hidden_size, context_dim=tc.context_dim,
             text_hidden=getattr(qc, "hidden_size", 0), text_inter=getattr(qc, "intermediate_size", 0),
             encoder_channels=tuple(getattr(vc, "block_channels", ())),
@@ -257,7 +261,8 @@ def transformer_activation_bytes(tokens: int, batch: int, hidden: int, text_toke
     the RoPE tables (float32) and the latents / velocity in float32.
     """
     blocks = TRANSFORMER_BYTES_PER_TOKEN_DIM * batch * tokens * hidden * elem / 2
-    sampler = batch * text_tokens * context_dim * elem + 2 * tokens * head_dim * 4 + 4 * batch * image_tokens * 128 * 4
+    sampler = (batch * text_tokens * context_dim * elem + 2 * tokens * head_dim * 4
+               + 4 * batch * image_tokens * 128 * 4)
     return int(blocks + sampler)
 
 
@@ -284,19 +289,23 @@ def _level_peak(channels: Sequence[int], decoder: bool) -> float:
     return best
 
 
-def vae_decode_activation_bytes(height: int, width: int, batch: int, channels: Sequence[int], elem: int = 2) -> int:
+def vae_decode_activation_bytes(
+    height: int, width: int, batch: int, channels: Sequence[int], elem: int = 2
+) -> int:
     """Peak bytes of decoding ``batch`` images of ``height x width`` pixels (untiled)."""
     per_px = _level_peak(channels, decoder=True) + 3
     return int(batch * height * width * per_px * elem)
 
 
-def vae_encode_activation_bytes(height: int, width: int, batch: int, channels: Sequence[int], elem: int = 2) -> int:
+def vae_encode_activation_bytes(
+    height: int, width: int, batch: int, channels: Sequence[int], elem: int = 2
+) -> int:
     """Peak bytes of encoding ``batch`` images of ``height x width`` pixels (untiled)."""
     per_px = _level_peak(channels, decoder=False) + 3
     return int(batch * height * width * per_px * elem)
 
 
-def tiled_decode_bytes(req: Request, channels: Sequence[int], tile: int) -> int:
+def tiled_decode_bytes(req: MemoryRequest, channels: Sequence[int], tile: int) -> int:
     """Peak bytes of :func:`~klein_core.vae_tiling.decode_tiled`: one tile's activations plus the
     float32 accumulator and weight map of the whole image."""
     side = 16 * tile
@@ -306,7 +315,7 @@ def tiled_decode_bytes(req: Request, channels: Sequence[int], tile: int) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
-# Estimate
+# MemoryEstimate
 
 
 @dataclass(frozen=True)
@@ -322,14 +331,14 @@ class StageEstimate:
 
 
 @dataclass(frozen=True)
-class Estimate:
+class MemoryEstimate:
     """Per-stage activation bytes and per-component weight bytes for one request."""
 
-    request: Request
+    request: MemoryRequest
     components: Mapping[str, ComponentSize]
     stages: Mapping[str, StageEstimate]
 
-    def stage_peaks(self, plan: Plan) -> dict[str, int]:
+    def stage_peaks(self, plan: MemoryPlan) -> dict[str, int]:
         """Peak device bytes of each stage under ``plan``."""
         out = {}
         for stage, est in self.stages.items():
@@ -343,11 +352,11 @@ class Estimate:
             out[stage] = on_device + est.activation_bytes(plan.vae_tile)
         return out
 
-    def peak(self, plan: Plan) -> int:
+    def peak(self, plan: MemoryPlan) -> int:
         return max(self.stage_peaks(plan).values(), default=0)
 
 
-def estimate(request: Request, components: Components) -> Estimate:
+def estimate(request: MemoryRequest, components: ModelSizes) -> MemoryEstimate:
     """Estimate per-stage memory for ``request`` (pure: sizes and formulas only, no device)."""
     r = request
     e = r.activation_bytes
@@ -378,7 +387,7 @@ def estimate(request: Request, components: Components) -> Estimate:
         dec = components.decoder_channels
         act = vae_decode_activation_bytes(r.height, r.width, r.batch, dec, e)
         stages["decode"] = StageEstimate("vae", act, {t: tiled_decode_bytes(r, dec, t) for t in DECODE_TILES})
-    return Estimate(r, comps, stages)
+    return MemoryEstimate(r, comps, stages)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -386,7 +395,7 @@ def estimate(request: Request, components: Components) -> Estimate:
 
 
 @dataclass(frozen=True)
-class Plan:
+class MemoryPlan:
     """Where each component lives, and whether the VAE is tiled.
 
     ``placements[component]``: ``"resident"`` (on the device throughout), ``"staged"`` (on the
@@ -437,9 +446,9 @@ def _candidates(mode: str) -> list[tuple[str, dict[str, Placement], int | None]]
 
 
 def choose_plan(
-    est: Estimate, free_bytes: int, *, mode: str = "auto", reserve_bytes: int = DEFAULT_RESERVE_BYTES,
+    est: MemoryEstimate, free_bytes: int, *, mode: str = "auto", reserve_bytes: int = DEFAULT_RESERVE_BYTES,
     prefetch: int = 1,
-) -> Plan:
+) -> MemoryPlan:
     """The fastest plan whose estimated peak fits ``free_bytes - reserve_bytes``.
 
     ``mode``: ``"auto"`` searches every placement in :data:`PLACEMENT_ORDER`; ``"resident"``,
@@ -448,11 +457,11 @@ def choose_plan(
     that says how much is missing.
     """
     budget = free_bytes - reserve_bytes
-    best: Plan | None = None
+    best: MemoryPlan | None = None
     first_peak: int | None = None
     for name, placements, tile in _candidates(mode):
         placements = {c: p for c, p in placements.items() if c in est.components}
-        plan = Plan(placements, tile, prefetch, name)
+        plan = MemoryPlan(placements, tile, prefetch, name)
         peak = est.peak(plan)
         first_peak = peak if first_peak is None else first_peak
         plan = replace(plan, peak_bytes=peak, free_bytes=free_bytes, fits=peak <= budget)
@@ -464,18 +473,19 @@ def choose_plan(
     return replace(best, reason=_reason(est, best, first_peak or 0, budget))
 
 
-def _reason(est: Estimate, plan: Plan, resident_peak: int, budget: int) -> str:
+def _reason(est: MemoryEstimate, plan: MemoryPlan, resident_peak: int, budget: int) -> str:
     peaks = est.stage_peaks(plan)
     worst = max(peaks, key=peaks.__getitem__)
     tiling = f", VAE tiles of {plan.vae_tile} latents" if plan.vae_tile else ""
     head = f"{plan.name}{tiling}: estimated peak {plan.peak_bytes / GB:.2f} GB ({worst})"
     if not plan.fits:
         return (f"{head} does not fit {budget / GB:.2f} GB usable ({plan.free_bytes / GB:.2f} GB free); "
-                f"short by {(plan.peak_bytes - budget) / GB:.2f} GB: use fp8 weights, a smaller size or fewer "
-                "references")
+                f"short by {(plan.peak_bytes - budget) / GB:.2f} GB: use fp8 weights, a smaller size or "
+                "fewer references")
     if plan.name == "resident" and not plan.vae_tile:
         return f"{head} fits {budget / GB:.2f} GB usable"
-    return f"{head} fits {budget / GB:.2f} GB usable; everything resident would need {resident_peak / GB:.2f} GB"
+    return (f"{head} fits {budget / GB:.2f} GB usable; everything resident would need "
+            f"{resident_peak / GB:.2f} GB")
 
 
 def free_device_bytes(device: torch.device | str, modules: Sequence[nn.Module] = ()) -> int:
@@ -499,7 +509,7 @@ def free_device_bytes(device: torch.device | str, modules: Sequence[nn.Module] =
 
 
 def plan_for(
-    request: Request,
+    request: MemoryRequest,
     transformer: nn.Module,
     text_encoder: nn.Module | None = None,
     vae: nn.Module | None = None,
@@ -507,18 +517,19 @@ def plan_for(
     device: torch.device | str = "cuda",
     mode: str = "auto",
     free_bytes: int | None = None,
-) -> Plan:
+) -> MemoryPlan:
     """Plan a request for loaded components on ``device`` (what a sampler calls before running).
 
     ``free_bytes`` defaults to :func:`free_device_bytes` on CUDA; on other devices (CPU, MPS)
     there is nothing to plan and everything stays resident.
     """
     device = torch.device(device)
-    est = estimate(request, Components.from_modules(transformer, text_encoder, vae))
+    est = estimate(request, ModelSizes.from_modules(transformer, text_encoder, vae))
     if free_bytes is None:
         if device.type != "cuda":
-            plan = Plan({c: "resident" for c in est.components}, name="resident")
-            return replace(plan, peak_bytes=est.peak(plan), reason=f"{device.type}: no memory planning, all resident")
+            plan = MemoryPlan({c: "resident" for c in est.components}, name="resident")
+            reason = f"{device.type}: no memory planning, all resident"
+            return replace(plan, peak_bytes=est.peak(plan), reason=reason)
         free_bytes = free_device_bytes(device, [m for m in (transformer, text_encoder, vae) if m is not None])
     plan = choose_plan(est, free_bytes, mode=mode)
     logger.info("memory plan: %s", plan.reason)
@@ -555,7 +566,7 @@ class _AllocationTracker(TorchDispatchMode):
             self.live -= entry[1]
             del self._alloc[alloc]
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         returns = func._schema.returns
         for i, o in enumerate(out if isinstance(out, (tuple, list)) else (out,)):
@@ -576,7 +587,7 @@ class _AllocationTracker(TorchDispatchMode):
         return out
 
 
-def _efficient_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kw):  # noqa: ANN001
+def _efficient_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kw):
     # What flash / memory-efficient SDPA allocate: the output and a float32 logsumexp.
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
     del lse
@@ -605,7 +616,21 @@ def trace_activation_bytes(fn: Callable[[], Any]) -> int:
 
 
 __all__ = [
-    "Components", "ComponentSize", "Estimate", "MODES", "PLACEMENT_ORDER", "Plan", "Request", "StageEstimate",
-    "choose_plan", "estimate", "free_device_bytes", "plan_for", "text_activation_bytes", "trace_activation_bytes", "transformer_activation_bytes",
-    "vae_decode_activation_bytes", "vae_encode_activation_bytes",
+    "MODES",
+    "PLACEMENT_ORDER",
+    "ComponentSize",
+    "MemoryEstimate",
+    "MemoryPlan",
+    "MemoryRequest",
+    "ModelSizes",
+    "StageEstimate",
+    "choose_plan",
+    "estimate",
+    "free_device_bytes",
+    "plan_for",
+    "text_activation_bytes",
+    "trace_activation_bytes",
+    "transformer_activation_bytes",
+    "vae_decode_activation_bytes",
+    "vae_encode_activation_bytes",
 ]

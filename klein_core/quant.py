@@ -193,10 +193,13 @@ def prepare_quantized(src: WeightSource) -> WeightSource:
         marker_fmt = FP8_FORMAT_OF.get(src.dtype(markers[0]), "float8_e4m3fn")
     scale_keys = {layer: k for k in keys if (layer := _layer_of(k, _WEIGHT_SCALE_SUFFIXES)) is not None}
     input_keys = {layer: k for k in keys if (layer := _layer_of(k, _INPUT_SCALE_SUFFIXES)) is not None}
-    layers = set(scale_keys) | {layer for layer in declared if layer + ".weight" in src or layer + _COMFY_QUANT in src}
+    layers = set(scale_keys) | {
+        layer for layer in declared if layer + ".weight" in src or layer + _COMFY_QUANT in src
+    }
     if not layers and not markers and not declared:
         if input_keys:  # only activation scales: nothing to run differently
-            logger.warning("%s: ignoring %d input_scale tensors of unquantised layers", src.name, len(input_keys))
+            logger.warning("%s: ignoring %d input_scale tensors of unquantised layers", src.name,
+                           len(input_keys))
             hidden = set(input_keys.values())
             return _view(src, {k: src.info(k) for k in keys if k not in hidden}, set())
         return src
@@ -236,7 +239,8 @@ def prepare_quantized(src: WeightSource) -> WeightSource:
     hidden |= {k for k in keys if k.endswith(_COMFY_QUANT)}
     orphans = [k for layer, k in input_keys.items() if layer not in layers]
     if orphans:  # calibrated scales of layers left in bf16 (seen in BFL/NVIDIA mixed files)
-        logger.info("%s: ignoring %d input scales of unquantised layers (e.g. %s)", src.name, len(orphans), orphans[0])
+        logger.info("%s: ignoring %d input scales of unquantised layers (e.g. %s)", src.name, len(orphans),
+                    orphans[0])
     for k in keys:
         if k not in hidden and k not in infos:
             infos[k] = src.info(k)
@@ -300,7 +304,9 @@ def quantize_state_dict(
     Other tensors are copied unchanged.
     """
     if style not in ("comfy_quant", "scaled_fp8", "bfl", "plain"):
-        raise ValueError(f"quantize_state_dict: unknown style '{style}' (comfy_quant, scaled_fp8, bfl, plain)")
+        raise ValueError(
+            f"quantize_state_dict: unknown style '{style}' (comfy_quant, scaled_fp8, bfl, plain)"
+        )
     out = dict(state)
     dtype = FP8_DTYPES[fmt]
     fmax = float(torch.finfo(dtype).max)
@@ -318,7 +324,8 @@ def quantize_state_dict(
             out[layer + (".scale_input" if style == "scaled_fp8" else ".input_scale")] = torch.tensor(
                 float(input_scales[layer]), dtype=torch.float32)
         if style == "comfy_quant":
-            out[layer + _COMFY_QUANT] = torch.tensor(list(json.dumps({"format": fmt}).encode()), dtype=torch.uint8)
+            spec = json.dumps({"format": fmt}).encode()
+            out[layer + _COMFY_QUANT] = torch.tensor(list(spec), dtype=torch.uint8)
     if style == "scaled_fp8":
         out[_SCALED_FP8_MARKER] = torch.empty(0, dtype=dtype)
     return out
@@ -342,7 +349,8 @@ def scaled_mm_available(device: torch.device) -> bool:
     if key not in _scaled_mm_support:
         cap = torch.cuda.get_device_capability(device)
         # ROCm reports "cuda" devices too, but its fp8 matmul wants the e4m3fnuz flavour.
-        ok = tuple(cap) >= MIN_SCALED_MM_CAPABILITY and hasattr(torch, "_scaled_mm") and torch.version.hip is None
+        ok = (tuple(cap) >= MIN_SCALED_MM_CAPABILITY and hasattr(torch, "_scaled_mm")
+              and torch.version.hip is None)
         _scaled_mm_support[key] = ok
         logger.info(
             "fp8 matmul on %s (compute capability %d.%d): %s", device, cap[0], cap[1],
@@ -390,10 +398,13 @@ class FP8Linear(nn.Module):
         self.weight = nn.Parameter(
             torch.empty(out_features, in_features, dtype=FP8_DTYPES[fmt], device=device), requires_grad=False
         )
-        self.register_buffer("weight_scale", torch.ones((out_features,) if per_row_scale else (), device=device))
+        scale_shape = (out_features,) if per_row_scale else ()
+        self.register_buffer("weight_scale", torch.ones(scale_shape, device=device))
         self.register_buffer("input_scale", torch.ones((), device=device) if input_scale else None)
         if bias:
-            self.bias = nn.Parameter(torch.empty(out_features, dtype=bias_dtype, device=device), requires_grad=False)
+            self.bias = nn.Parameter(
+                torch.empty(out_features, dtype=bias_dtype, device=device), requires_grad=False
+            )
         else:
             self.register_parameter("bias", None)
 
@@ -406,7 +417,8 @@ class FP8Linear(nn.Module):
     def from_linear(cls, linear: nn.Linear, fmt: str = "float8_e4m3fn") -> FP8Linear:
         """Quantise an ``nn.Linear`` (per-tensor absmax) on the device its weight is on."""
         w = linear.weight
-        layer = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, fmt=fmt, device="meta")
+        layer = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, fmt=fmt,
+                    device="meta")
         q, scale = quantize_fp8(w.detach(), fmt)
         layer.weight = nn.Parameter(q, requires_grad=False)
         layer.weight_scale = scale.to(w.device)
@@ -631,7 +643,9 @@ def dequantize_op(op: Op, src: WeightSource) -> torch.Tensor:
     return op.load(_Dequantized(src))  # type: ignore[arg-type]
 
 
-def load_fp8(name: str, spec: Fp8Layer, op: Op, src: WeightSource, device: torch.device) -> dict[str, torch.Tensor]:
+def load_fp8(
+    name: str, spec: Fp8Layer, op: Op, src: WeightSource, device: torch.device
+) -> dict[str, torch.Tensor]:
     """State-dict entries (``weight``, ``weight_scale``, [``input_scale``]) of one FP8Linear."""
     prefix = spec.name + "."
     if spec.quantize:
@@ -646,7 +660,8 @@ def load_fp8(name: str, spec: Fp8Layer, op: Op, src: WeightSource, device: torch
     if spec.input_scale:
         infos = [src.info(k) for k in op.sources()]
         # Fused layers read one input; the largest calibrated scale never clips any of them.
-        xs = torch.stack([i.input_scale.float().reshape(()) for i in infos]).amax()  # type: ignore[union-attr]
+        scales = [i.input_scale.float().reshape(()) for i in infos]  # type: ignore[union-attr]
+        xs = torch.stack(scales).amax()
         out[prefix + "input_scale"] = xs.to(device)
     return out
 
@@ -677,7 +692,7 @@ def quantize_model_(
         if isinstance(old, FP8Linear):
             continue
         if not isinstance(old, nn.Linear):
-            raise ValueError(f"quantize_model_: '{name}' is a {type(old).__name__}, not an nn.Linear")
+            raise TypeError(f"quantize_model_: '{name}' is a {type(old).__name__}, not an nn.Linear")
         setattr(parent, child, FP8Linear.from_linear(old, fmt))
         done.append(name)
     logger.info("Quantised %d Linear layers to %s", len(done), fmt)

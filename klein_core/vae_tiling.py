@@ -93,7 +93,9 @@ def _tiled(
 
 
 @torch.no_grad()
-def decode_tiled(vae, latents: torch.Tensor, *, tile: int = DECODE_TILE, overlap: int = DECODE_OVERLAP) -> torch.Tensor:
+def decode_tiled(
+    vae, latents: torch.Tensor, *, tile: int = DECODE_TILE, overlap: int = DECODE_OVERLAP
+) -> torch.Tensor:
     """Decode ``latents [B, 128, h, w]`` tile by tile: the same result as ``vae.decode`` up to the
     tiling error, ``[B, 3, 16h, 16w]`` in [-1, 1] in the VAE dtype.
 
@@ -112,7 +114,9 @@ def decode_tiled(vae, latents: torch.Tensor, *, tile: int = DECODE_TILE, overlap
 
 
 @torch.no_grad()
-def encode_tiled(vae, pixels: torch.Tensor, *, tile: int = ENCODE_TILE, overlap: int = ENCODE_OVERLAP) -> torch.Tensor:
+def encode_tiled(
+    vae, pixels: torch.Tensor, *, tile: int = ENCODE_TILE, overlap: int = ENCODE_OVERLAP
+) -> torch.Tensor:
     """Encode ``pixels [B, 3, H, W]`` (in [-1, 1], H and W multiples of 16) tile by tile:
     ``[B, 128, H/16, W/16]`` normalised latents, like ``vae.encode`` up to the tiling error.
 

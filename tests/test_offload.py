@@ -46,7 +46,7 @@ class _Probe:
 
     def _hook(self, i):
         def hook(module, args):
-            live = [s.owner._parameters[s.name].data_ptr() if s.is_param else s.owner._buffers[s.name].data_ptr()
+            live = [(s.owner._parameters if s.is_param else s.owner._buffers)[s.name].data_ptr()
                     for s in self.off._slots[i]]
             self.on_copy.append(all(a != b for a, b in zip(live, self.homes[i])))
         return hook
@@ -74,7 +74,8 @@ def test_block_offload_equals_resident(prefetch, fp8):
     assert off.stats.bytes_copied == 2 * sum(sizes) + sum(sizes[:prefetch])
     off.detach()
     assert off.stats.resident == 0
-    assert all(len(b._forward_pre_hooks) == 1 and not b._forward_hooks for b in off.blocks)  # the probe's only
+    # only the probe's hooks are left
+    assert all(len(b._forward_pre_hooks) == 1 and not b._forward_hooks for b in off.blocks)
     with torch.no_grad():
         assert torch.equal(model(**inputs), want)
 

@@ -16,12 +16,26 @@ from safetensors.torch import save_file
 from torch import nn
 
 from klein_core import demo
-from klein_core.qwen3 import load_text_encoder
 from klein_core.quant import (
-    E4M3_MAX, FP8Linear, QuantTensorInfo, block_linear_names, fp8_layers, prepare_quantized, quantize_fp8,
-    quantize_model_, quantize_state_dict, scaled_mm_available,
+    E4M3_MAX,
+    FP8Linear,
+    QuantTensorInfo,
+    block_linear_names,
+    fp8_layers,
+    prepare_quantized,
+    quantize_fp8,
+    quantize_model_,
+    quantize_state_dict,
+    scaled_mm_available,
 )
-from klein_core.transformer import Flux2Transformer, load_transformer, plan_transformer, position_ids, text_position_ids
+from klein_core.qwen3 import load_text_encoder
+from klein_core.transformer import (
+    Flux2Transformer,
+    load_transformer,
+    plan_transformer,
+    position_ids,
+    text_position_ids,
+)
 from klein_core.weights import WeightFormatError, materialize, open_weights
 
 F8 = torch.float8_e4m3fn
@@ -51,7 +65,8 @@ def _inputs(cfg, batch=2, seed=0):
     ids = torch.cat([position_ids(4, 5), position_ids(2, 3, t=10)])
     img = torch.randn(batch, ids.shape[0], cfg.in_channels, generator=g)
     txt = torch.randn(batch, 7, cfg.context_dim, generator=g)
-    return dict(img=img, img_ids=ids, txt=txt, txt_ids=text_position_ids(7), timesteps=torch.tensor([0.9, 0.4]))
+    return {"img": img, "img_ids": ids, "txt": txt, "txt_ids": text_position_ids(7),
+            "timesteps": torch.tensor([0.9, 0.4])}
 
 
 def _rel(a, b):
@@ -115,7 +130,8 @@ def _diffusers_linears(layers):
                 "txt_mlp.2": [f"transformer_blocks.{i}.ff_context.linear_out"],
             }[tail]
         else:
-            names.append(f"single_transformer_blocks.{i}.attn." + {"linear1": "to_qkv_mlp_proj", "linear2": "to_out"}[parts[2]])
+            sub = {"linear1": "to_qkv_mlp_proj", "linear2": "to_out"}[parts[2]]
+            names.append(f"single_transformer_blocks.{i}.attn.{sub}")
     return names
 
 
@@ -142,8 +158,8 @@ def test_fp8_files_load_and_match_bf16(tmp_path, tiny, fmt, parity):
         file_sd[kept_bf16[0] + ".input_scale"] = torch.tensor(0.1)  # stray calibration of a bf16 layer
         n_expected = len(quantised)
     elif fmt == "scaled_fp8":
-        file_sd = {"model.diffusion_model." + k: v
-                   for k, v in quantize_state_dict(sd, layers, style="scaled_fp8").items() if k != "scaled_fp8"}
+        scaled = quantize_state_dict(sd, layers, style="scaled_fp8")
+        file_sd = {"model.diffusion_model." + k: v for k, v in scaled.items() if k != "scaled_fp8"}
         file_sd["scaled_fp8"] = torch.empty(0, dtype=F8)  # the marker sits at the root in ComfyUI files
     elif fmt == "plain float8":
         # Everything float8, norms and embedders too (as ComfyUI's weight_dtype=fp8_e4m3fn saves).
@@ -151,7 +167,8 @@ def test_fp8_files_load_and_match_bf16(tmp_path, tiny, fmt, parity):
     else:
         dsd = _to_diffusers(sd, cfg.depth, cfg.depth_single)
         dl = _diffusers_linears(layers)
-        file_sd = quantize_state_dict(dsd, dl, style="bfl", input_scales={n: 0.02 * (1 + j % 3) for j, n in enumerate(dl)})
+        input_scales = {n: 0.02 * (1 + j % 3) for j, n in enumerate(dl)}
+        file_sd = quantize_state_dict(dsd, dl, style="bfl", input_scales=input_scales)
     path = _write(tmp_path, "flux-2-klein-4b-fp8.safetensors", file_sd)
     model = load_transformer(path, dtype=torch.float32)
     assert isinstance(model, Flux2Transformer) and model.dtype == torch.float32
@@ -275,8 +292,9 @@ def test_nvfp4_and_other_formats_refused(tmp_path, tiny):
     mx[layer + ".comfy_quant"] = torch.tensor(list(b'{"format": "mxfp8"}'), dtype=torch.uint8)
     with pytest.raises(WeightFormatError, match=f"'mxfp8'.*'{layer}'"):
         load_transformer(mx)
+    layers_meta = {"layers": {layer: {"format": "int8_blockwise"}}}
     meta_bad = _write(tmp_path, "m.safetensors", sd,
-                      metadata={"_quantization_metadata": json.dumps({"layers": {layer: {"format": "int8_blockwise"}}})})
+                      metadata={"_quantization_metadata": json.dumps(layers_meta)})
     with pytest.raises(WeightFormatError, match="int8_blockwise"):
         load_transformer(meta_bad)
     (tmp_path / "klein.gguf").write_bytes(b"GGUF" + b"\0" * 16)
@@ -305,7 +323,8 @@ def test_uint8_container_and_dequantize_mode(tiny):
     as_u8 = {k: (v.view(torch.uint8) if v.dtype == F8 else v) for k, v in q.items()}
     src = prepare_quantized(open_weights(as_u8, component="transformer"))
     info = src.info(layers[0] + ".weight")
-    assert isinstance(info, QuantTensorInfo) and info.dtype == F8 and src.get(layers[0] + ".weight").dtype == F8
+    assert isinstance(info, QuantTensorInfo) and info.dtype == F8
+    assert src.get(layers[0] + ".weight").dtype == F8
     assert not any(k.endswith((".comfy_quant", ".weight_scale")) for k in src.keys())
     a = load_transformer(as_u8, dtype=torch.float32)
     b = load_transformer(q, dtype=torch.float32)

@@ -54,7 +54,8 @@ def test_tiled_decode_close_to_untiled(decoded, parity):
     memo, lat, full, tiled = decoded
     assert tiled.shape == full.shape == (1, 3, 512, 768) and tiled.dtype == full.dtype
     err = (tiled - full).abs()
-    parity("VAE tiled decode (tile 24, overlap 8) max abs, output std %.2f" % float(full.std()), float(err.max()))
+    std = float(full.std())
+    parity(f"VAE tiled decode (tile 24, overlap 8) max abs, output std {std:.2f}", float(err.max()))
     parity("VAE tiled decode (tile 24, overlap 8) mean abs", float(err.mean()))
     # Tiny random VAE, output std ~0.35: the error is mostly per-tile GroupNorm statistics.
     assert float(err.mean()) < 0.1 * float(full.std()) and float(err.max()) < 0.6
@@ -108,7 +109,8 @@ def test_tiled_encode_close_to_untiled(parity):
     tiled = encode_tiled(vae, px, tile=256, overlap=64)
     assert tiled.shape == full.shape == (1, 128, 24, 32)
     err = (tiled - full).abs()
-    parity("VAE tiled encode (tile 256 px, overlap 64) max abs, latent std %.2f" % float(full.std()), float(err.max()))
+    std = float(full.std())
+    parity(f"VAE tiled encode (tile 256 px, overlap 64) max abs, latent std {std:.2f}", float(err.max()))
     parity("VAE tiled encode (tile 256 px, overlap 64) mean abs", float(err.mean()))
     assert float(err.mean()) < 0.15 * float(full.std())
     with pytest.raises(ValueError, match="multiples of 16"):
@@ -117,7 +119,8 @@ def test_tiled_encode_close_to_untiled(parity):
 
 def test_small_decoder_variant(parity):
     torch.manual_seed(5)
-    vae = Flux2VAE(VAEConfig(block_channels=(64,) * 4, decoder_block_channels=(32,) * 4, num_res_blocks=1)).eval()
+    cfg = VAEConfig(block_channels=(64,) * 4, decoder_block_channels=(32,) * 4, num_res_blocks=1)
+    vae = Flux2VAE(cfg).eval()
     assert vae.config.variant == "FLUX.2 VAE (small decoder)"
     lat = torch.randn(1, 128, 32, 32, generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
