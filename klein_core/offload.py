@@ -19,6 +19,7 @@ check it.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 from collections.abc import Iterator, Sequence
@@ -176,6 +177,8 @@ class BlockOffloader:
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         self._stream: torch.cuda.Stream | None = None
         self._resident: list[_Slot] = []
+        # Events marking the end of released blocks' compute: their memory may still be in use.
+        self._freeing: collections.deque[torch.cuda.Event] = collections.deque()
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -214,6 +217,7 @@ class BlockOffloader:
         self._hooks.clear()
         for i in list(self._loaded):
             self._release(i)
+        self._freeing.clear()  # the allocator itself keeps freed memory until the GPU is done with it
         for slot in self._resident:
             _set(slot, slot.home if to is None else slot.home.to(to))
         self._resident = []
@@ -252,6 +256,11 @@ class BlockOffloader:
         slots = self._slots[i]
         event = None
         if self._stream is not None:
+            # The CPU runs ahead of the GPU: a released block's memory is only reusable once the
+            # GPU has run it. Wait for the oldest such block before allocating another, so the
+            # device never holds more than prefetch + 1 blocks however far ahead the CPU is.
+            while self._freeing and len(self._loaded) + len(self._freeing) > self.prefetch:
+                self._freeing.popleft().synchronize()
             with torch.cuda.stream(self._stream):
                 for s in slots:
                     _set(s, s.home.to(self.device, non_blocking=True, copy=True))
@@ -283,6 +292,10 @@ class BlockOffloader:
     def _release(self, i: int) -> None:
         if self._loaded.pop(i, "absent") == "absent":
             return
+        if self._stream is not None:
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(self.device))
+            self._freeing.append(done)
         for s in self._slots[i]:
             _set(s, s.home)
         self.stats.resident = len(self._loaded)
