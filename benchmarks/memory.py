@@ -240,17 +240,16 @@ def main(argv: list[str] | None = None) -> dict:
         props = torch.cuda.get_device_properties(device)
         env.update(gpu=props.name, total_gb=props.total_memory / GB,
                    capability=list(torch.cuda.get_device_capability(device)))
-        if args.cap_gb:
-            fraction = min(1.0, args.cap_gb * GB / props.total_memory)
-            torch.cuda.set_per_process_memory_fraction(fraction, device)
-            env["cap_gb"] = args.cap_gb
+        env["cap_gb"] = args.cap_gb
     results = []
     for model in args.models:
         for precision in args.precision:
+            _cap(device, None)  # the components are built on the GPU, then moved to pinned CPU memory
             tr, te, vae = build_components(model, precision, device, dtype)
             comps = {"text_encoder": te, "transformer": tr, "vae": vae}
             sizes = ModelSizes.from_modules(tr, te, vae)
             _home(comps)
+            _cap(device, args.cap_gb)
             for case in args.cases:
                 req = _tiny_request(CASES[case]) if model == "tiny" else CASES[case]
                 est = estimate(req, sizes)
@@ -276,10 +275,44 @@ def main(argv: list[str] | None = None) -> dict:
             del tr, te, vae, comps
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-    report = {"env": env, "results": results}
+    report = {"env": env, "results": results, "summary": summarize(results)}
+    for line in report["summary"]["lines"]:
+        print(line)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1))
     return report
+
+
+def summarize(results: list[dict]) -> dict:
+    """Per (model, precision, case): auto's time over resident's, and the worst estimate error."""
+    groups: dict[tuple, dict[str, dict]] = {}
+    for r in results:
+        groups.setdefault((r["model"], r["precision"], r["case"]), {})[r["mode"]] = r
+    out, lines = [], []
+    for (model, precision, case), rows in groups.items():
+        entry: dict = {"model": model, "precision": precision, "case": case}
+        auto, resident = rows.get("auto"), rows.get("resident")
+        if auto and resident and "total_s" in auto and "total_s" in resident:
+            entry["auto_over_resident_time"] = auto["total_s"] / resident["total_s"]
+        if auto and auto.get("peak_total"):
+            entry["auto_peak_gb"] = auto["peak_total"] / GB
+        ratios = [r["estimate_over_measured"] for r in rows.values() if r.get("estimate_over_measured")]
+        if ratios:
+            entry["estimate_error_worst"] = max(abs(x - 1) for x in ratios)
+        out.append(entry)
+        lines.append(f"{model} {precision} {case}: " + ", ".join(
+            f"{k} {v:.3f}" for k, v in entry.items() if isinstance(v, float)))
+    return {"groups": out, "lines": lines}
+
+
+def _cap(device: torch.device, cap_gb: float | None) -> None:
+    """Limit this process's CUDA allocator to ``cap_gb`` (None: the whole card)."""
+    if device.type != "cuda":
+        return
+    torch.cuda.empty_cache()
+    total = torch.cuda.get_device_properties(device).total_memory
+    fraction = 1.0 if cap_gb is None else min(1.0, cap_gb * GB / total)
+    torch.cuda.set_per_process_memory_fraction(fraction, device)
 
 
 def _free_bytes(args: argparse.Namespace, device: torch.device) -> int:

@@ -272,6 +272,7 @@ def test_memory_benchmark_tiny_cpu(tmp_path, capsys):
     assert saved == json.loads(json.dumps(report)) and saved["env"]["device"] == "cpu"
     rows = saved["results"]
     assert [r["mode"] for r in rows] == ["auto", "minimum"] and "stream all blocks" in printed
+    assert saved["summary"]["groups"] == [{"model": "tiny", "precision": "fp8", "case": "edit1024"}]
     for r in rows:
         assert r["finite"] and r["fits"] and set(r["time_s"]) == {"text", "references", "denoise", "decode"}
         assert r["peak_total"] is None  # no CUDA memory statistics on the CPU
