@@ -239,3 +239,10 @@ def test_speed_benchmark_tiny_cpu(tmp_path, capsys):
             assert v["diff_vs_diffusers"]["image_max_abs_255"] <= 2, (key, name)
         assert variants["diffusers"]["stages_ms"].get("references", 0) > 0 if key == "b" else True
     assert "speed-up vs diffusers" in printed and "latents max|d|" in printed
+
+
+def test_speed_benchmark_says_clearly_when_diffusers_is_missing(monkeypatch):
+    speed = _speed_module()
+    monkeypatch.setitem(sys.modules, "diffusers", None)  # makes `import diffusers` fail
+    with pytest.raises(SystemExit, match="diffusers is not installed.*--no-diffusers"):
+        speed.main(["--tiny", "--runs", "1", "--out", "/dev/null"])
