@@ -24,9 +24,10 @@ How fp8 flows through loading without touching the component loaders:
    :func:`load_fp8`. Other float8 tensors (embedders, norms in plain-fp8 files) are dequantised to
    the compute dtype by :func:`dequantize_op`.
 
-``materialize(..., quantize="fp8")`` quantises bf16 block weights while loading (per-tensor absmax
-scale, e4m3 max 448), so the bf16 model never has to exist on the GPU; :func:`quantize_model_`
-does the same for a model that is already loaded, bit for bit.
+``materialize(..., quantize="fp8")`` quantises bf16 block weights while loading, one layer at a
+time on the target device (per-tensor absmax scale, e4m3 max 448), so the bf16 model never has to
+exist there; :func:`quantize_model_` does the same for a model that is already loaded, with the
+same bytes (checked on CPU).
 """
 
 from __future__ import annotations
@@ -649,8 +650,10 @@ def load_fp8(
     """State-dict entries (``weight``, ``weight_scale``, [``input_scale``]) of one FP8Linear."""
     prefix = spec.name + "."
     if spec.quantize:
-        q, scale = quantize_fp8(dequantize_op(op, src) if reads_fp8(op, src) else op.load(src), spec.fmt)
-        return {name: q.to(device), prefix + "weight_scale": scale.to(device)}
+        # Quantised where it will live (one layer's float32 copy at a time): far faster on a GPU.
+        w = (dequantize_op(op, src) if reads_fp8(op, src) else op.load(src)).to(device)
+        q, scale = quantize_fp8(w, spec.fmt)
+        return {name: q, prefix + "weight_scale": scale}
     data = op.load(src)
     if spec.per_row_scale:
         scale = op.load(_RowScales(src))  # type: ignore[arg-type]
