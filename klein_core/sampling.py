@@ -156,6 +156,7 @@ def denoise(
     # What the model is told: sigma*1000 in the latent dtype, /1000 (see SPEC §4.4).
     t_model = ((sig * 1000).to(dtype) / 1000).to(dtype)
     total = len(sigmas) - 1
+    dts = sig[1:] - sig[:-1]  # one launch for the whole run; dts[i] is a 0-dim fp32 tensor below
     for i in range(total):
         x = torch.cat([latents, latents]) if cfg else latents
         if ref_tok is not None:
@@ -167,7 +168,7 @@ def denoise(
             v = v_neg + guidance * (v_pos - v_neg)
         # dt is a 0-dim fp32 tensor, so dt*v stays in the model dtype (torch promotion), then the
         # sum is fp32 and re-cast: bit-for-bit the diffusers FlowMatchEuler step.
-        latents = (latents.float() + (sig[i + 1] - sig[i]) * v).to(dtype)
+        latents = (latents.float() + dts[i] * v).to(dtype)
         if callback is not None and callback(i + 1, total, unpack(latents, h, w)) is False:
             raise GenerationCancelled(f"cancelled after step {i + 1} of {total}")
     return unpack(latents, h, w)
