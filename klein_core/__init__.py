@@ -4,6 +4,7 @@ Never imports ComfyUI. The names below are the stable public API (see README.md)
 """
 
 from .lora import AppliedLoRAs, LoRA, LoRAPatch, apply_loras, check_loras, load_lora, with_loras
+from .offload import BlockOffloader, StagePlacer, offload_blocks, on_device, pin_memory_
 from .pipeline import (
     BASE_DEFAULTS,
     DISTILLED_DEFAULTS,
@@ -19,6 +20,8 @@ from .pipeline import (
     guess_model_kind,
     resolve_size,
 )
+from .planner import MemoryEstimate, MemoryPlan, MemoryRequest, ModelSizes, choose_plan, estimate, plan_for
+from .quant import FP8Linear, fp8_layers, quantize_model_, quantize_state_dict
 from .qwen3 import Qwen3Config, Qwen3TextEncoder, load_text_encoder
 from .refs import PUBLISHED_REFERENCE_LIMIT, prepare_reference_image, reference_size
 from .sampling import (
@@ -35,11 +38,15 @@ from .sampling import (
 from .tokenizer import tokenize_prompts
 from .transformer import TEXT_ENCODER_FOR_WIDTH, Flux2Transformer, TransformerConfig, load_transformer, position_ids, text_position_ids
 from .vae import Flux2VAE, VAEConfig, load_vae
+from .vae_tiling import decode_tiled, encode_tiled
 from .weights import WeightFormatError, WeightSource, open_weights
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "BlockOffloader", "StagePlacer", "offload_blocks", "on_device", "pin_memory_",
+    "MemoryEstimate", "MemoryPlan", "MemoryRequest", "ModelSizes", "choose_plan", "estimate", "plan_for",
+    "FP8Linear", "fp8_layers", "quantize_model_", "quantize_state_dict", "decode_tiled", "encode_tiled",
     "BASE_DEFAULTS", "DISTILLED_DEFAULTS", "MAX_SEED", "PUBLISHED_REFERENCE_LIMIT", "TEXT_ENCODER_FOR_WIDTH",
     "AppliedLoRAs", "LoRA", "LoRAPatch", "apply_loras", "check_loras", "load_lora", "with_loras",
     "Flux2Transformer", "Flux2VAE", "GenerationCancelled", "GenerationResult", "KleinOutOfMemory", "PromptCache", "Qwen3Config",

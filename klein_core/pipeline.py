@@ -18,10 +18,13 @@ import numpy as np
 import torch
 from PIL import Image
 
-from .refs import PUBLISHED_REFERENCE_LIMIT, prepare_reference_image
+from .offload import StagePlacer
+from .planner import MemoryPlan, MemoryRequest, plan_for
+from .refs import PUBLISHED_REFERENCE_LIMIT, prepare_reference_image, reference_size
 from .sampling import StepCallback, denoise, get_schedule, make_noise, reference_tokens
 from .tokenizer import MAX_LENGTH, tokenize_prompts
 from .transformer import TEXT_ENCODER_FOR_WIDTH, Flux2Transformer
+from .vae_tiling import decode_tiled, encode_tiled
 
 logger = logging.getLogger(__name__)
 
@@ -189,7 +192,9 @@ def to_pil(pixels: torch.Tensor) -> list[Image.Image]:
     return [Image.fromarray(a) for a in arr]
 
 
-def encode_references(vae: Any, images: Sequence[Image.Image | torch.Tensor]) -> list[torch.Tensor]:
+def encode_references(
+    vae: Any, images: Sequence[Image.Image | torch.Tensor], *, tile: int | None = None
+) -> list[torch.Tensor]:
     """VAE-encode each reference once: a list of normalised latents ``[1, 128, h, w]``.
 
     PIL images are preprocessed with :func:`prepare_reference_image`; tensors must already be
@@ -200,7 +205,8 @@ def encode_references(vae: Any, images: Sequence[Image.Image | torch.Tensor]) ->
         px = prepare_reference_image(img, vae.config.downscale) if isinstance(img, Image.Image) else img
         if not isinstance(px, torch.Tensor) or px.ndim != 4 or px.shape[0] != 1:
             raise ValueError(f"reference {i + 1}: expected a PIL image or a [1, 3, H, W] tensor")
-        out.append(vae.encode(px))
+        # tile: latent positions per tile side (the plan's vae_tile); pixels are 16x that
+        out.append(encode_tiled(vae, px, tile=16 * tile, overlap=4 * tile) if tile else vae.encode(px))
     return out
 
 
@@ -226,6 +232,8 @@ def generate(
     callback: StepCallback | None = None,
     output: Literal["pil", "latent"] = "pil",
     cache: PromptCache | None = default_prompt_cache,
+    memory: str | MemoryPlan | None = None,
+    device: torch.device | str | None = None,
 ) -> GenerationResult:
     """Generate images with FLUX.2 Klein.
 
@@ -246,11 +254,15 @@ def generate(
         callback: ``callback(step, total, latents)`` after each step; return False to cancel
             (raises :class:`GenerationCancelled`); exceptions it raises propagate.
         output: "pil" decodes to images; "latent" returns latents only.
+        memory: None runs every component where it is. "auto" plans placement for the free memory
+            of ``device`` (:mod:`klein_core.planner`); "resident", "swap", "blocks" or "minimum"
+            force one; a :class:`MemoryPlan` is used as given. Offloaded components should be
+            loaded on the CPU (``offload.pin_memory_`` makes their copies fast).
+        device: the compute device when ``memory`` is set (default: CUDA when available).
     Returns:
         :class:`GenerationResult` with latents, images/pixels (if decoded) and per-stage timings.
     """
     timings: dict[str, float] = {}
-    device = transformer.device
     check_compatible(transformer, text_encoder, vae)
     defaults = DISTILLED_DEFAULTS if distilled else BASE_DEFAULTS
     steps = defaults["steps"] if steps is None else steps
@@ -266,6 +278,34 @@ def generate(
         logger.warning("guidance %.2f is ignored: distilled Klein models run without CFG", guidance)
     if distilled and (negative_prompt or negative_embeds is not None):
         logger.warning("the negative prompt is ignored: distilled Klein models run without CFG")
+    plan: MemoryPlan | None = None
+    placer: StagePlacer | None = None
+    if memory is None:
+        device = transformer.device
+    else:
+        default = "cuda" if torch.cuda.is_available() else "cpu"
+        device = torch.device(device if device is not None else default)
+        if isinstance(memory, MemoryPlan):
+            plan = memory
+        else:
+            n_prompts = len(prompt) if not isinstance(prompt, str) else 1
+            n_images = n_prompts if prompt_embeds is None else prompt_embeds.shape[0]
+            request = _memory_request(
+                vae, references, reference_latents, width, height, noise,
+                batch=n_images * batch_size, cfg=use_cfg, encode_text=prompt_embeds is None,
+                decode=output != "latent",
+            )
+            plan = plan_for(request, transformer, text_encoder, vae, device=device, mode=memory)
+        components = {"transformer": transformer, "text_encoder": text_encoder, "vae": vae}
+        placer = StagePlacer(device, {k: m for k, m in components.items() if m is not None},
+                             dict(plan.placements), prefetch=plan.prefetch)
+
+    def stage(name: str, module: Any) -> contextlib.AbstractContextManager:
+        if placer is None or module is None:
+            return contextlib.nullcontext(module)
+        return placer.stage(name)
+
+    vae_tile = plan.vae_tile if plan is not None else None
 
     # 1. Text
     t0 = time.perf_counter()
@@ -275,11 +315,13 @@ def generate(
         prompts = [prompt] if isinstance(prompt, str) else list(prompt)
         if not prompts:
             raise ValueError("prompt list is empty")
-        prompt_embeds = encode_prompts(text_encoder, prompts, cache=cache)
+        with stage("text_encoder", text_encoder) as te:
+            prompt_embeds = encode_prompts(te, prompts, cache=cache)
     if use_cfg and negative_embeds is None:
         if text_encoder is None:
             raise ValueError("CFG needs a text_encoder for the negative prompt, or negative_embeds")
-        negative_embeds = encode_prompts(text_encoder, [negative_prompt], cache=cache)
+        with stage("text_encoder", text_encoder) as te:
+            negative_embeds = encode_prompts(te, [negative_prompt], cache=cache)
     n_prompts = prompt_embeds.shape[0]
     txt = prompt_embeds.repeat_interleave(batch_size, dim=0)
     neg = None
@@ -296,7 +338,8 @@ def generate(
     if references:
         if vae is None:
             raise ValueError("references need a vae to encode them")
-        ref_lat += encode_references(vae, references)
+        with stage("vae", vae) as v:
+            ref_lat += encode_references(v, references, tile=vae_tile)
     if len(ref_lat) > PUBLISHED_REFERENCE_LIMIT:
         logger.warning("%d references: Klein is published for at most %d", len(ref_lat), PUBLISHED_REFERENCE_LIMIT)
     down = vae.config.downscale if vae is not None else 16
@@ -320,8 +363,9 @@ def generate(
     # 4. Denoise
     t0 = time.perf_counter()
     with _explain_oom("denoising", device, w_px, h_px, txt.shape[0] * (2 if use_cfg else 1), len(ref_lat)):
-        latents = denoise(transformer, noise, txt, sigmas, neg_txt=neg, guidance=guidance, refs=refs,
-                          callback=callback)
+        with stage("transformer", transformer) as tr:
+            latents = denoise(tr, noise, txt, sigmas, neg_txt=neg, guidance=guidance, refs=refs,
+                              callback=callback)
     _sync(device)
     timings["denoise"] = time.perf_counter() - t0
     _check_finite(latents, transformer)
@@ -334,7 +378,8 @@ def generate(
     # 5. Decode
     t0 = time.perf_counter()
     with _explain_oom("VAE decoding", device, w_px, h_px, latents.shape[0], len(ref_lat)):
-        result.pixels = decode_to_pixels(vae, latents)
+        with stage("vae", vae) as v:
+            result.pixels = decode_to_pixels(v, latents, tile=vae_tile)
     result.images = to_pil(result.pixels)
     timings["decode"] = time.perf_counter() - t0
     return result
@@ -374,7 +419,30 @@ def _check_finite(latents: torch.Tensor, transformer: Flux2Transformer) -> None:
         raise FloatingPointError(f"The sampler produced NaN/Inf latents (transformer in {dtype}); likely cause: {cause}.")
 
 
-def decode_to_pixels(vae: Any, latents: torch.Tensor) -> torch.Tensor:
-    """Decode normalised latents ``[B, 128, h, w]`` to pixels ``[B, 3, 16h, 16w]`` in [0, 1] (CPU fp32)."""
-    px = vae.decode(latents)
+def decode_to_pixels(vae: Any, latents: torch.Tensor, *, tile: int | None = None) -> torch.Tensor:
+    """Decode normalised latents ``[B, 128, h, w]`` to pixels ``[B, 3, 16h, 16w]`` in [0, 1] (CPU fp32).
+
+    ``tile``: decode in overlapping tiles of this many latent positions (see ``vae_tiling``).
+    """
+    px = decode_tiled(vae, latents, tile=tile, overlap=tile // 4) if tile else vae.decode(latents)
     return (px.float() / 2 + 0.5).clamp(0, 1).cpu()
+
+
+def _memory_request(
+    vae: Any, references: Sequence[Image.Image | torch.Tensor],
+    reference_latents: Sequence[torch.Tensor], width: int | None, height: int | None, noise: torch.Tensor | None,
+    *, batch: int, cfg: bool, encode_text: bool, decode: bool,
+) -> MemoryRequest:
+    """What the planner needs to know, worked out before anything runs (sizes as generate resolves them)."""
+    down = vae.config.downscale if vae is not None else 16
+    refs = [(lat.shape[-1] * down, lat.shape[-2] * down) for lat in reference_latents]
+    for img in references:
+        if isinstance(img, Image.Image):
+            refs.append(reference_size(img.width, img.height, down))
+        else:
+            refs.append((img.shape[-1], img.shape[-2]))
+    if noise is not None:
+        w, h = noise.shape[-1] * down, noise.shape[-2] * down
+    else:
+        w, h = resolve_size(width, height, refs[0] if refs else None, down)
+    return MemoryRequest(w, h, references=tuple(refs), batch=batch, cfg=cfg, encode_text=encode_text, decode=decode)

@@ -444,6 +444,7 @@ def load_text_encoder(
     *,
     device: torch.device | str | None = None,
     dtype: torch.dtype | None = None,
+    quantize: str | None = None,
 ) -> Qwen3TextEncoder:
     """Load the Klein text encoder (the first 27 layers of Qwen3-4B or Qwen3-8B).
 
@@ -454,6 +455,8 @@ def load_text_encoder(
             in-memory state dict, or a :class:`WeightSource`.
         device: where to put the weights (default CPU).
         dtype: floating dtype of the weights and of the output (default: as stored).
+        quantize: None keeps fp8 files in fp8; "fp8" quantises the decoder layers' Linears while
+            loading; "dequantize" loads everything in ``dtype``.
 
     Returns:
         A :class:`Qwen3TextEncoder` in eval mode; ``encode(ids [B,L], mask [B,L])`` gives
@@ -472,7 +475,8 @@ def load_text_encoder(
     config = Qwen3Config.from_source(src, hf_config)
     plan = build_load_plan(src)
     model = materialize(
-        lambda: Qwen3TextEncoder(config), plan, src, component=COMPONENT, device=device, dtype=dtype
+        lambda: Qwen3TextEncoder(config), plan, src, component=COMPONENT, device=device, dtype=dtype,
+        quantize=quantize,
     )
     logger.info(
         "%s text encoder: %d of %d layers loaded, output width %d",

@@ -603,19 +603,22 @@ def load_transformer(
     *,
     device: torch.device | str | None = None,
     dtype: torch.dtype | None = None,
+    quantize: str | None = None,
 ) -> Flux2Transformer:
     """Load a FLUX.2 Klein transformer from a BFL/ComfyUI or diffusers checkpoint.
 
     ``source``: a ``.safetensors`` file (keys optionally prefixed ``model.diffusion_model.``), a
     diffusers folder (``transformer/`` of a repo, sharded or not), or a state dict. The model is
     built on the meta device and filled from the file. ``dtype`` None keeps the stored dtype.
+    ``quantize``: None keeps fp8 files in fp8 (block Linears as FP8Linear); "fp8" quantises a
+    bf16 file's block Linears while loading; "dequantize" loads everything in ``dtype``.
     """
     src = open_weights(source, component="transformer", subfolder="transformer")
     plan, config, layout, view = plan_transformer(src)
     logger.info("%s: %s transformer (%s layout), text width %d", src.name, config.variant, layout, config.context_dim)
     model = materialize(
         lambda: Flux2Transformer(config), plan, view, component=f"{config.variant} transformer",
-        device=device, dtype=dtype,
+        device=device, dtype=dtype, quantize=quantize,
     )
     assert isinstance(model, Flux2Transformer)
     return model
