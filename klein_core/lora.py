@@ -621,10 +621,10 @@ def _plan(
             n = patch.target.part[1] if patch.target.part else 1
             if weight.ndim != 2 or weight.shape[0] % n or patch.shape != (weight.shape[0] // n, weight.shape[1]):
                 raise _misfit(lora, patch, model, tuple(weight.shape))
-            if weight.dtype in _FLOAT8:
+            if weight.dtype in _FLOAT8 and getattr(module, "weight_scale", None) is None:
                 raise NotImplementedError(
-                    f"{lora.name}: {patch.component} module {patch.module} has {weight.dtype} weights; applying "
-                    "LoRAs to float8 weights is not supported yet. Load the model in bf16/fp16/fp32."
+                    f"{lora.name}: {patch.component} module {patch.module} has {weight.dtype} weights without a "
+                    "scale (not an FP8Linear); load the model through klein_core's loaders to apply LoRAs."
                 )
             key = (patch.component, patch.module)
             if key not in plans:
@@ -640,6 +640,22 @@ def _rows(patch: LoRAPatch, total: int) -> slice:
     i, n = patch.target.part
     size = total // n
     return slice(i * size, (i + 1) * size)
+
+
+def _merge_fp8(plan: _ModulePlan, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge into an FP8Linear: dequantise, add the deltas in float32, re-quantise with a new
+    absmax scale (per tensor, or per row when the layer has per-row scales). Returns the original
+    (weight, scale) on the CPU for an exact restore."""
+    module = plan.module
+    scale = module.weight_scale
+    fmax = float(torch.finfo(q.dtype).max)
+    s = scale.float().reshape(-1, 1) if scale.ndim == 1 else scale.float()
+    merged = q.float() * s + _summed_delta(plan, q)
+    amax = merged.abs().amax(dim=1, keepdim=True) if scale.ndim == 1 else merged.abs().amax()
+    new_scale = torch.where(amax > 0, amax / fmax, torch.ones_like(amax))
+    module.weight.data = (merged / new_scale).clamp(-fmax, fmax).to(q.dtype)
+    module.weight_scale = new_scale.reshape(scale.shape).to(scale.dtype)
+    return q.to("cpu"), scale.to("cpu")
 
 
 def _summed_delta(plan: _ModulePlan, weight: torch.Tensor) -> torch.Tensor:
@@ -669,7 +685,9 @@ class LoRABranch:
 
     def __init__(self, plan: _ModulePlan, weight: torch.Tensor) -> None:
         out_features = weight.shape[0]
-        dtype, device = weight.dtype, weight.device
+        # fp8 layers compute in their activation dtype; keep the factors in bf16 for them
+        dtype = torch.bfloat16 if weight.dtype in _FLOAT8 else weight.dtype
+        device = weight.device
         self.out_features = out_features
         a_parts, b_parts = [], []
         self.kron: list[tuple[torch.Tensor, torch.Tensor, slice, bool]] = []
@@ -749,7 +767,7 @@ class AppliedLoRAs:
         self.loras = [(lora.name, strength) for lora, strength in loras]
         self.skipped = skipped
         self.modules: list[str] = []
-        self._backups: list[tuple[nn.Module, torch.Tensor]] = []
+        self._backups: list[tuple[nn.Module, torch.Tensor | tuple[torch.Tensor, torch.Tensor]]] = []
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         self._models: list[nn.Module] = []
         self.active = True
@@ -780,6 +798,9 @@ class AppliedLoRAs:
                     )
             for module, original in self._backups:
                 weight = module.weight
+                if isinstance(original, tuple):  # fp8: the weight and its scale
+                    original, scale = original
+                    module.weight_scale = scale.to(module.weight_scale.device)
                 weight.data = original.to(weight.device)
             for model in self._models:
                 stack = _MERGED.get(model, [])
@@ -817,7 +838,7 @@ def apply_loras(
 
     Raises:
         ValueError: a LoRA does not fit the model (the message names both model sizes).
-        NotImplementedError: a target weight is float8.
+        NotImplementedError: a target weight is float8 without a scale (not an FP8Linear).
     """
     if mode not in _MODES:
         raise ValueError(f"mode must be one of {_MODES}, got {mode!r}")
@@ -830,6 +851,10 @@ def apply_loras(
         weight = plan.module.weight
         if mode == "merge":
             original = weight.detach()
+            if original.dtype in _FLOAT8:
+                handle._backups.append((plan.module, _merge_fp8(plan, original)))
+                handle.modules.append(f"{comp}:{name}")
+                continue
             merged = (original.float() + _summed_delta(plan, weight)).to(original.dtype)
             # The merged weight is a new tensor: the original storage is never written, so it is
             # the exact backup (on the CPU: no copy at all) and any state dict the model was

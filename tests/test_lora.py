@@ -733,3 +733,52 @@ def test_lora_loader_node(base, two_loras, pack_lora, tmp_path, monkeypatch, par
     with pytest.raises(ValueError, match=r"Klein LoRA Loader: .*a\.safetensors: this LoRA was trained for"):
         node.execute(model=big, lora_name="a.safetensors", strength=1.0)
     assert os.path.isfile(folder_paths.get_full_path("loras", "a.safetensors"))
+
+
+def test_merge_into_fp8_weights_recomputes_the_scale(tmp_path, parity):
+    from klein_core.demo import tiny_transformer
+    from klein_core.quant import FP8Linear, dequantize
+
+    torch.manual_seed(5)
+    sd = {k: v.contiguous() for k, v in tiny_transformer().state_dict().items()}
+    save_file(sd, tmp_path / "base.safetensors")
+    names = {"double_blocks.0.img_attn.proj": (64, 64), "single_blocks.1.linear1": (576, 64)}
+    lora_sd = {}
+    for name, (out_f, in_f) in names.items():
+        lora_sd[f"diffusion_model.{name}.lora_A.weight"] = torch.randn(4, in_f) * 0.3
+        lora_sd[f"diffusion_model.{name}.lora_B.weight"] = torch.randn(out_f, 4) * 0.3
+    save_file(lora_sd, tmp_path / "lora.safetensors")
+    lora = load_lora(tmp_path / "lora.safetensors")
+
+    q = load_transformer(tmp_path / "base.safetensors", quantize="fp8")
+    mods = dict(q.named_modules())
+    assert all(isinstance(mods[n], FP8Linear) for n in names)
+    before = {n: (mods[n].weight.detach().clone(), mods[n].weight_scale.clone()) for n in names}
+    handle = apply_loras(q, [(lora, 0.7)])
+    for name in names:
+        m, (w0, s0) = mods[name], before[name]
+        expect = dequantize(w0, s0) + 0.7 * lora_sd[f"diffusion_model.{name}.lora_B.weight"] @ lora_sd[
+            f"diffusion_model.{name}.lora_A.weight"]
+        got = dequantize(m.weight, m.weight_scale)
+        assert not torch.equal(m.weight_scale, s0)  # the scale was recomputed for the merged weight
+        assert m.weight.dtype == torch.float8_e4m3fn
+        # e4m3 keeps 3 mantissa bits: every element within half a step of its value
+        bound = expect.abs() * 2**-4 + m.weight_scale * 2**-9
+        assert bool(((got - expect).abs() <= bound + 1e-7).all())
+        parity(f"LoRA fp8 merge, {name}, max abs vs exact float merge", (got - expect).abs().max().item())
+    x = torch.randn(1, 24, 128)
+    ids = position_ids(4, 6)
+    txt, tids = torch.randn(1, 5, 96), text_position_ids(5)
+    with torch.no_grad():
+        merged_out = q(img=x, img_ids=ids, txt=txt, txt_ids=tids, timesteps=torch.tensor([0.5]))
+    handle.remove()
+    for name in names:  # bit-exact restore of the fp8 bytes and the scale
+        m, (w0, s0) = mods[name], before[name]
+        assert torch.equal(m.weight.view(torch.uint8), w0.view(torch.uint8)) and torch.equal(m.weight_scale, s0)
+    branch = apply_loras(q, [(lora, 0.7)], mode="branch")
+    with torch.no_grad():
+        branch_out = q(img=x, img_ids=ids, txt=txt, txt_ids=tids, timesteps=torch.tensor([0.5]))
+    branch.remove()
+    rel = ((branch_out - merged_out).norm() / merged_out.norm()).item()
+    parity("LoRA fp8: branch vs merge output, relative L2", rel)
+    assert rel < 0.05
