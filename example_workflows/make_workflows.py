@@ -46,7 +46,7 @@ class Spec:
 
 SPECS = {
     "KleinModelLoader": Spec(
-        widgets=("model_name", "vae_name", "weight_dtype", "model_kind"),
+        widgets=("model_name", "vae_name", "weight_dtype", "model_kind", "memory_mode"),
         outputs=(("model", "KLEIN_MODEL"), ("vae", "KLEIN_VAE")), size=(340, 150)),
     "KleinTextEncode": Spec(
         widgets=("text_encoder", "prompt", "negative_prompt"), outputs=(("conditioning", "KLEIN_COND"),),
@@ -95,7 +95,8 @@ class Workflow:
 
 def _loader(nid: int, model: str) -> Node:
     return Node(nid, "KleinModelLoader", (40, 80), {"model_name": model, "vae_name": "flux2-vae.safetensors",
-                                                     "weight_dtype": "bf16", "model_kind": "auto"})
+                                                     "weight_dtype": "bf16", "model_kind": "auto",
+                                                     "memory_mode": "auto"})
 
 
 def _encoder(nid: int, prompt: str, negative: str = "") -> Node:

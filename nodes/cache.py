@@ -44,14 +44,16 @@ class ModelRef:
     mtime_ns: int
     device: str
     dtype: torch.dtype
+    quantize: str | None = None  # "fp8": quantise the block Linears while loading
 
     def get(self) -> torch.nn.Module:
         """The loaded model on its device; loaded (or moved back) on demand."""
         return acquire(self)
 
 
-def model_ref(role: str, path: str, name: str, device: torch.device, dtype: torch.dtype) -> ModelRef:
-    return ModelRef(role, name, path, os.stat(path).st_mtime_ns, str(device), dtype)
+def model_ref(role: str, path: str, name: str, device: torch.device, dtype: torch.dtype,
+              quantize: str | None = None) -> ModelRef:
+    return ModelRef(role, name, path, os.stat(path).st_mtime_ns, str(device), dtype, quantize)
 
 
 def _same_device(a: torch.device, b: torch.device) -> bool:
@@ -62,10 +64,16 @@ def _nbytes(model: torch.nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
 
 
+def estimate_bytes(path: str, dtype: torch.dtype, quantize: str | None = None) -> int:
+    """Device bytes of a model loaded from ``path`` (files hold bf16 weights; the text encoder's
+    unused layers make this an over-estimate)."""
+    size = os.path.getsize(path) if os.path.isfile(path) else 0
+    per_weight = 1 if quantize == "fp8" else torch.empty((), dtype=dtype).element_size()
+    return int(size * per_weight / 2)
+
+
 def _estimate_bytes(ref: ModelRef) -> int:
-    # Files hold bf16 weights; the text encoder's unused layers make this an over-estimate.
-    size = os.path.getsize(ref.path) if os.path.isfile(ref.path) else 0
-    return int(size * torch.empty((), dtype=ref.dtype).element_size() / 2)
+    return estimate_bytes(ref.path, ref.dtype, ref.quantize)
 
 
 def _make_room(ref: ModelRef, nbytes: int) -> None:
@@ -103,7 +111,8 @@ def acquire(ref: ModelRef) -> torch.nn.Module:
             del _resident[ref.role], held
         _make_room(ref, _estimate_bytes(ref))
         t0 = time.perf_counter()
-        model = _LOADERS[ref.role](ref.path, device=ref.device, dtype=ref.dtype)
+        extra = {"quantize": ref.quantize} if ref.quantize else {}
+        model = _LOADERS[ref.role](ref.path, device=ref.device, dtype=ref.dtype, **extra)
         loads[ref.role] += 1
         _resident[ref.role] = (ref, model)
         logger.info("Klein: loaded %s %s on %s as %s in %.2fs", ref.role.replace("_", " "), ref.name,

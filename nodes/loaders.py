@@ -16,12 +16,15 @@ from .types import KleinModel, KleinModelType, KleinVAE, KleinVAEType
 logger = logging.getLogger(__name__)
 
 NODE = "Klein Model Loader"
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp8": torch.bfloat16}
 KINDS = ("auto", "distilled", "base")
+MEMORY_MODES = ("auto", "resident", "swap", "blocks", "minimum")
+_STREAMED = ("blocks", "minimum")
 
 
 def weight_dtype_for(name: str, device: torch.device) -> torch.dtype:
-    """The chosen dtype, unless the device cannot run it (bf16 on pre-Ampere GPUs -> fp16)."""
+    """The chosen compute dtype, unless the device cannot run it (bf16 on pre-Ampere GPUs -> fp16).
+    "fp8" stores the block weights in float8 and computes in bf16."""
     dtype = DTYPES[name]
     if dtype == torch.bfloat16 and not host.bf16_supported(device):
         logger.warning("%s: %s does not support bf16; using fp16 instead", NODE, device)
@@ -29,6 +32,24 @@ def weight_dtype_for(name: str, device: torch.device) -> torch.dtype:
     if device.type == "cpu" and dtype != torch.float32:
         logger.info("%s: computing on the CPU in %s as chosen (fp32 is often faster on CPUs)", NODE, name)
     return dtype
+
+
+def transformer_home(memory_mode: str, device: torch.device, path: str, dtype: torch.dtype,
+                     quantize: str | None) -> torch.device:
+    """Where the transformer's weights live between steps: the compute device, or the CPU when its
+    blocks will be streamed (forced, or "auto" and the weights alone would not fit the free memory)."""
+    if device.type == "cpu":
+        return device
+    if memory_mode in _STREAMED:
+        return torch.device("cpu")
+    if memory_mode == "auto":
+        need = cache.estimate_bytes(path, dtype, quantize)
+        host.make_room(need, device)
+        if need > host.free_bytes(device):
+            logger.info("%s: %.1f GB of weights do not fit the %.1f GB free on %s; the blocks will be "
+                        "streamed from the CPU", NODE, need / 1e9, host.free_bytes(device) / 1e9, device)
+            return torch.device("cpu")
+    return device
 
 
 class KleinModelLoader(io.ComfyNode):
@@ -50,10 +71,17 @@ class KleinModelLoader(io.ComfyNode):
                                        "decoder file)."),
                 io.Combo.Input("weight_dtype", options=list(DTYPES), default="bf16",
                                tooltip="Compute dtype of the transformer. bf16 is the native precision; fp16 "
-                                       "for GPUs without bf16; fp32 doubles memory."),
+                                       "for GPUs without bf16; fp32 doubles memory; fp8 stores the block "
+                                       "weights in float8 (half the memory of bf16; fp8 matmuls on GPUs "
+                                       "with fp8 tensor cores). fp8 files load in fp8 with any choice."),
                 io.Combo.Input("model_kind", options=list(KINDS), default="auto", tooltip=(
                     "Sets the sampler defaults: distilled = 4 steps without CFG, base = 50 steps with CFG 4. "
                     "auto = base if the file name contains 'base'.")),
+                io.Combo.Input("memory_mode", options=list(MEMORY_MODES), default="auto", tooltip=(
+                    "GPU memory plan. auto = the fastest plan that fits the free memory (logged by the "
+                    "sampler with its estimate); resident = everything stays on the GPU; swap = text "
+                    "encoder and transformer take turns; blocks = transformer blocks stream from CPU "
+                    "memory (for cards smaller than the model); minimum = everything streamed.")),
             ],
             outputs=[
                 KleinModelType.Output(display_name="model",
@@ -65,19 +93,21 @@ class KleinModelLoader(io.ComfyNode):
 
     @classmethod
     def validate_inputs(cls, model_name: str, vae_name: str, weight_dtype: str,
-                        model_kind: str) -> bool | str:
+                        model_kind: str, memory_mode: str = "auto") -> bool | str:
         folders = {"model_name": "diffusion_models", "vae_name": "vae"}
         return check_choices(cls, folders, model_name=model_name, vae_name=vae_name,
-                             weight_dtype=weight_dtype, model_kind=model_kind)
+                             weight_dtype=weight_dtype, model_kind=model_kind, memory_mode=memory_mode)
 
     @classmethod
     def execute(cls, model_name: str, vae_name: str, weight_dtype: str = "bf16",
-                model_kind: str = "auto") -> io.NodeOutput:
+                model_kind: str = "auto", memory_mode: str = "auto") -> io.NodeOutput:
         device = host.torch_device()
         model_path = model_file(NODE, "model_name", "diffusion_models", model_name, expect="transformer")
         vae_path = model_file(NODE, "vae_name", "vae", vae_name, expect="vae")
         dtype, vae_device = weight_dtype_for(weight_dtype, device), host.vae_device()
-        tref = cache.model_ref("transformer", model_path, model_name, device, dtype)
+        quantize = "fp8" if weight_dtype == "fp8" else None
+        home = transformer_home(memory_mode, device, model_path, dtype, quantize)
+        tref = cache.model_ref("transformer", model_path, model_name, home, dtype, quantize)
         vref = cache.model_ref("vae", vae_path, vae_name, vae_device, host.vae_dtype(vae_device))
         with errors_named(NODE, "model_name", model_name):
             transformer = tref.get()
@@ -87,4 +117,4 @@ class KleinModelLoader(io.ComfyNode):
         kind = kc.guess_model_kind(model_name) if model_kind == "auto" else model_kind
         logger.info("%s: %s (%s) as a %s model%s", NODE, model_name, transformer.config.variant, kind,
                     " (from the file name)" if model_kind == "auto" else "")
-        return io.NodeOutput(KleinModel(tref, kind, transformer.config), KleinVAE(vref, vae.config))
+        return io.NodeOutput(KleinModel(tref, kind, transformer.config, memory_mode), KleinVAE(vref, vae.config))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from pathlib import Path
@@ -48,6 +49,26 @@ def check_encoder_fits(model: KleinModel, cond: KleinConditioning) -> None:
     raise ValueError(f"{NODE}: the conditioning was encoded with {cond.encoder_name} ({cond.variant}, "
                      f"text width {cond.text_dim}), but the model {model.name} ({model.config.variant}) "
                      f"needs text width {want}: {fix}.")
+
+
+def memory_plan(model: KleinModel, transformer: torch.nn.Module, device: torch.device, width: int, height: int,
+                refs: tuple, batch: int, cfg: bool) -> kc.MemoryPlan:
+    """The transformer's placement for this run (klein_core.planner), from the loader's memory mode."""
+    request = kc.MemoryRequest(width, height, references=tuple((r.width, r.height) for r in refs), batch=batch,
+                               cfg=cfg, encode_text=False, decode=False)
+    # Off CUDA there is no memory to plan: a forced mode is honoured, "auto" keeps everything resident.
+    free = None if device.type == "cuda" else 1 << 50
+    return kc.plan_for(request, transformer, device=device, mode=model.memory, free_bytes=free)
+
+
+def placed(plan: kc.MemoryPlan, transformer: torch.nn.Module, device: torch.device) -> contextlib.AbstractContextManager:
+    """Context in which the transformer runs on ``device`` as planned (blocks streamed, or moved in)."""
+    where = plan.placements.get("transformer", "resident")
+    if where == "blocks":
+        return kc.BlockOffloader(transformer, device, prefetch=plan.prefetch)
+    if where == "staged" or any(p.device != device for p in transformer.parameters()):
+        return kc.on_device(transformer, device)
+    return contextlib.nullcontext()
 
 
 def output_size(width: int, height: int, refs: tuple) -> tuple[int, int]:
@@ -121,11 +142,16 @@ class KleinSampler(io.ComfyNode):
                     model.kind, w, h, steps, guidance, seed, batch_size, len(refs))
         with errors_named(NODE, "model", model.name):
             transformer = model.ref.get()
-        result = kc.generate(
-            transformer, prompt_embeds=conditioning.positive,
-            negative_embeds=conditioning.negative if model.kind == "base" else None,
-            reference_latents=[r.latent for r in refs], width=w, height=h, steps=steps, guidance=guidance,
-            seed=seed, batch_size=batch_size, distilled=model.kind == "distilled",
-            callback=StepReporter(steps, w, h), output="latent", cache=None,
-        )
+        device = host.torch_device()
+        cfg = model.kind == "base" and guidance > 1
+        plan = memory_plan(model, transformer, device, w, h, refs, batch_size, cfg)
+        logger.info("%s: memory mode %s -> %s", NODE, model.memory, plan.reason)
+        with placed(plan, transformer, device):
+            result = kc.generate(
+                transformer, prompt_embeds=conditioning.positive,
+                negative_embeds=conditioning.negative if model.kind == "base" else None,
+                reference_latents=[r.latent for r in refs], width=w, height=h, steps=steps, guidance=guidance,
+                seed=seed, batch_size=batch_size, distilled=model.kind == "distilled",
+                callback=StepReporter(steps, w, h), output="latent", cache=None,
+            )
         return io.NodeOutput({"samples": result.latents.to(host.intermediate_device(), torch.float32)})

@@ -59,9 +59,24 @@ class KleinVAEDecode(io.ComfyNode):
         frames = []
         for i in range(latents.shape[0]):  # one at a time: decoding memory grows with the batch
             host.check_interrupt()
-            frames.append(kc.decode_to_pixels(model, latents[i:i + 1]))
+            frames.append(decode_fitting(model, latents[i:i + 1]))
         image = torch.cat(frames).permute(0, 2, 3, 1).contiguous()
         return io.NodeOutput(image.to(host.intermediate_device()))
+
+
+def decode_fitting(model: torch.nn.Module, latents: torch.Tensor) -> torch.Tensor:
+    """Decode whole; if the GPU runs out of memory, decode in overlapping tiles of 64, then 32 latents."""
+    tiles = (None, 64, 32)
+    for i, tile in enumerate(tiles):
+        try:
+            return kc.decode_to_pixels(model, latents, tile=tile)
+        except torch.OutOfMemoryError:
+            if i == len(tiles) - 1:
+                raise
+            host.empty_cache()
+            logger.warning("%s: out of GPU memory decoding %s; retrying in tiles of %d latents", DECODE_NODE,
+                           "whole" if tile is None else f"in tiles of {tile}", tiles[i + 1])
+    raise AssertionError("unreachable")
 
 
 class KleinVAEEncode(io.ComfyNode):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import importlib.util
+import logging
 import os
 import shutil
 import sys
@@ -570,3 +571,36 @@ def test_gpu_room_is_made_by_comfy_first_then_by_offloading_our_idle_models(comf
     moved.clear()
     cache._make_room(cache.ModelRef("vae", "v", "/nowhere", 0, "cpu", torch.float32), 400)
     assert moved == [] and asked == [(400, "cuda:0")]  # nothing to do for the CPU
+
+
+@pytest.mark.parametrize("mode", ["resident", "swap", "blocks", "minimum"])
+def test_memory_modes_give_the_same_latents_and_log_the_plan(comfy, mode, caplog):
+    cond = _encode(comfy, "a quiet harbour")
+    auto, _ = _load(comfy)
+    with caplog.at_level(logging.INFO):
+        expected = _sample(comfy, auto, cond, seed=5)
+    assert "memory mode auto -> resident" in caplog.text
+    with torch.inference_mode():
+        model, _ = comfy.pack.KleinModelLoader.execute(M4B, VAE, "bf16", "auto", mode).args
+    assert model.memory == mode
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        got = _sample(comfy, model, cond, seed=5)
+    assert torch.equal(got, expected)
+    assert f"memory mode {mode} -> " in caplog.text and "estimated peak" in caplog.text
+    if mode in ("blocks", "minimum"):
+        assert "Block offload" in caplog.text  # the transformer's blocks were really streamed
+
+
+def test_fp8_weight_option_keeps_block_weights_in_fp8(comfy):
+    from klein_core.quant import fp8_layers
+
+    cond = _encode(comfy, "a quiet harbour")
+    bf16, _ = _load(comfy)
+    expected = _sample(comfy, bf16, cond, seed=5)
+    fp8, _ = _load(comfy, dtype="fp8")
+    assert fp8.ref.quantize == "fp8"
+    assert fp8_layers(fp8.ref.get())  # FP8Linear layers in the loaded transformer
+    got = _sample(comfy, fp8, cond, seed=5)
+    rel = ((got - expected).norm() / expected.norm()).item()
+    assert 0 < rel < 0.2, rel
