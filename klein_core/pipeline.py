@@ -296,6 +296,8 @@ def generate(
                 decode=output != "latent",
             )
             plan = plan_for(request, transformer, text_encoder, vae, device=device, mode=memory)
+        if not plan.fits:
+            raise KleinOutOfMemory(f"This request does not fit the GPU memory, refused before running: {plan.reason}.")
         components = {"transformer": transformer, "text_encoder": text_encoder, "vae": vae}
         placer = StagePlacer(device, {k: m for k, m in components.items() if m is not None},
                              dict(plan.placements), prefetch=plan.prefetch)

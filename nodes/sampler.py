@@ -146,6 +146,10 @@ class KleinSampler(io.ComfyNode):
         cfg = model.kind == "base" and guidance > 1
         plan = memory_plan(model, transformer, device, w, h, refs, batch_size, cfg)
         logger.info("%s: memory mode %s -> %s", NODE, model.memory, plan.reason)
+        if not plan.fits:
+            raise kc.KleinOutOfMemory(f"{NODE}: refused before running, this request does not fit the GPU "
+                                      f"memory: {plan.reason}. Lower width/height, use fewer references or "
+                                      "a smaller batch, or set memory_mode to blocks/minimum.")
         with placed(plan, transformer, device):
             result = kc.generate(
                 transformer, prompt_embeds=conditioning.positive,

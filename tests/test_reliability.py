@@ -266,3 +266,16 @@ def test_reference_batch_and_bad_reference_tensor(tiny):
     arr = (np.random.default_rng(0).random((70, 90, 3)) * 255).astype(np.uint8)
     res = kc.generate(tr, te, vae, prompt="x", references=[Image.fromarray(arr)], steps=1)
     assert (res.width, res.height) == (80, 64)
+
+
+def test_request_that_cannot_fit_is_refused_up_front_with_the_estimate(tiny, monkeypatch):
+    tr, te, vae = tiny
+    refs = [torch.zeros(1, 128, 64, 64)] * 3
+    request = kc.MemoryRequest(1024, 1024, references=((1024, 1024),) * 3)
+    plan = kc.choose_plan(kc.estimate(request, kc.ModelSizes.from_modules(tr, te, vae)), free_bytes=10**6)
+    assert not plan.fits and "short by" in plan.reason
+    called = []
+    monkeypatch.setattr(kc.pipeline, "denoise", lambda *a, **k: called.append(1))
+    with pytest.raises(kc.KleinOutOfMemory, match="refused before running.*estimated peak.*short by"):
+        kc.generate(tr, te, vae, prompt="x", reference_latents=refs, memory=plan, device="cpu")
+    assert not called  # nothing ran
