@@ -1,7 +1,5 @@
 """``python -m klein_core generate ...``"""
 
-import sys
-
 from .cli import main
 
-sys.exit(main())
+raise SystemExit(main())

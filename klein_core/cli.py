@@ -213,12 +213,23 @@ def run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _log_to_stderr() -> None:
+    """Show klein_core's warnings on stderr in the CLI process (library users configure their own)."""
+    root = logging.getLogger("klein_core")
+    if not any(getattr(h, "_klein_cli", False) for h in root.handlers):
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(levelname)s: %(message)s"))
+        handler._klein_cli = True  # type: ignore[attr-defined]
+        root.addHandler(handler)
+        root.setLevel(logging.WARNING)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] not in ("generate", "-h", "--help"):
         argv = ["generate", *argv]  # "generate" is the default command
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")  # CLI process only
+    _log_to_stderr()
     try:
         return run_generate(args)
     except CLIError as exc:
@@ -236,4 +247,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())
