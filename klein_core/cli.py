@@ -128,16 +128,25 @@ def resolve_files(args: argparse.Namespace) -> tuple[Path, Path, Path]:
 
 
 class _Progress:
+    """A one-line bar; the per-step time averages the intervals between steps, so the first step
+    (which follows text and reference encoding) does not inflate it."""
+
     def __init__(self, quiet: bool) -> None:
         self.quiet = quiet
         self.t0 = time.perf_counter()
+        self.t_first: float | None = None
 
     def __call__(self, step: int, total: int, latents: torch.Tensor) -> None:
         if self.quiet:
             return
-        dt = (time.perf_counter() - self.t0) / step
+        now = time.perf_counter()
+        if self.t_first is None:
+            self.t_first = now
+            rate = f"{now - self.t0:.2f} s so far"
+        else:
+            rate = f"{(now - self.t_first) / (step - 1):.2f} s/step"
         bar = "#" * step + "-" * (total - step)
-        _write(sys.stderr, f"\rdenoising [{bar}] {step}/{total}  {dt:.2f} s/step")
+        _write(sys.stderr, f"\rdenoising [{bar}] {step}/{total}  {rate}   ")
         if step == total:
             _write(sys.stderr, "\n")
 
