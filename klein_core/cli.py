@@ -228,9 +228,9 @@ def _log_to_stderr() -> None:
     if not any(getattr(h, "_klein_cli", False) for h in root.handlers):
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("%(levelname)s: %(message)s"))
+        handler.setLevel(logging.WARNING)  # the handler filters; the logger's own level is left alone
         handler._klein_cli = True  # type: ignore[attr-defined]
         root.addHandler(handler)
-        root.setLevel(logging.WARNING)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
