@@ -70,7 +70,7 @@ import klein_core  # noqa: E402
 from klein_core import fast  # noqa: E402
 from klein_core.qwen3 import Qwen3Config, Qwen3TextEncoder  # noqa: E402
 from klein_core.sampling import make_noise, pack  # noqa: E402
-from klein_core.transformer import Flux2Transformer, TransformerConfig  # noqa: E402
+from klein_core.transformer import Flux2Transformer, TransformerConfig, bfl_to_diffusers  # noqa: E402
 from klein_core.vae import Flux2VAE, VAEConfig  # noqa: E402
 
 logger = logging.getLogger("speed")
@@ -192,48 +192,8 @@ def build_ours(spec: ModelSpec, device: torch.device, dtype: torch.dtype
 def bfl_to_diffusers_transformer(
     sd: dict[str, torch.Tensor], cfg: TransformerConfig
 ) -> dict[str, torch.Tensor]:
-    """klein_core (BFL) transformer state dict -> ``Flux2Transformer2DModel`` names.
-
-    The inverse of ``klein_core.transformer.diffusers_to_bfl``: fused ``qkv`` split into q/k/v
-    (row views), final-layer (shift, scale) halves swapped to diffusers' (scale, shift).
-    """
-    h = cfg.hidden_size
-    out = {
-        "x_embedder.weight": sd["img_in.weight"],
-        "context_embedder.weight": sd["txt_in.weight"],
-        "time_guidance_embed.timestep_embedder.linear_1.weight": sd["time_in.in_layer.weight"],
-        "time_guidance_embed.timestep_embedder.linear_2.weight": sd["time_in.out_layer.weight"],
-        "double_stream_modulation_img.linear.weight": sd["double_stream_modulation_img.lin.weight"],
-        "double_stream_modulation_txt.linear.weight": sd["double_stream_modulation_txt.lin.weight"],
-        "single_stream_modulation.linear.weight": sd["single_stream_modulation.lin.weight"],
-        "proj_out.weight": sd["final_layer.linear.weight"],
-    }
-    shift, scale = sd["final_layer.adaLN_modulation.1.weight"].chunk(2)
-    out["norm_out.linear.weight"] = torch.cat([scale, shift])
-    for i in range(cfg.depth):
-        b, d = f"double_blocks.{i}.", f"transformer_blocks.{i}."
-        for part, name in zip(sd[b + "img_attn.qkv.weight"].split(h), ("to_q", "to_k", "to_v")):
-            out[d + f"attn.{name}.weight"] = part
-        txt_names = ("add_q_proj", "add_k_proj", "add_v_proj")
-        for part, name in zip(sd[b + "txt_attn.qkv.weight"].split(h), txt_names):
-            out[d + f"attn.{name}.weight"] = part
-        out[d + "attn.norm_q.weight"] = sd[b + "img_attn.norm.query_norm.scale"]
-        out[d + "attn.norm_k.weight"] = sd[b + "img_attn.norm.key_norm.scale"]
-        out[d + "attn.norm_added_q.weight"] = sd[b + "txt_attn.norm.query_norm.scale"]
-        out[d + "attn.norm_added_k.weight"] = sd[b + "txt_attn.norm.key_norm.scale"]
-        out[d + "attn.to_out.0.weight"] = sd[b + "img_attn.proj.weight"]
-        out[d + "attn.to_add_out.weight"] = sd[b + "txt_attn.proj.weight"]
-        out[d + "ff.linear_in.weight"] = sd[b + "img_mlp.0.weight"]
-        out[d + "ff.linear_out.weight"] = sd[b + "img_mlp.2.weight"]
-        out[d + "ff_context.linear_in.weight"] = sd[b + "txt_mlp.0.weight"]
-        out[d + "ff_context.linear_out.weight"] = sd[b + "txt_mlp.2.weight"]
-    for i in range(cfg.depth_single):
-        b, d = f"single_blocks.{i}.", f"single_transformer_blocks.{i}."
-        out[d + "attn.to_qkv_mlp_proj.weight"] = sd[b + "linear1.weight"]
-        out[d + "attn.to_out.weight"] = sd[b + "linear2.weight"]
-        out[d + "attn.norm_q.weight"] = sd[b + "norm.query_norm.scale"]
-        out[d + "attn.norm_k.weight"] = sd[b + "norm.key_norm.scale"]
-    return out
+    """klein_core (BFL) transformer state dict -> ``Flux2Transformer2DModel`` names (row views)."""
+    return bfl_to_diffusers(sd, cfg)
 
 
 def bfl_to_diffusers_vae(sd: dict[str, torch.Tensor], cfg: VAEConfig) -> dict[str, torch.Tensor]:

@@ -538,6 +538,27 @@ def diffusers_to_bfl(src: WeightSource) -> LoadPlan:
     return plan
 
 
+def bfl_to_diffusers(state: Mapping[str, torch.Tensor], config: TransformerConfig) -> dict[str, torch.Tensor]:
+    """A BFL-layout state dict (this module's names) in ``Flux2Transformer2DModel`` names.
+
+    The exact inverse of :func:`diffusers_to_bfl`, from the same tables: ``qkv`` split into
+    q/k/v (row views, no copy) and the final layer's (shift, scale) halves swapped to diffusers'
+    (scale, shift). Used to export a model or to feed the same weights to diffusers.
+    """
+    out = {d: state[b] for d, b in _DIFFUSERS_GLOBAL.items()}
+    shift, scale = state["final_layer.adaLN_modulation.1.weight"].chunk(2)
+    out["norm_out.linear.weight"] = torch.cat([scale, shift])
+    for i in range(config.depth):
+        b, d = f"double_blocks.{i}.", f"transformer_blocks.{i}."
+        out.update({d + dk: state[b + bk] for dk, bk in _DIFFUSERS_DOUBLE.items()})
+        for bk, parts in _DIFFUSERS_DOUBLE_QKV.items():
+            out.update(zip((d + x for x in parts), state[b + bk].split(config.hidden_size)))
+    for i in range(config.depth_single):
+        b, d = f"single_blocks.{i}.", f"single_transformer_blocks.{i}."
+        out.update({d + dk: state[b + bk] for dk, bk in _DIFFUSERS_SINGLE.items()})
+    return out
+
+
 def _describe_other(keys: list[str]) -> str:
     """Guess what a file that is not a Flux2 transformer is, for the error message."""
     ks = set(keys)

@@ -30,6 +30,7 @@ from klein_core.quant import (
 )
 from klein_core.qwen3 import load_text_encoder
 from klein_core.transformer import (
+    bfl_to_diffusers,
     Flux2Transformer,
     load_transformer,
     plan_transformer,
@@ -71,44 +72,6 @@ def _inputs(cfg, batch=2, seed=0):
 
 def _rel(a, b):
     return float((a - b).norm() / b.norm())
-
-
-# Test-local BFL -> diffusers key table (the inverse of SPEC §1.5), to write diffusers-named files.
-def _to_diffusers(sd, n_double, n_single):
-    out = {
-        "x_embedder.weight": sd["img_in.weight"], "context_embedder.weight": sd["txt_in.weight"],
-        "time_guidance_embed.timestep_embedder.linear_1.weight": sd["time_in.in_layer.weight"],
-        "time_guidance_embed.timestep_embedder.linear_2.weight": sd["time_in.out_layer.weight"],
-        "double_stream_modulation_img.linear.weight": sd["double_stream_modulation_img.lin.weight"],
-        "double_stream_modulation_txt.linear.weight": sd["double_stream_modulation_txt.lin.weight"],
-        "single_stream_modulation.linear.weight": sd["single_stream_modulation.lin.weight"],
-        "proj_out.weight": sd["final_layer.linear.weight"],
-    }
-    shift, scale = sd["final_layer.adaLN_modulation.1.weight"].chunk(2)
-    out["norm_out.linear.weight"] = torch.cat([scale, shift])
-    for i in range(n_double):
-        b, d = f"double_blocks.{i}.", f"transformer_blocks.{i}."
-        for x, part in zip("qkv", sd[b + "img_attn.qkv.weight"].chunk(3)):
-            out[d + f"attn.to_{x}.weight"] = part
-        for x, part in zip("qkv", sd[b + "txt_attn.qkv.weight"].chunk(3)):
-            out[d + f"attn.add_{x}_proj.weight"] = part
-        out[d + "attn.norm_q.weight"] = sd[b + "img_attn.norm.query_norm.scale"]
-        out[d + "attn.norm_k.weight"] = sd[b + "img_attn.norm.key_norm.scale"]
-        out[d + "attn.norm_added_q.weight"] = sd[b + "txt_attn.norm.query_norm.scale"]
-        out[d + "attn.norm_added_k.weight"] = sd[b + "txt_attn.norm.key_norm.scale"]
-        out[d + "attn.to_out.0.weight"] = sd[b + "img_attn.proj.weight"]
-        out[d + "attn.to_add_out.weight"] = sd[b + "txt_attn.proj.weight"]
-        out[d + "ff.linear_in.weight"] = sd[b + "img_mlp.0.weight"]
-        out[d + "ff.linear_out.weight"] = sd[b + "img_mlp.2.weight"]
-        out[d + "ff_context.linear_in.weight"] = sd[b + "txt_mlp.0.weight"]
-        out[d + "ff_context.linear_out.weight"] = sd[b + "txt_mlp.2.weight"]
-    for i in range(n_single):
-        b, d = f"single_blocks.{i}.", f"single_transformer_blocks.{i}."
-        out[d + "attn.to_qkv_mlp_proj.weight"] = sd[b + "linear1.weight"]
-        out[d + "attn.to_out.weight"] = sd[b + "linear2.weight"]
-        out[d + "attn.norm_q.weight"] = sd[b + "norm.query_norm.scale"]
-        out[d + "attn.norm_k.weight"] = sd[b + "norm.key_norm.scale"]
-    return {k: v.contiguous() for k, v in out.items()}
 
 
 def _diffusers_linears(layers):
@@ -165,7 +128,7 @@ def test_fp8_files_load_and_match_bf16(tmp_path, tiny, fmt, parity):
         # Everything float8, norms and embedders too (as ComfyUI's weight_dtype=fp8_e4m3fn saves).
         file_sd = {k: v.float().to(F8) for k, v in sd.items()}
     else:
-        dsd = _to_diffusers(sd, cfg.depth, cfg.depth_single)
+        dsd = {k: v.contiguous() for k, v in bfl_to_diffusers(sd, cfg).items()}
         dl = _diffusers_linears(layers)
         input_scales = {n: 0.02 * (1 + j % 3) for j, n in enumerate(dl)}
         file_sd = quantize_state_dict(dsd, dl, style="bfl", input_scales=input_scales)

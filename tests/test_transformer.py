@@ -250,3 +250,15 @@ def test_position_ids_layout():
     assert ids.dtype == torch.long and ids.shape == (6, 4)
     assert ids.tolist() == [[10, 0, 0, 0], [10, 0, 1, 0], [10, 0, 2, 0], [10, 1, 0, 0], [10, 1, 1, 0], [10, 1, 2, 0]]
     assert text_position_ids(3).tolist() == [[0, 0, 0, 0], [0, 0, 0, 1], [0, 0, 0, 2]]
+
+
+def test_bfl_to_diffusers_is_the_exact_inverse(reference, layouts):
+    from klein_core.transformer import bfl_to_diffusers
+
+    model, _ = reference
+    bfl = layouts["bfl state dict"]
+    ours = load_transformer(bfl)
+    exported = bfl_to_diffusers(bfl, ours.config)
+    theirs = model.state_dict()
+    assert exported.keys() == theirs.keys()
+    assert all(torch.equal(exported[k], theirs[k]) for k in theirs)
