@@ -36,7 +36,7 @@ from .sampling import (
     unpack,
 )
 from .tokenizer import tokenize_prompts
-from .transformer import TEXT_ENCODER_FOR_WIDTH, Flux2Transformer, TransformerConfig, load_transformer, position_ids, text_position_ids
+from .transformer import TEXT_ENCODER_FOR_WIDTH, Flux2Transformer, bfl_to_diffusers, TransformerConfig, load_transformer, position_ids, text_position_ids
 from .vae import Flux2VAE, VAEConfig, load_vae
 from .vae_tiling import decode_tiled, encode_tiled
 from .weights import WeightFormatError, WeightSource, open_weights
@@ -46,7 +46,7 @@ __version__ = "0.1.0"
 __all__ = [
     "BlockOffloader", "StagePlacer", "offload_blocks", "on_device", "pin_memory_",
     "MemoryEstimate", "MemoryPlan", "MemoryRequest", "ModelSizes", "choose_plan", "estimate", "plan_for",
-    "FP8Linear", "fp8_layers", "quantize_model_", "quantize_state_dict", "decode_tiled", "encode_tiled",
+    "bfl_to_diffusers", "FP8Linear", "fp8_layers", "quantize_model_", "quantize_state_dict", "decode_tiled", "encode_tiled",
     "BASE_DEFAULTS", "DISTILLED_DEFAULTS", "MAX_SEED", "PUBLISHED_REFERENCE_LIMIT", "TEXT_ENCODER_FOR_WIDTH",
     "AppliedLoRAs", "LoRA", "LoRAPatch", "apply_loras", "check_loras", "load_lora", "with_loras",
     "Flux2Transformer", "Flux2VAE", "GenerationCancelled", "GenerationResult", "KleinOutOfMemory", "PromptCache", "Qwen3Config",
