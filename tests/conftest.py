@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import sys
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -32,3 +36,61 @@ def pytest_terminal_summary(terminalreporter):
     if out:
         with open(out, "w") as fh:
             json.dump(_RESULTS, fh, indent=1, sort_keys=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# The pack's nodes inside the prepared ComfyUI host, in this process (unit tests of the nodes)
+
+PACK = "klein_pack_nodes"  # never the top-level name ``nodes``: ComfyUI has its own ``nodes`` module
+_REPO = Path(__file__).resolve().parents[1]
+
+
+def _load_by_path(name: str, path: Path, package_dir: Path | None = None):
+    spec = importlib.util.spec_from_file_location(
+        name, path, submodule_search_locations=[str(package_dir)] if package_dir else None)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _in_ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
+
+
+@pytest.fixture(scope="session")
+def comfy_pack():
+    """``nodes/`` imported as ``klein_pack_nodes`` with ComfyUI 0.3.75's modules (``--cpu``).
+
+    Without the prepared host (``python tests/e2e/setup_host.py``) the tests skip, except under CI,
+    where they fail. sys.path is restored at the end of the session.
+    """
+    setup = _load_by_path("klein_unit_setup_host", _REPO / "tests" / "e2e" / "setup_host.py")
+    problem = setup.host_problem(setup.HOST_DIR)
+    if problem is not None:
+        msg = f"ComfyUI host not ready: {problem}. Prepare it with: {sys.executable} tests/e2e/setup_host.py"
+        if _in_ci():
+            pytest.fail(msg + "  (CI is set, so a missing host fails instead of skipping)", pytrace=False)
+        pytest.skip(msg)
+    host_dir = str(setup.host_paths(setup.HOST_DIR)["comfyui"])
+    added = [p for p in (str(_REPO), host_dir) if p not in sys.path]
+    sys.path.extend(added)  # appended: nothing of the repo is shadowed
+    argv = sys.argv
+    try:
+        sys.argv = [argv[0], "--cpu"]  # before any comfy import, or model_management probes CUDA
+        import comfy.options
+
+        comfy.options.enable_args_parsing()
+        import comfy.cli_args
+        import comfy.model_management
+        import comfy.utils
+        import folder_paths
+    finally:
+        sys.argv = argv
+    pack = sys.modules.get(PACK) or _load_by_path(PACK, _REPO / "nodes" / "__init__.py", _REPO / "nodes")
+    try:
+        yield SimpleNamespace(pack=pack, mm=comfy.model_management, utils=comfy.utils, args=comfy.cli_args,
+                              folder_paths=folder_paths)
+    finally:
+        for p in added:
+            sys.path.remove(p)

@@ -16,7 +16,6 @@ import importlib.util
 import json
 import logging
 import os
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -644,37 +643,9 @@ def test_cli_lora_flag(tmp_path, capsys):
 
 
 @pytest.fixture(scope="module")
-def pack_lora():
-    """``nodes/lora.py`` loaded as ``klein_pack_nodes.lora`` (never top-level ``nodes``, which is
-    ComfyUI's own module) inside the e2e host, plus ComfyUI's ``folder_paths``; sys.path is restored."""
-    spec = importlib.util.spec_from_file_location("klein_unit_setup_host", REPO / "tests" / "e2e" / "setup_host.py")
-    setup = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(setup)
-    if setup.host_problem(setup.HOST_DIR) is not None:
-        pytest.skip(f"ComfyUI host not ready; prepare it with: {sys.executable} tests/e2e/setup_host.py")
-    host_dir = str(setup.host_paths(setup.HOST_DIR)["comfyui"])
-    added = [p for p in (str(REPO), host_dir) if p not in sys.path]
-    sys.path.extend(added)  # appended: nothing of the repo is shadowed
-    argv = sys.argv
-    try:
-        sys.argv = [argv[0], "--cpu"]
-        import comfy.options
-
-        comfy.options.enable_args_parsing()
-        import folder_paths
-    finally:
-        sys.argv = argv
-    if "klein_pack_nodes" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("klein_pack_nodes", REPO / "nodes" / "__init__.py",
-                                                      submodule_search_locations=[str(REPO / "nodes")])
-        pack = importlib.util.module_from_spec(spec)
-        sys.modules["klein_pack_nodes"] = pack
-        spec.loader.exec_module(pack)
-    try:
-        yield importlib.import_module("klein_pack_nodes.lora"), folder_paths
-    finally:
-        for p in added:
-            sys.path.remove(p)
+def pack_lora(comfy_pack):
+    """``nodes/lora.py`` as ``klein_pack_nodes.lora`` inside the host, plus ComfyUI's ``folder_paths``."""
+    return importlib.import_module("klein_pack_nodes.lora"), comfy_pack.folder_paths
 
 
 @dataclass(frozen=True)

@@ -13,9 +13,7 @@ import asyncio
 import gc
 import importlib.util
 import logging
-import os
 import shutil
-import sys
 import weakref
 from pathlib import Path
 from types import SimpleNamespace
@@ -29,8 +27,9 @@ from PIL import Image
 import klein_core as kc
 from klein_core.demo import write_tiny_model_files
 
+from conftest import PACK, _load_by_path
+
 REPO = Path(__file__).resolve().parents[1]
-PACK = "klein_pack_nodes"
 NODE_IDS = {
     "KleinTextEncode": "Qwen3 Layer-Concat Encoder",
     "KleinModelLoader": "Klein Model Loader",
@@ -45,45 +44,9 @@ Q4B, Q8B, VAE = "qwen_3_4b.safetensors", "qwen_3_8b.safetensors", "flux2-vae.saf
 FOLDERS = ("diffusion_models", "text_encoders", "vae")
 
 
-def _load_by_path(name: str, path: Path, package_dir: Path | None = None):
-    spec = importlib.util.spec_from_file_location(
-        name, path, submodule_search_locations=[str(package_dir)] if package_dir else None)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-def _in_ci() -> bool:
-    return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
-
-
 @pytest.fixture(scope="module")
-def comfy(tmp_path_factory):
-    setup = _load_by_path("klein_unit_setup_host", REPO / "tests" / "e2e" / "setup_host.py")
-    problem = setup.host_problem(setup.HOST_DIR)
-    if problem is not None:
-        msg = f"ComfyUI host not ready: {problem}. Prepare it with: {sys.executable} tests/e2e/setup_host.py"
-        if _in_ci():
-            pytest.fail(msg + "  (CI is set, so a missing host fails instead of skipping)", pytrace=False)
-        pytest.skip(msg)
-    host_dir = str(setup.host_paths(setup.HOST_DIR)["comfyui"])
-    added = [p for p in (str(REPO), host_dir) if p not in sys.path]
-    sys.path.extend(added)
-    argv = sys.argv
-    try:
-        sys.argv = [argv[0], "--cpu"]
-        import comfy.options
-
-        comfy.options.enable_args_parsing()
-        import comfy.cli_args
-        import comfy.model_management
-        import comfy.utils
-        import folder_paths
-    finally:
-        sys.argv = argv
-    pack = sys.modules.get(PACK) or _load_by_path(PACK, REPO / "nodes" / "__init__.py", REPO / "nodes")
-
+def comfy(comfy_pack, tmp_path_factory):
+    pack, folder_paths = comfy_pack.pack, comfy_pack.folder_paths
     models = tmp_path_factory.mktemp("unit_models")
     paths = write_tiny_model_files(models)
     # A VAE under the transformers' folder, to check the wrong-kind message.
@@ -96,15 +59,13 @@ def comfy(tmp_path_factory):
     mods = {m: importlib.import_module(f"{PACK}.{m}") for m in
             ("cache", "host", "encode", "loaders", "references", "sampler", "vae", "preview", "types")}
     try:
-        yield SimpleNamespace(pack=pack, mm=comfy.model_management, utils=comfy.utils, args=comfy.cli_args,
+        yield SimpleNamespace(pack=pack, mm=comfy_pack.mm, utils=comfy_pack.utils, args=comfy_pack.args,
                               folder_paths=folder_paths, models=models, paths=paths, **mods)
     finally:
         mods["cache"].release_all("unit tests done")
         for f in FOLDERS:
             folder_paths.folder_names_and_paths[f] = saved[f]
         folder_paths.filename_list_cache.clear()
-        for p in added:
-            sys.path.remove(p)
 
 
 @pytest.fixture
