@@ -14,6 +14,7 @@ import gc
 import importlib.util
 import logging
 import shutil
+import sys
 import weakref
 from pathlib import Path
 from types import SimpleNamespace
@@ -27,9 +28,9 @@ from PIL import Image
 import klein_core as kc
 from klein_core.demo import write_tiny_model_files
 
-from conftest import PACK, _load_by_path
 
 REPO = Path(__file__).resolve().parents[1]
+PACK = "klein_pack_nodes"  # how the comfy_pack fixture (conftest.py) imports nodes/
 NODE_IDS = {
     "KleinTextEncode": "Qwen3 Layer-Concat Encoder",
     "KleinModelLoader": "Klein Model Loader",
@@ -175,7 +176,10 @@ def test_nodes_registered_with_names_categories_and_tooltips(comfy, monkeypatch)
 
 
 def test_workflow_generator_specs_match_the_node_schemas(comfy):
-    wf = _load_by_path("klein_make_workflows", REPO / "example_workflows" / "make_workflows.py")
+    spec = importlib.util.spec_from_file_location("klein_make_workflows", REPO / "example_workflows" / "make_workflows.py")
+    wf = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = wf  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(wf)
     for node in comfy.pack.NODES:
         info = node.GET_NODE_INFO_V1()
         spec = wf.SPECS.get(info["name"])
