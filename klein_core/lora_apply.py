@@ -1,0 +1,457 @@
+"""Applying loaded LoRAs: fit checks against the model, merge into weights (bf16/fp32 and
+FP8Linear, exact removal), side-branch hooks, and non-mutating patched copies.
+
+Reading and format detection live in :mod:`klein_core.lora`, which re-exports these names.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import weakref
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from typing_extensions import Self
+
+from .lora_formats import TEXT_ENCODER, TRANSFORMER, module_hidden
+from .qwen3 import Qwen3TextEncoder
+from .transformer import Flux2Transformer
+
+logger = logging.getLogger(__name__)
+
+from .lora import (
+    _FLOAT8,
+    _MODES,
+    _TEXT_SIZES,
+    _TRANSFORMER_SIZES,
+    LoRA,
+    LoRAPatch,
+    _log_skipped,
+)
+
+logger = logging.getLogger(__name__)
+
+
+# ---------------------------------------------------------------------------------------------
+# Planning: which patches go to which module, checked against the model
+
+
+LoRASpec = LoRA | tuple[LoRA, float]
+
+
+def _components(models: nn.Module | Sequence[nn.Module] | Mapping[str, nn.Module]) -> dict[str, nn.Module]:
+    items = list(models.values()) if isinstance(models, Mapping) else (
+        [models] if isinstance(models, nn.Module) else list(models))
+    out: dict[str, nn.Module] = {}
+    for m in items:
+        if m is None:
+            continue
+        if isinstance(m, Flux2Transformer):
+            comp = TRANSFORMER
+        elif isinstance(m, Qwen3TextEncoder):
+            comp = TEXT_ENCODER
+        else:
+            raise TypeError(f"LoRAs apply to a Flux2Transformer or a Qwen3TextEncoder, not {type(m).__name__}.")
+        if comp in out:
+            raise ValueError(f"two {comp} models given; pass one of each at most.")
+        out[comp] = m
+    return out
+
+
+def _normalise(loras: LoRASpec | Sequence[LoRASpec]) -> list[tuple[LoRA, float]]:
+    pair = isinstance(loras, tuple) and len(loras) == 2 and isinstance(loras[0], LoRA)
+    single = isinstance(loras, LoRA) or pair
+    items = [loras] if single else list(loras)  # type: ignore[arg-type]
+    out = []
+    for item in items:
+        lora, strength = (item, 1.0) if isinstance(item, LoRA) else item
+        if not isinstance(lora, LoRA):
+            raise TypeError(f"expected a LoRA from load_lora() or (LoRA, strength), got {type(lora).__name__}")
+        strength = float(strength)
+        if not math.isfinite(strength):
+            raise ValueError(f"{lora.name}: strength must be a finite number, got {strength}.")
+        out.append((lora, strength))
+    return out
+
+
+def _describe_transformer(hidden: int) -> str:
+    return _TRANSFORMER_SIZES.get(hidden, "a Flux2 transformer")
+
+
+def _misfit(lora: LoRA, patch: LoRAPatch, model: nn.Module, weight_shape: tuple[int, ...]) -> ValueError:
+    """The error for a patch whose shape does not fit its module: names both model sizes."""
+    out, inn = patch.shape
+    n = patch.target.part[1] if patch.target.part else 1
+    lora_hidden = module_hidden(patch.component, patch.module, out * n, inn)
+    cfg = model.config  # type: ignore[attr-defined]
+    if lora_hidden != cfg.hidden_size:
+        variant = cfg.variant
+        model_side = variant if "hidden" in variant else f"{variant} (hidden {cfg.hidden_size})"
+        if patch.component == TRANSFORMER:
+            return ValueError(
+                f"{lora.name}: this LoRA was trained for {_describe_transformer(lora_hidden)} (hidden "
+                f"{lora_hidden}); the loaded model is {model_side}. Use a LoRA made for {variant}."
+            )
+        made_for = _TEXT_SIZES.get(lora_hidden, "another Qwen3 text encoder")
+        return ValueError(
+            f"{lora.name}: this LoRA's text-encoder part was trained for {made_for} (hidden {lora_hidden}); "
+            f"the loaded text encoder is {model_side}."
+        )
+    want = (weight_shape[0] // n, weight_shape[1])
+    return ValueError(
+        f"{lora.name}: '{patch.keys[0]}' gives a {list(patch.shape)} delta, but {patch.component} module "
+        f"{patch.module} needs {list(want)}; the LoRA does not fit this {cfg.variant} model."
+    )
+
+
+def _missing_module(lora: LoRA, patch: LoRAPatch, model: nn.Module) -> ValueError:
+    cfg = model.config  # type: ignore[attr-defined]
+    if patch.component == TRANSFORMER:
+        have = f"it has {cfg.depth} double and {cfg.depth_single} single blocks"
+    else:
+        have = f"it runs {len(getattr(model, 'layers', []))} layers"
+    return ValueError(
+        f"{lora.name}: '{patch.keys[0]}' adapts {patch.module}, which the loaded {cfg.variant} "
+        f"{'transformer' if patch.component == TRANSFORMER else 'text encoder'} does not have ({have}); "
+        "the LoRA was made for a bigger model."
+    )
+
+
+@dataclass
+class _ModulePlan:
+    component: str
+    name: str
+    module: nn.Module
+    items: list[tuple[LoRAPatch, float]] = field(default_factory=list)
+
+
+def _plan(
+    components: Mapping[str, nn.Module], loras: list[tuple[LoRA, float]]
+) -> tuple[dict[tuple[str, str], _ModulePlan], dict[str, str]]:
+    """Group patches by core module, check every shape, and list what cannot be applied."""
+    plans: dict[tuple[str, str], _ModulePlan] = {}
+    skipped: dict[str, str] = {}
+    tables = {c: dict(m.named_modules()) for c, m in components.items()}
+    for lora, strength in loras:
+        if strength == 0.0:  # exactly no LoRA: touch nothing
+            continue
+        for patch in lora.patches:
+            model = components.get(patch.component)
+            if model is None:
+                what = "text encoder" if patch.component == TEXT_ENCODER else "transformer"
+                for key in patch.keys:
+                    skipped[key] = f"not applied: no {what} was given to apply it to"
+                continue
+            module = tables[patch.component].get(patch.module)
+            weight = getattr(module, "weight", None)
+            if module is None or not isinstance(weight, torch.Tensor):
+                raise _missing_module(lora, patch, model)
+            n = patch.target.part[1] if patch.target.part else 1
+            if weight.ndim != 2 or weight.shape[0] % n or patch.shape != (weight.shape[0] // n, weight.shape[1]):
+                raise _misfit(lora, patch, model, tuple(weight.shape))
+            if weight.dtype in _FLOAT8 and getattr(module, "weight_scale", None) is None:
+                raise NotImplementedError(
+                    f"{lora.name}: {patch.component} module {patch.module} has {weight.dtype} weights without a "
+                    "scale (not an FP8Linear); load the model through klein_core's loaders to apply LoRAs."
+                )
+            key = (patch.component, patch.module)
+            if key not in plans:
+                plans[key] = _ModulePlan(patch.component, patch.module, module)
+            plans[key].items.append((patch, strength))
+    _log_skipped("LoRA", skipped)
+    return plans, skipped
+
+
+def _rows(patch: LoRAPatch, total: int) -> slice:
+    if patch.target.part is None:
+        return slice(0, total)
+    i, n = patch.target.part
+    size = total // n
+    return slice(i * size, (i + 1) * size)
+
+
+def _merge_fp8(plan: _ModulePlan, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge into an FP8Linear: dequantise, add the deltas in float32, re-quantise with a new
+    absmax scale (per tensor, or per row when the layer has per-row scales). Returns the original
+    (weight, scale) on the CPU for an exact restore."""
+    module = plan.module
+    scale = module.weight_scale
+    fmax = float(torch.finfo(q.dtype).max)
+    s = scale.float().reshape(-1, 1) if scale.ndim == 1 else scale.float()
+    merged = q.float() * s + _summed_delta(plan, q)
+    amax = merged.abs().amax(dim=1, keepdim=True) if scale.ndim == 1 else merged.abs().amax()
+    new_scale = torch.where(amax > 0, amax / fmax, torch.ones_like(amax))
+    module.weight.data = (merged / new_scale).clamp(-fmax, fmax).to(q.dtype)
+    module.weight_scale = new_scale.reshape(scale.shape).to(scale.dtype)
+    return q.to("cpu"), scale.to("cpu")
+
+
+def _summed_delta(plan: _ModulePlan, weight: torch.Tensor) -> torch.Tensor:
+    """float32 sum of ``strength * delta`` over the module's patches, on the weight's device."""
+    delta = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+    for patch, strength in plan.items:
+        delta[_rows(patch, weight.shape[0])] += strength * patch.delta(weight.device)
+    return delta
+
+
+# ---------------------------------------------------------------------------------------------
+# Branch mode: a forward hook adding the adapter's output to the module's
+
+
+class LoRABranch:
+    """Forward hook adding the LoRAs' output to one Linear's: ``out + x @ A.T @ B.T + ...``.
+
+    * Low-rank patches: ``A`` ``[R, in]`` and ``B`` ``[out, R]`` concatenate them all (strength
+      and scale folded into B, q/k/v parts zero-padded to the fused rows, halves swapped).
+    * LoKr patches stay factored: ``kron(w1, w2) @ x`` is ``w1 @ X @ w2.T`` with ``x`` viewed as
+      ``X [b, d]``, so a Kronecker delta never has to exist as a full ``[out, in]`` matrix.
+    * LoHa and full deltas have no such form: their sum ``D`` ``[out, in]`` is kept dense (as
+      large as the weight).
+
+    Factors are kept in the weight dtype and follow the input to its device.
+    """
+
+    def __init__(self, plan: _ModulePlan, weight: torch.Tensor) -> None:
+        out_features = weight.shape[0]
+        # fp8 layers compute in their activation dtype; keep the factors in bf16 for them
+        dtype = torch.bfloat16 if weight.dtype in _FLOAT8 else weight.dtype
+        device = weight.device
+        self.out_features = out_features
+        a_parts, b_parts = [], []
+        self.kron: list[tuple[torch.Tensor, torch.Tensor, slice, bool]] = []
+        dense: torch.Tensor | None = None
+        for patch, strength in plan.items:
+            rows = _rows(patch, out_features)
+            if patch.kind == "lora":
+                a, b = patch.factors(device)
+                b_full = torch.zeros(out_features, b.shape[1], dtype=torch.float32, device=device)
+                b_full[rows] = b * strength
+                a_parts.append(a)
+                b_parts.append(b_full)
+            elif patch.kind == "lokr":
+                w1, w2 = patch.kron_factors(device)
+                self.kron.append(((w1 * strength).to(dtype), w2.to(dtype), rows, patch.target.swap_halves))
+            else:
+                if dense is None:
+                    dense = torch.zeros(weight.shape, dtype=torch.float32, device=device)
+                dense[rows] += strength * patch.delta(device)
+        self.a = torch.cat(a_parts).to(dtype) if a_parts else None
+        self.b = torch.cat(b_parts, dim=1).to(dtype) if b_parts else None
+        self.dense = dense.to(dtype) if dense is not None else None
+
+    def _to(self, device: torch.device) -> None:
+        for name in ("a", "b", "dense"):
+            t = getattr(self, name)
+            if t is not None and t.device != device:
+                setattr(self, name, t.to(device))
+        if self.kron and self.kron[0][0].device != device:
+            self.kron = [(w1.to(device), w2.to(device), rows, swap) for w1, w2, rows, swap in self.kron]
+
+    def __call__(self, module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> torch.Tensor:
+        x = args[0]
+        self._to(x.device)
+        extra = None
+        if self.a is not None and self.b is not None:
+            extra = F.linear(F.linear(x.to(self.a.dtype), self.a), self.b)
+        if self.dense is not None:
+            d = F.linear(x.to(self.dense.dtype), self.dense)
+            extra = d if extra is None else extra + d
+        if self.kron:
+            lead = x.shape[:-1]
+            if extra is None:
+                extra = x.new_zeros(*lead, self.out_features, dtype=self.kron[0][0].dtype)
+            for w1, w2, rows, swap in self.kron:
+                xr = x.to(w1.dtype).reshape(*lead, w1.shape[1], w2.shape[1])  # [..., b, d]
+                y = torch.einsum("ab,...bd,cd->...ac", w1, xr, w2).reshape(*lead, -1)  # [..., a*c]
+                if swap:  # diffusers' final-layer rows: swap the output halves
+                    first, second = y.chunk(2, dim=-1)
+                    y = torch.cat([second, first], dim=-1)
+                extra[..., rows] = extra[..., rows] + y.to(extra.dtype)
+        return output if extra is None else output + extra.to(output.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Applying
+
+
+# Active merge handles per model, oldest first: merged weights must be restored last-in first-out.
+_MERGED: weakref.WeakKeyDictionary[nn.Module, list[AppliedLoRAs]] = weakref.WeakKeyDictionary()
+
+
+class AppliedLoRAs:
+    """Handle for LoRAs applied by :func:`apply_loras`; :meth:`remove` undoes them exactly.
+
+    Merge mode keeps the original weight tensor of every touched module, on the CPU (for a CPU
+    model the very tensor the model had, no copy; for a GPU model a host copy) and puts it back on
+    removal: bit-exact, which re-subtracting a delta in bf16 is not, at the cost of host memory
+    equal to the touched weights. Branch mode keeps nothing: removal drops the hooks.
+    ``modules``: the touched core modules (``"transformer:single_blocks.0.linear1"``);
+    ``skipped``: source keys not applied in this call, with reasons (plus each LoRA's own
+    ``LoRA.skipped``).
+    """
+
+    def __init__(self, mode: str, loras: list[tuple[LoRA, float]], skipped: dict[str, str]) -> None:
+        self.mode = mode
+        self.loras = [(lora.name, strength) for lora, strength in loras]
+        self.skipped = skipped
+        self.modules: list[str] = []
+        self._backups: list[tuple[nn.Module, torch.Tensor | tuple[torch.Tensor, torch.Tensor]]] = []
+        self._hooks: list[torch.utils.hooks.RemovableHandle] = []
+        self._models: list[nn.Module] = []
+        self.active = True
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+    def __repr__(self) -> str:
+        state = "active" if self.active else "removed"
+        return f"AppliedLoRAs({self.mode}, {len(self.modules)} modules, {state}, loras={self.loras})"
+
+    def remove(self) -> None:
+        """Restore the model: original weights (merge) or no hooks (branch). Idempotent."""
+        if not self.active:
+            return
+        if self.mode == "merge":
+            touched = {id(m) for m, _ in self._backups}
+            for model in self._models:
+                stack = _MERGED.get(model, [])
+                later = stack[stack.index(self) + 1:] if self in stack else []
+                if any(touched & {id(m) for m, _ in h._backups} for h in later):
+                    raise ValueError(
+                        "remove merged LoRAs in reverse order of applying them: a LoRA applied later "
+                        "changed the same weights. Remove that one first."
+                    )
+            for module, original in self._backups:
+                weight = module.weight
+                if isinstance(original, tuple):  # fp8: the weight and its scale
+                    original, scale = original
+                    module.weight_scale = scale.to(module.weight_scale.device)
+                weight.data = original.to(weight.device)
+            for model in self._models:
+                stack = _MERGED.get(model, [])
+                if self in stack:
+                    stack.remove(self)
+            self._backups.clear()
+        else:
+            for hook in self._hooks:
+                hook.remove()
+            self._hooks.clear()
+        self.active = False
+        logger.info("removed LoRAs %s (%s mode)", self.loras, self.mode)
+
+
+def apply_loras(
+    models: nn.Module | Sequence[nn.Module] | Mapping[str, nn.Module],
+    loras: LoRASpec | Sequence[LoRASpec],
+    *,
+    mode: str = "merge",
+) -> AppliedLoRAs:
+    """Apply LoRAs to a transformer and/or text encoder, in place.
+
+    Args:
+        models: a :class:`Flux2Transformer`, a :class:`Qwen3TextEncoder`, or several of them (a
+            sequence or a mapping). Patches for a component not given are reported, not applied.
+        loras: ``[(lora, strength), ...]`` (a bare :class:`LoRA` means strength 1). Any finite
+            strength works, negative included; strength 0 leaves the model untouched.
+        mode: ``"merge"``: ``W += sum(strength * delta)`` computed in float32 and written back in
+            the weight dtype (no runtime cost; the order of LoRAs within one call does not matter).
+            ``"branch"``: a forward hook adds ``strength * scale * x @ A.T @ B.T`` to the module
+            output (weights untouched; cheap to add and remove).
+
+    Returns:
+        An :class:`AppliedLoRAs` handle; ``remove()`` restores the model bit-exactly.
+
+    Raises:
+        ValueError: a LoRA does not fit the model (the message names both model sizes).
+        NotImplementedError: a target weight is float8 without a scale (not an FP8Linear).
+    """
+    if mode not in _MODES:
+        raise ValueError(f"mode must be one of {_MODES}, got {mode!r}")
+    components = _components(models)
+    items = _normalise(loras)
+    plans, skipped = _plan(components, items)
+    handle = AppliedLoRAs(mode, items, skipped)
+    handle._models = list(components.values())
+    for (comp, name), plan in plans.items():
+        weight = plan.module.weight
+        if mode == "merge":
+            original = weight.detach()
+            if original.dtype in _FLOAT8:
+                handle._backups.append((plan.module, _merge_fp8(plan, original)))
+                handle.modules.append(f"{comp}:{name}")
+                continue
+            merged = (original.float() + _summed_delta(plan, weight)).to(original.dtype)
+            # The merged weight is a new tensor: the original storage is never written, so it is
+            # the exact backup (on the CPU: no copy at all) and any state dict the model was
+            # loaded from, which may share that storage, stays intact.
+            weight.data = merged
+            handle._backups.append((plan.module, original.to("cpu")))
+        else:
+            handle._hooks.append(plan.module.register_forward_hook(LoRABranch(plan, weight)))
+        handle.modules.append(f"{comp}:{name}")
+    if mode == "merge":
+        for model in handle._models:
+            _MERGED.setdefault(model, []).append(handle)
+    logger.info("applied %s to %d modules (%s mode)", handle.loras, len(handle.modules), mode)
+    return handle
+
+
+def check_loras(
+    models: nn.Module | Sequence[nn.Module] | Mapping[str, nn.Module],
+    loras: LoRASpec | Sequence[LoRASpec],
+) -> dict[str, str]:
+    """Check that LoRAs fit ``models`` without changing anything; returns the keys that would not
+    be applied (with reasons). Works on meta-device models, so a config alone is enough:
+    ``with torch.device("meta"): check_loras(Flux2Transformer(config), loras)``.
+
+    Raises the same errors as :func:`apply_loras`.
+    """
+    _, skipped = _plan(_components(models), _normalise(loras))
+    return skipped
+
+
+def _shallow_copy(m: nn.Module) -> nn.Module:
+    """A new module object sharing all tensors with ``m`` but with its own child/param/hook dicts."""
+    c = copy.copy(m)
+    for k, v in vars(m).items():
+        if isinstance(v, (dict, set)):  # _modules, _parameters, _buffers, hook dicts...
+            c.__dict__[k] = copy.copy(v)
+    return c
+
+
+def with_loras(model: nn.Module, loras: LoRASpec | Sequence[LoRASpec]) -> nn.Module:
+    """A copy of ``model`` with LoRAs applied as branches; ``model`` itself is not changed.
+
+    The copy shares every parameter tensor with ``model``. Only the touched Linear modules and
+    their parents are new objects (shallow copies) carrying :class:`LoRABranch` hooks, so the
+    copy costs the LoRA factors, not the weights. Chaining works: ``with_loras(with_loras(m, a), b)``.
+    Patches for another component (text-encoder parts when ``model`` is the transformer) are
+    reported in a warning. Strength 0 returns ``model`` itself.
+    """
+    components = _components(model)
+    items = _normalise(loras)
+    plans, _ = _plan(components, items)
+    if not plans:
+        return model
+    root = _shallow_copy(model)
+    copies: dict[str, nn.Module] = {"": root}
+    for (_, name), plan in plans.items():
+        parent, path = root, ""
+        for part in name.split("."):
+            path = f"{path}.{part}" if path else part
+            if path not in copies:
+                copies[path] = _shallow_copy(parent._modules[part])  # type: ignore[arg-type]
+                parent._modules[part] = copies[path]
+            parent = copies[path]
+        parent.register_forward_hook(LoRABranch(plan, parent.weight))  # type: ignore[arg-type]
+    logger.info("patched copy with %s: %d modules", [(lora.name, s) for lora, s in items], len(plans))
+    return root
