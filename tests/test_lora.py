@@ -23,6 +23,7 @@ import pytest
 import torch
 from PIL import Image
 from safetensors.torch import save_file
+from tiny_reference import CTX, tiny_diffusers_transformer
 from torch import nn
 
 from klein_core import cli
@@ -45,7 +46,6 @@ from peft.tuners.tuners_utils import BaseTunerLayer
 from peft.utils import get_peft_model_state_dict
 
 REPO = Path(__file__).resolve().parents[1]
-CTX = 24
 TOL = 1e-4  # fp32, tiny model: observed diffs are ~1e-6
 
 
@@ -54,16 +54,7 @@ TOL = 1e-4  # fp32, tiny model: observed diffs are ~1e-6
 
 
 def _tiny_diffusers(seed: int = 0):
-    torch.manual_seed(seed)
-    model = diffusers.Flux2Transformer2DModel(
-        patch_size=1, in_channels=8, out_channels=None, num_layers=2, num_single_layers=2,
-        attention_head_dim=16, num_attention_heads=2, joint_attention_dim=CTX,
-        timestep_guidance_channels=256, axes_dims_rope=(4, 4, 4, 4), guidance_embeds=False,
-    ).eval()
-    with torch.no_grad():  # default inits leave norms at 1 and some weights at 0: randomise all
-        for p in model.parameters():
-            p.copy_(torch.randn_like(p) * 0.2)
-    return model
+    return tiny_diffusers_transformer(seed)
 
 
 @dataclass

@@ -13,26 +13,17 @@ import json
 import pytest
 import torch
 from safetensors.torch import save_file
+from tiny_reference import CTX, tiny_diffusers_transformer
 
 import klein_core
 from klein_core.transformer import TransformerConfig, load_transformer, position_ids, text_position_ids
 
 diffusers = pytest.importorskip("diffusers")
 
-CTX = 24
 
 
 def _tiny_diffusers(seed: int = 0):
-    torch.manual_seed(seed)
-    model = diffusers.Flux2Transformer2DModel(
-        patch_size=1, in_channels=8, out_channels=None, num_layers=2, num_single_layers=2,
-        attention_head_dim=16, num_attention_heads=2, joint_attention_dim=CTX,
-        timestep_guidance_channels=256, axes_dims_rope=(4, 4, 4, 4), guidance_embeds=False,
-    ).eval()
-    with torch.no_grad():  # default inits leave norms at 1 and some weights at 0: randomise all
-        for p in model.parameters():
-            p.copy_(torch.randn_like(p) * 0.2)
-    return model
+    return tiny_diffusers_transformer(seed)
 
 
 # Test-local copy of the BFL <-> diffusers table (SPEC §1.5), written independently of the loader.

@@ -476,3 +476,17 @@ def empty_image_graph(width: int = 64, height: int = 64, color: int = 0, prefix:
               "inputs": {"width": width, "height": height, "batch_size": 1, "color": color}},
         "2": {"class_type": "SaveImage", "inputs": {"images": ["1", 0], "filename_prefix": prefix}},
     }
+
+
+def traceback_blocks(text: str) -> list[list[str]]:
+    """Each logged traceback, from its header to its exception line (the first unindented line)."""
+    blocks, cur = [], None
+    for line in text.splitlines():
+        if line.startswith("Traceback (most recent call last):"):
+            cur = [line]
+            blocks.append(cur)
+        elif cur is not None:
+            cur.append(line)
+            if line and not line.startswith((" ", "\t")) and not line.startswith("During handling"):
+                cur = None
+    return blocks

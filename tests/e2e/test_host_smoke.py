@@ -10,7 +10,7 @@ import itertools
 import re
 
 import pytest
-from comfy_host import PACK_NAME, REPO_ROOT, empty_image_graph
+from comfy_host import PACK_NAME, REPO_ROOT, empty_image_graph, traceback_blocks
 
 pytestmark = pytest.mark.e2e
 
@@ -19,20 +19,6 @@ _colors = itertools.count(0x102030, 0x010101)  # a new color per run defeats Com
 
 def _fresh_graph(**kw) -> dict:
     return empty_image_graph(color=next(_colors), **kw)
-
-
-def _traceback_blocks(text: str) -> list[str]:
-    """Each 'Traceback (most recent call last):' block up to and including its exception line."""
-    blocks, cur = [], None
-    for line in text.splitlines():
-        if line.startswith("Traceback (most recent call last):"):
-            cur = [line]
-            blocks.append(cur)
-        elif cur is not None:
-            cur.append(line)
-            if line and not line.startswith((" ", "\t")) and not line.startswith("During handling"):
-                cur = None
-    return ["\n".join(b) for b in blocks]
 
 
 def _mentions_pack(text: str) -> bool:
@@ -83,7 +69,7 @@ def test_pack_imported_without_error(comfy_server):
     bad_lines = [ln for ln in log.splitlines()
                  if not ln.startswith("$ ") and _mentions_pack(ln) and suspicious.search(ln)]
     assert not bad_lines, "\n".join(bad_lines)
-    bad_tracebacks = [b for b in _traceback_blocks(log) if _mentions_pack(b)]
+    bad_tracebacks = [t for t in ("\n".join(b) for b in traceback_blocks(log)) if _mentions_pack(t)]
     assert not bad_tracebacks, "\n\n".join(bad_tracebacks)
     # The pack's nodes (none registered yet is fine) must all come from the pack module.
     info = comfy_server.object_info()

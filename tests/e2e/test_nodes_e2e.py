@@ -16,7 +16,7 @@ import re
 import time
 
 import pytest
-from comfy_host import PACK_NAME, REPO_ROOT
+from comfy_host import PACK_NAME, REPO_ROOT, traceback_blocks
 from PIL import Image
 from workflow_check import check_ui_workflow
 
@@ -232,24 +232,10 @@ def test_free_releases_the_cached_models(klein):
     assert node_id(api("klein_4b_text_to_image"), "KleinModelLoader") in cached
 
 
-def _traceback_blocks(text: str) -> list[list[str]]:
-    """Each logged traceback, from its header to its exception line (the first unindented line)."""
-    blocks, cur = [], None
-    for line in text.splitlines():
-        if line.startswith("Traceback (most recent call last):"):
-            cur = [line]
-            blocks.append(cur)
-        elif cur is not None:
-            cur.append(line)
-            if line and not line.startswith((" ", "\t")) and not line.startswith("During handling"):
-                cur = None
-    return blocks
-
-
 def test_pack_logged_no_unexpected_tracebacks(klein):
     expected = ("ValueError: Klein Sampler: the conditioning", "InterruptProcessingException")
     deliberate = "wrong_size.safetensors: this LoRA was trained for"  # test_lora_e2e.py's bad LoRA
-    ours = [b for b in _traceback_blocks(klein.log_text())
+    ours = [b for b in traceback_blocks(klein.log_text())
             if any(PACK_NAME in ln or "klein_core" in ln for ln in b)
             and not b[-1].startswith(expected) and deliberate not in b[-1]]
     assert not ours, "\n\n".join("\n".join(b) for b in ours)
