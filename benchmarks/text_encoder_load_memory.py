@@ -41,6 +41,8 @@ def _write_checkpoint(path: Path, hidden: int, layers: int, vocab: int) -> None:
     import torch
     from safetensors.torch import save_file
 
+    from klein_core.qwen3 import checkpoint_shapes
+
     head_dim = 64
     heads = max(1, hidden // head_dim)
     kv = max(1, heads // 4)
@@ -50,23 +52,8 @@ def _write_checkpoint(path: Path, hidden: int, layers: int, vocab: int) -> None:
     def rnd(*shape: int) -> torch.Tensor:
         return (torch.randn(shape, generator=g) * 0.02).to(torch.bfloat16)
 
-    sd = {"model.embed_tokens.weight": rnd(vocab, hidden), "model.norm.weight": rnd(hidden)}
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        sd |= {
-            p + "input_layernorm.weight": rnd(hidden),
-            p + "post_attention_layernorm.weight": rnd(hidden),
-            p + "self_attn.q_proj.weight": rnd(heads * head_dim, hidden),
-            p + "self_attn.k_proj.weight": rnd(kv * head_dim, hidden),
-            p + "self_attn.v_proj.weight": rnd(kv * head_dim, hidden),
-            p + "self_attn.o_proj.weight": rnd(hidden, heads * head_dim),
-            p + "self_attn.q_norm.weight": rnd(head_dim),
-            p + "self_attn.k_norm.weight": rnd(head_dim),
-            p + "mlp.gate_proj.weight": rnd(inter, hidden),
-            p + "mlp.up_proj.weight": rnd(inter, hidden),
-            p + "mlp.down_proj.weight": rnd(hidden, inter),
-        }
-    sd["lm_head.weight"] = rnd(vocab, hidden)
+    shapes = checkpoint_shapes(hidden, heads, kv, head_dim, inter, vocab, num_layers=layers)
+    sd = {k: rnd(*shape) for k, shape in shapes.items()}
     save_file(sd, str(path))
 
 

@@ -439,6 +439,36 @@ def _read_hf_config(folder: Path) -> dict[str, Any] | None:
     return None
 
 
+def checkpoint_shapes(
+    hidden: int, heads: int, kv_heads: int, head_dim: int, intermediate: int, vocab: int = 151936,
+    *, num_layers: int = 36, lm_head: bool = True,
+) -> dict[str, tuple[int, ...]]:
+    """Key -> shape of a full Qwen3 checkpoint in the Hugging Face / ComfyUI file layout
+    (``model.``-prefixed, all ``num_layers`` layers, final norm, optional ``lm_head``).
+
+    For writing test or benchmark files and meta-device configs with the real key names.
+    """
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,)}
+    for i in range(num_layers):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "input_layernorm.weight": (hidden,),
+            p + "post_attention_layernorm.weight": (hidden,),
+            p + "self_attn.q_proj.weight": (heads * head_dim, hidden),
+            p + "self_attn.k_proj.weight": (kv_heads * head_dim, hidden),
+            p + "self_attn.v_proj.weight": (kv_heads * head_dim, hidden),
+            p + "self_attn.o_proj.weight": (hidden, heads * head_dim),
+            p + "self_attn.q_norm.weight": (head_dim,),
+            p + "self_attn.k_norm.weight": (head_dim,),
+            p + "mlp.gate_proj.weight": (intermediate, hidden),
+            p + "mlp.up_proj.weight": (intermediate, hidden),
+            p + "mlp.down_proj.weight": (hidden, intermediate),
+        }
+    if lm_head:
+        shapes["lm_head.weight"] = (vocab, hidden)
+    return shapes
+
+
 def load_text_encoder(
     source: str | os.PathLike | Mapping[str, torch.Tensor] | WeightSource,
     *,

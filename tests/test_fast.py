@@ -19,6 +19,7 @@ import torch
 import klein_core
 from klein_core import demo, fast
 from klein_core.transformer import PLAIN_OPS
+from script_module import load_script
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -196,11 +197,7 @@ def test_generate_with_fast_paths_matches_plain():
 
 
 def _speed_module():
-    spec = importlib.util.spec_from_file_location("klein_speed_benchmark", REPO / "benchmarks" / "speed.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script("klein_speed_benchmark", REPO / "benchmarks" / "speed.py")
 
 
 def test_weight_conversion_round_trips_through_the_loader():

@@ -14,7 +14,6 @@ import gc
 import importlib.util
 import logging
 import shutil
-import sys
 import weakref
 from pathlib import Path
 from types import SimpleNamespace
@@ -27,6 +26,7 @@ from PIL import Image
 
 import klein_core as kc
 from klein_core.demo import write_tiny_model_files
+from script_module import load_script
 
 
 REPO = Path(__file__).resolve().parents[1]
@@ -176,10 +176,7 @@ def test_nodes_registered_with_names_categories_and_tooltips(comfy, monkeypatch)
 
 
 def test_workflow_generator_specs_match_the_node_schemas(comfy):
-    spec = importlib.util.spec_from_file_location("klein_make_workflows", REPO / "example_workflows" / "make_workflows.py")
-    wf = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = wf  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(wf)
+    wf = load_script("klein_make_workflows", REPO / "example_workflows" / "make_workflows.py")
     for node in comfy.pack.NODES:
         info = node.GET_NODE_INFO_V1()
         spec = wf.SPECS.get(info["name"])

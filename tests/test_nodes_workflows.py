@@ -3,12 +3,11 @@ itself and with its API twin. (Validation against a live server's /object_info i
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
+from script_module import load_script
 
 REPO = Path(__file__).resolve().parents[1]
 NAMES = ("klein_4b_text_to_image", "klein_4b_base_cfg", "klein_4b_two_reference_edit")
@@ -16,12 +15,7 @@ NAMES = ("klein_4b_text_to_image", "klein_4b_base_cfg", "klein_4b_two_reference_
 
 @pytest.fixture(scope="module")
 def make():
-    path = REPO / "example_workflows" / "make_workflows.py"
-    spec = importlib.util.spec_from_file_location("klein_make_workflows", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script("klein_make_workflows", REPO / "example_workflows" / "make_workflows.py")
 
 
 def _ui(name: str) -> dict:

@@ -9,9 +9,7 @@ GPU measurement (see the planner's docstring).
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -35,6 +33,7 @@ from klein_core.qwen3 import Qwen3Config, Qwen3TextEncoder
 from klein_core.transformer import Flux2Transformer, TransformerConfig, position_ids, text_position_ids
 from klein_core.vae import Flux2VAE, VAEConfig
 from klein_core.vae_tiling import decode_tiled, encode_tiled
+from script_module import load_script
 
 REPO = Path(__file__).resolve().parent.parent
 GB = 1e9
@@ -236,11 +235,7 @@ def test_reasons_forced_modes_and_request_checks():
 
 
 def _memory_module():
-    spec = importlib.util.spec_from_file_location("klein_memory_benchmark", REPO / "benchmarks" / "memory.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script("klein_memory_benchmark", REPO / "benchmarks" / "memory.py")
 
 
 def test_memory_benchmark_arguments_and_builders():

@@ -22,6 +22,7 @@ from klein_core.qwen3 import (
     Qwen3Config,
     Qwen3TextEncoder,
     build_load_plan,
+    checkpoint_shapes,
     load_text_encoder,
 )
 from klein_core.weights import WeightSource, check_plan, open_weights
@@ -247,25 +248,8 @@ def _fake_qwen3(hidden: int, inter: int, n_layers: int = 36, lm_head: bool = Tru
     def meta(*shape: int) -> torch.Tensor:
         return torch.empty(shape, dtype=torch.bfloat16, device="meta")
 
-    sd = {"model.embed_tokens.weight": meta(vocab, hidden), "model.norm.weight": meta(hidden)}
-    if lm_head:
-        sd["lm_head.weight"] = meta(vocab, hidden)
-    for i in range(n_layers):
-        p = f"model.layers.{i}."
-        sd |= {
-            p + "input_layernorm.weight": meta(hidden),
-            p + "post_attention_layernorm.weight": meta(hidden),
-            p + "self_attn.q_proj.weight": meta(heads * hd, hidden),
-            p + "self_attn.k_proj.weight": meta(kv * hd, hidden),
-            p + "self_attn.v_proj.weight": meta(kv * hd, hidden),
-            p + "self_attn.o_proj.weight": meta(hidden, heads * hd),
-            p + "self_attn.q_norm.weight": meta(hd),
-            p + "self_attn.k_norm.weight": meta(hd),
-            p + "mlp.gate_proj.weight": meta(inter, hidden),
-            p + "mlp.up_proj.weight": meta(inter, hidden),
-            p + "mlp.down_proj.weight": meta(hidden, inter),
-        }
-    return sd
+    shapes = checkpoint_shapes(hidden, heads, kv, hd, inter, vocab, num_layers=n_layers, lm_head=lm_head)
+    return {k: meta(*shape) for k, shape in shapes.items()}
 
 
 @pytest.mark.parametrize(
