@@ -39,11 +39,11 @@ from .lora_formats import (
     strip_prefixes,
     suffix_role,
 )
-from .weights import WeightFormatError, read_safetensors_header
+from .errors import WeightFormatError
+from .files.safetensors import open_safetensors
 
 logger = logging.getLogger(__name__)
 
-_PICKLE_SUFFIXES = {".ckpt", ".pt", ".pth", ".bin", ".pkl", ".pickle"}
 _FLOAT8 = {getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
            if hasattr(torch, n)}
 # Known model widths, for naming the model a LoRA was made for.
@@ -244,24 +244,12 @@ def _read_source(
         if len(files) != 1:
             raise ValueError(f"{path}: expected one .safetensors LoRA file in this folder, found {len(files)}.")
         path = files[0]
-    suffix = path.suffix.lower()
-    with open(path, "rb") as fh:
-        magic = fh.read(4)
-    if suffix in _PICKLE_SUFFIXES or magic[:2] == b"PK" or magic[:1] == b"\x80":
-        raise WeightFormatError(
-            f"{path}: this LoRA is a Python pickle, which can run arbitrary code when loaded; klein_core "
-            "never unpickles. Use a .safetensors LoRA."
-        )
-    # The header is validated here; weights.open_weights is not used because it refuses files with
-    # quantisation-style keys, which do not apply to LoRA factors (they are read as float32 anyway).
-    infos, file_meta = read_safetensors_header(path)
-    from safetensors import safe_open
-
-    try:
-        with safe_open(str(path), framework="pt", device="cpu") as fh:
-            tensors = {k: fh.get_tensor(k) for k in infos}
-    except Exception as exc:  # safetensors raises its own error types
-        raise WeightFormatError(f"{path}: cannot read as safetensors ({exc}).") from exc
+    # The one safetensors reader (pickles and other formats are refused by what they are). Not
+    # weights.open_weights: it refuses files with quantisation-style keys, which do not apply to
+    # LoRA factors (they are read as float32 anyway).
+    f = open_safetensors(path, "LoRA")
+    tensors = {k: f.read(k) for k in f.tensors}
+    file_meta = dict(f.metadata)
     return str(path), tensors, {**file_meta, **dict(metadata or {})}
 
 

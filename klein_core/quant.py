@@ -649,6 +649,13 @@ def load_fp8(
 ) -> dict[str, torch.Tensor]:
     """State-dict entries (``weight``, ``weight_scale``, [``input_scale``]) of one FP8Linear."""
     prefix = spec.name + "."
+    if device.type == "meta":  # shapes only (see weights.materialize)
+        rows = op.shape(src)[0]
+        out = {name: torch.empty(op.shape(src), dtype=FP8_DTYPES[spec.fmt], device=device),
+               prefix + "weight_scale": torch.empty((rows,) if spec.per_row_scale else (), device=device)}
+        if spec.input_scale:
+            out[prefix + "input_scale"] = torch.empty((), device=device)
+        return out
     if spec.quantize:
         # Quantised where it will live (one layer's float32 copy at a time): far faster on a GPU.
         w = (dequantize_op(op, src) if reads_fp8(op, src) else op.load(src)).to(device)

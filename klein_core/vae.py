@@ -4,10 +4,14 @@ Module and parameter names follow BFL's ``flux2-vae.safetensors`` layout, with t
 inside the encoder/decoder (``encoder.quant_conv``, ``decoder.post_quant_conv``) as BFL builds
 them. Files are accepted in three layouts:
 
-* BFL: ``encoder.down.{i}.block.{j}...``, ``encoder.quant_conv``, ``decoder.post_quant_conv``;
-* ComfyUI: BFL names but the quant convs at the top level (``quant_conv``, ``post_quant_conv``);
-* diffusers: ``encoder.down_blocks.{i}.resnets.{j}...``, 2-D attention Linears, ``decoder.up_blocks``
-  in reverse order (a single file, or a repo root with a ``vae/`` subfolder).
+* diffusers (``AutoencoderKLFlux2``): ``encoder.down_blocks.{i}.resnets.{j}...``, 2-D attention
+  Linears, ``decoder.up_blocks`` in reverse order. This is the layout of ``flux2-vae.safetensors`` as
+  ComfyUI distributes it (F32) and of the Hugging Face repos' ``vae/`` folder (a single file, or a
+  repo root with a ``vae/`` subfolder);
+* BFL (``flux2`` ``AutoEncoder``, e.g. FLUX.2-dev's ``ae.safetensors``): ``encoder.down.{i}.block.{j}...``,
+  ``encoder.quant_conv``, ``decoder.post_quant_conv``;
+* BFL names with the quant convs at the top level (``quant_conv``, ``post_quant_conv``), as older
+  conversions write them.
 
 The 32-channel latent of the autoencoder is 2x2-patchified to 128 channels and normalised with
 the stored BatchNorm statistics (eps 1e-4); :meth:`Flux2VAE.encode` / :meth:`Flux2VAE.decode`
@@ -39,7 +43,7 @@ PATCH = 2  # the 2x2 patchify between the autoencoder latent and the transformer
 # Prefixes under which a VAE may sit in a bigger checkpoint (ComfyUI/SD "first_stage_model.").
 _CONTAINER_PREFIXES = ("first_stage_model.", "vae.")
 
-_BFL, _COMFY, _DIFFUSERS = "BFL", "ComfyUI", "diffusers"
+_BFL, _BFL_TOP, _DIFFUSERS = "BFL", "BFL with top-level quant convs", "diffusers"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -480,7 +484,7 @@ def _not_flux2(src: WeightSource, what: str | None = None) -> ValueError:
 
 def _layout(src: WeightSource) -> str:
     if "encoder.down.0.block.0.conv1.weight" in src:
-        return _COMFY if "quant_conv.weight" in src else _BFL
+        return _BFL_TOP if "quant_conv.weight" in src else _BFL
     if "encoder.down_blocks.0.resnets.0.conv1.weight" in src:
         return _DIFFUSERS
     raise _not_flux2(src)
@@ -499,7 +503,7 @@ _ATTN_SUB = {"group_norm": "norm", "to_q": "q", "to_k": "k", "to_v": "v", "to_ou
 
 def _bfl_rename(src: WeightSource) -> Callable[[str], str | tuple[str, Op] | None]:
     def rename(key: str) -> str | tuple[str, Op] | None:
-        if key.startswith("quant_conv."):  # ComfyUI's top-level names
+        if key.startswith("quant_conv."):  # top-level quant convs
             return "encoder." + key
         if key.startswith("post_quant_conv."):
             return "decoder." + key
@@ -629,7 +633,7 @@ def load_vae(
     """Load a FLUX.2 VAE from a file, a folder (or a diffusers repo root), or a state dict.
 
     Args:
-        source: ``flux2-vae.safetensors`` (BFL or ComfyUI names), a diffusers
+        source: ``flux2-vae.safetensors`` (diffusers names, as ComfyUI ships it), BFL's ``ae.safetensors``, a diffusers
             ``diffusion_pytorch_model.safetensors``, a folder holding one (or a repo root with a
             ``vae/`` subfolder), or an in-memory state dict in any of these layouts.
         device: where to put the weights (default CPU).

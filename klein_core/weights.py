@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import struct
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,34 +27,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .errors import WeightFormatError
+from .files.safetensors import NotSafetensors, open_safetensors
+
 logger = logging.getLogger(__name__)
-
-# safetensors dtype strings -> torch dtypes (every dtype the format defines that torch has).
-_ST_DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-}
-for _name, _attr in (("U16", "uint16"), ("U32", "uint32"), ("U64", "uint64")):
-    if hasattr(torch, _attr):
-        _ST_DTYPES[_name] = getattr(torch, _attr)
-
-_PICKLE_SUFFIXES = {".ckpt", ".pt", ".pth", ".bin", ".pkl", ".pickle"}
-# A header larger than this is not a real checkpoint header (the 9B transformer's is ~40 KB).
-_MAX_HEADER_BYTES = 100 * 1024 * 1024
-
-
-class WeightFormatError(ValueError):
-    """A weight file that cannot be read or is in a format the core does not run."""
 
 
 @dataclass(frozen=True)
@@ -70,58 +45,11 @@ def read_safetensors_header(path: str | os.PathLike) -> tuple[dict[str, TensorIn
     """Parse and validate a safetensors header without reading any tensor data.
 
     Returns ``(tensors, metadata)``. Raises :class:`WeightFormatError` naming the file when the
-    header is truncated, malformed, or points outside the file.
+    header is truncated, malformed, or points outside the file, or when the file is another
+    format (pickle, GGUF), named as such.
     """
-    path = Path(path)
-    size = path.stat().st_size
-    with open(path, "rb") as fh:
-        head = fh.read(8)
-        if len(head) < 8:
-            raise WeightFormatError(f"{path}: not a safetensors file (only {size} bytes long).")
-        (n,) = struct.unpack("<Q", head)
-        if n > min(size - 8, _MAX_HEADER_BYTES):
-            raise WeightFormatError(
-                f"{path}: not a valid safetensors file (its header claims {n} bytes, the file has "
-                f"{size}); the file is truncated or not safetensors. Download it again."
-            )
-        raw = fh.read(n)
-    try:
-        header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise WeightFormatError(f"{path}: safetensors header is not valid JSON ({exc}).") from None
-    if not isinstance(header, dict):
-        raise WeightFormatError(f"{path}: safetensors header is not a JSON object.")
-    data_size = size - 8 - n
-    metadata = header.pop("__metadata__", None) or {}
-    if not isinstance(metadata, dict):
-        raise WeightFormatError(f"{path}: safetensors __metadata__ is not an object.")
-    tensors: dict[str, TensorInfo] = {}
-    for key, entry in header.items():
-        try:
-            dtype_s, shape, (start, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
-            if not isinstance(dtype_s, str) or not isinstance(shape, list):
-                raise TypeError
-            if not all(isinstance(v, int) and not isinstance(v, bool) for v in (*shape, start, end)):
-                raise TypeError
-        except (KeyError, TypeError, ValueError):
-            raise WeightFormatError(f"{path}: malformed header entry for tensor '{key}'.") from None
-        shape = tuple(shape)
-        if dtype_s not in _ST_DTYPES:
-            raise WeightFormatError(f"{path}: tensor '{key}' has unsupported dtype '{dtype_s}'.")
-        dtype = _ST_DTYPES[dtype_s]
-        numel = 1
-        for s in shape:
-            if s < 0:
-                raise WeightFormatError(f"{path}: tensor '{key}' has a negative dimension {shape}.")
-            numel *= s
-        if not (0 <= start <= end <= data_size) or end - start != numel * dtype.itemsize:
-            raise WeightFormatError(
-                f"{path}: tensor '{key}' points outside the file or has the wrong byte size "
-                f"(offsets {start}..{end}, data section {data_size} bytes); the file is truncated "
-                "or corrupt. Download it again."
-            )
-        tensors[key] = TensorInfo(shape, dtype)
-    return tensors, {str(k): str(v) for k, v in metadata.items()}
+    f = open_safetensors(path)
+    return {k: TensorInfo(v.shape, v.dtype) for k, v in f.tensors.items()}, dict(f.metadata)
 
 
 class WeightSource:
@@ -176,26 +104,10 @@ class WeightSource:
         return WeightSource(self.name, infos, lambda k: reader(prefix + k), self.metadata)
 
 
-def _file_source(path: Path) -> WeightSource:
-    from safetensors import safe_open
-
-    infos, metadata = read_safetensors_header(path)
-    handle = {"f": None}
-
-    def reader(key: str) -> torch.Tensor:
-        # Opened on first read and kept: safe_open memory-maps the file, so reading a tensor
-        # costs only that tensor's bytes.
-        if handle["f"] is None:
-            try:
-                handle["f"] = safe_open(str(path), framework="pt", device="cpu")
-            except Exception as exc:  # safetensors raises its own error type
-                raise WeightFormatError(f"{path}: cannot open as safetensors ({exc}).") from exc
-        try:
-            return handle["f"].get_tensor(key)
-        except Exception as exc:  # the file changed or is corrupt: one clear error type for callers
-            raise WeightFormatError(f"{path}: cannot read tensor '{key}' ({exc}).") from exc
-
-    return WeightSource(str(path), infos, reader, metadata)
+def _file_source(path: Path, component: str = "weights") -> WeightSource:
+    f = open_safetensors(path, component)
+    infos = {k: TensorInfo(v.shape, v.dtype) for k, v in f.tensors.items()}
+    return WeightSource(str(path), infos, f.read, f.metadata)
 
 
 def _sharded_source(name: str, files: Sequence[Path], key_to_file: Mapping[str, Path] | None) -> WeightSource:
@@ -292,27 +204,15 @@ def open_weights(
         if path.is_dir():
             src = _folder_source(path, subfolder)
         else:
-            suffix = path.suffix.lower()
-            if suffix in _PICKLE_SUFFIXES:
-                raise WeightFormatError(
-                    f"{path}: '{suffix}' files are Python pickles, which can run arbitrary code when "
-                    f"loaded; klein_core never unpickles. Use the .safetensors {component} file instead."
-                )
-            if suffix == ".gguf":
-                raise WeightFormatError(
-                    f"{path}: GGUF quantised files are not supported yet; use the bf16 .safetensors "
-                    f"{component} file."
-                )
-            with open(path, "rb") as fh:
-                magic = fh.read(4)
-            if magic == b"GGUF":
-                raise WeightFormatError(f"{path}: this is a GGUF file (not supported yet); use .safetensors.")
-            if magic[:2] == b"PK" or magic[:1] == b"\x80":
-                raise WeightFormatError(
-                    f"{path}: this is a pickled PyTorch checkpoint; klein_core never unpickles. "
-                    f"Use the .safetensors {component} file instead."
-                )
-            src = _file_source(path)
+            try:
+                src = _file_source(path, component)
+            except NotSafetensors as exc:
+                if exc.kind == "gguf":
+                    raise WeightFormatError(
+                        f"{path}: this is a GGUF file, which this version of klein_core cannot read yet; use "
+                        f"the bf16 or fp8 .safetensors {component} file."
+                    ) from None
+                raise
     fmt = detect_unsupported_format(src)
     if fmt is not None:
         raise WeightFormatError(
@@ -517,6 +417,9 @@ def materialize(
     dtype: an all-fp8 file computes in bfloat16). The module is returned in eval mode with
     gradients off.
 
+    ``device="meta"`` builds the model without reading any tensor data (shapes, dtypes and fp8
+    layers as a real load would give them; for planning and for checking a file cheaply).
+
     ``quantize`` (see :func:`klein_core.quant.plan_fp8`): None keeps fp8 block weights of fp8
     files in fp8 (as :class:`~klein_core.quant.FP8Linear`) and dequantises any other float8
     tensor; ``"fp8"`` also quantises float block weights while loading (the float copy never
@@ -542,6 +445,11 @@ def materialize(
         if name in fp8:
             state.update(quant.load_fp8(name, fp8[name], op, src, device))
             continue
+        if device.type == "meta":  # a weightless model: shapes and dtypes only, no tensor data read
+            stored = src.dtype(op.sources()[0])
+            target = (torch.float32 if keep_fp32(name) else dtype) if stored.is_floating_point else stored
+            state[name] = torch.empty(op.shape(src), dtype=target, device=device)
+            continue
         t = quant.dequantize_op(op, src) if quant.reads_fp8(op, src) else op.load(src)
         if t.is_floating_point():
             target = torch.float32 if keep_fp32(name) else dtype
@@ -551,7 +459,7 @@ def materialize(
         state[name] = t.contiguous()
     module.load_state_dict(state, strict=True, assign=True)
     leftovers = [n for n, b in module.named_buffers() if b.is_meta]
-    if leftovers:  # a non-persistent buffer would be left on meta: a bug in the module definition
+    if leftovers and device.type != "meta":  # a non-persistent buffer would be left on meta: a bug in the module definition
         raise RuntimeError(f"{component}: buffers left uninitialised after loading: {leftovers[:5]}")
     module.eval().requires_grad_(False)
     n = sum(p.numel() for p in module.parameters())

@@ -1,0 +1,26 @@
+"""The exception types klein_core raises on purpose, in one place (no module imports another's).
+
+Every one is a subclass of a built-in type a caller may already catch (``ValueError`` or
+``RuntimeError``), so code written against the built-ins keeps working.
+"""
+
+from __future__ import annotations
+
+
+class WeightFormatError(ValueError):
+    """A weight file that cannot be read or is in a format the core does not run.
+
+    The message names the file, what it is (or seems to be) and what to use instead.
+    """
+
+
+class KleinOutOfMemory(RuntimeError):
+    """The device ran out of memory (or a request was refused because it would); the message says
+    which setting to lower. Memory was released before raising."""
+
+
+class GenerationCancelled(RuntimeError):
+    """Raised when a step callback returned ``False`` to stop the run."""
+
+
+__all__ = ["GenerationCancelled", "KleinOutOfMemory", "WeightFormatError"]

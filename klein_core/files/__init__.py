@@ -1,0 +1,1 @@
+"""Reading weight files: the safetensors reader, weight sources, load plans, key layouts."""

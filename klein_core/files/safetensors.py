@@ -1,0 +1,237 @@
+"""The one reader of ``.safetensors`` files: header first, then tensors as owned copies.
+
+A safetensors file is ``u64 little-endian header length n`` + ``n`` bytes of JSON + the data. The
+length is whatever the JSON needs, so the file's first bytes are arbitrary: about one valid file
+in 32 starts with ``0x80`` (a pickle's first opcode) and one in 8,192 with ``PK`` (a zip's). So a
+file is always parsed as safetensors first; only a file whose header does not parse is examined
+for the magic bytes of other formats (pickle, zip, GGUF) and refused by what it is.
+
+Tensors are read with ``readinto`` into memory the returned tensor owns (no memory map): a model
+never depends on its file's bytes after loading, so a file replaced or truncated on disk while a
+model is alive cannot crash the process (SIGBUS) or silently change its weights. Only the
+requested tensors are read. Every read re-checks the file's identity (device, inode, size,
+modification time) and refuses a file that changed since its header was read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..errors import WeightFormatError
+
+# safetensors dtype strings -> torch dtypes (every dtype the format defines that torch has).
+DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+for _name, _attr in (("U16", "uint16"), ("U32", "uint32"), ("U64", "uint64")):
+    if hasattr(torch, _attr):
+        DTYPES[_name] = getattr(torch, _attr)
+
+# A header larger than this is not a real checkpoint header (the 9B transformer's is ~50 KB; the
+# largest fp8 text encoder's ~125 KB).
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+_CHUNK = 1 << 30  # one readinto call reads at most this much (Linux caps a read near 2 GiB)
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """Where one tensor lies in its file: shape, dtype, absolute byte offset and byte count."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    begin: int
+    nbytes: int
+
+
+def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def _open_regular(path: Path):
+    """Open ``path`` for reading, refusing anything but a regular file.
+
+    Opened non-blocking first: opening a FIFO without a writer would otherwise wait forever.
+    """
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0)
+    fd = os.open(path, flags)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            kind = ("a named pipe (FIFO)" if stat.S_ISFIFO(st.st_mode) else
+                    "a device" if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode) else
+                    "a socket" if stat.S_ISSOCK(st.st_mode) else "not a regular file")
+            raise WeightFormatError(f"{path}: is {kind}, not a weight file; give the path of a .safetensors file.")
+        if hasattr(os, "set_blocking"):
+            os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb", buffering=0)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def sniff_format(head: bytes) -> str | None:
+    """What a non-safetensors file is, from its first bytes: ``"gguf"``, ``"zip"`` (``torch.save``'s
+    zip container, whose payload is a pickle), ``"pickle"`` or None (unknown)."""
+    if head[:4] == b"GGUF":
+        return "gguf"
+    if head[:4] == b"PK\x03\x04":
+        return "zip"
+    if len(head) >= 2 and head[0] == 0x80 and 2 <= head[1] <= 5:  # PROTO opcode + protocol 2..5
+        return "pickle"
+    return None
+
+
+_FORMAT_NAMES = {
+    "zip": "a zipped PyTorch checkpoint (torch.save), whose contents are pickled Python objects",
+    "pickle": "a Python pickle (a .ckpt / .pt / .bin checkpoint)",
+}
+
+
+class NotSafetensors(WeightFormatError):
+    """The file is not safetensors. ``kind`` is ``"gguf"``, ``"zip"``, ``"pickle"`` or ``"unknown"``."""
+
+    def __init__(self, message: str, kind: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+def _refuse(path: Path, head: bytes, problem: str, component: str) -> WeightFormatError:
+    """The error for a file whose header did not parse: what it is if its magic bytes say so, else
+    ``problem`` (a truncated or corrupt safetensors file)."""
+    kind = sniff_format(head)
+    if kind == "gguf":
+        return NotSafetensors(f"{path}: this is a GGUF file, not safetensors.", "gguf")
+    looks_like_safetensors = head[8:9] == b"{"
+    if kind in _FORMAT_NAMES and not looks_like_safetensors:
+        return NotSafetensors(
+            f"{path}: this is {_FORMAT_NAMES[kind]}, not safetensors. Pickles can run arbitrary code when "
+            f"loaded, so klein_core never unpickles. Use the .safetensors {component} file instead.", kind)
+    return NotSafetensors(f"{path}: {problem}", "unknown")
+
+
+@dataclass(frozen=True)
+class SafetensorsFile:
+    """A parsed safetensors header; :meth:`read` returns one tensor as an owned CPU tensor."""
+
+    path: Path
+    tensors: Mapping[str, StoredTensor]
+    metadata: Mapping[str, str]
+    header_bytes: int
+    identity: tuple[int, int, int, int]
+
+    def read(self, key: str) -> torch.Tensor:
+        """Tensor ``key`` in its stored dtype and shape, in memory it owns (never a file map)."""
+        info = self.tensors[key]
+        raw = torch.empty(info.nbytes, dtype=torch.uint8)
+        try:
+            with _open_regular(self.path) as fh:
+                if _identity(os.fstat(fh.fileno())) != self.identity:
+                    raise WeightFormatError(
+                        f"{self.path}: the file changed on disk after it was opened (replaced, rewritten or "
+                        f"truncated), so tensor '{key}' cannot be read consistently. Load the model again."
+                    )
+                fh.seek(info.begin)
+                view = memoryview(raw.numpy())
+                done = 0
+                while done < info.nbytes:
+                    got = fh.readinto(view[done : done + _CHUNK])
+                    if not got:
+                        break
+                    done += got
+        except OSError as exc:
+            raise WeightFormatError(f"{self.path}: cannot read tensor '{key}' ({exc}).") from exc
+        if done != info.nbytes:
+            raise WeightFormatError(
+                f"{self.path}: tensor '{key}' ends past the end of the file (read {done} of {info.nbytes} "
+                "bytes); the file is truncated. Download it again."
+            )
+        return raw.view(info.dtype).reshape(info.shape)
+
+
+def open_safetensors(path: str | os.PathLike, component: str = "weights") -> SafetensorsFile:
+    """Parse and validate the header of a safetensors file without reading any tensor data.
+
+    ``component`` ("transformer", "LoRA", ...) is used in messages. Raises
+    :class:`NotSafetensors` (a :class:`WeightFormatError`) naming the format of a file that is not
+    safetensors (pickle, zip, GGUF), and :class:`WeightFormatError` naming the file for a truncated
+    or corrupt one, for a FIFO or device, and for a header pointing outside the file.
+    """
+    path = Path(path)
+    with _open_regular(path) as fh:
+        st = os.fstat(fh.fileno())
+        size = st.st_size
+        head = fh.read(16)
+        if len(head) < 8:
+            raise _refuse(path, head, f"not a safetensors file (only {size} bytes long).", component)
+        (n,) = struct.unpack("<Q", head[:8])
+        if n < 2 or n > min(size - 8, MAX_HEADER_BYTES):
+            raise _refuse(path, head, (
+                f"not a valid safetensors file (its header claims {n} bytes, the file has {size}); the file "
+                "is truncated or not safetensors. Download it again."), component)
+        fh.seek(8)
+        raw = fh.read(n)
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        # ValueError covers invalid JSON and integers too long to convert; RecursionError deep nesting.
+        reason = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)[:120]
+        raise _refuse(path, head, f"safetensors header is not valid JSON ({reason}); the file is corrupt "
+                                  "or not safetensors. Download it again.", component) from None
+    if not isinstance(header, dict):
+        raise _refuse(path, head, "safetensors header is not a JSON object; the file is corrupt or not "
+                                  "safetensors.", component)
+    data_start = 8 + n
+    data_size = size - data_start
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict):
+        raise WeightFormatError(f"{path}: safetensors __metadata__ is not an object; the file is corrupt.")
+    tensors: dict[str, StoredTensor] = {}
+    for key, entry in header.items():
+        try:
+            dtype_s, shape, (start, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
+            if not isinstance(dtype_s, str) or not isinstance(shape, list):
+                raise TypeError
+            if not all(isinstance(v, int) and not isinstance(v, bool) for v in (*shape, start, end)):
+                raise TypeError
+        except (KeyError, TypeError, ValueError):
+            raise WeightFormatError(f"{path}: malformed header entry for tensor '{key}'; the file is corrupt.") from None
+        if dtype_s not in DTYPES:
+            raise WeightFormatError(f"{path}: tensor '{key}' has unsupported dtype '{dtype_s}'.")
+        dtype = DTYPES[dtype_s]
+        numel = 1
+        for s in shape:
+            if s < 0:
+                raise WeightFormatError(f"{path}: tensor '{key}' has a negative dimension {shape}.")
+            numel *= s
+        if not (0 <= start <= end <= data_size) or end - start != numel * dtype.itemsize:
+            raise WeightFormatError(
+                f"{path}: tensor '{key}' points outside the file or has the wrong byte size "
+                f"(offsets {start}..{end}, data section {data_size} bytes); the file is truncated "
+                "or corrupt. Download it again."
+            )
+        tensors[key] = StoredTensor(tuple(shape), dtype, data_start + start, end - start)
+    meta = {str(k): v if isinstance(v, str) else json.dumps(v) for k, v in metadata.items()}
+    return SafetensorsFile(path, tensors, meta, n, _identity(st))
+
+
+__all__ = ["DTYPES", "MAX_HEADER_BYTES", "NotSafetensors", "SafetensorsFile", "StoredTensor", "open_safetensors",
+           "sniff_format"]
