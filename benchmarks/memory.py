@@ -3,9 +3,9 @@
 Builds full-size random-weight components directly on the GPU (built on the meta device, then
 ``to_empty`` + in-place random init, so a 9B model appears in seconds without a checkpoint), then
 for every case and memory mode runs one warm-up and one measured generation stage by stage (text
-encoder -> reference encode -> denoise -> decode) with :class:`klein_core.offload.StagePlacer`,
+encoder -> reference encode -> denoise -> decode) with :class:`klein_core.memory.placement.StagePlacer`,
 recording ``torch.cuda.max_memory_allocated`` and wall time per stage next to the estimate of
-:mod:`klein_core.planner`. ``--cap-gb`` limits the allocator with
+:mod:`klein_core.memory.planner`. ``--cap-gb`` limits the allocator with
 ``torch.cuda.set_per_process_memory_fraction`` to emulate a smaller card (``auto`` then plans for
 that size). Prints a table and writes JSON to ``--out``.
 
@@ -39,9 +39,9 @@ if str(REPO) not in sys.path:
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from klein_core import demo  # noqa: E402
-from klein_core.offload import StagePlacer, pin_memory_  # noqa: E402
-from klein_core.planner import (  # noqa: E402
+from klein_core import testing as demo  # noqa: E402
+from klein_core.memory.placement import StagePlacer, pin_memory_  # noqa: E402
+from klein_core.memory.planner import (  # noqa: E402
     MODES,
     MemoryPlan,
     MemoryRequest,
@@ -49,12 +49,10 @@ from klein_core.planner import (  # noqa: E402
     choose_plan,
     estimate,
 )
-from klein_core.quant import quantize_model_  # noqa: E402
-from klein_core.qwen3 import Qwen3Config, Qwen3TextEncoder  # noqa: E402
+from klein_core.memory.tiling import decode_tiled, encode_tiled  # noqa: E402
+from klein_core.models import Flux2Transformer, Flux2VAE, Qwen3Config, Qwen3TextEncoder, TransformerConfig, VAEConfig  # noqa: E402
+from klein_core.quant.fp8 import quantize_model_  # noqa: E402
 from klein_core.sampling import denoise, get_schedule, make_noise, reference_tokens  # noqa: E402
-from klein_core.transformer import Flux2Transformer, TransformerConfig  # noqa: E402
-from klein_core.vae import Flux2VAE, VAEConfig  # noqa: E402
-from klein_core.vae_tiling import decode_tiled, encode_tiled  # noqa: E402
 
 GB = 1e9
 QWEN_VOCAB = 151936

@@ -18,7 +18,7 @@ For each case and model it times, warm, the median of ``--runs`` runs: text enco
 encoding, every denoising step, the VAE decode (CUDA events around the modules), end to end
 (host clock around the whole call, synchronised, prompt to PIL image), and the peak GPU memory.
 Variants: ``diffusers`` (unless ``--no-diffusers``), klein_core ``plain`` (the reference path),
-``fast`` (:func:`klein_core.fast.enable_fast_paths` + :func:`~klein_core.fast.enable_fast_vae`) and
+``fast`` (:func:`klein_core.accel.enable_fast_paths` + :func:`~klein_core.accel.enable_fast_vae`) and
 ``fast+compile`` (``--compile``). It reports the max abs difference of the final latents and the
 decoded images between every variant and the first one, counts host-device synchronisations
 inside klein_core's denoising loop (CUDA only), prints a table and writes everything to ``--out``.
@@ -67,11 +67,10 @@ if str(REPO) not in sys.path:  # run as a script from a checkout
     sys.path.insert(0, str(REPO))
 
 import klein_core  # noqa: E402
-from klein_core import fast  # noqa: E402
-from klein_core.qwen3 import Qwen3Config, Qwen3TextEncoder  # noqa: E402
+from klein_core.accel import fast  # noqa: E402
+from klein_core.files.transformer_layout import bfl_to_diffusers  # noqa: E402
+from klein_core.models import Flux2Transformer, Flux2VAE, Qwen3Config, Qwen3TextEncoder, TransformerConfig, VAEConfig  # noqa: E402
 from klein_core.sampling import make_noise, pack  # noqa: E402
-from klein_core.transformer import Flux2Transformer, TransformerConfig, bfl_to_diffusers  # noqa: E402
-from klein_core.vae import Flux2VAE, VAEConfig  # noqa: E402
 
 logger = logging.getLogger("speed")
 

@@ -41,7 +41,7 @@ def _write_checkpoint(path: Path, hidden: int, layers: int, vocab: int) -> None:
     import torch
     from safetensors.torch import save_file
 
-    from klein_core.qwen3 import checkpoint_shapes
+    from klein_core.files.qwen3_layout import checkpoint_shapes
 
     head_dim = 64
     heads = max(1, hidden // head_dim)
@@ -62,8 +62,9 @@ def _child(path: str, dtype_name: str) -> None:
     sys.path.insert(0, str(REPO))
     import torch
 
-    from klein_core.qwen3 import load_text_encoder
-    from klein_core.weights import WeightSource, open_weights
+    from klein_core.files.opening import open_weights
+    from klein_core.files.source import WeightSource
+    from klein_core.loading import load_text_encoder
 
     base = open_weights(path, component="text encoder")
     read: list[str] = []

@@ -1,59 +1,87 @@
 """klein_core: an exact, self-contained PyTorch implementation of FLUX.2 Klein.
 
-Never imports ComfyUI. The names below are the stable public API (see README.md).
+Never imports ComfyUI. The names below are the stable public API (see README.md); the package map
+is in README "Architecture".
 """
 
-from .lora import AppliedLoRAs, LoRA, LoRAPatch, apply_loras, check_loras, load_lora, with_loras
-from .offload import BlockOffloader, StagePlacer, offload_blocks, on_device, pin_memory_
-from .pipeline import (
-    BASE_DEFAULTS,
-    DISTILLED_DEFAULTS,
+from .engine import (
+    Conditioning,
+    Engine,
     GenerationResult,
-    KleinOutOfMemory,
-    PromptCache,
     check_compatible,
     decode_to_pixels,
-    default_prompt_cache,
-    encode_prompts,
     encode_references,
     generate,
+)
+from .errors import GenerationCancelled, KleinOutOfMemory, WeightFormatError
+from .files.fp8 import quantize_state_dict
+from .files.identify import FileInfo, matching_text_encoders, probe
+from .files.opening import open_weights
+from .files.source import WeightSource
+from .files.transformer_layout import bfl_to_diffusers
+from .images import PUBLISHED_REFERENCE_LIMIT, prepare_reference_image, reference_size, to_pil
+from .loading import LOADERS, load_text_encoder, load_transformer, load_vae, weightless
+from .lora import AppliedLoRAs, LoRA, LoRAPatch, apply_loras, check_loras, load_lora, with_loras
+from .memory.placement import BlockOffloader, StagePlacer, module_bytes, offload_blocks, on_device, pin_memory_
+from .memory.planner import (
+    MemoryEstimate,
+    MemoryPlan,
+    MemoryRequest,
+    ModelSizes,
+    choose_plan,
+    estimate,
+    plan_for,
+    weights_home,
+)
+from .memory.tiling import decode_tiled, encode_tiled
+from .models.qwen3 import Qwen3Config, Qwen3TextEncoder
+from .models.transformer import Flux2Transformer, TransformerConfig
+from .models.vae import Flux2VAE, VAEConfig
+from .prompts import PromptCache, default_prompt_cache, encode_prompts
+from .quant.fp8 import FP8Linear, fp8_layers, quantize_model_
+from .request import (
+    BASE_DEFAULTS,
+    DISTILLED_DEFAULTS,
+    GenerationRequest,
+    Resolved,
+    Settings,
     guess_model_kind,
     resolve_size,
 )
-from .planner import MemoryEstimate, MemoryPlan, MemoryRequest, ModelSizes, choose_plan, estimate, plan_for
-from .quant import FP8Linear, fp8_layers, quantize_model_, quantize_state_dict
-from .qwen3 import Qwen3Config, Qwen3TextEncoder, load_text_encoder
-from .refs import PUBLISHED_REFERENCE_LIMIT, prepare_reference_image, reference_size
 from .sampling import (
     MAX_SEED,
-    GenerationCancelled,
     compute_empirical_mu,
     denoise,
     get_schedule,
     make_noise,
     pack,
+    position_ids,
     reference_tokens,
+    text_position_ids,
     unpack,
 )
 from .tokenizer import tokenize_prompts
-from .transformer import TEXT_ENCODER_FOR_WIDTH, Flux2Transformer, bfl_to_diffusers, TransformerConfig, load_transformer, position_ids, text_position_ids
-from .vae import Flux2VAE, VAEConfig, load_vae
-from .vae_tiling import decode_tiled, encode_tiled
-from .weights import WeightFormatError, WeightSource, open_weights
+from .variants import KLEIN_4B, KLEIN_9B, VARIANTS, Variant, check_text_width, encoder_for_text_width, variant_for_text_width
 
 __version__ = "0.1.0"
 
+# Text width -> the Qwen3 encoder (and ComfyUI file) that produces it; kept under its old name.
+TEXT_ENCODER_FOR_WIDTH = {v.text_width: encoder_for_text_width(v.text_width) for v in VARIANTS}
+
 __all__ = [
-    "BlockOffloader", "StagePlacer", "offload_blocks", "on_device", "pin_memory_",
-    "MemoryEstimate", "MemoryPlan", "MemoryRequest", "ModelSizes", "choose_plan", "estimate", "plan_for",
-    "bfl_to_diffusers", "FP8Linear", "fp8_layers", "quantize_model_", "quantize_state_dict", "decode_tiled", "encode_tiled",
-    "BASE_DEFAULTS", "DISTILLED_DEFAULTS", "MAX_SEED", "PUBLISHED_REFERENCE_LIMIT", "TEXT_ENCODER_FOR_WIDTH",
-    "AppliedLoRAs", "LoRA", "LoRAPatch", "apply_loras", "check_loras", "load_lora", "with_loras",
-    "Flux2Transformer", "Flux2VAE", "GenerationCancelled", "GenerationResult", "KleinOutOfMemory", "PromptCache", "Qwen3Config",
-    "Qwen3TextEncoder", "TransformerConfig", "VAEConfig", "WeightFormatError", "WeightSource",
-    "check_compatible", "compute_empirical_mu", "decode_to_pixels", "default_prompt_cache", "denoise",
-    "encode_prompts", "encode_references", "generate", "get_schedule", "guess_model_kind", "load_text_encoder",
-    "load_transformer", "load_vae", "make_noise", "open_weights", "pack", "position_ids",
-    "prepare_reference_image", "reference_size", "reference_tokens", "resolve_size", "text_position_ids",
-    "tokenize_prompts", "unpack",
+    "BASE_DEFAULTS", "DISTILLED_DEFAULTS", "LOADERS", "KLEIN_4B", "KLEIN_9B", "MAX_SEED", "PUBLISHED_REFERENCE_LIMIT",
+    "TEXT_ENCODER_FOR_WIDTH", "VARIANTS",
+    "AppliedLoRAs", "BlockOffloader", "Conditioning", "Engine", "FP8Linear", "FileInfo", "Flux2Transformer",
+    "Flux2VAE", "GenerationCancelled", "GenerationRequest", "GenerationResult", "KleinOutOfMemory", "LoRA",
+    "LoRAPatch", "MemoryEstimate", "MemoryPlan", "MemoryRequest", "ModelSizes", "PromptCache", "Qwen3Config",
+    "Qwen3TextEncoder", "Resolved", "Settings", "StagePlacer", "TransformerConfig", "VAEConfig", "Variant",
+    "WeightFormatError", "WeightSource",
+    "apply_loras", "bfl_to_diffusers", "check_compatible", "check_text_width", "check_loras", "choose_plan", "compute_empirical_mu",
+    "decode_tiled", "decode_to_pixels", "default_prompt_cache", "denoise", "encode_prompts", "encode_references",
+    "encode_tiled", "encoder_for_text_width", "estimate", "fp8_layers", "generate", "get_schedule",
+    "guess_model_kind", "load_lora", "load_text_encoder", "load_transformer", "load_vae", "make_noise",
+    "matching_text_encoders", "module_bytes", "offload_blocks", "on_device", "open_weights", "pack", "pin_memory_", "plan_for",
+    "position_ids", "prepare_reference_image", "probe", "quantize_model_", "quantize_state_dict",
+    "reference_size", "reference_tokens", "resolve_size", "text_position_ids", "to_pil", "tokenize_prompts",
+    "unpack", "variant_for_text_width", "weightless", "weights_home", "with_loras",
 ]

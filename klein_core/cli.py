@@ -15,10 +15,11 @@ from PIL import Image
 from PIL.PngImagePlugin import PngInfo
 
 from . import __version__
-from .catalog import matching_text_encoders, probe
-from .pipeline import GenerationResult, generate, guess_model_kind
-from .sampling import GenerationCancelled
-from .weights import WeightFormatError
+from .engine import GenerationResult, generate
+from .errors import GenerationCancelled, WeightFormatError
+from .files.identify import matching_text_encoders, probe
+from .request import guess_model_kind
+from .variants import check_text_width
 
 logger = logging.getLogger("klein_core.cli")
 
@@ -120,10 +121,14 @@ def resolve_files(args: argparse.Namespace) -> tuple[Path, Path, Path]:
         if not p.exists():
             raise CLIError(f"file not found: {p}")
     tinfo, einfo = probe(tr), probe(te)
-    if tinfo.kind == "transformer" and einfo.kind == "text_encoder" and tinfo.text_width != einfo.text_width:
+    if tinfo.kind == "transformer" and einfo.kind == "text_encoder":
         fits = matching_text_encoders(tinfo.text_width, sorted(te.parent.glob("*.safetensors")))
-        hint = f"use {fits[0].name}" if fits else f"use a text encoder with text width {tinfo.text_width}"
-        raise CLIError(f"{te.name} ({einfo.description}) does not fit {tr.name} ({tinfo.description}): {hint}")
+        try:
+            check_text_width(einfo.text_width, tinfo.text_width, encoded_by=f"{te.name} ({einfo.description})",
+                             model=f"{tr.name} ({tinfo.description})",
+                             fix=f"use {fits[0].name}" if fits else None)
+        except ValueError as exc:
+            raise CLIError(str(exc)) from None
     return tr, te, vae
 
 
@@ -169,7 +174,7 @@ def run_generate(args: argparse.Namespace) -> int:
     dtype = _DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     t_load = time.perf_counter()
     if args.demo:
-        from .demo import build_tiny_components
+        from .testing.tiny import build_tiny_components
 
         transformer, text_encoder, vae = build_tiny_components()
         transformer, text_encoder, vae = (m.to(device=device, dtype=dtype) for m in (transformer, text_encoder, vae))
@@ -179,9 +184,7 @@ def run_generate(args: argparse.Namespace) -> int:
         if args.width is None and args.height is None and not args.ref:
             args.width = args.height = 256
     else:
-        from .qwen3 import load_text_encoder
-        from .transformer import load_transformer
-        from .vae import load_vae
+        from .loading import load_text_encoder, load_transformer, load_vae
 
         tr_path, te_path, vae_path = resolve_files(args)
         distilled = not args.base and (args.distilled or guess_model_kind(tr_path.name) == "distilled")

@@ -1,4 +1,4 @@
-"""Schedule, noise, token packing and the Euler denoising loop (pure functions over tensors).
+"""Schedule, noise, token packing, position ids and the Euler denoising loop (pure functions over tensors).
 
 Precision follows the reference pipelines (SPEC §4.4): the schedule is float32, the Euler update
 uses the exact float32 sigmas, the transformer is given ``sigma*1000`` round-tripped through the
@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .transformer import Flux2Transformer, position_ids, text_position_ids
+from .errors import GenerationCancelled
+from .models.transformer import Flux2Transformer
 
 logger = logging.getLogger(__name__)
 
@@ -22,10 +23,6 @@ REF_TIME_OFFSET = 10  # reference i gets RoPE time 10*(i+1) (BFL scale, ComfyUI 
 MAX_SEED = 2**64 - 1  # ComfyUI seeds are unsigned 64-bit
 
 StepCallback = Callable[[int, int, torch.Tensor], "bool | None"]
-
-
-class GenerationCancelled(RuntimeError):
-    """Raised when a step callback returned ``False`` to stop the run."""
 
 
 def compute_empirical_mu(image_seq_len: int, num_steps: int) -> float:
@@ -83,6 +80,28 @@ def pack(latents: torch.Tensor) -> torch.Tensor:
 def unpack(tokens: torch.Tensor, height: int, width: int) -> torch.Tensor:
     """Tokens ``[B, h*w, C]`` -> ``[B, C, h, w]``."""
     return tokens.transpose(1, 2).unflatten(2, (height, width))
+
+
+def position_ids(height: int, width: int, t: int = 0) -> torch.Tensor:
+    """Image token ids ``LongTensor[height*width, 4]``, rows ``(t, h, w, 0)`` in row-major order.
+
+    ``height``/``width`` are in tokens (pixels / 16). References use t = 10, 20, ...
+    """
+    if height < 1 or width < 1:
+        raise ValueError(f"position_ids needs a positive grid, got {height}x{width}")
+    hh, ww = torch.meshgrid(torch.arange(height), torch.arange(width), indexing="ij")
+    ids = torch.zeros(height * width, 4, dtype=torch.long)
+    ids[:, 0] = t
+    ids[:, 1] = hh.reshape(-1)
+    ids[:, 2] = ww.reshape(-1)
+    return ids
+
+
+def text_position_ids(length: int) -> torch.Tensor:
+    """Text token ids ``LongTensor[length, 4]``, rows ``(0, 0, 0, l)``."""
+    ids = torch.zeros(length, 4, dtype=torch.long)
+    ids[:, 3] = torch.arange(length)
+    return ids
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,6 @@ from . import host
 logger = logging.getLogger(__name__)
 
 ROLES = ("transformer", "text_encoder", "vae")
-_LOADERS = {"transformer": kc.load_transformer, "text_encoder": kc.load_text_encoder, "vae": kc.load_vae}
 # When the GPU is short of memory, our own idle models leave it in this order.
 _OFFLOAD_ORDER = ("text_encoder", "vae", "transformer")
 
@@ -64,16 +63,10 @@ def _nbytes(model: torch.nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
 
 
-def estimate_bytes(path: str, dtype: torch.dtype, quantize: str | None = None) -> int:
-    """Device bytes of a model loaded from ``path`` (files hold bf16 weights; the text encoder's
-    unused layers make this an over-estimate)."""
-    size = os.path.getsize(path) if os.path.isfile(path) else 0
-    per_weight = 1 if quantize == "fp8" else torch.empty((), dtype=dtype).element_size()
-    return int(size * per_weight / 2)
-
-
-def _estimate_bytes(ref: ModelRef) -> int:
-    return estimate_bytes(ref.path, ref.dtype, ref.quantize)
+def weight_bytes(ref: ModelRef) -> int:
+    """Device bytes the model of ``ref`` will take (its weights' real dtypes, fp8 included), from
+    the file header alone."""
+    return kc.module_bytes(kc.weightless(ref.path, ref.role, dtype=ref.dtype, quantize=ref.quantize))
 
 
 def _make_room(ref: ModelRef, nbytes: int) -> None:
@@ -109,10 +102,10 @@ def acquire(ref: ModelRef) -> torch.nn.Module:
         if held is not None:
             logger.info("Klein: dropping the %s %s for %s", ref.role, held[0].name, ref.name)
             del _resident[ref.role], held
-        _make_room(ref, _estimate_bytes(ref))
+        _make_room(ref, weight_bytes(ref))
         t0 = time.perf_counter()
         extra = {"quantize": ref.quantize} if ref.quantize else {}
-        model = _LOADERS[ref.role](ref.path, device=ref.device, dtype=ref.dtype, **extra)
+        model = kc.LOADERS[ref.role](ref.path, device=ref.device, dtype=ref.dtype, **extra)
         loads[ref.role] += 1
         _resident[ref.role] = (ref, model)
         logger.info("Klein: loaded %s %s on %s as %s in %.2fs", ref.role.replace("_", " "), ref.name,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-from klein_core import catalog
+import klein_core as kc
 
 from . import host
 
@@ -28,7 +28,7 @@ def model_file(node: str, input_name: str, folder: str, name: str, expect: str) 
         where = ", ".join(host.folder_paths_of(folder)) or f"models/{folder}"
         raise ValueError(f"{node}: {input_name} '{name}' was not found in the {folder} folder ({where}). "
                          f"Put the file there and refresh, or pick another file.")
-    info = catalog.probe(path)
+    info = kc.probe(path)
     if info.kind in _KINDS and info.kind != expect:
         (noun, where), wanted = _KINDS[info.kind], _KINDS[expect][0]
         raise ValueError(f"{node}: {input_name} '{name}' is {noun} ({info.description}), not {wanted}: "

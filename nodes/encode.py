@@ -57,7 +57,8 @@ class KleinTextEncode(io.ComfyNode):
         ref = cache.model_ref("text_encoder", path, text_encoder, device, encoder_dtype(device))
         with errors_named(NODE, "text_encoder", text_encoder):
             encoder = ref.get()
-        embeds = kc.encode_prompts(encoder, [prompt, negative_prompt], cache=cache.prompts)
+        engine = kc.Engine(text_encoder=encoder, device=device, prompt_cache=cache.prompts)
+        embeds = engine.encode_prompts([prompt], negative_prompt)
         cfg = encoder.config
-        cond = KleinConditioning(embeds[0:1], embeds[1:2], text_encoder, cfg.text_dim, cfg.variant)
-        return io.NodeOutput(cond)
+        return io.NodeOutput(KleinConditioning(embeds.positive, embeds.negative, text_encoder, cfg.text_dim,
+                                               cfg.variant))

@@ -19,7 +19,6 @@ NODE = "Klein Model Loader"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp8": torch.bfloat16}
 KINDS = ("auto", "distilled", "base")
 MEMORY_MODES = ("auto", "resident", "swap", "blocks", "minimum")
-_STREAMED = ("blocks", "minimum")
 
 
 def weight_dtype_for(name: str, device: torch.device) -> torch.dtype:
@@ -36,20 +35,14 @@ def weight_dtype_for(name: str, device: torch.device) -> torch.dtype:
 
 def transformer_home(memory_mode: str, device: torch.device, path: str, dtype: torch.dtype,
                      quantize: str | None) -> torch.device:
-    """Where the transformer's weights live between steps: the compute device, or the CPU when its
-    blocks will be streamed (forced, or "auto" and the weights alone would not fit the free memory)."""
+    """Where the transformer's weights live between runs, as klein_core's planner decides it: the
+    compute device, or CPU memory when its stages will copy or stream it in. ComfyUI frees its own
+    models first so the decision sees the memory it can have."""
     if device.type == "cpu":
         return device
-    if memory_mode in _STREAMED:
-        return torch.device("cpu")
-    if memory_mode == "auto":
-        need = cache.estimate_bytes(path, dtype, quantize)
-        host.make_room(need, device)
-        if need > host.free_bytes(device):
-            logger.info("%s: %.1f GB of weights do not fit the %.1f GB free on %s; the blocks will be "
-                        "streamed from the CPU", NODE, need / 1e9, host.free_bytes(device) / 1e9, device)
-            return torch.device("cpu")
-    return device
+    meta = kc.weightless(path, "transformer", dtype=dtype, quantize=quantize)
+    host.make_room(kc.module_bytes(meta), device)
+    return kc.weights_home(meta, device, mode=memory_mode, free_bytes=host.free_bytes(device))
 
 
 class KleinModelLoader(io.ComfyNode):

@@ -3,7 +3,7 @@
 ComfyUI caches node outputs and may feed one model to several graphs, so merging into shared
 weights would change other graphs' images. The node instead returns a new KLEIN_MODEL whose
 transformer is a copy sharing every weight tensor with the input, with branch hooks on the
-touched linears (:func:`klein_core.lora.with_loras`): the cost is the LoRA factors, not the weights.
+touched linears (:func:`klein_core.with_loras`): the cost is the LoRA factors, not the weights.
 
 Two shapes of KLEIN_MODEL are handled: one that holds the transformer (``.transformer``), and one
 that holds a lazy handle to it (``.ref`` with ``.get()``, as the pack's model cache does), which is
@@ -23,41 +23,43 @@ import torch
 from comfy_api.latest import io
 from torch import nn
 
-from klein_core import lora as kl
-from klein_core.lora_formats import TEXT_ENCODER
-from klein_core.transformer import Flux2Transformer
+import klein_core as kc
+
+from . import host
+from .types import KleinModelType
 
 logger = logging.getLogger(__name__)
 
 NODE = "Klein LoRA Loader"
-KleinModelType = io.Custom("KLEIN_MODEL")
 
 
 class LoRAModelRef:
     """A model handle (``get()``) returning the base handle's transformer with LoRAs applied.
 
     The patched copy is cached per base model object through a weak reference, so when the pack's
-    model cache drops the base model the copy goes too (it never pins the weights); other
-    attributes (``name``, ``device``...) are read from the base handle.
+    model cache drops the base model the copy goes too (it never pins the weights). ``name`` is the
+    base model's file name.
     """
 
-    def __init__(self, base: Any, loras: list[tuple[kl.LoRA, float]]) -> None:
+    def __init__(self, base: Any, loras: list[tuple[kc.LoRA, float]]) -> None:
         self.base = base
         self.loras = loras
         self._patched: weakref.WeakKeyDictionary[nn.Module, nn.Module] = weakref.WeakKeyDictionary()
+
+    @property
+    def name(self) -> str:
+        return self.base.name
+
+    def __str__(self) -> str:
+        return f"{self.name} + " + " + ".join(f"{lora.name.rsplit('/', 1)[-1]}:{s:g}" for lora, s in self.loras)
 
     def get(self) -> nn.Module:
         model = self.base.get()
         patched = self._patched.get(model)
         if patched is None:
-            patched = kl.with_loras(model, self.loras)
+            patched = kc.with_loras(model, self.loras)
             self._patched[model] = patched
         return patched
-
-    def __getattr__(self, name: str) -> Any:
-        if name in ("base", "loras", "_patched"):  # not set yet (copy/pickle): no recursion
-            raise AttributeError(name)
-        return getattr(self.base, name)
 
 
 def _replace(obj: Any, **changes: Any) -> Any:
@@ -70,19 +72,19 @@ def _replace(obj: Any, **changes: Any) -> Any:
     return new
 
 
-def patch_model(model: Any, lora: kl.LoRA, strength: float) -> Any:
+def patch_model(model: Any, lora: kc.LoRA, strength: float) -> Any:
     """A new KLEIN_MODEL with ``lora`` at ``strength``; ``model`` is not changed. Strength 0 -> ``model``."""
     if strength == 0.0:
         return model
     transformer = getattr(model, "transformer", None)
     if isinstance(transformer, nn.Module):
-        return _replace(model, transformer=kl.with_loras(transformer, [(lora, strength)]))
+        return _replace(model, transformer=kc.with_loras(transformer, [(lora, strength)]))
     ref = getattr(model, "ref", None)
     if ref is not None and callable(getattr(ref, "get", None)):
         config = getattr(model, "config", None)
         if config is not None:  # check the fit now (on a weightless model), not at sampling time
             with torch.device("meta"):
-                kl.check_loras(Flux2Transformer(config), [(lora, strength)])
+                kc.check_loras(kc.Flux2Transformer(config), [(lora, strength)])
         if isinstance(ref, LoRAModelRef):  # chained loaders: one copy carrying every LoRA
             new_ref = LoRAModelRef(ref.base, [*ref.loras, (lora, strength)])
         else:
@@ -97,8 +99,6 @@ def patch_model(model: Any, lora: kl.LoRA, strength: float) -> Any:
 class KleinLoraLoader(io.ComfyNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
-        import folder_paths
-
         return io.Schema(
             node_id="KleinLoraLoader",
             display_name=NODE,
@@ -108,7 +108,7 @@ class KleinLoraLoader(io.ComfyNode):
                         "LoRA made for another model size is refused with both sizes named.",
             inputs=[
                 KleinModelType.Input("model", tooltip="From Klein Model Loader or another Klein LoRA Loader."),
-                io.Combo.Input("lora_name", options=folder_paths.get_filename_list("loras"),
+                io.Combo.Input("lora_name", options=host.filename_list("loras"),
                                tooltip="LoRA .safetensors from models/loras, made for this Klein size (4B or "
                                        "9B). Text-encoder parts of a LoRA are not applied by this node."),
                 io.Float.Input("strength", default=1.0, min=-10.0, max=10.0, step=0.05,
@@ -120,22 +120,20 @@ class KleinLoraLoader(io.ComfyNode):
     @classmethod
     def fingerprint_inputs(cls, lora_name: str = "", strength: float = 1.0, **_: Any) -> Any:
         # Re-run when the LoRA file is replaced under the same name.
-        import folder_paths
-
-        path = folder_paths.get_full_path("loras", lora_name) if lora_name else None
+        path = host.full_path("loras", lora_name) if lora_name else None
         return (lora_name, strength, os.stat(path).st_mtime_ns if path and os.path.isfile(path) else None)
 
     @classmethod
     def execute(cls, model: Any, lora_name: str, strength: float = 1.0) -> io.NodeOutput:
-        import folder_paths
-
-        path = folder_paths.get_full_path_or_raise("loras", lora_name)
+        path = host.full_path("loras", lora_name)
+        if path is None:
+            raise FileNotFoundError(f"{NODE}: lora_name '{lora_name}' was not found in models/loras.")
         try:
-            lora = kl.load_lora(path)
+            lora = kc.load_lora(path)
             patched = patch_model(model, lora, float(strength))
         except (ValueError, NotImplementedError) as exc:
             raise type(exc)(f"{NODE}: {exc}") from exc
-        text_parts = [p for p in lora.patches if p.component == TEXT_ENCODER]
+        text_parts = [p for p in lora.patches if p.component == "text_encoder"]
         if text_parts:
             logger.warning("%s: %s also adapts the text encoder (%d modules); this node applies the transformer "
                            "part only", NODE, lora_name, len(text_parts))

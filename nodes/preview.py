@@ -5,8 +5,6 @@ from __future__ import annotations
 import torch
 from PIL import Image
 
-import klein_core as kc
-
 from . import host
 
 # Used only if the host has no Flux2 latent format: channel 0/1/2 of the un-patchified latents.
@@ -29,17 +27,18 @@ def latent_preview(latents: torch.Tensor) -> Image.Image:
 
 
 class StepReporter:
-    """The ``callback(step, total, latents)`` given to ``klein_core.generate`` for one run.
+    """The ``callback(step, total, latents)`` given to ``klein_core.Engine.denoise`` for one run.
 
     Each step: stop if Cancel was pressed (within one step), then one progress update; with previews
     on, the preview shows the predicted clean image ``x - sigma * v``, where the velocity ``v`` comes
     from the last two steps' latents.
     """
 
-    def __init__(self, steps: int, width: int, height: int):
-        self.bar = host.progress_bar(steps)
+    def __init__(self, sigmas: torch.Tensor):
+        """``sigmas``: the run's schedule ``[steps + 1]`` (``klein_core.Engine.schedule``)."""
+        self.bar = host.progress_bar(len(sigmas) - 1)
         previews = host.previews_enabled()
-        self.sigmas = kc.get_schedule(steps, (width // 16) * (height // 16)).tolist() if previews else None
+        self.sigmas = sigmas.tolist() if previews else None
         self.previous: torch.Tensor | None = None
         self.max_size = host.preview_size() if previews else 0
 

@@ -10,7 +10,6 @@ from comfy_api.latest import io, ui
 from PIL import Image
 
 import klein_core as kc
-from klein_core.refs import PUBLISHED_REFERENCE_LIMIT
 
 from . import host
 from .types import KleinReferences, KleinRefsType, KleinVAE, KleinVAEType, Reference
@@ -38,14 +37,14 @@ def frames_to_pil(image: torch.Tensor) -> list[Image.Image]:
     return [Image.fromarray(np.ascontiguousarray(frame)) for frame in arr]  # L, LA, RGB or RGBA
 
 
-def encode_frame(vae: torch.nn.Module, pil: Image.Image, number: int) -> Reference:
+def encode_frame(engine: kc.Engine, pil: Image.Image, number: int) -> Reference:
     """Preprocess like ``prepare_reference_image`` and VAE-encode once (``number`` counts in the stack)."""
     try:
-        latent = kc.encode_references(vae, [pil])[0]
+        latent = engine.encode_references([pil])[0]
     except ValueError as exc:
         raise ValueError(f"{NODE}: image frame for ref {number}: {exc}. Use a larger or less elongated "
                          f"image, or crop it first.") from exc
-    down = vae.config.downscale
+    down = engine.downscale
     w, h = pil.size
     latent = latent.to(host.intermediate_device())
     return Reference(latent, latent.shape[-1] * down, latent.shape[-2] * down, w, h)
@@ -60,7 +59,7 @@ class KleinReferenceStacker(io.ComfyNode):
             category="Klein/conditioning",
             description="Adds reference images for editing: each frame is scaled to at most 1 megapixel, "
                         "cropped to multiples of 16 and VAE-encoded once. Chain stackers for more references "
-                        f"(Klein is published for up to {PUBLISHED_REFERENCE_LIMIT}).",
+                        f"(Klein is published for up to {kc.PUBLISHED_REFERENCE_LIMIT}).",
             inputs=[
                 io.Image.Input("image", tooltip="Reference image(s); every frame of a batch becomes its own "
                                                 "reference. Alpha is dropped, grayscale becomes RGB."),
@@ -80,12 +79,13 @@ class KleinReferenceStacker(io.ComfyNode):
                 references: KleinReferences | None = None) -> io.NodeOutput:
         items = list(references.items) if references is not None else []
         vae_model = vae.ref.get()
+        engine = kc.Engine(vae=vae_model, device=vae_model.device)
         for pil in frames_to_pil(image):
             host.check_interrupt()
-            items.append(encode_frame(vae_model, pil, len(items) + 1))
-        if len(items) > PUBLISHED_REFERENCE_LIMIT:
+            items.append(encode_frame(engine, pil, len(items) + 1))
+        if len(items) > kc.PUBLISHED_REFERENCE_LIMIT:
             logger.warning("%s: %d references; Klein is published for at most %d", NODE, len(items),
-                           PUBLISHED_REFERENCE_LIMIT)
+                           kc.PUBLISHED_REFERENCE_LIMIT)
         stack = KleinReferences(tuple(items))
         text = stack.describe()
         return io.NodeOutput(stack, text, ui=ui.PreviewText(text))

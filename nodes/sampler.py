@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 from pathlib import Path
@@ -11,10 +10,6 @@ import torch
 from comfy_api.latest import io
 
 import klein_core as kc
-from klein_core import catalog
-from klein_core.pipeline import BASE_DEFAULTS, DISTILLED_DEFAULTS
-from klein_core.sampling import MAX_SEED
-from klein_core.transformer import TEXT_ENCODER_FOR_WIDTH
 
 from . import host
 from .common import errors_named
@@ -42,43 +37,19 @@ def check_encoder_fits(model: KleinModel, cond: KleinConditioning) -> None:
         return
     files = {n: host.full_path("text_encoders", n) for n in host.filename_list("text_encoders")}
     names = {Path(p): n for n, p in files.items() if p}
-    fits = sorted(names[p] for p in catalog.matching_text_encoders(want, list(names)))
+    fits = sorted(names[p] for p in kc.matching_text_encoders(want, list(names)))
+    variant = kc.variant_for_text_width(want)
+    needed = f"{variant.encoder} ({variant.encoder_file})" if variant else f"a Qwen3 encoder with hidden size {want // 3}"
     fix = (f"set text_encoder in {ENCODER_NODE} to {' or '.join(fits)}" if fits else
-           f"put {TEXT_ENCODER_FOR_WIDTH.get(want, f'a Qwen3 encoder with hidden size {want // 3}')} into "
-           f"models/text_encoders and select it in {ENCODER_NODE}")
-    raise ValueError(f"{NODE}: the conditioning was encoded with {cond.encoder_name} ({cond.variant}, "
-                     f"text width {cond.text_dim}), but the model {model.name} ({model.config.variant}) "
-                     f"needs text width {want}: {fix}.")
+           f"put {needed} into models/text_encoders and select it in {ENCODER_NODE}")
+    kc.check_text_width(cond.text_dim, want, fix=fix,
+                        encoded_by=f"{NODE}: the conditioning was encoded with {cond.encoder_name} ({cond.variant})",
+                        model=f"the model {model.name} ({model.config.variant})")
 
 
-def memory_plan(model: KleinModel, transformer: torch.nn.Module, device: torch.device, width: int, height: int,
-                refs: tuple, batch: int, cfg: bool) -> kc.MemoryPlan:
-    """The transformer's placement for this run (klein_core.planner), from the loader's memory mode."""
-    request = kc.MemoryRequest(width, height, references=tuple((r.width, r.height) for r in refs), batch=batch,
-                               cfg=cfg, encode_text=False, decode=False)
-    # Off CUDA there is no memory to plan: a forced mode is honoured, "auto" keeps everything resident.
-    free = None if device.type == "cuda" else 1 << 50
-    return kc.plan_for(request, transformer, device=device, mode=model.memory, free_bytes=free)
-
-
-def placed(plan: kc.MemoryPlan, transformer: torch.nn.Module, device: torch.device) -> contextlib.AbstractContextManager:
-    """Context in which the transformer runs on ``device`` as planned (blocks streamed, or moved in)."""
-    where = plan.placements.get("transformer", "resident")
-    if where == "blocks":
-        return kc.BlockOffloader(transformer, device, prefetch=plan.prefetch)
-    if where == "staged" or any(p.device != device for p in transformer.parameters()):
-        return kc.on_device(transformer, device)
-    return contextlib.nullcontext()
-
-
-def output_size(width: int, height: int, refs: tuple) -> tuple[int, int]:
-    """0 = from the first reference, else 1024; multiples of 16, at least 64 px, at most 4 megapixels."""
-    first = (refs[0].width, refs[0].height) if refs else None
-    try:
-        return kc.resolve_size(width or None, height or None, first)
-    except ValueError as exc:
-        raise ValueError(f"{NODE}: width/height: {exc} Set both to 0 to use the first reference's size "
-                         f"(1024x1024 without references).") from exc
+def settings(width: int, height: int, steps: int, guidance: float, seed: int, batch_size: int) -> kc.Settings:
+    """The node's widgets as klein_core settings (0 = the model's default, or the first reference's size)."""
+    return kc.Settings(width or None, height or None, steps or None, guidance or None, seed, batch_size)
 
 
 class KleinSampler(io.ComfyNode):
@@ -110,7 +81,7 @@ class KleinSampler(io.ComfyNode):
                 io.Float.Input("guidance", default=0.0, min=0.0, max=20.0, step=0.1, round=0.01,
                                tooltip="CFG scale for base models (uses the negative prompt when > 1). 0 = "
                                        "model default: 4.0 (base); distilled models always run at 1.0."),
-                io.Int.Input("seed", default=0, min=0, max=MAX_SEED, control_after_generate=True,
+                io.Int.Input("seed", default=0, min=0, max=kc.MAX_SEED, control_after_generate=True,
                              tooltip="Noise seed (drawn on the CPU like ComfyUI's RandomNoise, so a seed "
                                      "gives the same image on any device)."),
                 io.Int.Input("batch_size", default=1, min=1, max=64,
@@ -134,28 +105,23 @@ class KleinSampler(io.ComfyNode):
                 steps: int = 0, guidance: float = 0.0, seed: int = 0, batch_size: int = 1,
                 references: KleinReferences | None = None) -> io.NodeOutput:
         check_encoder_fits(model, conditioning)
-        refs = references.items if references is not None else ()
-        w, h = output_size(width, height, refs)
-        defaults = DISTILLED_DEFAULTS if model.kind == "distilled" else BASE_DEFAULTS
-        steps, guidance = steps or defaults["steps"], guidance or defaults["guidance"]
-        logger.info("%s: %s %dx%d, %d steps, guidance %.2f, seed %d, batch %d, %d reference(s)", NODE,
-                    model.kind, w, h, steps, guidance, seed, batch_size, len(refs))
+        refs = [r.latent for r in references.items] if references is not None else []
         with errors_named(NODE, "model", model.name):
             transformer = model.ref.get()
-        device = host.torch_device()
-        cfg = model.kind == "base" and guidance > 1
-        plan = memory_plan(model, transformer, device, w, h, refs, batch_size, cfg)
-        logger.info("%s: memory mode %s -> %s", NODE, model.memory, plan.reason)
-        if not plan.fits:
-            raise kc.KleinOutOfMemory(f"{NODE}: refused before running, this request does not fit the GPU "
-                                      f"memory: {plan.reason}. Lower width/height, use fewer references or "
-                                      "a smaller batch, or set memory_mode to blocks/minimum.")
-        with placed(plan, transformer, device):
-            result = kc.generate(
-                transformer, prompt_embeds=conditioning.positive,
-                negative_embeds=conditioning.negative if model.kind == "base" else None,
-                reference_latents=[r.latent for r in refs], width=w, height=h, steps=steps, guidance=guidance,
-                seed=seed, batch_size=batch_size, distilled=model.kind == "distilled",
-                callback=StepReporter(steps, w, h), output="latent", cache=None,
-            )
-        return io.NodeOutput({"samples": result.latents.to(host.intermediate_device(), torch.float32)})
+        engine = kc.Engine(transformer, kind=model.kind, device=host.torch_device(), memory=model.memory,
+                           prompt_cache=None)
+        try:
+            run = engine.resolve(settings(width, height, steps, guidance, seed, batch_size), refs)
+        except ValueError as exc:
+            raise ValueError(f"{NODE}: width/height: {exc} Set both to 0 to use the first reference's size "
+                             f"(1024x1024 without references).") from exc
+        logger.info("%s: %s %dx%d, %d steps, guidance %.2f, seed %d, batch %d, %d reference(s)", NODE,
+                    model.kind, run.width, run.height, run.steps, run.guidance, run.seed, run.batch_size, len(refs))
+        negative = conditioning.negative if model.kind == "base" else None
+        try:
+            latents, _ = engine.denoise(kc.Conditioning(conditioning.positive, negative), refs, run,
+                                        callback=StepReporter(engine.schedule(run)))
+        except kc.KleinOutOfMemory as exc:
+            raise kc.KleinOutOfMemory(f"{NODE}: {exc} Lower width/height, use fewer references or a smaller "
+                                      "batch, or set memory_mode to blocks/minimum.") from None
+        return io.NodeOutput({"samples": latents.to(host.intermediate_device(), torch.float32)})

@@ -28,7 +28,7 @@ class KleinModel:
     ref: ModelRef
     kind: str
     config: kc.TransformerConfig
-    memory: str = "auto"  # klein_core.planner mode: auto, resident, swap, blocks, minimum
+    memory: str = "auto"  # klein_core memory mode: auto, resident, swap, blocks, minimum
 
     @property
     def name(self) -> str:

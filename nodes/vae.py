@@ -56,27 +56,13 @@ class KleinVAEDecode(io.ComfyNode):
     def execute(cls, samples: dict, vae: KleinVAE) -> io.NodeOutput:
         latents = flux2_samples(samples, vae.config.latent_channels)
         model = vae.ref.get()
+        engine = kc.Engine(vae=model, device=model.device)
         frames = []
         for i in range(latents.shape[0]):  # one at a time: decoding memory grows with the batch
             host.check_interrupt()
-            frames.append(decode_fitting(model, latents[i:i + 1]))
+            frames.append(engine.decode(latents[i:i + 1]))  # tiles if the device runs short
         image = torch.cat(frames).permute(0, 2, 3, 1).contiguous()
         return io.NodeOutput(image.to(host.intermediate_device()))
-
-
-def decode_fitting(model: torch.nn.Module, latents: torch.Tensor) -> torch.Tensor:
-    """Decode whole; if the GPU runs out of memory, decode in overlapping tiles of 64, then 32 latents."""
-    tiles = (None, 64, 32)
-    for i, tile in enumerate(tiles):
-        try:
-            return kc.decode_to_pixels(model, latents, tile=tile)
-        except torch.OutOfMemoryError:
-            if i == len(tiles) - 1:
-                raise
-            host.empty_cache()
-            logger.warning("%s: out of GPU memory decoding %s; retrying in tiles of %d latents", DECODE_NODE,
-                           "whole" if tile is None else f"in tiles of {tile}", tiles[i + 1])
-    raise AssertionError("unreachable")
 
 
 class KleinVAEEncode(io.ComfyNode):
@@ -104,5 +90,5 @@ class KleinVAEEncode(io.ComfyNode):
         px = center_crop(pixels, down)
         rgb = px[..., :3] if px.shape[-1] >= 3 else px[..., :1].expand(*px.shape[:-1], 3)  # gray -> RGB
         model = vae.ref.get()
-        latents = [model.encode(frame[None].permute(0, 3, 1, 2).float() * 2 - 1) for frame in rgb]
-        return io.NodeOutput({"samples": torch.cat(latents).to(host.intermediate_device(), torch.float32)})
+        latents = kc.Engine(vae=model, device=model.device).encode_pixels(rgb.permute(0, 3, 1, 2).float() * 2 - 1)
+        return io.NodeOutput({"samples": latents.to(host.intermediate_device(), torch.float32)})

@@ -12,7 +12,7 @@ import pytest
 from PIL import Image
 
 from klein_core import cli
-from klein_core.demo import write_tiny_model_files
+from klein_core.testing import write_tiny_model_files
 
 ROOT = Path(__file__).resolve().parents[1]
 

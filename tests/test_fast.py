@@ -17,8 +17,9 @@ import pytest
 import torch
 
 import klein_core
-from klein_core import demo, fast
-from klein_core.transformer import PLAIN_OPS
+from klein_core.accel import fast
+from klein_core import testing as demo
+from klein_core.models.block_ops import PLAIN_OPS
 from script_module import load_script
 
 REPO = Path(__file__).resolve().parent.parent
@@ -56,7 +57,7 @@ def test_fallback_is_logged_once_and_disable_restores_plain(model, caplog):
     with torch.no_grad():
         ref = model(**kw)
         fast.enable_fast_paths(model, attention="flash3")
-        with caplog.at_level(logging.INFO, logger="klein_core.fast"):
+        with caplog.at_level(logging.INFO, logger="klein_core.accel.fast"):
             outs = [model(**kw) for _ in range(3)]
         fast.disable_fast_paths(model)
         again = model(**kw)
@@ -75,7 +76,7 @@ def test_missing_triton_or_device_falls_back(model, monkeypatch, caplog):
     with torch.no_grad():
         ref = model(**kw)
         ops = fast.enable_fast_paths(model, attention="plain")
-        with caplog.at_level(logging.INFO, logger="klein_core.fast"):
+        with caplog.at_level(logging.INFO, logger="klein_core.accel.fast"):
             out = model(**kw)
             model(**kw)
     msgs = [r.getMessage() for r in caplog.records if "unavailable" in r.getMessage()]
@@ -115,7 +116,7 @@ def test_attention_backend_failing_its_self_check_falls_back(model, monkeypatch,
     with torch.no_grad():
         ref = model(**kw)
         ops = fast.enable_fast_paths(model)
-        with caplog.at_level(logging.WARNING, logger="klein_core.fast"):
+        with caplog.at_level(logging.WARNING, logger="klein_core.accel.fast"):
             out = model(**kw)
     assert "attention=flash3 on cpu: its self-check raised RuntimeError: No available kernel" in caplog.text
     assert "attention=plain," in ops.resolved()["cpu torch.float32"]
@@ -147,7 +148,7 @@ def test_compile_wiring_logs_first_call_time(model, caplog):
     kw = _inputs(model, batch=1)
     with torch.no_grad():
         ref = model(**kw)
-        with caplog.at_level(logging.INFO, logger="klein_core.fast"):
+        with caplog.at_level(logging.INFO, logger="klein_core.accel.fast"):
             ops = fast.enable_fast_paths(model, compile=True, compile_backend="eager")
             out = model(**kw)
             model(**kw)

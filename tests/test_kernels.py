@@ -22,9 +22,10 @@ import pytest
 import torch
 
 import klein_core
-from klein_core import demo
-from klein_core.layers import rms_norm
-from klein_core.transformer import NORM_EPS, _modulate, apply_rope, rope_cos_sin
+from klein_core import testing as demo
+from klein_core.models.layers import rms_norm
+from klein_core.models.transformer_math import NORM_EPS, apply_rope, rope_cos_sin
+from klein_core.models.transformer_math import modulate as _modulate
 
 _CHILD_FLAG = "KLEIN_KERNEL_TESTS_CHILD"
 _IN_CHILD = os.environ.get(_CHILD_FLAG) == "1"
@@ -51,7 +52,7 @@ def test_kernels_under_triton_interpreter():
 @pytest.fixture(scope="module")
 def kernels():
     assert os.environ.get("TRITON_INTERPRET") == "1"
-    from klein_core import kernels as k
+    from klein_core.accel import kernels as k
 
     ok, why = k.available("cpu")
     assert ok, why
@@ -181,7 +182,7 @@ def test_bf16_rounding_is_nearest_even(kernels):
     # A Triton kernel resolves names through its module's globals; Triton is imported only here so
     # that collecting this file in the parent process never imports it.
     globals()["tl"] = importlib.import_module("triton.language")
-    globals()["round_to"] = importlib.import_module("klein_core.kernels._rounding").round_to
+    globals()["round_to"] = importlib.import_module("klein_core.accel.kernels._rounding").round_to
 
     @triton.jit
     def _round_kernel(x_ptr, o_ptr, n, BLOCK: tl.constexpr):  # noqa: F821
@@ -209,7 +210,7 @@ def test_bf16_rounding_is_nearest_even(kernels):
 @child_only
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_transformer_with_fused_kernels_matches_plain(kernels, dtype, caplog):
-    from klein_core import fast
+    from klein_core.accel import fast
 
     model = demo.tiny_transformer().to(dtype)
     ids = torch.cat([klein_core.position_ids(2, 3), klein_core.position_ids(2, 2, t=10)])
@@ -221,7 +222,7 @@ def test_transformer_with_fused_kernels_matches_plain(kernels, dtype, caplog):
     with torch.no_grad():
         ref = model(**kw)
         ops = fast.enable_fast_paths(model)
-        with caplog.at_level("INFO", logger="klein_core.fast"):
+        with caplog.at_level("INFO", logger="klein_core.accel.fast"):
             out = model(**kw)
         fast.disable_fast_paths(model)
     assert "qk-norm+rope=triton, modulation=triton" in next(iter(ops.resolved().values()))
@@ -236,7 +237,7 @@ def test_transformer_with_fused_kernels_matches_plain(kernels, dtype, caplog):
 @child_only
 def test_kernel_failing_its_self_check_is_switched_off(kernels, monkeypatch, caplog):
     """A kernel that computes wrong on this device/Triton is caught at first use, not trusted."""
-    from klein_core import fast
+    from klein_core.accel import fast
 
     model = demo.tiny_transformer()
     monkeypatch.setattr(kernels, "modulate", lambda x, shift, scale, eps=1e-6: torch.zeros_like(x))
@@ -246,7 +247,7 @@ def test_kernel_failing_its_self_check_is_switched_off(kernels, monkeypatch, cap
     with torch.no_grad():
         ref = model(**kw)
         ops = fast.enable_fast_paths(model)
-        with caplog.at_level("INFO", logger="klein_core.fast"):
+        with caplog.at_level("INFO", logger="klein_core.accel.fast"):
             out = model(**kw)
     assert "self-check is off" in caplog.text
     assert "qk-norm+rope=triton, modulation=plain" in ops.resolved()["cpu torch.float32"]

@@ -27,17 +27,13 @@ from tiny_reference import CTX, tiny_diffusers_transformer
 from torch import nn
 
 from klein_core import cli
-from klein_core.demo import TINY_4B, TINY_9B, tiny_text_encoder, tiny_transformer
+from klein_core.testing import TINY_4B, TINY_9B, tiny_text_encoder, tiny_transformer
 from klein_core.lora import AppliedLoRAs, LoRA, apply_loras, check_loras, load_lora, with_loras
-from klein_core.qwen3 import OUTPUT_LAYERS, load_text_encoder
-from klein_core.transformer import (
-    Flux2Transformer,
-    TransformerConfig,
-    load_transformer,
-    position_ids,
-    text_position_ids,
-)
-from klein_core.weights import WeightFormatError
+from klein_core.loading import load_text_encoder, load_transformer
+from klein_core.models.qwen3 import OUTPUT_LAYERS
+from klein_core.errors import WeightFormatError
+from klein_core.models.transformer import Flux2Transformer, TransformerConfig
+from klein_core.sampling import position_ids, text_position_ids
 
 diffusers = pytest.importorskip("diffusers")
 pytest.importorskip("peft")
@@ -698,8 +694,8 @@ def test_lora_loader_node(base, two_loras, pack_lora, tmp_path, monkeypatch, par
 
 
 def test_merge_into_fp8_weights_recomputes_the_scale(tmp_path, parity):
-    from klein_core.demo import tiny_transformer
-    from klein_core.quant import FP8Linear, dequantize
+    from klein_core.testing import tiny_transformer
+    from klein_core.quant.fp8 import FP8Linear, dequantize
 
     torch.manual_seed(5)
     sd = {k: v.contiguous() for k, v in tiny_transformer().state_dict().items()}

@@ -25,7 +25,7 @@ import torch
 from PIL import Image
 
 import klein_core as kc
-from klein_core.demo import write_tiny_model_files
+from klein_core.testing import write_tiny_model_files
 from script_module import load_script
 
 
@@ -80,35 +80,45 @@ def progress(comfy, monkeypatch):
     return calls
 
 
+def _denoise_call(engine, conditioning, references, settings, callback):
+    """What the sampler node asked klein_core's engine for, as the keywords of the equivalent
+    ``klein_core.generate`` call."""
+    run = settings if isinstance(settings, kc.Resolved) else engine.resolve(settings, references)
+    return {"steps": run.steps, "guidance": run.guidance, "width": run.width, "height": run.height,
+            "distilled": engine.kind == "distilled", "batch_size": run.batch_size, "seed": run.seed,
+            "prompt_embeds": conditioning.positive, "negative_embeds": conditioning.negative,
+            "reference_latents": list(references), "callback": callback}
+
+
 @pytest.fixture
 def spy_generate(monkeypatch):
-    """Records the keyword arguments of every ``klein_core.generate`` call made by the sampler node."""
+    """Records every denoising run the sampler node asks klein_core's engine for."""
     calls = []
-    real = kc.generate
+    real = kc.Engine.denoise
 
-    def generate(*args, **kwargs):
-        calls.append(kwargs)
-        return real(*args, **kwargs)
+    def denoise(self, conditioning, references=(), settings=kc.Settings(), **kw):
+        calls.append(_denoise_call(self, conditioning, references, settings, kw.get("callback")))
+        return real(self, conditioning, references, settings, **kw)
 
-    monkeypatch.setattr(kc, "generate", generate)
+    monkeypatch.setattr(kc.Engine, "denoise", denoise)
     return calls
 
 
 @pytest.fixture
 def fake_generate(monkeypatch):
-    """Stands in for ``klein_core.generate`` (records its arguments, reports each step, returns zeros):
-    for tests of what the sampler node passes, without the cost of sampling."""
+    """Stands in for the engine's denoising (records what the sampler node asks for, reports each
+    step, returns zeros): for tests of what the node passes, without the cost of sampling."""
     calls = []
 
-    def generate(transformer, **kw):
+    def denoise(self, conditioning, references=(), settings=kc.Settings(), **kw):
+        kw = _denoise_call(self, conditioning, references, settings, kw.get("callback"))
         calls.append(kw)
         latents = torch.zeros(kw["batch_size"], 128, kw["height"] // 16, kw["width"] // 16)
         for step in range(1, kw["steps"] + 1):
             kw["callback"](step, kw["steps"], latents)
-        return kc.GenerationResult(latents, None, None, kw["width"], kw["height"], kw["steps"],
-                                   kw["guidance"], kw["seed"])
+        return latents, self.resolve(settings, references) if not isinstance(settings, kc.Resolved) else settings
 
-    monkeypatch.setattr(kc, "generate", generate)
+    monkeypatch.setattr(kc.Engine, "denoise", denoise)
     return calls
 
 
@@ -409,7 +419,7 @@ def test_sampler_reports_each_step_with_a_preview(comfy, progress, monkeypatch):
 
 
 def test_preview_unpatchify_inverts_the_vae_patchify(comfy):
-    from klein_core.vae import patchify
+    from klein_core.models.vae import patchify
 
     x = torch.randn(2, 32, 6, 8)
     assert torch.equal(comfy.preview.unpatchify(patchify(x)), x)
@@ -555,7 +565,7 @@ def test_memory_modes_give_the_same_latents_and_log_the_plan(comfy, mode, caplog
 
 
 def test_fp8_weight_option_keeps_block_weights_in_fp8(comfy):
-    from klein_core.quant import fp8_layers
+    from klein_core.quant.fp8 import fp8_layers
 
     cond = _encode(comfy, "a quiet harbour")
     bf16, _ = _load(comfy)

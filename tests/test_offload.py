@@ -10,11 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from klein_core import demo
-from klein_core.offload import BlockOffloader, module_bytes, offload_blocks, on_device, pin_memory_
-from klein_core.quant import quantize_model_
-from klein_core.sampling import denoise, get_schedule, make_noise
-from klein_core.transformer import position_ids, text_position_ids
+from klein_core import testing as demo
+from klein_core.memory.placement import BlockOffloader, module_bytes, offload_blocks, on_device, pin_memory_
+from klein_core.quant.fp8 import quantize_model_
+from klein_core.sampling import denoise, get_schedule, make_noise, position_ids, text_position_ids
 
 
 def _inputs(cfg, batch=2):
@@ -128,7 +127,7 @@ def test_offloader_refuses_models_without_blocks():
 
 @pytest.mark.parametrize("placement", ["resident", "staged", "blocks"])
 def test_stage_placer_runs_each_placement(placement):
-    from klein_core.offload import StagePlacer
+    from klein_core.memory.placement import StagePlacer
 
     model = _tiny()
     inputs = _inputs(model.config)

@@ -10,7 +10,7 @@ import torch
 from PIL import Image
 
 import klein_core as kc
-from klein_core.demo import build_tiny_components
+from klein_core.testing import build_tiny_components
 
 
 @pytest.fixture(scope="module")
@@ -231,7 +231,7 @@ def test_many_references_warn(tiny, caplog):
 
 
 def test_mismatched_encoder_refused_before_compute(tiny):
-    from klein_core.demo import TINY_9B, tiny_text_encoder
+    from klein_core.testing import TINY_9B, tiny_text_encoder
 
     tr, _, vae = tiny
     with pytest.raises(ValueError, match="does not fit"):

@@ -173,13 +173,13 @@ def test_bf16_timesteps_seen_by_model_follow_reference_rounding(components, monk
     _, _, ours_tr, _ = components
     model = ours_tr.to(torch.bfloat16)
     seen = []
-    real = klein_core.transformer.timestep_embedding
+    real = klein_core.models.transformer.timestep_embedding
 
     def spy(t, *a, **k):  # the value the time embedder receives, i.e. what the model "sees"
         seen.append(t[0].item())
         return real(t, *a, **k)
 
-    monkeypatch.setattr(klein_core.transformer, "timestep_embedding", spy)
+    monkeypatch.setattr(klein_core.models.transformer, "timestep_embedding", spy)
     try:
         klein_core.denoise(model, torch.randn(1, 16, 64, 64), torch.randn(1, 4, CTX), get_schedule(4, 4096))
     finally:

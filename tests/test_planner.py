@@ -15,24 +15,25 @@ from pathlib import Path
 import pytest
 import torch
 
-from klein_core import demo
-from klein_core.planner import (
+from klein_core import testing as demo
+from klein_core.memory.planner import (
     DEFAULT_RESERVE_BYTES,
     MemoryRequest,
     ModelSizes,
     choose_plan,
     estimate,
     text_activation_bytes,
-    trace_activation_bytes,
     transformer_activation_bytes,
     vae_decode_activation_bytes,
     vae_encode_activation_bytes,
 )
-from klein_core.quant import quantize_model_
-from klein_core.qwen3 import Qwen3Config, Qwen3TextEncoder
-from klein_core.transformer import Flux2Transformer, TransformerConfig, position_ids, text_position_ids
-from klein_core.vae import Flux2VAE, VAEConfig
-from klein_core.vae_tiling import decode_tiled, encode_tiled
+from klein_core.memory.tiling import decode_tiled, encode_tiled
+from klein_core.memory.trace import trace_activation_bytes
+from klein_core.models.qwen3 import Qwen3Config, Qwen3TextEncoder
+from klein_core.models.transformer import Flux2Transformer, TransformerConfig
+from klein_core.models.vae import Flux2VAE, VAEConfig
+from klein_core.quant.fp8 import quantize_model_
+from klein_core.sampling import position_ids, text_position_ids
 from script_module import load_script
 
 REPO = Path(__file__).resolve().parent.parent
@@ -275,7 +276,7 @@ def test_memory_benchmark_tiny_cpu(tmp_path, capsys):
 
 
 def test_plan_for_loaded_components_on_cpu():
-    from klein_core.planner import plan_for
+    from klein_core.memory.planner import plan_for
 
     tr, te, vae = demo.build_tiny_components()
     req = MemoryRequest(128, 128, references=((128, 128),))

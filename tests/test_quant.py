@@ -15,29 +15,24 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import nn
 
-from klein_core import demo
-from klein_core.quant import (
+from klein_core import testing as demo
+from klein_core.errors import WeightFormatError
+from klein_core.files.fp8 import QuantTensorInfo, prepare_quantized, quantize_state_dict
+from klein_core.files.materialize import materialize
+from klein_core.files.opening import open_weights
+from klein_core.files.transformer_layout import bfl_to_diffusers, plan_transformer
+from klein_core.loading import load_text_encoder, load_transformer
+from klein_core.models.transformer import Flux2Transformer
+from klein_core.quant.fp8 import (
     E4M3_MAX,
     FP8Linear,
-    QuantTensorInfo,
     block_linear_names,
     fp8_layers,
-    prepare_quantized,
     quantize_fp8,
     quantize_model_,
-    quantize_state_dict,
     scaled_mm_available,
 )
-from klein_core.qwen3 import load_text_encoder
-from klein_core.transformer import (
-    bfl_to_diffusers,
-    Flux2Transformer,
-    load_transformer,
-    plan_transformer,
-    position_ids,
-    text_position_ids,
-)
-from klein_core.weights import WeightFormatError, materialize, open_weights
+from klein_core.sampling import position_ids, text_position_ids
 
 F8 = torch.float8_e4m3fn
 
@@ -313,9 +308,36 @@ def test_no_cuda_query_at_import():
         "def boom(*a, **k): raise AssertionError('CUDA queried')\n"
         "torch.cuda.get_device_capability = boom\n"
         "torch.cuda.is_available = boom\n"
-        "import klein_core, klein_core.quant as q\n"
+        "import klein_core, klein_core.quant.fp8 as q\n"
         "layer = q.FP8Linear(16, 16)\n"
         "layer.weight.data = torch.zeros(16, 16, dtype=torch.float8_e4m3fn)\n"
         "layer(torch.randn(2, 16, dtype=torch.bfloat16))\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_fp8_matmul_fallback_is_per_call_and_never_swallows_out_of_memory(monkeypatch, caplog):
+    import klein_core.quant.fp8 as q
+
+    layer = FP8Linear.from_linear(torch.nn.Linear(32, 16, bias=False))
+    x = torch.randn(3, 32, dtype=torch.bfloat16)
+    expected = torch.nn.functional.linear(x, layer.dequantized_weight(torch.bfloat16))
+    monkeypatch.setattr(q, "scaled_mm_available", lambda device: True)  # pretend a GPU with fp8 matmul
+    tries = []
+
+    def fail(exc):
+        def _scaled_mm(inp):
+            tries.append(type(exc).__name__)
+            raise exc
+        return _scaled_mm
+
+    monkeypatch.setattr(layer, "_scaled_mm", fail(torch.OutOfMemoryError("CUDA out of memory")))
+    with pytest.raises(torch.OutOfMemoryError):
+        layer(x)
+    assert not layer.full_precision_mm  # out of memory switches nothing
+    monkeypatch.setattr(layer, "_scaled_mm", fail(RuntimeError("shape not supported by cuBLASLt")))
+    with caplog.at_level("WARNING"):
+        assert torch.equal(layer(x), expected)  # this call upcasts...
+        assert torch.equal(layer(x), expected)
+    assert tries == ["OutOfMemoryError", "RuntimeError", "RuntimeError"]  # ...and the next one tries again
+    assert caplog.text.count("fp8 matmul failed") == 1 and not layer.full_precision_mm

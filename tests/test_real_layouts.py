@@ -19,9 +19,9 @@ import torch
 from safetensors.torch import save_file
 
 import klein_core as kc
-from klein_core import catalog
+from klein_core.files import identify as catalog
 from klein_core.files.safetensors import SafetensorsFile, open_safetensors
-from klein_core.quant import fp8_layers
+from klein_core.quant.fp8 import fp8_layers
 from layout_files import header_bytes, manifests, write_layout, write_safetensors
 
 MANIFESTS = manifests()
@@ -190,7 +190,7 @@ def _sweep_lengths(minimum: int) -> dict[str, int]:
 
 @pytest.mark.parametrize("component", ["transformer", "LoRA"])
 def test_header_length_sweep(tmp_path, component):
-    from klein_core.demo import tiny_transformer
+    from klein_core.testing import tiny_transformer
 
     if component == "transformer":
         state = tiny_transformer().state_dict()
@@ -225,7 +225,7 @@ def test_refused_only_for_what_they_are(tmp_path):
     import pickle
     import zipfile
 
-    from klein_core.demo import tiny_vae
+    from klein_core.testing import tiny_vae
 
     (tmp_path / "p.safetensors").write_bytes(pickle.dumps({"a": 1}, protocol=4))
     with zipfile.ZipFile(tmp_path / "z.safetensors", "w") as z:

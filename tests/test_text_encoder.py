@@ -17,15 +17,12 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from klein_core.qwen3 import (
-    OUTPUT_LAYERS,
-    Qwen3Config,
-    Qwen3TextEncoder,
-    build_load_plan,
-    checkpoint_shapes,
-    load_text_encoder,
-)
-from klein_core.weights import WeightSource, check_plan, open_weights
+from klein_core.files.opening import open_weights
+from klein_core.files.plan import check_plan
+from klein_core.files.qwen3_layout import build_load_plan, checkpoint_shapes
+from klein_core.files.source import WeightSource
+from klein_core.loading import load_text_encoder
+from klein_core.models.qwen3 import OUTPUT_LAYERS, Qwen3Config, Qwen3TextEncoder
 
 transformers = pytest.importorskip("transformers")
 

@@ -17,7 +17,9 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from klein_core.vae import Flux2VAE, VAEConfig, load_vae, patchify, unpatchify
+from klein_core.files.vae_layout import vae_config
+from klein_core.loading import load_vae
+from klein_core.models.vae import Flux2VAE, VAEConfig, patchify, unpatchify
 
 diffusers = pytest.importorskip("diffusers")
 from diffusers import AutoencoderKL, AutoencoderKLFlux2  # noqa: E402
@@ -269,7 +271,7 @@ def test_real_config_from_shapes(small: bool) -> None:
     over = {"decoder_block_out_channels": (96, 192, 384, 384)} if small else {}
     sd = _meta_state_dict(**over)
     for layout_sd in (sd, to_bfl(sd), to_bfl(sd, comfy=True)):
-        cfg = VAEConfig.from_source(layout_sd)
+        cfg = vae_config(layout_sd)
         assert cfg.block_channels == (128, 256, 512, 512) and cfg.ch == 128
         assert cfg.decoder_ch == (96 if small else 128)
         assert cfg.num_res_blocks == 2 and cfg.z_channels == 32 and cfg.mid_attention
@@ -380,7 +382,7 @@ def test_encode_decode_input_checks(files: dict[str, object]) -> None:
 
 
 def test_real_size_encode_needs_multiple_of_16() -> None:
-    cfg = VAEConfig.from_source(_meta_state_dict())
+    cfg = vae_config(_meta_state_dict())
     with torch.device("meta"):
         model = Flux2VAE(cfg)
     with pytest.raises(ValueError, match="multiples of 16"):
@@ -390,7 +392,7 @@ def test_real_size_encode_needs_multiple_of_16() -> None:
 def test_repo_root_config_is_the_diffusers_one(files: dict[str, object]) -> None:
     repo = Path(files["diffusers-repo"])  # type: ignore[arg-type]
     config = json.loads((repo / "vae" / "config.json").read_text())
-    cfg = VAEConfig.from_source(repo)
+    cfg = vae_config(repo)
     assert list(cfg.block_channels) == config["block_out_channels"]
     assert cfg.z_channels == config["latent_channels"] and cfg.bn_eps == config["batch_norm_eps"]
 

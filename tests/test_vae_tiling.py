@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-import klein_core.vae_tiling as vt
-from klein_core import demo
-from klein_core.vae import Flux2VAE, VAEConfig
-from klein_core.vae_tiling import decode_tiled, encode_tiled, tile_starts
+import klein_core.memory.tiling as vt
+from klein_core import testing as demo
+from klein_core.memory.tiling import decode_tiled, encode_tiled, tile_starts
+from klein_core.models.vae import Flux2VAE, VAEConfig
 
 TILE, OVERLAP = 24, 8  # latent positions; the test latent needs 2 x 3 tiles
 

@@ -10,10 +10,11 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from klein_core.weights import (
-    Cat, LoadPlan, Reshape, SwapHalves, Take, WeightFormatError, build_plan, materialize, open_weights,
-    read_safetensors_header,
-)
+from klein_core.errors import WeightFormatError
+from klein_core.files.materialize import materialize
+from klein_core.files.opening import open_weights
+from klein_core.files.plan import Cat, LoadPlan, Reshape, SwapHalves, Take, build_plan
+from klein_core.files.source import read_safetensors_header
 
 
 def _write_raw(path, header: dict, data: bytes = b"") -> None:

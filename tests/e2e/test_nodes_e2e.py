@@ -20,7 +20,7 @@ from comfy_host import PACK_NAME, REPO_ROOT, traceback_blocks
 from PIL import Image
 from workflow_check import check_ui_workflow
 
-from klein_core.demo import write_tiny_model_files
+from klein_core.testing import write_tiny_model_files
 
 pytestmark = pytest.mark.e2e
 

@@ -141,7 +141,7 @@ class BlockOffloader:
     """Stream the repeated blocks of ``model`` through ``device``; keep the rest resident.
 
     Args:
-        model: e.g. a :class:`~klein_core.transformer.Flux2Transformer` or a Qwen3 encoder.
+        model: e.g. a :class:`~klein_core.models.transformer.Flux2Transformer` or a Qwen3 encoder.
         device: the compute device.
         blocks: the block lists in forward order (default: the model's ``nn.ModuleList``
             children, i.e. ``double_blocks`` then ``single_blocks``, or ``layers``).
@@ -305,9 +305,10 @@ class StagePlacer:
     """Applies a memory plan stage by stage.
 
     ``components`` maps ``"text_encoder"`` / ``"transformer"`` / ``"vae"`` to modules and
-    ``placements`` maps them to ``"resident"`` (moved to ``device`` once, kept there), ``"staged"``
-    (on ``device`` only inside :meth:`stage`) or ``"blocks"`` (blocks streamed inside
-    :meth:`stage`). Offloaded modules should live on the CPU (pinned: :func:`pin_memory_`).
+    ``placements`` maps them to ``"resident"`` (already on ``device``: run in place; elsewhere:
+    copied in for the stage like ``"staged"``), ``"staged"`` (on ``device`` only inside
+    :meth:`stage`) or ``"blocks"`` (blocks streamed inside :meth:`stage`). Modules are never moved
+    for good. Offloaded modules should live on the CPU (pinned: :func:`pin_memory_`).
 
     ``with placer.stage("transformer") as model: ...`` runs a stage.
     """
@@ -328,11 +329,11 @@ class StagePlacer:
     def stage(self, component: str) -> Iterator[nn.Module]:
         module = self.components[component]
         placement = self.placements.get(component, "resident")
-        if placement == "resident":
-            if not all(_same_device(s.home.device, self.device) for s in _slots(module)):
-                module.to(self.device)
+        if placement == "resident" and all(_same_device(s.home.device, self.device) for s in _slots(module)):
             yield module
-        elif placement == "staged":
+        elif placement in ("resident", "staged"):
+            # A resident component that lives elsewhere is copied in for the stage, never moved for
+            # good: the caller's module keeps its own tensors and device.
             with on_device(module, self.device):
                 yield module
         else:

@@ -2,7 +2,7 @@
 
 * :func:`load_lora` reads a ``.safetensors`` LoRA (pickles are refused), works out its format
   (diffusers/PEFT, ai-toolkit/BFL, Kohya, LyCORIS LoKr/LoHa, text-encoder LoRAs) and maps every
-  tensor onto a core module (:mod:`klein_core.lora_formats`). The result, a :class:`LoRA`, holds
+  tensor onto a core module (:mod:`klein_core.lora.formats`). The result, a :class:`LoRA`, holds
   one :class:`LoRAPatch` per adapted module and, by name, every key that is not applied and why.
 * :func:`apply_loras` applies several LoRAs with strengths to a loaded transformer and/or text
   encoder, either merged into the weights (``W += strength * delta`` in float32, written back in
@@ -23,207 +23,21 @@ import math
 import os
 import re
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from .lora_formats import (
-    TEXT_ENCODER,
-    TRANSFORMER,
-    UNSUPPORTED_SUFFIXES,
-    Target,
-    resolve_module,
-    split_key,
-    strip_prefixes,
-    suffix_role,
+from ..files.safetensors import open_safetensors
+from .formats import (
+    TEXT_ENCODER, TRANSFORMER, UNSUPPORTED_SUFFIXES, Target, resolve_module, split_key, strip_prefixes, suffix_role,
 )
-from .errors import WeightFormatError
-from .files.safetensors import open_safetensors
+from .patches import LoRA, LoRAPatch, as_matrix, log_skipped
 
 logger = logging.getLogger(__name__)
 
-_FLOAT8 = {getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
-           if hasattr(torch, n)}
-# Known model widths, for naming the model a LoRA was made for.
-_TRANSFORMER_SIZES = {3072: "Klein 4B", 4096: "Klein 9B", 6144: "FLUX.2 [dev]"}
-_TEXT_SIZES = {2560: "Qwen3-4B (Klein 4B)", 4096: "Qwen3-8B (Klein 9B)"}
 _LOKR_ROLES = ("lokr_w1", "lokr_w1_a", "lokr_w1_b", "lokr_w2", "lokr_w2_a", "lokr_w2_b")
 _LOHA_ROLES = ("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b")
-_MODES = ("merge", "branch")
-
-
-# ---------------------------------------------------------------------------------------------
-# Data
-
-
-@dataclass(frozen=True, eq=False)
-class LoRAPatch:
-    """One adapted core module (or one row block of a fused one).
-
-    ``kind`` and ``tensors`` (as stored, any float dtype):
-
-    * ``"lora"``: ``A`` ``[r, in]``, ``B`` ``[out, r]``; delta = ``scale * B @ A``.
-    * ``"lokr"``: ``lokr_w1`` ``[a, b]`` (or ``lokr_w1_a @ lokr_w1_b``) and ``lokr_w2`` ``[c, d]``
-      (or ``lokr_w2_a @ lokr_w2_b``); delta = ``scale * kron(w1, w2)``, ``[a*c, b*d]``.
-    * ``"loha"``: ``hada_w1_a`` ``[out, r]``, ``hada_w1_b`` ``[r, in]``, same for w2; delta =
-      ``scale * (w1_a @ w1_b) * (w2_a @ w2_b)`` (element-wise).
-    * ``"full"``: ``diff`` ``[out, in]``; delta = ``diff``.
-
-    ``target.part = (i, n)``: the delta covers rows ``[i*out, (i+1)*out)`` of a fused weight with
-    ``n*out`` rows (diffusers q/k/v on ``qkv``). ``target.swap_halves``: the delta's two row halves
-    are swapped before use (diffusers' final-layer order). ``keys``: the source keys used.
-    """
-
-    target: Target
-    kind: str
-    tensors: Mapping[str, torch.Tensor]
-    scale: float
-    keys: tuple[str, ...]
-
-    @property
-    def component(self) -> str:
-        return self.target.component
-
-    @property
-    def module(self) -> str:
-        return self.target.module
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        """``(out, in)`` of this patch's delta (before placing it in a fused weight)."""
-        t = self.tensors
-        if self.kind == "lora":
-            return t["B"].shape[0], t["A"].shape[1]
-        if self.kind == "lokr":
-            (a, b), (c, d) = _lokr_factor_shape(t, "1"), _lokr_factor_shape(t, "2")
-            return a * c, b * d
-        if self.kind == "loha":
-            return t["hada_w1_a"].shape[0], t["hada_w1_b"].shape[1]
-        return tuple(t["diff"].shape)  # type: ignore[return-value]
-
-    @property
-    def rank(self) -> int | None:
-        """Rank of the low-rank factors (None for full LoKr factors and full deltas)."""
-        t = self.tensors
-        if self.kind == "lora":
-            return t["A"].shape[0]
-        if self.kind == "loha":
-            return t["hada_w1_b"].shape[0]
-        if self.kind == "lokr":
-            for k in ("lokr_w2_b", "lokr_w1_b"):
-                if k in t:
-                    return t[k].shape[0]
-        return None
-
-    def factors(self, device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """LoRA kind only: float32 ``(A [r, in], B [out, r])`` with ``scale`` folded into B and the
-        row halves of B swapped when the target asks for it."""
-        if self.kind != "lora":
-            raise ValueError(f"factors() is defined for LoRA patches, not {self.kind}")
-        a = self.tensors["A"].to(device=device, dtype=torch.float32)
-        b = self.tensors["B"].to(device=device, dtype=torch.float32) * self.scale
-        return a, (_swap_halves(b) if self.target.swap_halves else b)
-
-    def kron_factors(self, device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """LoKr kind only: float32 ``(w1 [a, b], w2 [c, d])`` with ``scale`` folded into w1;
-        ``delta() == kron(w1, w2)`` (halves not swapped here)."""
-        if self.kind != "lokr":
-            raise ValueError(f"kron_factors() is defined for LoKr patches, not {self.kind}")
-        t = {k: v.to(device=device, dtype=torch.float32) for k, v in self.tensors.items()}
-        return _lokr_factor(t, "1") * self.scale, _lokr_factor(t, "2")
-
-    def delta(self, device: torch.device | str | None = None) -> torch.Tensor:
-        """The float32 weight delta ``[out, in]``, scale included, halves swapped if needed."""
-        t = {k: v.to(device=device, dtype=torch.float32) for k, v in self.tensors.items()}
-        if self.kind == "lora":
-            d = (t["B"] @ t["A"]) * self.scale
-        elif self.kind == "lokr":
-            d = torch.kron(_lokr_factor(t, "1"), _lokr_factor(t, "2")) * self.scale
-        elif self.kind == "loha":
-            d = (t["hada_w1_a"] @ t["hada_w1_b"]) * (t["hada_w2_a"] @ t["hada_w2_b"]) * self.scale
-        else:
-            d = t["diff"] * self.scale
-        return _swap_halves(d) if self.target.swap_halves else d
-
-
-@dataclass
-class LoRA:
-    """A LoRA file mapped onto the core's module names (see :func:`load_lora`).
-
-    ``format``: human-readable format(s), e.g. ``"Kohya LoRA"``, ``"diffusers/PEFT LoRA"``,
-    ``"LyCORIS LoKr"``. ``patches``: what is applied. ``skipped``: every source key that is not
-    applied, with the reason (unknown names, text-encoder layers Klein does not run, DoRA
-    magnitudes...). ``metadata``: the file's safetensors metadata.
-    """
-
-    name: str
-    format: str
-    patches: list[LoRAPatch]
-    skipped: dict[str, str] = field(default_factory=dict)
-    metadata: dict[str, str] = field(default_factory=dict)
-
-    @property
-    def targets(self) -> tuple[str, ...]:
-        """The components it adapts: ``("transformer",)``, ``("text_encoder",)`` or both."""
-        return tuple(c for c in (TRANSFORMER, TEXT_ENCODER) if any(p.component == c for p in self.patches))
-
-    @property
-    def ranks(self) -> dict[str, int]:
-        """Rank per adapted module (``"transformer:double_blocks.0.img_attn.qkv[1/3]"`` -> 16)."""
-        return {_label(p): r for p in self.patches if (r := p.rank) is not None}
-
-    @property
-    def rank(self) -> int | None:
-        """The most common rank (None when no patch is low-rank)."""
-        ranks = list(self.ranks.values())
-        return max(set(ranks), key=ranks.count) if ranks else None
-
-    def summary(self) -> str:
-        """One line: format, targets, module count, rank and skipped-key count."""
-        ranks = sorted(set(self.ranks.values()))
-        rank = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}" if ranks else "full-rank"
-        return (f"{self.name}: {self.format}, {len(self.patches)} modules of {'+'.join(self.targets)}, "
-                f"{rank}, {len(self.skipped)} keys not applied")
-
-
-# ---------------------------------------------------------------------------------------------
-# Tensor helpers
-
-
-def _swap_halves(x: torch.Tensor) -> torch.Tensor:
-    # [2D, ...] (a, b) -> (b, a): diffusers' final-layer (scale, shift) -> BFL (shift, scale).
-    a, b = x.chunk(2, dim=0)
-    return torch.cat([b, a], dim=0)
-
-
-def _lokr_factor(t: Mapping[str, torch.Tensor], n: str) -> torch.Tensor:
-    full = t.get(f"lokr_w{n}")
-    return full if full is not None else t[f"lokr_w{n}_a"] @ t[f"lokr_w{n}_b"]
-
-
-def _lokr_factor_shape(t: Mapping[str, torch.Tensor], n: str) -> tuple[int, int]:
-    full = t.get(f"lokr_w{n}")
-    if full is not None:
-        return full.shape[0], full.shape[1]
-    return t[f"lokr_w{n}_a"].shape[0], t[f"lokr_w{n}_b"].shape[1]
-
-
-def _as_matrix(t: torch.Tensor) -> torch.Tensor:
-    # Kohya saves linear LoRAs of some models as 1x1 convs ([r, in, 1, 1]); treat them as matrices.
-    while t.ndim > 2 and t.shape[-1] == 1:
-        t = t[..., 0]
-    return t
-
-
-def _label(p: LoRAPatch) -> str:
-    part = f"[{p.target.part[0] + 1}/{p.target.part[1]}]" if p.target.part else ""
-    return f"{p.component}:{p.module}{part}"
-
-
-# ---------------------------------------------------------------------------------------------
-# Reading
 
 
 def _read_source(
@@ -311,7 +125,7 @@ def _build_patch(
             skipped[alpha_entry[0]] = reason
         return None
     kind = kinds[0]
-    t = {r: _as_matrix(v) for r, (_, v) in roles.items()}
+    t = {r: as_matrix(v) for r, (_, v) in roles.items()}
     keys = tuple(k for k, _ in roles.values()) + ((alpha_entry[0],) if alpha_entry else ())
 
     def incomplete(missing: str) -> None:
@@ -460,37 +274,5 @@ def load_lora(
         )
     lora = LoRA(name, _format_name(patches, tensors), patches, skipped, meta)
     logger.info("%s", lora.summary())
-    _log_skipped(name, skipped)
+    log_skipped(name, skipped)
     return lora
-
-
-def _log_skipped(name: str, skipped: Mapping[str, str], all_names: int = 20) -> None:
-    """Log keys not applied, grouped by reason: a warning, or info when every reason is a
-    deliberate "ignored: ..." (e.g. text-encoder layers Klein never runs). Every key is named
-    when there are at most ``all_names`` of them; beyond that 3 per reason (the full list is
-    ``LoRA.skipped`` / ``AppliedLoRAs.skipped``)."""
-    if not skipped:
-        return
-    by_reason: dict[str, list[str]] = {}
-    for key, reason in skipped.items():
-        by_reason.setdefault(reason, []).append(key)
-    show = len(skipped) if len(skipped) <= all_names else 3
-    parts = []
-    for reason, keys in by_reason.items():
-        more = f" and {len(keys) - show} more" if len(keys) > show else ""
-        names = ", ".join(f"'{k}'" for k in keys[:show]) + more
-        parts.append(f"{reason}: {names}")
-    level = logging.INFO if all(r.startswith("ignored") for r in by_reason) else logging.WARNING
-    logger.log(level, "%s: %d keys not applied. %s", name, len(skipped), " | ".join(parts))
-
-
-# The applying half (kept in its own module); re-exported so ``klein_core.lora`` stays the one
-# place to import LoRA support from. Imported last: lora_apply imports the names above.
-from .lora_apply import (  # noqa: E402, F401
-    AppliedLoRAs,
-    LoRABranch,
-    LoRASpec,
-    apply_loras,
-    check_loras,
-    with_loras,
-)

@@ -10,11 +10,11 @@ modules); :func:`choose_plan` picks the fastest placement whose peak fits the fr
 1. everything resident;
 2. the same with the VAE tiled;
 3. text encoder and transformer take turns on the device (each is there only for its stage);
-4. the transformer's blocks streamed from pinned CPU memory (:class:`~klein_core.offload.BlockOffloader`);
+4. the transformer's blocks streamed from pinned CPU memory (:class:`~klein_core.memory.placement.BlockOffloader`);
 5. the text encoder's layers streamed too, the VAE staged, and smaller VAE tiles.
 
 What the activation formulas rest on (honestly): the coefficients are *structural* measurements
-on CPU, taken with :func:`trace_activation_bytes`, which runs the real forward pass on the meta
+on CPU, taken with :func:`klein_core.memory.trace.trace_activation_bytes`, which runs the real forward pass on the meta
 device (no data, no compute) and tracks the bytes of every tensor the eager code allocates and
 frees, with scaled-dot-product attention counted as a memory-efficient kernel (output plus a
 float32 logsumexp, as flash / memory-efficient SDPA allocate). tests/test_planner.py re-traces
@@ -27,18 +27,21 @@ these estimates with ``torch.cuda.max_memory_allocated``; no GPU figure has been
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
-import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..models.qwen3 import Qwen3TextEncoder
+from ..models.transformer import Flux2Transformer
+from ..models.vae import Flux2VAE
+from ..quant.fp8 import block_linear_names
+from .placement import find_block_lists, module_bytes
+from .tiling import TILE_SIDES, tile_overlap
 
 logger = logging.getLogger(__name__)
 
@@ -61,8 +64,6 @@ TEXT_BYTES_PER_TOKEN_CONCAT = 12
 # block on also its first conv's output. So a level peaks at max(3 c_in, c_in + 4 c_out) maps of
 # its resolution; in the full decoder that is the first full-resolution level (3 x 256 maps).
 
-DECODE_TILES = (64, 32, 16)  # latent positions per tile side, tried largest first
-DECODE_OVERLAP = {64: 16, 32: 8, 16: 4}
 DEFAULT_RESERVE_BYTES = 768 * 1024**2  # allocator rounding, cuBLAS/cuDNN workspaces, fragmentation
 
 Placement = str  # "resident" | "staged" | "blocks"
@@ -85,6 +86,7 @@ class MemoryRequest:
     cfg: bool = False  # classifier-free guidance: the transformer runs pos and neg in one batch
     text_length: int = 512  # Klein pads prompts to at least 512 tokens
     encode_text: bool = True  # False when the prompt embeddings are cached
+    denoise: bool = True
     decode: bool = True
     activation_bytes: int = 2  # bf16/fp16 activations
 
@@ -134,11 +136,11 @@ class ModelSizes:
     weights) or :meth:`from_modules` (bytes of the loaded tensors, fp8 layers included).
     """
 
-    transformer: ComponentSize
+    transformer: ComponentSize | None
     text_encoder: ComponentSize | None
     vae_encoder: ComponentSize | None
     vae_decoder: ComponentSize | None
-    hidden: int  # transformer width
+    hidden: int = 0  # transformer width
     text_hidden: int = 0
     text_inter: int = 0
     context_dim: int = 0
@@ -158,10 +160,6 @@ class ModelSizes:
     ) -> ModelSizes:
         """Sizes from ``TransformerConfig`` / ``Qwen3Config`` / ``VAEConfig``; ``*_precision`` is
         ``"bf16"`` or ``"fp8"`` (block Linear weights in float8, the rest bf16)."""
-        from .qwen3 import Qwen3TextEncoder
-        from .transformer import Flux2Transformer
-        from .vae import Flux2VAE
-
         tr = _meta_size(Flux2Transformer, transformer, transformer_precision)
         te = _meta_size(Qwen3TextEncoder, text_encoder, text_precision) if text_encoder is not None else None
         enc = dec = None
@@ -178,11 +176,9 @@ class ModelSizes:
         )
 
     @classmethod
-    def from_modules(cls, transformer: nn.Module, text_encoder: nn.Module | None = None,
+    def from_modules(cls, transformer: nn.Module | None = None, text_encoder: nn.Module | None = None,
                      vae: nn.Module | None = None) -> ModelSizes:
-        """Sizes of loaded components, from the bytes their tensors occupy."""
-        from .offload import find_block_lists, module_bytes
-
+        """Sizes of loaded components (any of them may be absent), from the bytes their tensors occupy."""
         def size(m: nn.Module) -> ComponentSize:
             blocks = tuple(module_bytes(b) for lst in find_block_lists(m) for b in lst)
             total = module_bytes(m)
@@ -192,13 +188,14 @@ class ModelSizes:
         if vae is not None:
             enc = ComponentSize(module_bytes(vae.encoder) + module_bytes(vae.bn))
             dec = ComponentSize(module_bytes(vae.decoder) + module_bytes(vae.bn))
-        tc = transformer.config  # type: ignore[union-attr]
+        tc = transformer.config if transformer is not None else None  # type: ignore[union-attr]
         qc = text_encoder.config if text_encoder is not None else None  # type: ignore[union-attr]
         vc = vae.config if vae is not None else None  # type: ignore[union-attr]
         return cls(
-            transformer=size(transformer),
+            transformer=size(transformer) if transformer is not None else None,
             text_encoder=size(text_encoder) if text_encoder is not None else None,
-            vae_encoder=enc, vae_decoder=dec, hidden=tc.hidden_size, context_dim=tc.context_dim,
+            vae_encoder=enc, vae_decoder=dec, hidden=getattr(tc, "hidden_size", 0),
+            context_dim=getattr(tc, "context_dim", 0),
             text_hidden=getattr(qc, "hidden_size", 0), text_inter=getattr(qc, "intermediate_size", 0),
             encoder_channels=tuple(getattr(vc, "block_channels", ())),
             decoder_channels=tuple(getattr(vc, "decoder_block_channels", ())),
@@ -214,9 +211,6 @@ class ModelSizes:
 
 @functools.lru_cache(maxsize=16)
 def _meta_size(cls: type, config: Any, precision: str) -> ComponentSize:
-    from .offload import find_block_lists
-    from .quant import block_linear_names
-
     if precision not in ("bf16", "fp8"):
         raise ValueError(f"precision must be 'bf16' or 'fp8', got {precision!r}")
     with torch.device("meta"):
@@ -306,7 +300,7 @@ def vae_encode_activation_bytes(
 
 
 def tiled_decode_bytes(req: MemoryRequest, channels: Sequence[int], tile: int) -> int:
-    """Peak bytes of :func:`~klein_core.vae_tiling.decode_tiled`: one tile's activations plus the
+    """Peak bytes of :func:`~klein_core.memory.tiling.decode_tiled`: one tile's activations plus the
     float32 accumulator and weight map of the whole image."""
     side = 16 * tile
     one = vae_decode_activation_bytes(min(side, req.height), min(side, req.width), req.batch, channels,
@@ -360,7 +354,9 @@ def estimate(request: MemoryRequest, components: ModelSizes) -> MemoryEstimate:
     """Estimate per-stage memory for ``request`` (pure: sizes and formulas only, no device)."""
     r = request
     e = r.activation_bytes
-    comps: dict[str, ComponentSize] = {"transformer": components.transformer}
+    comps: dict[str, ComponentSize] = {}
+    if components.transformer is not None:
+        comps["transformer"] = components.transformer
     if components.text_encoder is not None:
         comps["text_encoder"] = components.text_encoder
     if components.vae is not None:
@@ -374,19 +370,20 @@ def estimate(request: MemoryRequest, components: ModelSizes) -> MemoryEstimate:
         # References are encoded one at a time; the largest one sets the peak.
         act = max(vae_encode_activation_bytes(h, w, 1, enc, e) for w, h in r.references)
         tiled = {}
-        for tile in DECODE_TILES:
+        for tile in TILE_SIDES:
             side = 16 * tile
             tiled[tile] = max(vae_encode_activation_bytes(min(h, side), min(w, side), 1, enc, e)
                               + h * w // 256 * 128 * 8 for w, h in r.references)
         stages["references"] = StageEstimate("vae", act, tiled)
-    seqs = r.batch * (2 if r.cfg else 1)
-    tokens = r.text_length + r.image_tokens + r.reference_tokens
-    stages["denoise"] = StageEstimate("transformer", transformer_activation_bytes(
-        tokens, seqs, components.hidden, r.text_length, components.context_dim, r.image_tokens, elem=e))
+    if r.denoise and components.transformer is not None:
+        seqs = r.batch * (2 if r.cfg else 1)
+        tokens = r.text_length + r.image_tokens + r.reference_tokens
+        stages["denoise"] = StageEstimate("transformer", transformer_activation_bytes(
+            tokens, seqs, components.hidden, r.text_length, components.context_dim, r.image_tokens, elem=e))
     if r.decode and components.vae is not None:
         dec = components.decoder_channels
         act = vae_decode_activation_bytes(r.height, r.width, r.batch, dec, e)
-        stages["decode"] = StageEstimate("vae", act, {t: tiled_decode_bytes(r, dec, t) for t in DECODE_TILES})
+        stages["decode"] = StageEstimate("vae", act, {t: tiled_decode_bytes(r, dec, t) for t in TILE_SIDES})
     return MemoryEstimate(r, comps, stages)
 
 
@@ -399,8 +396,8 @@ class MemoryPlan:
     """Where each component lives, and whether the VAE is tiled.
 
     ``placements[component]``: ``"resident"`` (on the device throughout), ``"staged"`` (on the
-    device only for its own stages, see :func:`~klein_core.offload.on_device`) or ``"blocks"``
-    (blocks streamed during its stage, :class:`~klein_core.offload.BlockOffloader`).
+    device only for its own stages, see :func:`~klein_core.memory.placement.on_device`) or ``"blocks"``
+    (blocks streamed during its stage, :class:`~klein_core.memory.placement.BlockOffloader`).
     ``vae_tile``: decode tile side in latent positions (encode tiles are 16x that in pixels), or
     None for untiled. ``reason`` is one line for the log.
     """
@@ -416,7 +413,7 @@ class MemoryPlan:
 
     @property
     def vae_overlap(self) -> int | None:
-        return DECODE_OVERLAP.get(self.vae_tile) if self.vae_tile is not None else None
+        return tile_overlap(self.vae_tile) if self.vae_tile is not None else None
 
 
 _R, _S, _B = "resident", "staged", "blocks"
@@ -440,7 +437,7 @@ def _candidates(mode: str) -> list[tuple[str, dict[str, Placement], int | None]]
         if mode != "auto" and i != MODES.index(mode) - 1:
             continue
         # Tiling down to 32 is cheaper than moving weights; tiles of 16 only in the last resort.
-        tiles: tuple[int | None, ...] = (None, 64, 32) + ((16,) if i == len(PLACEMENT_ORDER) - 1 else ())
+        tiles: tuple[int | None, ...] = (None, *TILE_SIDES[:-1]) + (TILE_SIDES[-1:] if i == len(PLACEMENT_ORDER) - 1 else ())
         out += [(name, placements, t) for t in tiles]
     return out
 
@@ -510,7 +507,7 @@ def free_device_bytes(device: torch.device | str, modules: Sequence[nn.Module] =
 
 def plan_for(
     request: MemoryRequest,
-    transformer: nn.Module,
+    transformer: nn.Module | None = None,
     text_encoder: nn.Module | None = None,
     vae: nn.Module | None = None,
     *,
@@ -520,99 +517,56 @@ def plan_for(
 ) -> MemoryPlan:
     """Plan a request for loaded components on ``device`` (what a sampler calls before running).
 
-    ``free_bytes`` defaults to :func:`free_device_bytes` on CUDA; on other devices (CPU, MPS)
-    there is nothing to plan and everything stays resident.
+    ``free_bytes`` defaults to :func:`free_device_bytes` on CUDA. Other devices (CPU, MPS) have no
+    memory to measure: ``"auto"`` keeps everything resident there, and a forced mode is applied as
+    asked (the same placement code runs, with host-to-host copies).
     """
     device = torch.device(device)
+    if mode not in MODES:
+        raise ValueError(f"memory mode must be one of {MODES}, got {mode!r}")
     est = estimate(request, ModelSizes.from_modules(transformer, text_encoder, vae))
     if free_bytes is None:
         if device.type != "cuda":
-            plan = MemoryPlan({c: "resident" for c in est.components}, name="resident")
-            reason = f"{device.type}: no memory planning, all resident"
-            return replace(plan, peak_bytes=est.peak(plan), reason=reason)
-        free_bytes = free_device_bytes(device, [m for m in (transformer, text_encoder, vae) if m is not None])
+            if mode == "auto":
+                plan = MemoryPlan({c: "resident" for c in est.components}, name="resident")
+                reason = f"{device.type}: no memory planning, all resident"
+                return replace(plan, peak_bytes=est.peak(plan), reason=reason)
+            free_bytes = 1 << 62
+        else:
+            free_bytes = free_device_bytes(device, [m for m in (transformer, text_encoder, vae) if m is not None])
     plan = choose_plan(est, free_bytes, mode=mode)
-    logger.info("memory plan: %s", plan.reason)
+    if device.type != "cuda":
+        plan = replace(plan, reason=f"{plan.name}: forced mode on {device.type} (no memory to measure); "
+                                    f"estimated peak {plan.peak_bytes / GB:.2f} GB")
     return plan
 
 
-# ---------------------------------------------------------------------------------------------
-# Calibration: tracing the bytes an eager forward allocates
+def weights_home(
+    model: nn.Module, device: torch.device | str, *, mode: str = "auto", free_bytes: int | None = None,
+    component: str = "transformer", request: MemoryRequest | None = None,
+) -> torch.device:
+    """Where a component's weights should live between runs: ``device`` when the plan for a typical
+    request keeps it resident there, else the CPU (its stages then copy or stream it in).
 
-
-class _AllocationTracker(TorchDispatchMode):
-    """Counts live bytes of tensors created by ops (views and in-place results share their
-    source's allocation), freeing them when the last tensor object using them dies."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.live = 0
-        self.peak = 0
-        self._alloc: dict[int, list[int]] = {}  # allocation id -> [tensor objects, bytes]
-        self._owner: dict[int, int] = {}  # id(tensor) -> allocation id
-        self._next = 0
-
-    def _attach(self, t: torch.Tensor, alloc: int) -> None:
-        self._alloc[alloc][0] += 1
-        tid = id(t)
-        self._owner[tid] = alloc
-        weakref.finalize(t, self._detach, tid, alloc)
-
-    def _detach(self, tid: int, alloc: int) -> None:
-        self._owner.pop(tid, None)
-        entry = self._alloc[alloc]
-        entry[0] -= 1
-        if entry[0] == 0:
-            self.live -= entry[1]
-            del self._alloc[alloc]
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        returns = func._schema.returns
-        for i, o in enumerate(out if isinstance(out, (tuple, list)) else (out,)):
-            if not isinstance(o, torch.Tensor):
-                continue
-            if i < len(returns) and returns[i].alias_info is not None:  # a view or in-place result
-                src = next((a for s, a in zip(func._schema.arguments, args)
-                            if s.alias_info is not None and isinstance(a, torch.Tensor)), None)
-                alloc = self._owner.get(id(src)) if src is not None else None
-                if alloc is not None and o is not src:
-                    self._attach(o, alloc)
-                continue
-            alloc, self._next = self._next, self._next + 1
-            self._alloc[alloc] = [0, o.numel() * o.element_size()]
-            self.live += self._alloc[alloc][1]
-            self.peak = max(self.peak, self.live)
-            self._attach(o, alloc)
-        return out
-
-
-def _efficient_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kw):
-    # What flash / memory-efficient SDPA allocate: the output and a float32 logsumexp.
-    lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
-    del lse
-    return q.new_empty(*q.shape[:-1], v.shape[-1])
-
-
-@contextlib.contextmanager
-def _sdpa_as_efficient() -> Iterator[None]:
-    real = F.scaled_dot_product_attention
-    F.scaled_dot_product_attention = _efficient_sdpa
-    try:
-        yield
-    finally:
-        F.scaled_dot_product_attention = real
-
-
-def trace_activation_bytes(fn: Callable[[], Any]) -> int:
-    """Peak bytes of the tensors allocated while ``fn()`` runs (its inputs and the weights, made
-    before, are not counted). Run it on meta-device modules and inputs to measure real-size
-    models without memory or compute. Scaled-dot-product attention is counted as a
-    memory-efficient kernel. A calibration tool: slow-ish (Python per op), not for every request.
+    ``model`` may be weightless (``load_transformer(path, device="meta")``): only its tensors'
+    sizes and dtypes are read. ``free_bytes`` defaults to the free memory of ``device``.
     """
-    with _sdpa_as_efficient(), torch.no_grad(), _AllocationTracker() as tracker:
-        fn()
-    return tracker.peak
+    device = torch.device(device)
+    if mode not in MODES:
+        raise ValueError(f"memory mode must be one of {MODES}, got {mode!r}")
+    if device.type != "cuda":
+        return device
+    if mode != "auto":
+        return device if mode == "resident" else torch.device("cpu")
+    request = request or MemoryRequest(encode_text=False, decode=False)
+    sizes = ModelSizes.from_modules(**{component: model})
+    if free_bytes is None:
+        free_bytes = free_device_bytes(device)
+    plan = choose_plan(estimate(request, sizes), free_bytes)
+    where = plan.placements.get(component, "resident")
+    logger.info("%s weights: %s (plan for a %dx%d image: %s)", component, "on " + str(device) if where ==
+                "resident" else "in CPU memory", request.width, request.height, plan.reason)
+    return device if where == "resident" else torch.device("cpu")
 
 
 __all__ = [
@@ -628,8 +582,8 @@ __all__ = [
     "estimate",
     "free_device_bytes",
     "plan_for",
+    "weights_home",
     "text_activation_bytes",
-    "trace_activation_bytes",
     "transformer_activation_bytes",
     "vae_decode_activation_bytes",
     "vae_encode_activation_bytes",

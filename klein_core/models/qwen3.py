@@ -2,8 +2,8 @@
 
 Klein does not use Qwen3 as a language model: it reads three intermediate residual-stream states
 of the decoder and concatenates them per token. Only the embedding and the first 27 decoder layers
-are built, loaded and run; layers 28-36, the final norm and ``lm_head`` are never read from the
-file (SPEC §2.3).
+are built and run; the loader never reads layers 28-36, the final norm or ``lm_head``
+(SPEC §2.3).
 
 The maths follows transformers' ``Qwen3ForCausalLM`` (SPEC §2.1): pre-norm decoder layers with
 QK-RMSNorm per head before rotate-half RoPE (theta 1e6), GQA attention and a SwiGLU MLP, no biases.
@@ -11,21 +11,18 @@ QK-RMSNorm per head before rotate-half RoPE (theta 1e6), GQA attention and a Swi
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..variants import encoder_name
 from .layers import RMSNorm, attention
-from .weights import LoadPlan, WeightSource, build_plan, materialize, open_weights
 
 logger = logging.getLogger(__name__)
 
@@ -33,14 +30,19 @@ logger = logging.getLogger(__name__)
 # index k is the output of decoder layer k counted from 1 (``layers[k-1]``), before the final norm.
 # Klein concatenates these three per token as [h9 | h18 | h27] (BFL ``OUTPUT_LAYERS_QWEN3``).
 OUTPUT_LAYERS: tuple[int, ...] = (9, 18, 27)
+LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.")
 
-COMPONENT = "text encoder"
-# The key that identifies a Qwen3 decoder (QK-norm is what sets Qwen3 apart from Qwen2/Llama).
-_DETECT_SUFFIX = "layers.0.self_attn.q_norm.weight"
-_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
-# Keys of a full Qwen3ForCausalLM that Klein never needs; they are planned as ignored, never read.
-_UNUSED_KEYS = frozenset({"model.norm.weight", "lm_head.weight", "model.lm_head.weight"})
-_VARIANTS = {2560: "Qwen3-4B", 4096: "Qwen3-8B"}
+
+class ShapeSource(Protocol):
+    """What config inference needs from a weight source: names, shapes and a name for messages."""
+
+    name: str
+
+    def keys(self) -> Iterable[str]: ...
+
+    def shape(self, key: str) -> tuple[int, ...]: ...
+
+    def __contains__(self, key: object) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -89,7 +91,7 @@ class Qwen3Config:
     @property
     def variant(self) -> str:
         """Human-readable model name: "Qwen3-4B", "Qwen3-8B" or "Qwen3 (hidden N)"."""
-        return _VARIANTS.get(self.hidden_size, f"Qwen3 (hidden {self.hidden_size})")
+        return encoder_name(self.hidden_size)
 
     @property
     def text_dim(self) -> int:
@@ -102,7 +104,7 @@ class Qwen3Config:
         return max(OUTPUT_LAYERS)
 
     @classmethod
-    def from_source(cls, src: WeightSource, hf_config: Mapping[str, Any] | None = None) -> Qwen3Config:
+    def from_source(cls, src: ShapeSource, hf_config: Mapping[str, Any] | None = None) -> Qwen3Config:
         """Infer the config from tensor shapes of ``src`` (keys ``model.embed_tokens.weight``,
         ``model.layers.N...``); no tensor data is read.
 
@@ -120,7 +122,7 @@ class Qwen3Config:
                     f"{src.name}: model.layers.0.self_attn.{key}.weight has {rows} rows, not a multiple "
                     f"of head_dim {head_dim} (from q_norm); this is not a valid Qwen3 checkpoint."
                 )
-        indices = {int(m.group(1)) for k in src.keys() if (m := _LAYER_RE.match(k))}
+        indices = {int(m.group(1)) for k in src.keys() if (m := LAYER_KEY.match(k))}
         n_layers = max(indices) + 1
         needed = max(OUTPUT_LAYERS)
         if n_layers < needed:
@@ -145,7 +147,7 @@ class Qwen3Config:
         return config
 
 
-def _shape(src: WeightSource, key: str, ndim: int) -> tuple[int, ...]:
+def _shape(src: ShapeSource, key: str, ndim: int) -> tuple[int, ...]:
     if key not in src:
         raise ValueError(f"{src.name}: missing tensor '{key}', which every Qwen3 text encoder has.")
     shape = src.shape(key)
@@ -350,170 +352,3 @@ def _check_inputs(input_ids: torch.Tensor, attention_mask: torch.Tensor, vocab_s
     empty = (~attention_mask.bool().any(dim=1)).nonzero().flatten().tolist()
     if empty:
         raise ValueError(f"attention_mask rows {empty} are all zeros: every prompt needs at least one token.")
-
-
-# ---------------------------------------------------------------------------------------------
-# Loading
-
-
-def _what_is_it(src: WeightSource) -> str:
-    """A guess at what a non-Qwen3 weight file holds, for error messages."""
-    keys = src.keys()
-
-    def has(fragment: str) -> bool:
-        return any(fragment in k for k in keys)
-
-    if has("stream_modulation") or has("double_blocks.") or has("single_blocks."):
-        return "a FLUX diffusion transformer (BFL/ComfyUI layout)"
-    if has("transformer_blocks.") and has("x_embedder"):
-        return "a FLUX diffusion transformer (diffusers layout)"
-    if has("decoder.conv_in.") or has("encoder.conv_in."):
-        return "a VAE"
-    if has("text_model.encoder.layers.") or has("text_model.embeddings."):
-        return "a CLIP text encoder"
-    if has("encoder.block.0.layer.0.SelfAttention") or has("shared.weight"):
-        return "a T5 text encoder"
-    if has("layers.0.self_attn.q_proj.bias"):
-        return "a Qwen2/Qwen2.5-style LLM (attention biases, no QK-norm)"
-    if has("layers.0.self_attn.q_proj.weight"):
-        return "a Llama/Mistral-style LLM without QK-norm"
-    shown = ", ".join(f"'{k}'" for k in keys[:3])
-    return f"an unrecognised model (first keys: {shown})"
-
-
-def _add_prefix(src: WeightSource, prefix: str) -> WeightSource:
-    infos = {prefix + k: src.info(k) for k in src.keys()}
-    return WeightSource(src.name, infos, lambda k: src.get(k[len(prefix) :]), src.metadata)
-
-
-def _normalise_keys(src: WeightSource) -> WeightSource:
-    """A view of ``src`` with Hugging Face ``Qwen3ForCausalLM`` key names (``model.layers.N...``,
-    ``lm_head.weight``), whatever checkpoint prefix the file uses."""
-    found = sorted(k[: -len(_DETECT_SUFFIX)] for k in src.keys() if k.endswith(_DETECT_SUFFIX))
-    if not found:
-        raise ValueError(
-            f"{src.name}: expected a Qwen3 text encoder (Qwen3-4B for Klein 4B, Qwen3-8B for Klein 9B; "
-            f"keys like 'model.{_DETECT_SUFFIX}'), but this looks like {_what_is_it(src)}. Pick the "
-            "Qwen3 file, e.g. text_encoders/qwen_3_4b.safetensors."
-        )
-    if len(found) > 1:
-        raise ValueError(
-            f"{src.name}: holds several Qwen3 decoders (key prefixes {found}); cannot choose one."
-        )
-    (prefix,) = found
-    if prefix == "model." or prefix.endswith(".model."):
-        outer, inner = prefix[: -len("model.")], "model."
-    else:  # a bare Qwen3Model export: "layers.N..." without the "model." level
-        outer, inner = prefix, ""
-    if outer:
-        logger.info("%s: reading the Qwen3 text encoder under key prefix '%s'", src.name, outer)
-        src = src.strip_prefix(outer)
-    return src if inner else _add_prefix(src, "model.")
-
-
-def _is_unused(key: str) -> bool:
-    if key in _UNUSED_KEYS or key.endswith("rotary_emb.inv_freq"):
-        return True
-    m = _LAYER_RE.match(key)
-    return m is not None and int(m.group(1)) >= max(OUTPUT_LAYERS)
-
-
-def _rename(key: str) -> str | None:
-    return key[len("model.") :] if key.startswith("model.") else None
-
-
-def build_load_plan(src: WeightSource) -> LoadPlan:
-    """Plan for a source with HF keys (``model.embed_tokens.weight``, ``model.layers.N...``): every
-    key maps to the same name without ``model.``; layers >= 27, ``model.norm`` and ``lm_head`` go to
-    ``plan.ignored`` and are never read."""
-    return build_plan(src, _rename, ignore=_is_unused)
-
-
-def _read_hf_config(folder: Path) -> dict[str, Any] | None:
-    for path in (folder / "text_encoder" / "config.json", folder / "config.json"):
-        if path.is_file():
-            try:
-                return json.loads(path.read_text())
-            except (OSError, json.JSONDecodeError) as exc:
-                raise ValueError(f"{path}: cannot read the text encoder config ({exc}).") from None
-    return None
-
-
-def checkpoint_shapes(
-    hidden: int, heads: int, kv_heads: int, head_dim: int, intermediate: int, vocab: int = 151936,
-    *, num_layers: int = 36, lm_head: bool = True,
-) -> dict[str, tuple[int, ...]]:
-    """Key -> shape of a full Qwen3 checkpoint in the Hugging Face / ComfyUI file layout
-    (``model.``-prefixed, all ``num_layers`` layers, final norm, optional ``lm_head``).
-
-    For writing test or benchmark files and meta-device configs with the real key names.
-    """
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,)}
-    for i in range(num_layers):
-        p = f"model.layers.{i}."
-        shapes |= {
-            p + "input_layernorm.weight": (hidden,),
-            p + "post_attention_layernorm.weight": (hidden,),
-            p + "self_attn.q_proj.weight": (heads * head_dim, hidden),
-            p + "self_attn.k_proj.weight": (kv_heads * head_dim, hidden),
-            p + "self_attn.v_proj.weight": (kv_heads * head_dim, hidden),
-            p + "self_attn.o_proj.weight": (hidden, heads * head_dim),
-            p + "self_attn.q_norm.weight": (head_dim,),
-            p + "self_attn.k_norm.weight": (head_dim,),
-            p + "mlp.gate_proj.weight": (intermediate, hidden),
-            p + "mlp.up_proj.weight": (intermediate, hidden),
-            p + "mlp.down_proj.weight": (hidden, intermediate),
-        }
-    if lm_head:
-        shapes["lm_head.weight"] = (vocab, hidden)
-    return shapes
-
-
-def load_text_encoder(
-    source: str | os.PathLike | Mapping[str, torch.Tensor] | WeightSource,
-    *,
-    device: torch.device | str | None = None,
-    dtype: torch.dtype | None = None,
-    quantize: str | None = None,
-) -> Qwen3TextEncoder:
-    """Load the Klein text encoder (the first 27 layers of Qwen3-4B or Qwen3-8B).
-
-    Args:
-        source: a ``.safetensors`` file (ComfyUI ``text_encoders/qwen_3_4b.safetensors``, or an
-            all-in-one checkpoint with a prefix such as ``text_encoders.qwen3_4b.transformer.``), a
-            Hugging Face folder (``config.json`` + shards, or a repo root with ``text_encoder/``), an
-            in-memory state dict, or a :class:`WeightSource`.
-        device: where to put the weights (default CPU).
-        dtype: floating dtype of the weights and of the output (default: as stored).
-        quantize: None keeps fp8 files in fp8; "fp8" quantises the decoder layers' Linears while
-            loading; "dequantize" loads everything in ``dtype``.
-
-    Returns:
-        A :class:`Qwen3TextEncoder` in eval mode; ``encode(ids [B,L], mask [B,L])`` gives
-        ``[B, L, config.text_dim]``.
-
-    Raises:
-        ValueError: the source is not a Qwen3 decoder, has fewer than 27 layers, or has missing or
-            misshaped tensors (the message names the file and the keys).
-    """
-    if dtype is not None and not dtype.is_floating_point:
-        raise ValueError(f"dtype must be a floating dtype, got {dtype}.")
-    hf_config = None
-    if isinstance(source, (str, os.PathLike)) and Path(source).expanduser().is_dir():
-        hf_config = _read_hf_config(Path(source).expanduser())
-    src = _normalise_keys(open_weights(source, component=COMPONENT, subfolder="text_encoder"))
-    config = Qwen3Config.from_source(src, hf_config)
-    plan = build_load_plan(src)
-    model = materialize(
-        lambda: Qwen3TextEncoder(config), plan, src, component=COMPONENT, device=device, dtype=dtype,
-        quantize=quantize,
-    )
-    logger.info(
-        "%s text encoder: %d of %d layers loaded, output width %d",
-        config.variant,
-        config.num_layers_run,
-        config.num_layers_in_file,
-        config.text_dim,
-    )
-    assert isinstance(model, Qwen3TextEncoder)
-    return model

@@ -1,7 +1,7 @@
 """Applying loaded LoRAs: fit checks against the model, merge into weights (bf16/fp32 and
 FP8Linear, exact removal), side-branch hooks, and non-mutating patched copies.
 
-Reading and format detection live in :mod:`klein_core.lora`, which re-exports these names.
+Reading and format detection live in :mod:`klein_core.lora.read`; :mod:`klein_core.lora` exports both.
 """
 
 from __future__ import annotations
@@ -19,21 +19,12 @@ import torch.nn.functional as F
 from torch import nn
 from typing_extensions import Self
 
-from .lora_formats import TEXT_ENCODER, TRANSFORMER, module_hidden
-from .qwen3 import Qwen3TextEncoder
-from .transformer import Flux2Transformer
-
-logger = logging.getLogger(__name__)
-
-from .lora import (
-    _FLOAT8,
-    _MODES,
-    _TEXT_SIZES,
-    _TRANSFORMER_SIZES,
-    LoRA,
-    LoRAPatch,
-    _log_skipped,
-)
+from ..models.qwen3 import Qwen3TextEncoder
+from ..models.transformer import Flux2Transformer
+from ..quant.fp8 import FLOAT8_DTYPES
+from ..variants import encoder_model, model_for_hidden
+from .formats import TEXT_ENCODER, TRANSFORMER, module_hidden
+from .patches import MODES, LoRA, LoRAPatch, log_skipped
 
 logger = logging.getLogger(__name__)
 
@@ -80,10 +71,6 @@ def _normalise(loras: LoRASpec | Sequence[LoRASpec]) -> list[tuple[LoRA, float]]
     return out
 
 
-def _describe_transformer(hidden: int) -> str:
-    return _TRANSFORMER_SIZES.get(hidden, "a Flux2 transformer")
-
-
 def _misfit(lora: LoRA, patch: LoRAPatch, model: nn.Module, weight_shape: tuple[int, ...]) -> ValueError:
     """The error for a patch whose shape does not fit its module: names both model sizes."""
     out, inn = patch.shape
@@ -95,10 +82,10 @@ def _misfit(lora: LoRA, patch: LoRAPatch, model: nn.Module, weight_shape: tuple[
         model_side = variant if "hidden" in variant else f"{variant} (hidden {cfg.hidden_size})"
         if patch.component == TRANSFORMER:
             return ValueError(
-                f"{lora.name}: this LoRA was trained for {_describe_transformer(lora_hidden)} (hidden "
+                f"{lora.name}: this LoRA was trained for {model_for_hidden(lora_hidden)} (hidden "
                 f"{lora_hidden}); the loaded model is {model_side}. Use a LoRA made for {variant}."
             )
-        made_for = _TEXT_SIZES.get(lora_hidden, "another Qwen3 text encoder")
+        made_for = encoder_model(lora_hidden)
         return ValueError(
             f"{lora.name}: this LoRA's text-encoder part was trained for {made_for} (hidden {lora_hidden}); "
             f"the loaded text encoder is {model_side}."
@@ -155,7 +142,7 @@ def _plan(
             n = patch.target.part[1] if patch.target.part else 1
             if weight.ndim != 2 or weight.shape[0] % n or patch.shape != (weight.shape[0] // n, weight.shape[1]):
                 raise _misfit(lora, patch, model, tuple(weight.shape))
-            if weight.dtype in _FLOAT8 and getattr(module, "weight_scale", None) is None:
+            if weight.dtype in FLOAT8_DTYPES and getattr(module, "weight_scale", None) is None:
                 raise NotImplementedError(
                     f"{lora.name}: {patch.component} module {patch.module} has {weight.dtype} weights without a "
                     "scale (not an FP8Linear); load the model through klein_core's loaders to apply LoRAs."
@@ -164,7 +151,7 @@ def _plan(
             if key not in plans:
                 plans[key] = _ModulePlan(patch.component, patch.module, module)
             plans[key].items.append((patch, strength))
-    _log_skipped("LoRA", skipped)
+    log_skipped("LoRA", skipped)
     return plans, skipped
 
 
@@ -220,7 +207,7 @@ class LoRABranch:
     def __init__(self, plan: _ModulePlan, weight: torch.Tensor) -> None:
         out_features = weight.shape[0]
         # fp8 layers compute in their activation dtype; keep the factors in bf16 for them
-        dtype = torch.bfloat16 if weight.dtype in _FLOAT8 else weight.dtype
+        dtype = torch.bfloat16 if weight.dtype in FLOAT8_DTYPES else weight.dtype
         device = weight.device
         self.out_features = out_features
         a_parts, b_parts = [], []
@@ -374,8 +361,8 @@ def apply_loras(
         ValueError: a LoRA does not fit the model (the message names both model sizes).
         NotImplementedError: a target weight is float8 without a scale (not an FP8Linear).
     """
-    if mode not in _MODES:
-        raise ValueError(f"mode must be one of {_MODES}, got {mode!r}")
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     components = _components(models)
     items = _normalise(loras)
     plans, skipped = _plan(components, items)
@@ -385,7 +372,7 @@ def apply_loras(
         weight = plan.module.weight
         if mode == "merge":
             original = weight.detach()
-            if original.dtype in _FLOAT8:
+            if original.dtype in FLOAT8_DTYPES:
                 handle._backups.append((plan.module, _merge_fp8(plan, original)))
                 handle.modules.append(f"{comp}:{name}")
                 continue

@@ -1,7 +1,7 @@
 """Fused modulated LayerNorm ``(1 + scale) * LayerNorm(x) + shift`` (Triton).
 
 One program per token row ``[D]``: mean and variance in float32, then the plain path's
-roundings one by one (``klein_core.transformer._modulate`` in the input dtype): the normalised
+roundings one by one (``klein_core.models.transformer_math.modulate`` in the input dtype): the normalised
 row, ``1 + scale``, the product and the sum are each rounded to the input dtype. Eager PyTorch
 makes four passes over the activations for this (norm, add, multiply, add); this is one.
 """
@@ -43,7 +43,7 @@ def _modulate_kernel(
 
 
 def launch(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, eps: float) -> None:
-    """Launch on validated arguments (see ``klein_core.kernels.modulate``)."""
+    """Launch on validated arguments (see ``klein_core.accel.kernels.modulate``)."""
     b, length, dim = x.shape
     block = triton.next_power_of_2(dim)
     _modulate_kernel[(b * length,)](

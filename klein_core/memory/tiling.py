@@ -22,10 +22,21 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-DECODE_TILE = 64  # latent positions per tile side (1024 px)
-DECODE_OVERLAP = 16  # latent positions shared by neighbouring tiles (256 px)
-ENCODE_TILE = 1024  # pixels per tile side
-ENCODE_OVERLAP = 256  # pixels shared by neighbouring tiles
+# The one tile policy. A tile is given by its side in latent positions (16 px each); neighbours
+# share a quarter of it. The planner tries these sides largest first; decoding that runs out of
+# memory falls back through them too.
+TILE_SIDES = (64, 32, 16)  # 1024, 512 and 256 px
+
+
+def tile_overlap(tile: int) -> int:
+    """Latent positions shared by neighbouring tiles of side ``tile`` (16, 8, 4)."""
+    return tile // 4
+
+
+DECODE_TILE = TILE_SIDES[0]
+DECODE_OVERLAP = tile_overlap(DECODE_TILE)
+ENCODE_TILE = 16 * DECODE_TILE  # pixels per tile side
+ENCODE_OVERLAP = 16 * DECODE_OVERLAP
 
 
 def tile_starts(size: int, tile: int, overlap: int) -> list[int]:
@@ -136,5 +147,19 @@ def encode_tiled(
     return _tiled(run, pixels.shape[-2] // d, pixels.shape[-1] // d, tile // d, overlap // d, 1)
 
 
-__all__ = ["DECODE_OVERLAP", "DECODE_TILE", "ENCODE_OVERLAP", "ENCODE_TILE", "decode_tiled", "encode_tiled",
-           "tile_starts"]
+def decode_in_tiles(vae, latents: torch.Tensor, tile: int | None) -> torch.Tensor:
+    """Decode whole (``tile`` None) or in tiles of ``tile`` latent positions, with the policy's overlap."""
+    if tile is None:
+        return vae.decode(latents)
+    return decode_tiled(vae, latents, tile=tile, overlap=tile_overlap(tile))
+
+
+def encode_in_tiles(vae, pixels: torch.Tensor, tile: int | None) -> torch.Tensor:
+    """Encode whole (``tile`` None) or in tiles of ``tile`` latent positions (16x that in pixels)."""
+    if tile is None:
+        return vae.encode(pixels)
+    return encode_tiled(vae, pixels, tile=16 * tile, overlap=16 * tile_overlap(tile))
+
+
+__all__ = ["DECODE_OVERLAP", "DECODE_TILE", "ENCODE_OVERLAP", "ENCODE_TILE", "TILE_SIDES", "decode_in_tiles",
+           "decode_tiled", "encode_in_tiles", "encode_tiled", "tile_overlap", "tile_starts"]

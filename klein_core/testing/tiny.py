@@ -16,9 +16,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from .qwen3 import Qwen3Config, Qwen3TextEncoder
-from .transformer import Flux2Transformer, TransformerConfig
-from .vae import Flux2VAE, VAEConfig
+from ..models.qwen3 import Qwen3Config, Qwen3TextEncoder
+from ..models.transformer import Flux2Transformer, TransformerConfig
+from ..models.vae import Flux2VAE, VAEConfig
 
 logger = logging.getLogger(__name__)
 

@@ -1,33 +1,32 @@
-"""fp8 weights: reading quantised checkpoints, the :class:`FP8Linear` layer, quantize-on-load.
+"""Reading fp8 checkpoints, and keeping or putting block Linears in fp8 while loading.
 
 Formats read (all per-tensor or per-output-row scaled float8; a weight ``W`` is ``q * scale``):
 
 * ComfyUI "mixed precision": ``<layer>.comfy_quant`` (uint8 bytes of a JSON object such as
   ``{"format": "float8_e4m3fn"}``), ``<layer>.weight`` in float8 (or a uint8 container),
   ``<layer>.weight_scale`` (fp32 scalar), optional ``<layer>.input_scale``. Unquantised layers stay
-  bf16. The older file-level ``_quantization_metadata`` JSON (ComfyUI 0.3.7x) is read too.
+  bf16. The file-level ``_quantization_metadata`` JSON (BFL's fp8 files, ComfyUI 0.3.7x) is read too.
 * the older ComfyUI ``scaled_fp8`` marker tensor with per-layer ``scale_weight`` / ``scale_input``;
 * BFL / ModelOpt style: float8 weights with ``weight_scale`` (+ ``input_scale``) and no marker;
 * plain float8 weights (scale 1), e.g. files saved by ComfyUI's ``weight_dtype=fp8_e4m3fn``.
 
-nvfp4 (``weight_scale_2``, packed uint8), mxfp8, int8 and other formats are refused by name.
+Other quantised formats are refused by name here (:func:`unsupported_format`).
 
 How fp8 flows through loading without touching the component loaders:
 
-1. :func:`prepare_quantized` (called by ``weights.open_weights``) returns a view of the file in
-   which the scale and marker tensors are hidden, so every plan sees the same keys and shapes as
-   the bf16 file; a quantised weight's :class:`QuantTensorInfo` carries its format and scales, and
-   reading it returns the raw float8 data (nothing is dequantised here).
-2. ``weights.materialize`` asks :func:`plan_fp8` which internal weights stay in fp8 (by default
-   the ``nn.Linear`` weights inside the model's repeated blocks), swaps those ``nn.Linear`` modules
-   for :class:`FP8Linear` while the model is still on the meta device (free), and fills them with
-   :func:`load_fp8`. Other float8 tensors (embedders, norms in plain-fp8 files) are dequantised to
-   the compute dtype by :func:`dequantize_op`.
+1. :func:`prepare_quantized` (called by :func:`klein_core.files.opening.open_weights`) returns a
+   view of the file in which the scale and marker tensors are hidden, so every plan sees the same
+   keys and shapes as the bf16 file; a quantised weight's :class:`QuantTensorInfo` carries its
+   format and scales, and reading it returns the raw float8 data (nothing is dequantised here).
+2. :func:`klein_core.files.materialize.materialize` asks :func:`plan_fp8` which internal weights
+   stay in fp8 (by default the ``nn.Linear`` weights inside the model's repeated blocks), swaps
+   those ``nn.Linear`` modules for :class:`~klein_core.quant.fp8.FP8Linear` while the model is
+   still on the meta device (free), and fills them with :func:`load_fp8`. Other float8 tensors
+   (embedders, norms in plain-fp8 files) are dequantised to the compute dtype by :func:`dequantize_op`.
 
-``materialize(..., quantize="fp8")`` quantises bf16 block weights while loading, one layer at a
-time on the target device (per-tensor absmax scale, e4m3 max 448), so the bf16 model never has to
-exist there; :func:`quantize_model_` does the same for a model that is already loaded, with the
-same bytes (checked on CPU).
+``quantize="fp8"`` quantises bf16 block weights while loading, one layer at a time on the target
+device (per-tensor absmax scale, e4m3 max 448), so the bf16 model never has to exist there;
+:func:`~klein_core.quant.fp8.quantize_model_` does the same for a loaded model, with the same bytes.
 """
 
 from __future__ import annotations
@@ -38,21 +37,16 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from .weights import Cat, Op, SwapHalves, Take, TensorInfo, WeightFormatError, WeightSource
+from ..errors import WeightFormatError
+from ..quant.fp8 import (
+    FP8_DTYPES, FP8_FORMAT_OF, FP8Linear, block_linear_names, dequantize, is_fp8, quantize_fp8,
+)
+from .plan import Cat, Op, SwapHalves, Take
+from .source import TensorInfo, WeightSource
 
 logger = logging.getLogger(__name__)
-
-FP8_DTYPES: dict[str, torch.dtype] = {
-    "float8_e4m3fn": torch.float8_e4m3fn,
-    "float8_e5m2": torch.float8_e5m2,
-}
-FP8_FORMAT_OF: dict[torch.dtype, str] = {v: k for k, v in FP8_DTYPES.items()}
-E4M3_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
-# fp8 tensor-core matmul (torch._scaled_mm) needs Ada (8.9) or newer.
-MIN_SCALED_MM_CAPABILITY = (8, 9)
 
 QuantizeMode = str | None  # None (as stored), "fp8" (quantise bf16 block weights), "dequantize"
 QUANTIZE_MODES = (None, "fp8", "dequantize")
@@ -80,14 +74,6 @@ class QuantTensorInfo(TensorInfo):
     input_scale: torch.Tensor | None = None
     full_precision_mm: bool = False  # ComfyUI's "full_precision_matrix_mult" hint
     origin: str = "weight_scale"  # comfy_quant | scaled_fp8 | weight_scale, for messages
-
-
-def is_fp8(dtype: torch.dtype) -> bool:
-    return dtype in FP8_FORMAT_OF
-
-
-# ---------------------------------------------------------------------------------------------
-# Reading quantised files
 
 
 def _layer_of(key: str, suffixes: Iterable[str]) -> str | None:
@@ -259,34 +245,6 @@ def _view(src: WeightSource, infos: Mapping[str, TensorInfo], containers: set[st
     return WeightSource(src.name, infos, reader, src.metadata)
 
 
-# ---------------------------------------------------------------------------------------------
-# Quantising
-
-
-def quantize_fp8(weight: torch.Tensor, fmt: str = "float8_e4m3fn") -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-tensor absmax quantisation: ``weight ~ q.float() * scale``.
-
-    Returns ``(q, scale)``: ``q`` has ``weight``'s shape in the float8 dtype of ``fmt``; ``scale``
-    is a 0-dim float32 ``absmax / fp8_max`` (1 for an all-zero tensor). Computed in float32, so
-    a bf16 and an fp32 copy of the same values give the same bytes.
-    """
-    dtype = FP8_DTYPES[fmt]
-    fmax = float(torch.finfo(dtype).max)
-    w = weight.float()
-    amax = w.abs().amax()
-    scale = torch.where(amax > 0, amax / fmax, torch.ones_like(amax)).to(torch.float32)
-    q = (w / scale).clamp(-fmax, fmax).to(dtype)
-    return q, scale.reshape(())
-
-
-def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``q * scale`` in float32, cast to ``dtype``; ``scale`` is ``[]`` or ``[rows]``."""
-    s = scale.float()
-    if s.ndim == 1:
-        s = s.reshape(-1, *([1] * (q.ndim - 1)))
-    return (q.float() * s).to(dtype)
-
-
 def quantize_state_dict(
     state: Mapping[str, torch.Tensor],
     layers: Iterable[str],
@@ -333,177 +291,7 @@ def quantize_state_dict(
 
 
 # ---------------------------------------------------------------------------------------------
-# The layer
-
-
-_scaled_mm_support: dict[tuple[str, int | None], bool] = {}
-
-
-def scaled_mm_available(device: torch.device) -> bool:
-    """Whether ``device`` has fp8 tensor cores (CUDA compute capability >= 8.9).
-
-    Checked once per device, at first use (never at import), with one info log line.
-    """
-    if device.type != "cuda":
-        return False
-    key = (device.type, device.index)
-    if key not in _scaled_mm_support:
-        cap = torch.cuda.get_device_capability(device)
-        # ROCm reports "cuda" devices too, but its fp8 matmul wants the e4m3fnuz flavour.
-        ok = (tuple(cap) >= MIN_SCALED_MM_CAPABILITY and hasattr(torch, "_scaled_mm")
-              and torch.version.hip is None)
-        _scaled_mm_support[key] = ok
-        logger.info(
-            "fp8 matmul on %s (compute capability %d.%d): %s", device, cap[0], cap[1],
-            "torch._scaled_mm" if ok else "not available, fp8 weights are upcast per layer",
-        )
-    return _scaled_mm_support[key]
-
-
-class FP8Linear(nn.Module):
-    """A Linear layer whose weight is stored in float8: ``y = x @ (weight * weight_scale)^T + bias``.
-
-    Parameters and buffers: ``weight [out, in]`` float8 (a non-trainable Parameter),
-    ``weight_scale`` fp32 ``[]`` or ``[out]``, ``input_scale`` fp32 ``[]`` or None (a calibrated
-    activation scale; without it activations are scaled dynamically), ``bias [out]`` or None.
-
-    ``matmul``: ``"auto"`` uses ``torch._scaled_mm`` on CUDA GPUs with compute capability >= 8.9
-    (e4m3 weights, sizes multiple of 16, half-precision activations, no full-precision hint) and
-    otherwise upcasts the weight to the activation dtype for this one layer; ``"upcast"`` and
-    ``"scaled_mm"`` force a path (``torch._scaled_mm`` also runs on CPU, which the tests use).
-    Input ``x [..., in]`` in any float dtype; output ``[..., out]`` in ``x.dtype``.
-    """
-
-    matmul: str = "auto"
-
-    def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        *,
-        bias: bool = False,
-        fmt: str = "float8_e4m3fn",
-        per_row_scale: bool = False,
-        input_scale: bool = False,
-        full_precision_mm: bool = False,
-        device: torch.device | str | None = None,
-        bias_dtype: torch.dtype = torch.float32,
-    ) -> None:
-        super().__init__()
-        if fmt not in FP8_DTYPES:
-            raise ValueError(f"FP8Linear: unknown format '{fmt}' (expected one of {sorted(FP8_DTYPES)})")
-        self.in_features = in_features
-        self.out_features = out_features
-        self.fmt = fmt
-        self.full_precision_mm = full_precision_mm
-        self.weight = nn.Parameter(
-            torch.empty(out_features, in_features, dtype=FP8_DTYPES[fmt], device=device), requires_grad=False
-        )
-        scale_shape = (out_features,) if per_row_scale else ()
-        self.register_buffer("weight_scale", torch.ones(scale_shape, device=device))
-        self.register_buffer("input_scale", torch.ones((), device=device) if input_scale else None)
-        if bias:
-            self.bias = nn.Parameter(
-                torch.empty(out_features, dtype=bias_dtype, device=device), requires_grad=False
-            )
-        else:
-            self.register_parameter("bias", None)
-
-    def extra_repr(self) -> str:
-        scale = "per-row" if self.weight_scale.ndim else "per-tensor"
-        return (f"in_features={self.in_features}, out_features={self.out_features}, fmt={self.fmt}, "
-                f"{scale} scale, bias={self.bias is not None}")
-
-    @classmethod
-    def from_linear(cls, linear: nn.Linear, fmt: str = "float8_e4m3fn") -> FP8Linear:
-        """Quantise an ``nn.Linear`` (per-tensor absmax) on the device its weight is on."""
-        w = linear.weight
-        layer = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, fmt=fmt,
-                    device="meta")
-        q, scale = quantize_fp8(w.detach(), fmt)
-        layer.weight = nn.Parameter(q, requires_grad=False)
-        layer.weight_scale = scale.to(w.device)
-        if linear.bias is not None:
-            layer.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
-        return layer
-
-    def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
-        """The weight as ``dtype`` (``[out, in]``): float8 upcast, then scaled in ``dtype``."""
-        w = self.weight.to(dtype)
-        s = self.weight_scale.to(dtype)
-        return w.mul_(s[:, None] if s.ndim else s)
-
-    def _use_scaled_mm(self, x: torch.Tensor) -> bool:
-        if self.matmul == "upcast":
-            return False
-        shape_ok = self.in_features % 16 == 0 and self.out_features % 16 == 0
-        if self.matmul == "scaled_mm":
-            return shape_ok
-        return (
-            not self.full_precision_mm and shape_ok and self.fmt == "float8_e4m3fn"
-            and x.dtype in (torch.bfloat16, torch.float16) and scaled_mm_available(x.device)
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._use_scaled_mm(x):
-            if self.matmul == "scaled_mm":
-                return self._scaled_mm(x)
-            try:
-                return self._scaled_mm(x)
-            except RuntimeError as exc:  # an unsupported shape or build: upcast from now on
-                logger.warning("fp8 matmul failed for a %dx%d layer (%s); upcasting its weight instead",
-                               self.out_features, self.in_features, str(exc).splitlines()[0])
-                self.full_precision_mm = True
-        # Upcast one layer at a time: the only extra memory is this layer's weight in x.dtype.
-        bias = self.bias.to(x.dtype) if self.bias is not None else None
-        return F.linear(x, self.dequantized_weight(x.dtype), bias)
-
-    def _scaled_mm(self, x: torch.Tensor) -> torch.Tensor:
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features)
-        if self.input_scale is not None:
-            xs = self.input_scale.float()
-        else:
-            xs = (x2.abs().amax().float() / E4M3_MAX).clamp(min=1e-12)
-        # Round the activation scale to x's dtype first so the division below and the scale given
-        # to the kernel are the same number.
-        xs = xs.to(x.dtype).float().reshape(())
-        xq = (x2 / xs.to(x.dtype)).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-        per_row = self.weight_scale.ndim == 1
-        ws = torch.ones((), device=x.device) if per_row else self.weight_scale.float().reshape(())
-        out_dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.float32
-        y = torch._scaled_mm(xq, self.weight.t(), scale_a=xs, scale_b=ws, out_dtype=out_dtype)
-        if per_row:  # per-row weight scales factor out of the dot products: scale the columns
-            y = y * self.weight_scale.to(y.dtype)
-        if self.bias is not None:
-            y = y + self.bias.to(y.dtype)
-        return y.reshape(*lead, self.out_features).to(x.dtype)
-
-
-# ---------------------------------------------------------------------------------------------
-# Integration with weights.materialize
-
-
-def block_linear_names(module: nn.Module) -> list[str]:
-    """Qualified names of the ``nn.Linear`` layers inside repeated blocks (any ``nn.ModuleList``).
-
-    These are the layers kept in (or quantised to) fp8 by default: the transformer's
-    ``double_blocks``/``single_blocks`` and the text encoder's ``layers``. Embedders, modulation,
-    the final layer, embeddings and norms stay in the compute dtype: they are a few percent of the
-    weights, run once per step on a handful of rows, and the models read their compute dtype from
-    ``img_in`` / ``embed_tokens``.
-    """
-    names: list[str] = []
-
-    def walk(mod: nn.Module, prefix: str, in_list: bool) -> None:
-        for name, child in mod.named_children():
-            q = f"{prefix}{name}"
-            if isinstance(child, (nn.Linear, FP8Linear)) and in_list:
-                names.append(q)
-            walk(child, q + ".", in_list or isinstance(child, nn.ModuleList))
-
-    walk(module, "", False)
-    return names
+# Keeping layers in fp8 while loading
 
 
 @dataclass(frozen=True)
@@ -676,46 +464,7 @@ def load_fp8(
     return out
 
 
-# ---------------------------------------------------------------------------------------------
-# Models already loaded
-
-
-def quantize_model_(
-    model: nn.Module, layers: Callable[[str], bool] | Iterable[str] | None = None, fmt: str = "float8_e4m3fn"
-) -> list[str]:
-    """Replace ``nn.Linear`` layers of a loaded model by :class:`FP8Linear`, in place.
-
-    ``layers``: a predicate on module names, an explicit list of names, or None for the default
-    (:func:`block_linear_names`). Each layer is quantised on its own device, one at a time, so the
-    extra memory is one layer. Gives the same bytes as loading a file written by
-    :func:`quantize_state_dict` from the same weights. Returns the names replaced.
-    """
-    candidates = block_linear_names(model) if layers is None or callable(layers) else list(layers)
-    if callable(layers):
-        all_linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
-        candidates = [n for n in all_linears if layers(n)]
-    done = []
-    for name in candidates:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        old = getattr(parent, child)
-        if isinstance(old, FP8Linear):
-            continue
-        if not isinstance(old, nn.Linear):
-            raise TypeError(f"quantize_model_: '{name}' is a {type(old).__name__}, not an nn.Linear")
-        setattr(parent, child, FP8Linear.from_linear(old, fmt))
-        done.append(name)
-    logger.info("Quantised %d Linear layers to %s", len(done), fmt)
-    return done
-
-
-def fp8_layers(model: nn.Module) -> list[str]:
-    """Names of the :class:`FP8Linear` modules of ``model``."""
-    return [n for n, m in model.named_modules() if isinstance(m, FP8Linear)]
-
-
 __all__ = [
-    "E4M3_MAX", "FP8Linear", "QuantTensorInfo", "block_linear_names", "dequantize", "fp8_layers",
-    "prepare_quantized", "quantize_fp8", "quantize_model_", "quantize_state_dict", "scaled_mm_available",
-    "unsupported_format",
+    "QUANTIZE_MODES", "Fp8Layer", "QuantTensorInfo", "dequantize_op", "load_fp8", "plan_fp8", "prepare_quantized",
+    "quantize_state_dict", "reads_fp8", "swap_to_fp8_", "unsupported_format",
 ]

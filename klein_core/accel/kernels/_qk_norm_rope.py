@@ -3,9 +3,9 @@
 One program handles one token and a block of heads, for q and k together (they share the
 token's angles). Per head row ``[D]`` it follows the plain path's rounding steps exactly:
 
-1. RMS-normalise in float32 (``klein_core.layers.rms_norm``), round to the input dtype,
+1. RMS-normalise in float32 (``klein_core.models.layers.rms_norm``), round to the input dtype,
    multiply by the norm weight in that dtype (one rounding, as torch does);
-2. rotate adjacent pairs ``(2j, 2j+1)`` in float32 (``klein_core.transformer.apply_rope``):
+2. rotate adjacent pairs ``(2j, 2j+1)`` in float32 (``klein_core.models.transformer_math.apply_rope``):
    ``o0 = y0*cos - y1*sin``, ``o1 = y1*cos + y0*sin``, each product rounded before the sum
    (the kernel is compiled without FMA contraction for that reason), then round to the dtype.
 
@@ -90,7 +90,7 @@ def launch(
     offset: int,
     eps: float,
 ) -> None:
-    """Launch on validated arguments (see ``klein_core.kernels.qk_norm_rope_into``)."""
+    """Launch on validated arguments (see ``klein_core.accel.kernels.qk_norm_rope_into``)."""
     b, length, heads, dim = q.shape
     block_h = min(triton.next_power_of_2(heads), 8)
     grid = (b * length, triton.cdiv(heads, block_h))

@@ -1,4 +1,5 @@
-"""Reference-image preprocessing (the diffusers / BFL Klein rules, SPEC §5.1)."""
+"""Pictures in and out: reference-image preprocessing (the diffusers / BFL Klein rules, SPEC §5.1)
+and pixels -> PIL images."""
 
 from __future__ import annotations
 
@@ -65,3 +66,9 @@ def _to_rgb_array(image: Image.Image) -> np.ndarray:
     if image.mode != "RGB":
         image = image.convert("RGB")
     return np.asarray(image, dtype=np.float32) / 255.0
+
+
+def to_pil(pixels: torch.Tensor) -> list[Image.Image]:
+    """``[B, 3, H, W]`` in [0, 1] -> PIL images (rounded to 8 bits like diffusers)."""
+    arr = (pixels.permute(0, 2, 3, 1).float().cpu().numpy() * 255).round().astype(np.uint8)
+    return [Image.fromarray(a) for a in arr]

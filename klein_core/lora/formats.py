@@ -22,7 +22,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from .qwen3 import OUTPUT_LAYERS
+from ..models.qwen3 import OUTPUT_LAYERS
 
 TRANSFORMER = "transformer"
 TEXT_ENCODER = "text_encoder"

@@ -4,11 +4,11 @@
   writing straight into the joint-sequence buffer the attention reads;
 * :func:`modulate`: ``(1 + scale) * LayerNorm(x) + shift`` in one pass.
 
-Both follow the rounding steps of the plain PyTorch path (``klein_core.transformer``), which
+Both follow the rounding steps of the plain PyTorch path (``klein_core.models``), which
 stays the reference. Nothing here imports Triton until a function is called, and
 :func:`available` says whether the kernels can run on a device: CUDA with Triton installed, or
 the CPU when the kernel modules were imported under ``TRITON_INTERPRET=1`` (the tests do this).
-Use them through :mod:`klein_core.fast`, which falls back to the plain path when they cannot run.
+Use them through :mod:`klein_core.accel.fast`, which falls back to the plain path when they cannot run.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_QK = "klein_core.kernels._qk_norm_rope"
-_MOD = "klein_core.kernels._modulate"
+_QK = "klein_core.accel.kernels._qk_norm_rope"
+_MOD = "klein_core.accel.kernels._modulate"
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 

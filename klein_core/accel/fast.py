@@ -1,0 +1,485 @@
+"""Switchboard for klein_core's optional fast paths. Everything is off until you turn it on.
+
+::
+
+    from klein_core.fast import enable_fast_paths, enable_fast_vae, disable_fast_paths  # or klein_core.accel
+
+    enable_fast_paths(transformer)                # best attention + fused Triton kernels
+    enable_fast_paths(transformer, compile=True)  # + torch.compile of every block
+    enable_fast_vae(vae)                          # decoder in bf16, channels-last (cuDNN)
+    disable_fast_paths(transformer)               # back to the plain reference path
+
+The plain PyTorch path (``klein_core.models.block_ops.BlockOps``) stays the default and the reference.
+Choices are made when the model first runs on a device and dtype, never at import: CUDA
+capabilities and optional packages (triton, flash_attn, flash_attn_interface) are probed then,
+the result is logged in one info line, and anything that cannot run there falls back to the
+plain path with one warning. Nothing here changes global torch settings.
+
+Attention backends (``attention=``):
+
+=========== ==================================================================================
+auto        flash3 on Hopper when installed, else ``sdpa``; the plain path off CUDA
+sdpa        PyTorch SDPA pinned to its flash kernels, then memory-efficient, then math
+sdpa_cudnn  PyTorch SDPA preferring cuDNN attention (then flash, efficient, math); measure it
+            against ``sdpa`` on your GPU, cuDNN's speed depends on its version
+flash3      ``flash_attn_interface.flash_attn_func`` (FlashAttention-3, Hopper, bf16/fp16)
+flash2      ``flash_attn.flash_attn_func`` (FlashAttention-2 package, Ampere+, bf16/fp16)
+plain       ``klein_core.models.layers.attention`` (torch's default SDPA dispatch)
+=========== ==================================================================================
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ..models.block_ops import PLAIN_OPS, BlockOps, QKPart
+from ..models.transformer import Flux2Transformer
+from ..models.transformer_math import NORM_EPS, rope_cos_sin
+from ..models.vae import Flux2VAE
+from . import kernels
+
+logger = logging.getLogger(__name__)
+
+ATTENTION_BACKENDS = ("auto", "sdpa", "sdpa_cudnn", "flash3", "flash2", "plain")
+_HALF = (torch.bfloat16, torch.float16)
+
+AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class FastSettings:
+    """What :func:`enable_fast_paths` was asked for (what actually runs: :meth:`FastOps.resolved`)."""
+
+    attention: str = "auto"
+    fused_rope: bool = True  # Triton QK-RMSNorm + RoPE
+    fused_modulation: bool = True  # Triton LayerNorm + (1 + scale) * x + shift
+    compile: bool = False  # torch.compile each block (Inductor then fuses norms and RoPE itself)
+
+    def __post_init__(self) -> None:
+        if self.attention not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention must be one of {ATTENTION_BACKENDS}, got {self.attention!r}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention backends: each maps q/k/v [B, H, L, D] (any strides, unit stride over D) to [B, L, H*D].
+
+
+def _sdpa_backends(names: Sequence[str]) -> list[Any]:
+    from torch.nn.attention import SDPBackend
+
+    return [getattr(SDPBackend, n) for n in names]
+
+
+def _make_sdpa(names: Sequence[str]) -> AttentionFn:
+    from torch.nn.attention import sdpa_kernel
+
+    backends = _sdpa_backends(names)
+    # set_priority (torch >= 2.6) makes the list an order of preference, not just a set.
+    kwargs = {"set_priority": True} if "set_priority" in inspect.signature(sdpa_kernel).parameters else {}
+
+    def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        with sdpa_kernel(backends, **kwargs):
+            out = F.scaled_dot_product_attention(q, k, v)
+        return out.transpose(1, 2).flatten(2)
+
+    return attention
+
+
+def _make_flash(fn: Callable[..., Any]) -> AttentionFn:
+    def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # flash-attn works on [B, L, H, D]; the transposes are views (the fused QK kernel already
+        # writes q and k in that layout, so they are contiguous).
+        out = fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        if isinstance(out, tuple):  # some FlashAttention-3 releases return (out, lse)
+            out = out[0]
+        return out.flatten(2)
+
+    return attention
+
+
+def _import_flash(backend: str) -> Callable[..., Any] | None:
+    module = "flash_attn_interface" if backend == "flash3" else "flash_attn"
+    try:
+        return getattr(importlib.import_module(module), "flash_attn_func")
+    except (ImportError, AttributeError):
+        return None
+
+
+def _flash_unavailable(backend: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
+    """Why ``backend`` (flash3/flash2) cannot run here, or None if it can."""
+    if device.type != "cuda":
+        return f"it needs CUDA, not {device.type}"
+    if dtype not in _HALF:
+        return f"it supports bf16/fp16, not {dtype}"
+    if head_dim % 8 or head_dim > 256:
+        return f"head dim {head_dim} is not supported"
+    major, minor = torch.cuda.get_device_capability(device)
+    if backend == "flash3" and major != 9:
+        return f"FlashAttention-3 needs a Hopper GPU (sm_90), this is sm_{major}{minor}"
+    if backend == "flash2" and major < 8:
+        return f"FlashAttention-2 needs sm_80 or newer, this is sm_{major}{minor}"
+    if _import_flash(backend) is None:
+        package = "flash_attn_interface (FlashAttention-3)" if backend == "flash3" else "flash_attn"
+        return f"{package} is not installed"
+    return None
+
+
+def _resolve_attention(
+    requested: str, device: torch.device, dtype: torch.dtype, head_dim: int
+) -> tuple[AttentionFn | None, str]:
+    """``(function, name)`` for the attention to use; function None means the plain path.
+
+    An explicitly requested backend that cannot run here gives one warning naming the reason and
+    the replacement; ``auto`` picks silently (its choice is in the info line).
+    """
+    if requested == "plain":
+        return None, "plain"
+    why = None
+    if requested in ("auto", "flash3", "flash2"):
+        candidate = "flash3" if requested == "auto" else requested
+        why = _flash_unavailable(candidate, device, dtype, head_dim)
+        if why is None:
+            fn = _import_flash(candidate)
+            assert fn is not None
+            return _make_flash(fn), candidate
+    elif device.type != "cuda":
+        why = f"it needs CUDA, not {device.type}"
+    if device.type != "cuda":
+        fn, name = None, "plain"
+    elif requested == "sdpa_cudnn":
+        fn = _make_sdpa(["CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH"])
+        name = "sdpa_cudnn"
+    else:
+        fn, name = _make_sdpa(["FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH"]), "sdpa"
+    if requested != "auto" and why is not None:
+        logger.warning("attention=%r cannot run on %s (%s); using %s", requested, device, why, name)
+    return fn, name
+
+
+# ---------------------------------------------------------------------------------------------
+# Ops
+
+
+class _BoundOps(BlockOps):
+    """The fast ops resolved for one device and dtype; each step falls back to the plain one."""
+
+    def __init__(self, attention_fn: AttentionFn | None, fused_rope: bool, fused_modulation: bool) -> None:
+        self._attention_fn = attention_fn
+        self.fused_rope = fused_rope
+        self.fused_modulation = fused_modulation
+
+    def modulate(self, x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        if self.fused_modulation:
+            return kernels.modulate(x, shift, scale, NORM_EPS)
+        return super().modulate(x, shift, scale)
+
+    def qk_norm_rope(
+        self, parts: Sequence[QKPart], cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.fused_rope:
+            return super().qk_norm_rope(parts, cos, sin)
+        q0 = parts[0][0]
+        b, _, heads, dim = q0.shape
+        n = sum(p[0].shape[1] for p in parts)
+        # Written in [B, L, H, D] order: the attention kernels read that layout without a copy.
+        out_q = q0.new_empty((b, n, heads, dim))
+        out_k = q0.new_empty((b, n, heads, dim))
+        table_cos, table_sin = cos[:, 0], sin[:, 0]  # [1 or B, 1, N, D] -> [1 or B, N, D]
+        offset = 0
+        for q, k, q_scale, k_scale in parts:
+            kernels.qk_norm_rope_into(
+                q, k, q_scale, k_scale, table_cos, table_sin, out_q, out_k, offset, NORM_EPS
+            )
+            offset += q.shape[1]
+        return out_q.transpose(1, 2), out_k.transpose(1, 2)
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self._attention_fn is None:
+            return super().attention(q, k, v)
+        return self._attention_fn(q, k, v)
+
+
+def _compare(fused: Sequence[torch.Tensor], plain: Sequence[torch.Tensor], dtype: torch.dtype) -> str | None:
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    for a, b in zip(fused, plain):
+        err = ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-6)).item()
+        if not err <= tol:  # also catches NaN
+            return f"its self-check is off by {err:.2e} (relative) against the plain path"
+    return None
+
+
+def _first_line(exc: Exception) -> str:
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+
+
+def _attention_self_check(
+    fn: AttentionFn, device: torch.device, dtype: torch.dtype, head_dim: int
+) -> str | None:
+    """Run an attention backend once in the layouts the blocks use (q/k transposed views of
+    [B, L, H, D] buffers, v a strided view of a fused projection) against the plain path."""
+    g = torch.Generator(device=device).manual_seed(0)
+    try:
+        qkv = torch.randn(1, 37, 3, 2, head_dim, generator=g, device=device).to(dtype)
+        q, k = (qkv[:, :, i].contiguous().transpose(1, 2) for i in (0, 1))
+        v = qkv[:, :, 2].transpose(1, 2)
+        return _compare([fn(q, k, v)], [PLAIN_OPS.attention(q, k, v)], dtype)
+    except Exception as exc:  # a backend that fails here would fail inside every block
+        return f"its self-check raised {_first_line(exc)}"
+
+
+def _self_check(
+    name: str, device: torch.device, dtype: torch.dtype, head_dim: int, hidden: int
+) -> str | None:
+    """Run a fused kernel once on small random data against the plain path.
+
+    Returns why it cannot be trusted (it raised, or its result is off), or None. This guards
+    against a GPU / Triton combination the kernels were never run on: such a kernel is switched
+    off with a warning instead of producing wrong images. Once per device and dtype (one sync).
+    """
+    g = torch.Generator(device=device).manual_seed(0)
+    try:
+        if name == "qk-norm+rope":
+            heads, lengths = 3, (5, 7)
+            qkv = torch.randn(2, sum(lengths), 3, heads, head_dim, generator=g, device=device).to(dtype)
+            scales = (1 + 0.1 * torch.randn(4, head_dim, generator=g, device=device)).to(dtype)
+            streams = qkv.split(lengths, dim=1)
+            parts = [(st[:, :, 0], st[:, :, 1], scales[2 * i], scales[2 * i + 1])
+                     for i, st in enumerate(streams)]
+            ids = torch.randint(0, 64, (sum(lengths), 1), generator=g, device=device)
+            cos, sin = rope_cos_sin(ids, (head_dim,), 2000.0)
+            cos, sin = cos[None, None], sin[None, None]
+            fused = _BoundOps(None, True, False).qk_norm_rope(parts, cos, sin)
+            plain = PLAIN_OPS.qk_norm_rope(parts, cos, sin)
+        else:
+            x = (torch.randn(2, 7, hidden, generator=g, device=device) * 3).to(dtype)
+            mod = torch.randn(2, 1, 3 * hidden, generator=g, device=device).to(dtype)
+            shift, scale, _ = mod.chunk(3, dim=-1)
+            fused = (kernels.modulate(x, shift, scale, NORM_EPS),)
+            plain = (PLAIN_OPS.modulate(x, shift, scale),)
+        return _compare(fused, plain, dtype)
+    except Exception as exc:  # a compile or launch failure must not take the model down
+        return f"its self-check raised {_first_line(exc)}"
+
+
+class FastOps(BlockOps):
+    """The ops :func:`enable_fast_paths` installs: resolves backends per (device, dtype) on first use."""
+
+    def __init__(self, settings: FastSettings, head_dim: int, hidden: int) -> None:
+        self.settings = settings
+        self.head_dim = head_dim
+        self.hidden = hidden
+        self._bound: dict[tuple[str, int | None, torch.dtype], _BoundOps] = {}
+        self._described: dict[str, str] = {}
+
+    def bind(self, device: torch.device, dtype: torch.dtype) -> BlockOps:
+        key = (device.type, device.index, dtype)
+        ops = self._bound.get(key)
+        if ops is None:
+            ops = self._bound[key] = self._resolve(device, dtype)
+        return ops
+
+    def resolved(self) -> dict[str, str]:
+        """What runs where, e.g. ``{"cuda:0 torch.bfloat16": "attention=flash3, ..."}``."""
+        return dict(self._described)
+
+    def _kernel_choice(self, wanted: bool, name: str, device: torch.device, dtype: torch.dtype) -> bool:
+        if not wanted:
+            return False
+        if self.settings.compile:  # Inductor fuses these itself; opaque kernels would only split graphs
+            return False
+        ok, why = kernels.available(device)
+        if ok and dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            ok, why = False, f"dtype {dtype} is not supported"
+        if ok and name == "qk-norm+rope" and (self.head_dim % 2 or self.head_dim & (self.head_dim - 1)):
+            ok, why = False, f"head dim {self.head_dim} is not a power of two"
+        if ok:
+            failure = _self_check(name, device, dtype, self.head_dim, self.hidden)
+            if failure is not None:
+                ok, why = False, failure
+        if not ok:
+            # Expected on CPU, so only an info line there; a warning where a GPU user asked for it.
+            log = logger.warning if device.type == "cuda" else logger.info
+            log("fused %s kernel unavailable on %s (%s); using the plain PyTorch path", name, device, why)
+        return ok
+
+    def _resolve(self, device: torch.device, dtype: torch.dtype) -> _BoundOps:
+        s = self.settings
+        attention_fn, attention_name = _resolve_attention(s.attention, device, dtype, self.head_dim)
+        if attention_fn is not None:
+            failure = _attention_self_check(attention_fn, device, dtype, self.head_dim)
+            if failure is not None:
+                logger.warning("attention=%s on %s: %s; using the plain path",
+                               attention_name, device, failure)
+                attention_fn, attention_name = None, "plain"
+        rope = self._kernel_choice(s.fused_rope, "qk-norm+rope", device, dtype)
+        mod = self._kernel_choice(s.fused_modulation, "modulation", device, dtype)
+        fused = "inductor" if s.compile else "triton"
+        text = (f"attention={attention_name}, qk-norm+rope={fused if rope or s.compile else 'plain'}, "
+                f"modulation={fused if mod or s.compile else 'plain'}, compile={s.compile}")
+        self._described[f"{device} {dtype}"] = text
+        logger.info("klein fast paths on %s %s: %s", device, dtype, text)
+        return _BoundOps(attention_fn, rope, mod)
+
+
+# ---------------------------------------------------------------------------------------------
+# Compilation
+
+
+class _CompileTimer:
+    """Forward hooks that log how long the first call at each input shape took.
+
+    torch.compile compiles lazily inside that call, so its wall time (synchronised) is the
+    compilation cost, paid once per shape and process.
+    """
+
+    def __init__(self) -> None:
+        self.seen: set[tuple[Any, ...]] = set()
+        self._pending: tuple[tuple[Any, ...], float] | None = None
+
+    @staticmethod
+    def _key(kwargs: dict[str, Any]) -> tuple[Any, ...]:
+        img, txt = kwargs.get("img"), kwargs.get("txt")
+        shapes = tuple(tuple(t.shape) for t in (img, txt) if isinstance(t, torch.Tensor))
+        return shapes, str(getattr(img, "device", "")), str(getattr(img, "dtype", ""))
+
+    def pre(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        key = self._key(kwargs)
+        self._pending = None if key in self.seen else (key, time.perf_counter())
+
+    def post(
+        self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
+    ) -> None:
+        if self._pending is None:
+            return
+        key, t0 = self._pending
+        self._pending = None
+        if isinstance(output, torch.Tensor) and output.is_cuda:
+            torch.cuda.synchronize(output.device)
+        self.seen.add(key)
+        logger.info("torch.compile: first forward at shapes %s took %.1f s (compilation included; "
+                    "later calls at these shapes reuse it)", list(key[0]), time.perf_counter() - t0)
+
+
+def _blocks(model: Flux2Transformer) -> list[torch.nn.Module]:
+    return [*model.double_blocks, *model.single_blocks]
+
+
+def _uncompile(module: torch.nn.Module) -> None:
+    # The compiled bound forward is an instance attribute shadowing the class method.
+    module.__dict__.pop("forward", None)
+
+
+# ---------------------------------------------------------------------------------------------
+# Public API
+
+
+def enable_fast_paths(
+    model: Flux2Transformer,
+    *,
+    attention: str = "auto",
+    fused_rope: bool = True,
+    fused_modulation: bool = True,
+    compile: bool = False,
+    compile_mode: str | None = None,
+    compile_dynamic: bool | None = None,
+    compile_backend: str = "inductor",
+) -> FastOps:
+    """Turn on the fast paths for ``model`` (in place); returns the installed :class:`FastOps`.
+
+    Args:
+        attention: one of :data:`ATTENTION_BACKENDS` (see the module docstring).
+        fused_rope: fused Triton QK-RMSNorm + RoPE (needs Triton and CUDA).
+        fused_modulation: fused Triton modulated LayerNorm (needs Triton and CUDA).
+        compile: ``torch.compile`` each double and single block (regional compilation: one graph
+            per block type, reused by every block). The first forward at each new input shape
+            pays the compilation, logged with its duration. The Triton kernels are then left to
+            Inductor, which generates its own fusions for the norms and RoPE.
+        compile_mode, compile_dynamic, compile_backend: passed to ``torch.compile`` as ``mode``,
+            ``dynamic`` and ``backend``.
+
+    Calling it again replaces the previous settings. Backends are chosen on the first forward on
+    each device/dtype and logged once.
+    """
+    if not isinstance(model, Flux2Transformer):
+        raise TypeError(f"enable_fast_paths expects a Flux2Transformer, got {type(model).__name__}")
+    disable_fast_paths(model)
+    settings = FastSettings(attention, fused_rope, fused_modulation, compile)
+    ops = FastOps(settings, model.config.head_dim, model.config.hidden_size)
+    model.ops = ops
+    if compile:
+        for block in _blocks(model):
+            # The bound forward, not the module call, so block hooks (e.g. klein_core.memory.placement's
+            # weight streaming) stay eager. All blocks of a type share one compiled graph.
+            block.forward = torch.compile(  # type: ignore[method-assign]
+                block.forward, mode=compile_mode, dynamic=compile_dynamic, backend=compile_backend
+            )
+        timer = _CompileTimer()
+        model._fast_hooks = [  # type: ignore[assignment]
+            model.register_forward_pre_hook(timer.pre, with_kwargs=True),
+            model.register_forward_hook(timer.post, with_kwargs=True),
+        ]
+        logger.info("torch.compile (%s) enabled for %d blocks (mode=%s, dynamic=%s); compiled on first use",
+                    compile_backend, len(_blocks(model)), compile_mode or "default", compile_dynamic)
+    return ops
+
+
+def disable_fast_paths(model: Flux2Transformer) -> None:
+    """Back to the plain PyTorch path: default ops, no compiled blocks, no hooks."""
+    model.ops = PLAIN_OPS
+    for block in _blocks(model):
+        _uncompile(block)
+    for handle in getattr(model, "_fast_hooks", ()):
+        handle.remove()
+    model._fast_hooks = []  # type: ignore[assignment]
+
+
+def enable_fast_vae(
+    vae: Flux2VAE,
+    *,
+    dtype: torch.dtype | None = torch.bfloat16,
+    channels_last: bool = True,
+    compile: bool = False,
+) -> None:
+    """Faster VAE decoding: the decoder in ``dtype`` with channels-last (NHWC) memory.
+
+    cuDNN's tensor-core convolutions work in NHWC, so channels-last saves a layout conversion
+    around every convolution. The decoder weights are converted in place (``dtype=None`` keeps
+    them); the encoder and the latent BatchNorm statistics are untouched.
+    ``compile`` wraps the decoder in ``torch.compile``. For the fastest cuDNN algorithms also set
+    ``torch.backends.cudnn.benchmark = True`` in your application (a process-wide setting this
+    library leaves to you).
+    """
+    if not isinstance(vae, Flux2VAE):
+        raise TypeError(f"enable_fast_vae expects a Flux2VAE, got {type(vae).__name__}")
+    vae.set_decode_format(dtype=dtype, channels_last=channels_last)
+    _uncompile(vae.decoder)
+    if compile:
+        # Only forward, so hooks on the decoder (progress, profiling) stay outside the graph.
+        vae.decoder.forward = torch.compile(vae.decoder.forward)
+    logger.info("VAE decode: %s, %s%s", vae.decoder_dtype, "channels-last" if channels_last else "NCHW",
+                ", compiled" if compile else "")
+
+
+def disable_fast_vae(vae: Flux2VAE) -> None:
+    """Back to the plain decode: the decoder in the model dtype (the encoder's), NCHW, not compiled.
+
+    Weights that :func:`enable_fast_vae` rounded to a lower precision stay rounded; reload the VAE
+    for bit-exact decoding in the original precision.
+    """
+    _uncompile(vae.decoder)
+    vae.set_decode_format(dtype=vae.dtype, channels_last=False)
+
+
+__all__ = [
+    "ATTENTION_BACKENDS", "FastOps", "FastSettings", "disable_fast_paths", "disable_fast_vae",
+    "enable_fast_paths", "enable_fast_vae",
+]

@@ -1,0 +1,507 @@
+"""The engine: loaded components, their memory plan, the prompt cache, and one method per stage.
+
+A generation is four stages, each a method of :class:`Engine`:
+
+1. :meth:`Engine.encode_prompts`: prompts -> tokens -> Qwen3 embeddings (:class:`Conditioning`);
+2. :meth:`Engine.encode_references`: reference images -> VAE latents, each encoded once;
+3. :meth:`Engine.denoise`: noise -> latents along the Euler schedule (:mod:`klein_core.sampling`);
+4. :meth:`Engine.decode`: latents -> pixels.
+
+:meth:`Engine.generate` composes them for one :class:`~klein_core.request.GenerationRequest`, and
+the module-level :func:`generate` keeps the original keyword API. The engine is the one owner of
+placement: for each call it plans (:mod:`klein_core.memory.planner`) and applies the plan
+(:class:`~klein_core.memory.placement.StagePlacer`); callers never move components themselves.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from PIL import Image
+
+from .errors import KleinOutOfMemory
+from .images import PUBLISHED_REFERENCE_LIMIT, prepare_reference_image, reference_size, to_pil
+from .memory.placement import StagePlacer
+from .memory.planner import MODES, MemoryPlan, MemoryRequest, plan_for
+from .memory.tiling import TILE_SIDES, decode_in_tiles, encode_in_tiles
+from .models.qwen3 import Qwen3TextEncoder
+from .models.transformer import Flux2Transformer
+from .models.vae import Flux2VAE
+from .prompts import PromptCache, default_prompt_cache, encode_prompts
+from .request import GenerationRequest, ModelKind, Resolved, Settings, as_prompts, guess_model_kind, resolve
+from .sampling import StepCallback, denoise, get_schedule, make_noise, reference_tokens
+from .variants import check_text_width
+
+logger = logging.getLogger(__name__)
+
+
+def check_compatible(transformer: Any | None, text_encoder: Any | None = None, vae: Any | None = None) -> None:
+    """Raise ValueError, before any compute, if the components do not belong together."""
+    if transformer is None:
+        return
+    tc = transformer.config
+    if text_encoder is not None:
+        te = text_encoder.config
+        check_text_width(te.text_dim, tc.context_dim, encoded_by=f"The text encoder ({te.variant})",
+                         model=f"the {tc.variant} transformer")
+    if vae is not None and vae.config.latent_channels != tc.in_channels:
+        raise ValueError(
+            f"The VAE ({vae.config.variant}, {vae.config.latent_channels} latent channels) does not fit the "
+            f"{tc.variant} transformer ({tc.in_channels} channels): use the FLUX.2 VAE (flux2-vae.safetensors)."
+        )
+
+
+@dataclass(frozen=True)
+class Conditioning:
+    """Prompt embeddings ``positive [P, L, text_dim]`` and, for CFG, ``negative [1 or P, L, text_dim]``."""
+
+    positive: torch.Tensor
+    negative: torch.Tensor | None = None
+
+
+@dataclass
+class GenerationResult:
+    """What a generation returns. ``latents`` are normalised ``[B, 128, H/16, W/16]``."""
+
+    latents: torch.Tensor
+    images: list[Image.Image] | None
+    pixels: torch.Tensor | None  # [B, 3, H, W] in [0, 1] (float32, CPU) when decoded
+    width: int
+    height: int
+    steps: int
+    guidance: float
+    seed: int
+    timings: dict[str, float] = field(default_factory=dict)
+    reference_sizes: list[tuple[int, int]] = field(default_factory=list)  # (width, height) in pixels
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@contextlib.contextmanager
+def explain_oom(stage: str, device: torch.device, w: int, h: int, batch: int, n_refs: int) -> Iterator[None]:
+    """Turn an out-of-memory error in ``stage`` into :class:`KleinOutOfMemory` naming what to lower,
+    after releasing the memory the failed attempt held."""
+    try:
+        yield
+    except torch.OutOfMemoryError as exc:
+        # Drop the traceback's frames (they pin activations) before emptying the cache.
+        del exc
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        hints = [f"a lower resolution than {w}x{h}"]
+        if batch > 1:
+            hints.append(f"a smaller batch (now {batch} images per step including CFG)")
+        if n_refs:
+            hints.append(f"fewer or smaller references (now {n_refs})")
+        hints.append("a lower-memory mode (offload the text encoder or transformer blocks, tiled VAE)")
+        raise KleinOutOfMemory(
+            f"Out of GPU memory while {stage}; the memory was released. Try " + ", or ".join(hints) + "."
+        ) from None
+
+
+def _check_finite(latents: torch.Tensor, transformer: Flux2Transformer) -> None:
+    # One reduction after the loop (not per step, which would sync the host every step).
+    if not bool(torch.isfinite(latents).all()):
+        dtype = transformer.dtype
+        cause = ("fp16 overflow: load the transformer in bf16 or fp32" if dtype == torch.float16
+                 else "corrupt or mismatched weights, or an extreme guidance value")
+        raise FloatingPointError(f"The sampler produced NaN/Inf latents (transformer in {dtype}); likely cause: {cause}.")
+
+
+def decode_to_pixels(vae: Any, latents: torch.Tensor, *, tile: int | None = None) -> torch.Tensor:
+    """Decode normalised latents ``[B, 128, h, w]`` to pixels ``[B, 3, 16h, 16w]`` in [0, 1] (CPU fp32).
+
+    ``tile``: decode in overlapping tiles of this many latent positions (see ``memory.tiling``).
+    """
+    return (decode_in_tiles(vae, latents, tile).float() / 2 + 0.5).clamp(0, 1).cpu()
+
+
+def encode_references(
+    vae: Any, images: Sequence[Image.Image | torch.Tensor], *, tile: int | None = None
+) -> list[torch.Tensor]:
+    """VAE-encode each reference once: a list of normalised latents ``[1, 128, h, w]``.
+
+    PIL images are preprocessed with :func:`~klein_core.images.prepare_reference_image`; tensors
+    must already be ``[1, 3, H, W]`` in [-1, 1] with H and W multiples of 16. ``tile``: encode in
+    tiles of this many latent positions.
+    """
+    out = []
+    for i, img in enumerate(images):
+        px = prepare_reference_image(img, vae.config.downscale) if isinstance(img, Image.Image) else img
+        if not isinstance(px, torch.Tensor) or px.ndim != 4 or px.shape[0] != 1:
+            raise ValueError(f"reference {i + 1}: expected a PIL image or a [1, 3, H, W] tensor")
+        out.append(encode_in_tiles(vae, px, tile))
+    return out
+
+
+def reference_pixel_sizes(images: Sequence[Image.Image | torch.Tensor], latents: Sequence[torch.Tensor] = (),
+                          downscale: int = 16) -> list[tuple[int, int]]:
+    """(width, height) each reference will have, worked out before encoding: latents first, then images."""
+    sizes = [(lat.shape[-1] * downscale, lat.shape[-2] * downscale) for lat in latents]
+    for img in images:
+        if isinstance(img, Image.Image):
+            sizes.append(reference_size(img.width, img.height, downscale))
+        else:
+            sizes.append((img.shape[-1], img.shape[-2]))
+    return sizes
+
+
+def memory_request(width: int, height: int, references: Sequence[tuple[int, int]] = (), **kw: Any) -> MemoryRequest:
+    """A :class:`MemoryRequest` with sizes rounded up to the planner's 16-pixel grid (test VAEs with
+    fewer levels give other multiples; the estimate only needs the token counts)."""
+    def up(v: int) -> int:
+        return max(16, -(-v // 16) * 16)
+
+    return MemoryRequest(up(width), up(height), references=tuple((up(w), up(h)) for w, h in references), **kw)
+
+
+class Engine:
+    """Loaded Klein components and what runs them.
+
+    Args:
+        transformer, text_encoder, vae: loaded components; any may be absent, and a stage that
+            needs a missing one says so.
+        kind: ``"distilled"`` (4 steps, no CFG) or ``"base"`` (50 steps, CFG 4); None: from the
+            transformer's file name ("base" in it -> base), else distilled. Weights cannot tell.
+        device: the compute device (default: where the transformer, else the first component, is).
+        memory: ``"auto"`` plans placement for the free memory of ``device`` per call (all
+            resident off CUDA); ``"resident"``, ``"swap"``, ``"blocks"`` or ``"minimum"`` force
+            one; a :class:`~klein_core.memory.planner.MemoryPlan` is used as given. Components
+            meant to be offloaded should be loaded on the CPU (pinned: ``pin_memory_``).
+        prompt_cache: a :class:`~klein_core.prompts.PromptCache` (None: no caching).
+    """
+
+    def __init__(
+        self,
+        transformer: Flux2Transformer | None = None,
+        text_encoder: Qwen3TextEncoder | None = None,
+        vae: Flux2VAE | None = None,
+        *,
+        kind: ModelKind | None = None,
+        device: torch.device | str | None = None,
+        memory: str | MemoryPlan = "auto",
+        prompt_cache: PromptCache | None = default_prompt_cache,
+    ) -> None:
+        if not isinstance(memory, MemoryPlan) and memory not in MODES:
+            raise ValueError(f"memory must be one of {MODES} or a MemoryPlan, got {memory!r}")
+        check_compatible(transformer, text_encoder, vae)
+        self.transformer = transformer
+        self.text_encoder = text_encoder
+        self.vae = vae
+        self.kind: ModelKind = kind or guess_model_kind(getattr(transformer, "source", ""))
+        if device is None:
+            first = next((m for m in (transformer, text_encoder, vae) if m is not None), None)
+            device = first.device if first is not None else "cpu"
+        self.device = torch.device(device)
+        # Pixels per latent position (16 for the FLUX.2 VAE; tiny test VAEs may have fewer levels).
+        self.downscale = vae.config.downscale if vae is not None else 16
+        self.memory = memory
+        self.prompt_cache = prompt_cache
+
+    # -- memory ---------------------------------------------------------------------------------
+
+    def plan(self, request: MemoryRequest) -> MemoryPlan:
+        """The placement for ``request`` (refusing, before anything runs, one that cannot fit)."""
+        if isinstance(self.memory, MemoryPlan):
+            plan = self.memory
+        else:
+            plan = plan_for(request, self.transformer, self.text_encoder, self.vae, device=self.device,
+                            mode=self.memory)
+            reason = plan.reason if plan.reason.startswith(plan.name) else f"{plan.name} ({plan.reason})"
+            logger.info("memory mode %s -> %s", self.memory, reason)
+        if not plan.fits:
+            raise KleinOutOfMemory(f"This request does not fit the GPU memory, refused before running: {plan.reason}.")
+        return plan
+
+    @contextlib.contextmanager
+    def _stage(self, component: str, plan: MemoryPlan) -> Iterator[Any]:
+        module = getattr(self, component)
+        if module is None:
+            raise ValueError(f"this stage needs a {component.replace('_', ' ')}; none was given")
+        placer = StagePlacer(self.device, {component: module}, dict(plan.placements), prefetch=plan.prefetch)
+        with placer.stage(component) as placed:
+            yield placed
+
+    # -- stages ---------------------------------------------------------------------------------
+
+    def encode_prompts(self, prompts: Sequence[str], negative_prompt: str | None = None, *,
+                       plan: MemoryPlan | None = None) -> Conditioning:
+        """Stage 1: embeddings ``[len(prompts), 512, text_dim]`` (and the negative's, if given)."""
+        prompts = list(as_prompts(prompts))
+        if not prompts:
+            raise ValueError("prompt list is empty")
+        if plan is None:
+            plan = self.plan(memory_request(1024, 1024, batch=len(prompts) + (negative_prompt is not None),
+                                            denoise=False, decode=False))
+        texts = prompts + ([negative_prompt] if negative_prompt is not None else [])
+        with self._stage("text_encoder", plan) as te:
+            embeds = encode_prompts(te, texts, cache=self.prompt_cache)  # one batch for both
+        if negative_prompt is None:
+            return Conditioning(embeds)
+        return Conditioning(embeds[: len(prompts)], embeds[len(prompts):])
+
+    def encode_references(self, images: Sequence[Image.Image | torch.Tensor], *,
+                          plan: MemoryPlan | None = None) -> list[torch.Tensor]:
+        """Stage 2: each reference VAE-encoded once, ``[1, 128, h, w]`` per image."""
+        if not images:
+            return []
+        if plan is None:
+            sizes = reference_pixel_sizes(images, (), self.downscale)
+            plan = self.plan(memory_request(1024, 1024, sizes, encode_text=False, denoise=False, decode=False))
+        with self._stage("vae", plan) as vae:
+            return encode_references(vae, images, tile=plan.vae_tile)
+
+    def encode_pixels(self, pixels: torch.Tensor, *, plan: MemoryPlan | None = None) -> torch.Tensor:
+        """VAE-encode images ``[B, 3, H, W]`` in [-1, 1] (H, W multiples of 16) to normalised latents
+        ``[B, 128, H/16, W/16]``, one image at a time, tiled as the plan says."""
+        if pixels.ndim != 4:
+            raise ValueError(f"pixels must be [B, 3, H, W], got {list(pixels.shape)}")
+        if plan is None:
+            h, w = pixels.shape[-2:]
+            plan = self.plan(memory_request(1024, 1024, [(w, h)], encode_text=False, denoise=False, decode=False))
+        with self._stage("vae", plan) as vae:
+            return torch.cat([encode_in_tiles(vae, pixels[i : i + 1], plan.vae_tile) for i in range(len(pixels))])
+
+    def resolve(self, settings: Settings, references: Sequence[torch.Tensor] = ()) -> Resolved:
+        """``settings`` with this engine's model-kind defaults and the size rules applied."""
+        first = reference_pixel_sizes((), references[:1], self.downscale)[0] if references else None
+        return resolve(settings, self.kind, first, multiple=self.downscale)
+
+    def schedule(self, run: Resolved) -> torch.Tensor:
+        """The sigmas ``[steps + 1]`` a run with these settings follows (for previews and progress)."""
+        return get_schedule(run.steps, (run.width // self.downscale) * (run.height // self.downscale))
+
+    def denoise(
+        self,
+        conditioning: Conditioning,
+        references: Sequence[torch.Tensor] = (),
+        settings: Settings | Resolved = Settings(),
+        *,
+        noise: torch.Tensor | None = None,
+        callback: StepCallback | None = None,
+        plan: MemoryPlan | None = None,
+    ) -> tuple[torch.Tensor, Resolved]:
+        """Stage 3: latents ``[P * batch, 128, H/16, W/16]`` from the prompts' embeddings and the
+        encoded references; returns them with the resolved settings.
+
+        ``noise``: explicit starting latents (then the size comes from them); else seeded noise.
+        ``callback(step, total, latents)`` after each step; return False to cancel.
+        """
+        tr = self.transformer
+        if tr is None:
+            raise ValueError("denoising needs a transformer; none was given")
+        run = settings if isinstance(settings, Resolved) else self.resolve(settings, references)
+        prompt = conditioning.positive
+        check_text_width(prompt.shape[-1], tr.config.context_dim, encoded_by="The prompt embedding",
+                         model=f"the {tr.config.variant} transformer")
+        if self.kind == "distilled" and conditioning.negative is not None:
+            logger.warning("the negative prompt is ignored: distilled Klein models run without CFG")
+        txt = prompt.repeat_interleave(run.batch_size, dim=0)
+        neg = None
+        if run.cfg:
+            if conditioning.negative is None:
+                raise ValueError("CFG (a base model with guidance > 1) needs a negative prompt embedding")
+            negative = conditioning.negative
+            neg = negative.expand(prompt.shape[0], -1, -1) if negative.shape[0] == 1 else negative
+            neg = neg.repeat_interleave(run.batch_size, dim=0)
+        down = self.downscale
+        width, height = run.width, run.height
+        if noise is not None:
+            if noise.ndim != 4 or noise.shape[1] != tr.config.in_channels:
+                raise ValueError(f"noise must be [B, {tr.config.in_channels}, h, w], got {list(noise.shape)}")
+            if noise.shape[0] != txt.shape[0]:
+                raise ValueError(f"noise batch {noise.shape[0]} != prompts x batch_size = {txt.shape[0]}")
+            width, height = noise.shape[-1] * down, noise.shape[-2] * down
+        else:
+            noise = make_noise(run.seed, txt.shape[0], tr.config.in_channels, height // down, width // down)
+        if len(references) > PUBLISHED_REFERENCE_LIMIT:
+            logger.warning("%d references: Klein is published for at most %d", len(references),
+                           PUBLISHED_REFERENCE_LIMIT)
+        refs = reference_tokens(list(references))
+        if plan is None:
+            sizes = reference_pixel_sizes((), references, down)
+            plan = self.plan(memory_request(width, height, sizes, batch=txt.shape[0], cfg=run.cfg,
+                                            encode_text=False, decode=False))
+        sigmas = get_schedule(run.steps, noise.shape[-1] * noise.shape[-2])  # = self.schedule(run) for seeded noise
+        with explain_oom("denoising", self.device, width, height, txt.shape[0] * (2 if run.cfg else 1),
+                         len(references)):
+            with self._stage("transformer", plan) as model:
+                latents = denoise(model, noise, txt, sigmas, neg_txt=neg, guidance=run.guidance, refs=refs,
+                                  callback=callback)
+        _check_finite(latents, tr)
+        return latents, run
+
+    def decode(self, latents: torch.Tensor, *, plan: MemoryPlan | None = None) -> torch.Tensor:
+        """Stage 4: pixels ``[B, 3, 16h, 16w]`` in [0, 1] (CPU float32). Decoded whole or in the
+        plan's tiles; if the device still runs out of memory, smaller tiles are tried in turn."""
+        if plan is None:
+            down = self.downscale
+            plan = self.plan(memory_request(latents.shape[-1] * down, latents.shape[-2] * down,
+                                            batch=latents.shape[0], encode_text=False, denoise=False))
+        tiles = [plan.vae_tile] + [t for t in TILE_SIDES if plan.vae_tile is None or t < plan.vae_tile]
+        with self._stage("vae", plan) as vae:
+            for i, tile in enumerate(tiles):
+                try:
+                    return decode_to_pixels(vae, latents, tile=tile)
+                except torch.OutOfMemoryError:
+                    if i == len(tiles) - 1:
+                        raise
+                    gc.collect()
+                    if self.device.type == "cuda":
+                        torch.cuda.empty_cache()
+                    logger.warning("out of GPU memory decoding %s; retrying in tiles of %d latents",
+                                   "whole" if tile is None else f"in tiles of {tile}", tiles[i + 1])
+        raise AssertionError("unreachable")
+
+    # -- composition ----------------------------------------------------------------------------
+
+    def memory_request(self, request: GenerationRequest, *, encode_text: bool = True) -> MemoryRequest:
+        """What the planner needs to know about ``request``, worked out before anything runs."""
+        sizes = reference_pixel_sizes(request.references, (), self.downscale)
+        run = resolve(request.settings, self.kind, sizes[0] if sizes else None, multiple=self.downscale, warn=False)
+        return memory_request(run.width, run.height, sizes, batch=len(request.prompts) * run.batch_size,
+                              cfg=run.cfg, encode_text=encode_text, decode=request.output != "latent")
+
+    def generate(self, request: GenerationRequest, *, callback: StepCallback | None = None) -> GenerationResult:
+        """Run the four stages for ``request``; one memory plan covers them all."""
+        return self.run(request, callback=callback)
+
+    def run(
+        self,
+        request: GenerationRequest,
+        *,
+        callback: StepCallback | None = None,
+        conditioning: Conditioning | None = None,
+        reference_latents: Sequence[torch.Tensor] = (),
+        noise: torch.Tensor | None = None,
+    ) -> GenerationResult:
+        """:meth:`generate` with stages' results given instead of computed: ``conditioning``
+        (skips stage 1), already encoded ``reference_latents`` (put before ``request.references``)
+        and explicit starting ``noise``."""
+        timings: dict[str, float] = {}
+        memory = self.memory_request(request, encode_text=conditioning is None)
+        if reference_latents:
+            extra = tuple(reference_pixel_sizes((), reference_latents, self.downscale))
+            memory = memory_request(memory.width, memory.height, extra + memory.references, batch=memory.batch,
+                                    cfg=memory.cfg, encode_text=memory.encode_text, decode=memory.decode)
+        plan = self.plan(memory)
+        if self.kind == "distilled" and request.negative_prompt and conditioning is None:
+            logger.warning("the negative prompt is ignored: distilled Klein models run without CFG")
+        t0 = time.perf_counter()
+        if conditioning is None:
+            conditioning = self.encode_prompts(request.prompts, request.negative_prompt if memory.cfg else None,
+                                               plan=plan)
+        _sync(self.device)
+        timings["text"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        refs = list(reference_latents) + self.encode_references(request.references, plan=plan)
+        _sync(self.device)
+        timings["references"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        latents, run = self.denoise(conditioning, refs, request.settings, noise=noise, callback=callback, plan=plan)
+        _sync(self.device)
+        timings["denoise"] = time.perf_counter() - t0
+        ref_sizes = reference_pixel_sizes((), refs, self.downscale)
+        width, height = latents.shape[-1] * self.downscale, latents.shape[-2] * self.downscale
+        result = GenerationResult(latents, None, None, width, height, run.steps, run.guidance, run.seed, timings,
+                                  ref_sizes)
+        if request.output == "latent":
+            return result
+        if self.vae is None:
+            raise ValueError("decoding needs a vae (or pass output='latent')")
+        t0 = time.perf_counter()
+        with explain_oom("VAE decoding", self.device, width, height, latents.shape[0], len(refs)):
+            result.pixels = self.decode(latents, plan=plan)
+        result.images = to_pil(result.pixels)
+        timings["decode"] = time.perf_counter() - t0
+        return result
+
+
+def generate(
+    transformer: Flux2Transformer,
+    text_encoder: Qwen3TextEncoder | None = None,
+    vae: Flux2VAE | None = None,
+    *,
+    prompt: str | Sequence[str] = "",
+    negative_prompt: str = "",
+    prompt_embeds: torch.Tensor | None = None,
+    negative_embeds: torch.Tensor | None = None,
+    references: Sequence[Image.Image | torch.Tensor] = (),
+    reference_latents: Sequence[torch.Tensor] = (),
+    width: int | None = None,
+    height: int | None = None,
+    steps: int | None = None,
+    guidance: float | None = None,
+    seed: int = 0,
+    batch_size: int = 1,
+    distilled: bool | None = None,
+    noise: torch.Tensor | None = None,
+    callback: StepCallback | None = None,
+    output: Literal["pil", "latent"] = "pil",
+    cache: PromptCache | None = default_prompt_cache,
+    memory: str | MemoryPlan = "auto",
+    device: torch.device | str | None = None,
+) -> GenerationResult:
+    """Generate images with FLUX.2 Klein (an :class:`Engine` run with keyword arguments).
+
+    Args:
+        transformer, text_encoder, vae: loaded components (``load_transformer`` etc.). The text
+            encoder is optional when ``prompt_embeds`` are given; the VAE is needed to encode
+            ``references`` and to decode unless ``output="latent"``.
+        prompt: one prompt or a list; each gets ``batch_size`` images (seeds drawn together).
+        negative_prompt: used only by base models with ``guidance > 1`` (classifier-free guidance).
+        prompt_embeds / negative_embeds: ``[P, L, text_dim]`` embeddings instead of prompts.
+        references: PIL images (or prepared ``[1, 3, H, W]`` tensors) to edit from / combine.
+        reference_latents: already encoded references ``[1, 128, h, w]`` (encoded once, reused).
+        width, height: output size in pixels; default from the first reference, else 1024.
+        steps, guidance: default 4 / 1.0 (distilled) or 50 / 4.0 (base).
+        seed: 0..2^64-1; noise is drawn on the CPU in float32 like ComfyUI's RandomNoise.
+        distilled: the model kind; None (default) reads it from the transformer's file name
+            ("base" in it -> base model), else distilled. Weights cannot tell.
+        noise: explicit starting latents ``[B, 128, H/16, W/16]`` instead of seeded noise.
+        callback: ``callback(step, total, latents)`` after each step; return False to cancel
+            (raises :class:`~klein_core.errors.GenerationCancelled`); exceptions it raises propagate.
+        output: "pil" decodes to images; "latent" returns latents only.
+        memory: "auto" (default) plans placement for the free memory of ``device`` (everything
+            stays where it is off CUDA); "resident", "swap", "blocks" or "minimum" force one; a
+            :class:`~klein_core.memory.planner.MemoryPlan` is used as given. See :class:`Engine`.
+        device: the compute device (default: the transformer's).
+    Returns:
+        :class:`GenerationResult` with latents, images/pixels (if decoded) and per-stage timings.
+    """
+    kind = None if distilled is None else ("distilled" if distilled else "base")
+    engine = Engine(transformer, text_encoder, vae, kind=kind, device=device, memory=memory, prompt_cache=cache)
+    settings = Settings(width, height, steps, guidance, seed, batch_size)
+    conditioning = None
+    if prompt_embeds is not None:
+        conditioning = Conditioning(prompt_embeds, negative_embeds)
+        prompt = [""] * prompt_embeds.shape[0]
+    elif text_encoder is None:
+        raise ValueError("pass a text_encoder, or prompt_embeds")
+    if references and vae is None:
+        raise ValueError("references need a vae to encode them")
+    request = GenerationRequest(as_prompts(prompt), negative_prompt, tuple(references), settings, output)
+    run = resolve(settings, engine.kind, warn=False) if conditioning is not None else None
+    if conditioning is not None and run is not None and run.cfg and negative_embeds is None:
+        if text_encoder is None:
+            raise ValueError("CFG needs a text_encoder for the negative prompt, or negative_embeds")
+        conditioning = Conditioning(prompt_embeds, engine.encode_prompts([negative_prompt]).positive)
+    return engine.run(request, callback=callback, conditioning=conditioning,
+                      reference_latents=reference_latents, noise=noise)
+
+
+__all__ = [
+    "Conditioning", "Engine", "GenerationResult", "check_compatible", "decode_to_pixels", "encode_references",
+    "explain_oom", "generate", "reference_pixel_sizes",
+]

@@ -1,0 +1,107 @@
+"""Filling a meta-built module from a source following a plan, strictly (no random init)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from ..quant.fp8 import is_fp8
+from . import fp8 as fp8_files
+from .plan import LoadPlan, check_plan
+from .source import WeightSource
+
+logger = logging.getLogger(__name__)
+
+
+def materialize(
+    factory: Callable[[], nn.Module],
+    plan: LoadPlan,
+    src: WeightSource,
+    *,
+    component: str,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+    keep_fp32: Callable[[str], bool] = lambda name: False,
+    quantize: str | None = None,
+) -> nn.Module:
+    """Build ``factory()`` on the meta device and fill it from ``src`` following ``plan``.
+
+    ``dtype`` applies to floating tensors except those for which ``keep_fp32(name)`` is True,
+    which are loaded as float32. None means the stored dtype of most of the weights (a file that
+    mixes dtypes still gives a module of one dtype; float8 is a storage format, never the compute
+    dtype: an all-fp8 file computes in bfloat16). The module is returned in eval mode with
+    gradients off.
+
+    ``device="meta"`` builds the model without reading any tensor data (shapes, dtypes and fp8
+    layers as a real load would give them; for planning and for checking a file cheaply).
+
+    ``quantize`` (see :func:`klein_core.fp8_files.plan_fp8`): None keeps fp8 block weights of fp8
+    files in fp8 (as :class:`~klein_core.fp8_files.FP8Linear`) and dequantises any other float8
+    tensor; ``"fp8"`` also quantises float block weights while loading (the float copy never
+    reaches ``device``); ``"dequantize"`` loads everything in ``dtype``.
+    """
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    if dtype is not None and is_fp8(dtype):
+        raise ValueError(
+            f"{component}: dtype {dtype} is a storage format, not a compute dtype; load with "
+            "dtype=torch.bfloat16 and quantize='fp8' to keep the weights in fp8."
+        )
+    if dtype is None:
+        dtype = _dominant_float_dtype(plan, src)
+    with torch.device("meta"):
+        module = factory()
+    check_plan(module, plan, src, component)
+    fp8 = fp8_files.plan_fp8(module, plan.ops, src, quantize)
+    fp8_files.swap_to_fp8_(module, fp8.values())  # free: the module is still on the meta device
+    state: dict[str, torch.Tensor] = {}
+    for name, op in plan.ops.items():
+        if name in fp8:
+            state.update(fp8_files.load_fp8(name, fp8[name], op, src, device))
+            continue
+        if device.type == "meta":  # a weightless model: shapes and dtypes only, no tensor data read
+            stored = src.dtype(op.sources()[0])
+            target = (torch.float32 if keep_fp32(name) else dtype) if stored.is_floating_point else stored
+            state[name] = torch.empty(op.shape(src), dtype=target, device=device)
+            continue
+        t = fp8_files.dequantize_op(op, src) if fp8_files.reads_fp8(op, src) else op.load(src)
+        if t.is_floating_point():
+            target = torch.float32 if keep_fp32(name) else dtype
+            t = t.to(device=device, dtype=target)
+        else:
+            t = t.to(device=device)
+        state[name] = t.contiguous()
+    module.load_state_dict(state, strict=True, assign=True)
+    leftovers = [n for n, b in module.named_buffers() if b.is_meta]
+    if leftovers and device.type != "meta":  # a non-persistent buffer would be left on meta: a bug in the module definition
+        raise RuntimeError(f"{component}: buffers left uninitialised after loading: {leftovers[:5]}")
+    module.eval().requires_grad_(False)
+    n = sum(p.numel() for p in module.parameters())
+    logger.info("Loaded %s from %s: %.1fM parameters, %d tensors", component, src.name, n / 1e6, len(state))
+    if fp8:
+        made = sum(1 for spec in fp8.values() if spec.quantize)
+        logger.info("%s: %d Linear layers in fp8 (%d quantised while loading), compute dtype %s",
+                    component, len(fp8), made, dtype)
+    return module
+
+
+def _dominant_float_dtype(plan: LoadPlan, src: WeightSource) -> torch.dtype:
+    """The floating dtype holding most of the plan's stored bytes (float32 if there is none;
+    bfloat16 if every float tensor is float8, the dtype fp8 checkpoints are made from)."""
+    sizes: dict[torch.dtype, int] = {}
+    saw_fp8 = False
+    for op in plan.ops.values():
+        for key in op.sources():
+            info = src.info(key)
+            # float8 is storage only: the compute dtype comes from the other tensors.
+            saw_fp8 = saw_fp8 or is_fp8(info.dtype)
+            if info.dtype.is_floating_point and not is_fp8(info.dtype):
+                n = 1
+                for d in info.shape:
+                    n *= d
+                sizes[info.dtype] = sizes.get(info.dtype, 0) + n * info.dtype.itemsize
+    if not sizes:
+        return torch.bfloat16 if saw_fp8 else torch.float32
+    return max(sizes, key=sizes.__getitem__)

@@ -1,0 +1,161 @@
+"""Weight sources: one read-only, lazily read view over a file, a folder of shards or a state dict.
+
+A :class:`WeightSource` knows every tensor's shape and dtype up front (from the safetensors
+header, or the tensors of a dict) and reads a tensor's bytes only when asked. Files are read by
+:mod:`klein_core.files.safetensors` (owned copies, never memory maps). Hugging Face folders are
+read shard by shard, following their ``*.safetensors.index.json`` when there is one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..errors import WeightFormatError
+from .safetensors import open_safetensors
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Shape and dtype of one stored tensor, read from the file header (no data touched)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def read_safetensors_header(path: str | os.PathLike) -> tuple[dict[str, TensorInfo], dict[str, str]]:
+    """Parse and validate a safetensors header without reading any tensor data.
+
+    Returns ``(tensors, metadata)``. Raises :class:`WeightFormatError` naming the file when the
+    header is truncated, malformed, or points outside the file, or when the file is another
+    format (pickle, GGUF), named as such.
+    """
+    f = open_safetensors(path)
+    return {k: TensorInfo(v.shape, v.dtype) for k, v in f.tensors.items()}, dict(f.metadata)
+
+
+class WeightSource:
+    """A read-only, lazily read collection of named tensors.
+
+    ``name`` describes where the tensors come from (a file or folder path) and is used in every
+    error message. Tensors are read one at a time by :meth:`get`.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        infos: Mapping[str, TensorInfo],
+        reader: Callable[[str], torch.Tensor],
+        metadata: Mapping[str, str] | None = None,
+    ) -> None:
+        self.name = name
+        self._infos = dict(infos)
+        self._reader = reader
+        self.metadata: dict[str, str] = dict(metadata or {})
+
+    def keys(self) -> list[str]:
+        return list(self._infos)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._infos
+
+    def __len__(self) -> int:
+        return len(self._infos)
+
+    def info(self, key: str) -> TensorInfo:
+        return self._infos[key]
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return self._infos[key].shape
+
+    def dtype(self, key: str) -> torch.dtype:
+        return self._infos[key].dtype
+
+    def get(self, key: str) -> torch.Tensor:
+        """Read one tensor (on the CPU, in its stored dtype)."""
+        if key not in self._infos:
+            raise KeyError(f"{self.name}: no tensor named '{key}'")
+        return self._reader(key)
+
+    def strip_prefix(self, prefix: str) -> WeightSource:
+        """A view in which keys starting with ``prefix`` lose it; other keys are dropped."""
+        if not prefix:
+            return self
+        infos = {k[len(prefix) :]: v for k, v in self._infos.items() if k.startswith(prefix)}
+        reader = self._reader
+        return WeightSource(self.name, infos, lambda k: reader(prefix + k), self.metadata)
+
+
+def file_source(path: Path, component: str = "weights") -> WeightSource:
+    f = open_safetensors(path, component)
+    infos = {k: TensorInfo(v.shape, v.dtype) for k, v in f.tensors.items()}
+    return WeightSource(str(path), infos, f.read, f.metadata)
+
+
+def sharded_source(name: str, files: Sequence[Path], key_to_file: Mapping[str, Path] | None) -> WeightSource:
+    parts = {f: file_source(f) for f in files}
+    infos: dict[str, TensorInfo] = {}
+    owner: dict[str, WeightSource] = {}
+    metadata: dict[str, str] = {}
+    for f, src in parts.items():
+        metadata.update(src.metadata)
+        for k in src.keys():
+            if key_to_file is not None and key_to_file.get(k, f) != f:
+                continue
+            if k in owner:
+                raise WeightFormatError(f"{name}: tensor '{k}' appears in two shards ({owner[k].name}, {f}).")
+            infos[k] = src.info(k)
+            owner[k] = src
+    if key_to_file is not None:
+        absent = [k for k in key_to_file if k not in infos]
+        if absent:
+            raise WeightFormatError(
+                f"{name}: the shard index lists {len(absent)} tensors that are not in the shards "
+                f"(first: {absent[:3]}); a shard is missing or incomplete."
+            )
+    return WeightSource(name, infos, lambda k: owner[k].get(k), metadata)
+
+
+def folder_source(folder: Path, subfolder: str | None) -> WeightSource:
+    candidates = [folder]
+    if subfolder:
+        candidates.insert(0, folder / subfolder)
+    for d in candidates:
+        if not d.is_dir():
+            continue
+        indexes = sorted(d.glob("*.safetensors.index.json"))
+        if indexes:
+            index_path = indexes[0]
+            try:
+                weight_map = json.loads(index_path.read_text())["weight_map"]
+            except (OSError, KeyError, json.JSONDecodeError) as exc:
+                raise WeightFormatError(f"{index_path}: not a valid shard index ({exc}).") from None
+            files = sorted({d / f for f in weight_map.values()})
+            missing = [str(f) for f in files if not f.is_file()]
+            if missing:
+                raise WeightFormatError(f"{index_path}: shard files are missing: {missing[:3]}.")
+            return sharded_source(str(d), files, {k: d / v for k, v in weight_map.items()})
+        files = sorted(d.glob("*.safetensors"))
+        if len(files) == 1:
+            return file_source(files[0])
+        if len(files) > 1:
+            return sharded_source(str(d), files, None)
+    where = f"{folder}" + (f" (or its '{subfolder}' subfolder)" if subfolder else "")
+    raise WeightFormatError(f"{where}: no .safetensors files found.")
+
+
+def dict_source(sd: Mapping[str, torch.Tensor], name: str) -> WeightSource:
+    infos = {}
+    for k, v in sd.items():
+        if not isinstance(v, torch.Tensor):
+            raise TypeError(f"{name}: value for '{k}' is {type(v).__name__}, expected a torch.Tensor")
+        infos[k] = TensorInfo(tuple(v.shape), v.dtype)
+    return WeightSource(name, infos, lambda k: sd[k])

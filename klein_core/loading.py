@@ -1,0 +1,180 @@
+"""The three public loaders: a file, folder or state dict in any supported layout -> a ready module.
+
+Each one opens the source (:func:`klein_core.files.opening.open_weights`), plans its keys onto the
+module's names and infers the config from shapes (``klein_core.files.*_layout``), then builds the
+module on the meta device and fills it tensor by tensor (:func:`klein_core.files.materialize.materialize`).
+``device="meta"`` gives the module with its config and layer types but reads no tensor data.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+
+from .files.materialize import materialize
+from .files.opening import open_weights
+from .files.qwen3_layout import COMPONENT, build_load_plan, normalise_keys, read_hf_config
+from .files.source import WeightSource
+from .files.transformer_layout import plan_transformer
+from .files.vae_layout import open_vae_source, prepare_vae
+from .models.qwen3 import Qwen3Config, Qwen3TextEncoder
+from .models.transformer import Flux2Transformer
+from .models.vae import Flux2VAE
+
+logger = logging.getLogger(__name__)
+
+Source = str | os.PathLike | Mapping[str, torch.Tensor] | WeightSource
+_DTYPE_NAMES = {
+    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
+    "half": torch.float16, "fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
+}
+
+
+def as_dtype(dtype: torch.dtype | str | None, what: str) -> torch.dtype | None:
+    """A compute dtype from a torch dtype or its name ("bf16", "bfloat16", "torch.float16"...)."""
+    if dtype is None or isinstance(dtype, torch.dtype):
+        if dtype is not None and not dtype.is_floating_point:
+            raise ValueError(f"{what}: dtype must be a floating dtype, got {dtype}.")
+        return dtype
+    if isinstance(dtype, str) and dtype.lower().removeprefix("torch.") in _DTYPE_NAMES:
+        return _DTYPE_NAMES[dtype.lower().removeprefix("torch.")]
+    raise TypeError(f"{what}: dtype must be a torch dtype or one of {sorted(_DTYPE_NAMES)}, got {dtype!r}.")
+
+
+def load_transformer(
+    source: Source,
+    *,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | str | None = None,
+    quantize: str | None = None,
+) -> Flux2Transformer:
+    """Load a FLUX.2 Klein transformer from a BFL/ComfyUI or diffusers checkpoint.
+
+    ``source``: a ``.safetensors`` file (keys optionally prefixed ``model.diffusion_model.``), a
+    diffusers folder (``transformer/`` of a repo, sharded or not), or a state dict. The model is
+    built on the meta device and filled from the file. ``dtype`` None keeps the stored dtype.
+    ``quantize``: None keeps fp8 files in fp8 (block Linears as FP8Linear); "fp8" quantises a
+    bf16 file's block Linears while loading; "dequantize" loads everything in ``dtype``.
+    """
+    dtype = as_dtype(dtype, "load_transformer")
+    src = open_weights(source, component="transformer", subfolder="transformer")
+    plan, config, layout, view = plan_transformer(src)
+    logger.info("%s: %s transformer (%s layout), text width %d", src.name, config.variant, layout, config.context_dim)
+    model = materialize(
+        lambda: Flux2Transformer(config), plan, view, component=f"{config.variant} transformer",
+        device=device, dtype=dtype, quantize=quantize,
+    )
+    assert isinstance(model, Flux2Transformer)
+    model.source = src.name  # where it came from: names it in messages, and the model kind is read from it
+    return model
+
+
+def load_text_encoder(
+    source: Source,
+    *,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | str | None = None,
+    quantize: str | None = None,
+) -> Qwen3TextEncoder:
+    """Load the Klein text encoder (the first 27 layers of Qwen3-4B or Qwen3-8B).
+
+    Args:
+        source: a ``.safetensors`` file (ComfyUI ``text_encoders/qwen_3_4b.safetensors``, or an
+            all-in-one checkpoint with a prefix such as ``text_encoders.qwen3_4b.transformer.``), a
+            Hugging Face folder (``config.json`` + shards, or a repo root with ``text_encoder/``), an
+            in-memory state dict, or a :class:`WeightSource`.
+        device: where to put the weights (default CPU).
+        dtype: floating dtype of the weights and of the output (default: as stored).
+        quantize: None keeps fp8 files in fp8; "fp8" quantises the decoder layers' Linears while
+            loading; "dequantize" loads everything in ``dtype``.
+
+    Returns:
+        A :class:`Qwen3TextEncoder` in eval mode; ``encode(ids [B,L], mask [B,L])`` gives
+        ``[B, L, config.text_dim]``.
+
+    Raises:
+        ValueError: the source is not a Qwen3 decoder, has fewer than 27 layers, or has missing or
+            misshaped tensors (the message names the file and the keys).
+    """
+    dtype = as_dtype(dtype, "load_text_encoder")
+    hf_config = None
+    if isinstance(source, (str, os.PathLike)) and Path(source).expanduser().is_dir():
+        hf_config = read_hf_config(Path(source).expanduser())
+    src = normalise_keys(open_weights(source, component=COMPONENT, subfolder="text_encoder"))
+    config = Qwen3Config.from_source(src, hf_config)
+    plan = build_load_plan(src)
+    model = materialize(
+        lambda: Qwen3TextEncoder(config), plan, src, component=COMPONENT, device=device, dtype=dtype,
+        quantize=quantize,
+    )
+    logger.info(
+        "%s text encoder: %d of %d layers loaded, output width %d",
+        config.variant,
+        config.num_layers_run,
+        config.num_layers_in_file,
+        config.text_dim,
+    )
+    assert isinstance(model, Qwen3TextEncoder)
+    model.source = src.name
+    return model
+
+
+def load_vae(
+    source: Source,
+    *,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | str | None = None,
+) -> Flux2VAE:
+    """Load a FLUX.2 VAE from a file, a folder (or a diffusers repo root), or a state dict.
+
+    Args:
+        source: ``flux2-vae.safetensors`` (diffusers names, as ComfyUI ships it), BFL's ``ae.safetensors``, a diffusers
+            ``diffusion_pytorch_model.safetensors``, a folder holding one (or a repo root with a
+            ``vae/`` subfolder), or an in-memory state dict in any of these layouts.
+        device: where to put the weights (default CPU).
+        dtype: compute dtype (default: the stored dtype of the weights). The BatchNorm statistics
+            are kept in float32.
+
+    Raises:
+        ValueError: the weights are not a FLUX.2 VAE (the message says what they seem to be), or
+            tensors are missing or misshaped (the message names the file and the first keys).
+    """
+    dtype = as_dtype(dtype, "load_vae")
+    src, plan, cfg, layout = prepare_vae(open_vae_source(source))
+    if dtype is None:
+        # One compute dtype for every conv, even if the file mixes them.
+        dtype = src.dtype(plan.ops["encoder.conv_in.weight"].sources()[0])
+    try:
+        model = materialize(
+            lambda: Flux2VAE(cfg), plan, src, component=cfg.variant, device=device, dtype=dtype,
+            keep_fp32=lambda name: name.startswith("bn."),
+        )
+    except ValueError as exc:
+        if layout != "diffusers":
+            raise
+        raise ValueError(f"{exc} (Tensor names are given in the BFL layout; this file uses the "
+                         "diffusers layout.)") from None
+    assert isinstance(model, Flux2VAE)
+    model.source = src.name
+    n = sum(p.numel() for p in model.parameters())
+    logger.info("%s (%s layout): %.2fM parameters, %s", cfg.variant, layout, n / 1e6, dtype)
+    return model
+
+
+LOADERS = {"transformer": load_transformer, "text_encoder": load_text_encoder, "vae": load_vae}
+
+
+def weightless(source: Source, component: str, *, dtype: torch.dtype | str | None = None,
+               quantize: str | None = None) -> torch.nn.Module:
+    """The module a load would give, built on the meta device without reading tensor data: its
+    config, layer types (fp8 layers included) and the exact bytes of its weights
+    (``klein_core.memory.placement.module_bytes``), for planning before loading."""
+    kwargs = {"quantize": quantize} if component != "vae" else {}
+    return LOADERS[component](source, device="meta", dtype=dtype, **kwargs)
+
+
+__all__ = ["LOADERS", "as_dtype", "load_text_encoder", "load_transformer", "load_vae", "weightless"]

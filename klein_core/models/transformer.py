@@ -1,0 +1,334 @@
+"""The FLUX.2 Klein rectified-flow transformer (double- and single-stream blocks, 4-axis RoPE).
+
+Module and parameter names follow the BFL / ComfyUI checkpoint layout
+(``double_blocks.N.img_attn.qkv``...), so those files fill it without renaming; the diffusers
+layout is mapped onto it by :mod:`klein_core.files.transformer_layout`. The config is inferred from
+tensor shapes (:meth:`TransformerConfig.from_shapes`), never from file names. Build it with
+:func:`klein_core.load_transformer`.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..variants import check_text_width, transformer_name
+from .block_ops import PLAIN_OPS, BlockOps, QKPart
+from .layers import rms_norm
+from .transformer_math import NORM_EPS, ROPE_THETA, TIME_CHANNELS, modulate, rope_cos_sin, timestep_embedding
+
+
+@dataclass(frozen=True)
+class TransformerConfig:
+    """Sizes of a Flux2 transformer; built from tensor shapes by :meth:`from_shapes`."""
+
+    hidden_size: int
+    num_heads: int
+    depth: int  # double-stream blocks
+    depth_single: int  # single-stream blocks
+    context_dim: int  # text feature width (txt_in input)
+    mlp_hidden: int
+    in_channels: int = 128
+    axes_dim: tuple[int, ...] = (32, 32, 32, 32)
+    theta: float = ROPE_THETA
+
+    def __post_init__(self) -> None:
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"hidden size {self.hidden_size} is not divisible by {self.num_heads} heads")
+        if sum(self.axes_dim) != self.head_dim:
+            raise ValueError(f"RoPE axes {self.axes_dim} must sum to the head dim {self.head_dim}")
+        if any(a % 2 for a in self.axes_dim):
+            raise ValueError(f"RoPE axes {self.axes_dim} must be even")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def variant(self) -> str:
+        return transformer_name(self.hidden_size, self.depth, self.depth_single, self.context_dim)
+
+    @property
+    def text_dim(self) -> int:
+        """Width of the text features this transformer expects (3 x the Qwen3 hidden size)."""
+        return self.context_dim
+
+    @classmethod
+    def from_shapes(cls, shapes: Mapping[str, tuple[int, ...]]) -> TransformerConfig:
+        """Infer the config from BFL-layout tensor shapes (no data needed)."""
+        hidden, in_ch = shapes["img_in.weight"]
+        context = shapes["txt_in.weight"][1]
+        head_dim = shapes["double_blocks.0.img_attn.norm.query_norm.scale"][0]
+        mlp_hidden = shapes["double_blocks.0.img_mlp.0.weight"][0] // 2
+        depth = _count_blocks(shapes, "double_blocks")
+        depth_single = _count_blocks(shapes, "single_blocks")
+        if head_dim % 8:
+            raise ValueError(f"head dim {head_dim} cannot be split into 4 even RoPE axes")
+        return cls(
+            hidden_size=hidden,
+            num_heads=hidden // head_dim,
+            depth=depth,
+            depth_single=depth_single,
+            context_dim=context,
+            mlp_hidden=mlp_hidden,
+            in_channels=in_ch,
+            axes_dim=(head_dim // 4,) * 4,  # Flux2 splits the head evenly over (t, h, w, l)
+        )
+
+
+def _count_blocks(shapes: Mapping[str, tuple[int, ...]], prefix: str) -> int:
+    idx = {int(m.group(1)) for k in shapes if (m := re.match(rf"{prefix}\.(\d+)\.", k))}
+    if idx != set(range(len(idx))):
+        raise ValueError(f"{prefix} indices are not contiguous: {sorted(idx)}")
+    return len(idx)
+
+
+class _ScaleNorm(nn.Module):
+    """RMSNorm whose weight is called ``scale`` (BFL's QK-norm naming)."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.scale, NORM_EPS)
+
+
+class _QKNorm(nn.Module):
+    def __init__(self, head_dim: int) -> None:
+        super().__init__()
+        self.query_norm = _ScaleNorm(head_dim)
+        self.key_norm = _ScaleNorm(head_dim)
+
+
+class _Attention(nn.Module):
+    def __init__(self, hidden: int, num_heads: int) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.qkv = nn.Linear(hidden, 3 * hidden, bias=False)
+        self.norm = _QKNorm(hidden // num_heads)
+        self.proj = nn.Linear(hidden, hidden, bias=False)
+
+    def split_heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Project ``x [B, L, hidden]`` to q, k, v ``[B, L, H, D]`` (views of one output, no copy)."""
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        return tuple(t.unflatten(-1, (self.num_heads, -1)) for t in (q, k, v))  # type: ignore[return-value]
+
+    def qk_part(self, q: torch.Tensor, k: torch.Tensor) -> QKPart:
+        return q, k, self.norm.query_norm.scale, self.norm.key_norm.scale
+
+
+class _SwiGLU(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+def _mlp(hidden: int, mlp_hidden: int) -> nn.Sequential:
+    # Index 1 holds the parameterless activation so the linears are "N.0" and "N.2" as in BFL.
+    return nn.Sequential(
+        nn.Linear(hidden, 2 * mlp_hidden, bias=False), _SwiGLU(), nn.Linear(mlp_hidden, hidden, bias=False)
+    )
+
+
+class _Modulation(nn.Module):
+    """Shared modulation: ``lin(SiLU(vec))`` split into ``n`` vectors ``[B, 1, D]``."""
+
+    def __init__(self, hidden: int, n: int) -> None:
+        super().__init__()
+        self.n = n
+        self.lin = nn.Linear(hidden, n * hidden, bias=False)
+
+    def forward(self, vec: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self.lin(F.silu(vec))[:, None, :].chunk(self.n, dim=-1)
+
+
+class DoubleStreamBlock(nn.Module):
+    def __init__(self, cfg: TransformerConfig) -> None:
+        super().__init__()
+        self.img_attn = _Attention(cfg.hidden_size, cfg.num_heads)
+        self.txt_attn = _Attention(cfg.hidden_size, cfg.num_heads)
+        self.img_mlp = _mlp(cfg.hidden_size, cfg.mlp_hidden)
+        self.txt_mlp = _mlp(cfg.hidden_size, cfg.mlp_hidden)
+
+    def forward(
+        self,
+        img: torch.Tensor,
+        txt: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mod_img: tuple[torch.Tensor, ...],
+        mod_txt: tuple[torch.Tensor, ...],
+        ops: BlockOps = PLAIN_OPS,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        i_shift1, i_scale1, i_gate1, i_shift2, i_scale2, i_gate2 = mod_img
+        t_shift1, t_scale1, t_gate1, t_shift2, t_scale2, t_gate2 = mod_txt
+        iq, ik, iv = self.img_attn.split_heads(ops.modulate(img, i_shift1, i_scale1))
+        tq, tk, tv = self.txt_attn.split_heads(ops.modulate(txt, t_shift1, t_scale1))
+        # Joint attention over [txt, img]; RoPE tables are laid out in the same order.
+        q, k = ops.qk_norm_rope([self.txt_attn.qk_part(tq, tk), self.img_attn.qk_part(iq, ik)], cos, sin)
+        out = ops.attention(q, k, torch.cat([tv.transpose(1, 2), iv.transpose(1, 2)], dim=2))
+        n_txt = txt.shape[1]
+        txt = txt + t_gate1 * self.txt_attn.proj(out[:, :n_txt])
+        img = img + i_gate1 * self.img_attn.proj(out[:, n_txt:])
+        img = img + i_gate2 * self.img_mlp(ops.modulate(img, i_shift2, i_scale2))
+        txt = txt + t_gate2 * self.txt_mlp(ops.modulate(txt, t_shift2, t_scale2))
+        return img, txt
+
+
+class SingleStreamBlock(nn.Module):
+    """Parallel block: one fused in-projection to [q | k | v | mlp gate | mlp up]."""
+
+    def __init__(self, cfg: TransformerConfig) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_heads
+        self.hidden = cfg.hidden_size
+        self.mlp_hidden = cfg.mlp_hidden
+        self.linear1 = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size + 2 * cfg.mlp_hidden, bias=False)
+        self.linear2 = nn.Linear(cfg.hidden_size + cfg.mlp_hidden, cfg.hidden_size, bias=False)
+        self.norm = _QKNorm(cfg.head_dim)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mod: tuple[torch.Tensor, ...],
+        ops: BlockOps = PLAIN_OPS,
+    ) -> torch.Tensor:
+        shift, scale, gate = mod
+        qkv, mlp = self.linear1(ops.modulate(x, shift, scale)).split(
+            [3 * self.hidden, 2 * self.mlp_hidden], dim=-1
+        )
+        q, k, v = (t.unflatten(-1, (self.num_heads, -1)) for t in qkv.chunk(3, dim=-1))
+        q, k = ops.qk_norm_rope([(q, k, self.norm.query_norm.scale, self.norm.key_norm.scale)], cos, sin)
+        attn = ops.attention(q, k, v.transpose(1, 2))
+        gate_mlp, up = mlp.chunk(2, dim=-1)
+        return x + gate * self.linear2(torch.cat([attn, F.silu(gate_mlp) * up], dim=-1))
+
+
+class _TimeEmbedder(nn.Module):
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.in_layer = nn.Linear(TIME_CHANNELS, hidden, bias=False)
+        self.out_layer = nn.Linear(hidden, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out_layer(F.silu(self.in_layer(x)))
+
+
+class _FinalLayer(nn.Module):
+    def __init__(self, hidden: int, out_channels: int) -> None:
+        super().__init__()
+        self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden, 2 * hidden, bias=False))
+        self.linear = nn.Linear(hidden, out_channels, bias=False)
+
+    def forward(self, x: torch.Tensor, vec: torch.Tensor) -> torch.Tensor:
+        shift, scale = self.adaLN_modulation(vec)[:, None, :].chunk(2, dim=-1)  # BFL order: shift first
+        return self.linear(modulate(x, shift, scale))
+
+
+class Flux2Transformer(nn.Module):
+    """FLUX.2 Klein transformer. Build with :func:`load_transformer`; call with keyword arguments.
+
+    Inputs: ``img [B, N, 128]`` (noisy tokens, then any reference tokens), ``img_ids [N, 4]`` or
+    ``[B, N, 4]`` rows ``(t, h, w, l)``, ``txt [B, L, context_dim]``, ``txt_ids [L, 4]`` or
+    ``[B, L, 4]``, ``timesteps [B]`` = sigma in [0, 1]. Returns the velocity ``[B, N, 128]`` for
+    every image token passed in.
+    """
+
+    def __init__(self, config: TransformerConfig) -> None:
+        super().__init__()
+        self.config = config
+        # Replaceable block steps (attention, QK-norm + RoPE, modulation); klein_core.accel swaps
+        # in kernels. Not a submodule: it holds no weights and never enters the state dict.
+        self.ops: BlockOps = PLAIN_OPS
+        h = config.hidden_size
+        self.img_in = nn.Linear(config.in_channels, h, bias=False)
+        self.txt_in = nn.Linear(config.context_dim, h, bias=False)
+        self.time_in = _TimeEmbedder(h)
+        self.double_stream_modulation_img = _Modulation(h, 6)
+        self.double_stream_modulation_txt = _Modulation(h, 6)
+        self.single_stream_modulation = _Modulation(h, 3)
+        self.double_blocks = nn.ModuleList(DoubleStreamBlock(config) for _ in range(config.depth))
+        self.single_blocks = nn.ModuleList(SingleStreamBlock(config) for _ in range(config.depth_single))
+        self.final_layer = _FinalLayer(h, config.in_channels)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.img_in.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.img_in.weight.device
+
+    def rope(self, txt_ids: torch.Tensor, img_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE tables for the joint ``[txt, img]`` sequence, shaped to broadcast over heads.
+
+        The tables depend only on the ids, so a sampler can compute them once per generation and
+        pass them to :meth:`forward` as ``rope=`` instead of recomputing them every step.
+        """
+        if txt_ids.ndim != img_ids.ndim:
+            if txt_ids.ndim == 2:
+                txt_ids = txt_ids.expand(img_ids.shape[0], -1, -1)
+            else:
+                img_ids = img_ids.expand(txt_ids.shape[0], -1, -1)
+        ids = torch.cat([txt_ids, img_ids], dim=-2).to(self.device)
+        cos, sin = rope_cos_sin(ids, self.config.axes_dim, self.config.theta)
+        # [N, D] -> [1, 1, N, D]; [B, N, D] -> [B, 1, N, D]
+        return (cos[None, None], sin[None, None]) if cos.ndim == 2 else (cos[:, None], sin[:, None])
+
+    def _check_inputs(
+        self, img: torch.Tensor, img_ids: torch.Tensor, txt: torch.Tensor, txt_ids: torch.Tensor, t: torch.Tensor
+    ) -> None:
+        cfg = self.config
+        if img.ndim != 3 or img.shape[-1] != cfg.in_channels:
+            raise ValueError(f"img must be [B, N, {cfg.in_channels}], got {list(img.shape)}")
+        if txt.ndim != 3:
+            raise ValueError(f"txt must be [B, L, {cfg.context_dim}], got {list(txt.shape)}")
+        check_text_width(txt.shape[-1], cfg.context_dim, encoded_by="the prompt embedding (txt)",
+                         model=f"this {cfg.variant} transformer")
+        if txt.shape[0] != img.shape[0]:
+            raise ValueError(f"batch mismatch: img {img.shape[0]}, txt {txt.shape[0]}")
+        for name, ids, n in (("img_ids", img_ids, img.shape[1]), ("txt_ids", txt_ids, txt.shape[1])):
+            if ids.ndim not in (2, 3) or ids.shape[-2] != n or ids.shape[-1] != len(cfg.axes_dim):
+                raise ValueError(f"{name} must be [{n}, {len(cfg.axes_dim)}] or [B, {n}, 4], got {list(ids.shape)}")
+        if t.ndim != 1 or t.shape[0] not in (1, img.shape[0]):
+            raise ValueError(f"timesteps must be [B] (B={img.shape[0]}), got {list(t.shape)}")
+
+    def forward(
+        self,
+        *,
+        img: torch.Tensor,
+        img_ids: torch.Tensor,
+        txt: torch.Tensor,
+        txt_ids: torch.Tensor,
+        timesteps: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        self._check_inputs(img, img_ids, txt, txt_ids, timesteps)
+        dtype = self.dtype
+        img = img.to(dtype)
+        txt = txt.to(dtype)
+        # The references feed sigma*1000 to the embedder after a round trip through the model
+        # dtype (bf16 pipelines see [1000, 968, 908, 768] for the 4-step schedule).
+        t = timesteps.to(device=img.device, dtype=dtype) * 1000
+        vec = self.time_in(timestep_embedding(t).to(dtype))
+        if vec.shape[0] != img.shape[0]:
+            vec = vec.expand(img.shape[0], -1)
+        mod_img = self.double_stream_modulation_img(vec)
+        mod_txt = self.double_stream_modulation_txt(vec)
+        mod_single = self.single_stream_modulation(vec)
+
+        cos, sin = rope if rope is not None else self.rope(txt_ids, img_ids)
+        ops = self.ops.bind(img.device, dtype)
+        x = self.img_in(img)
+        c = self.txt_in(txt)
+        for block in self.double_blocks:
+            x, c = block(x, c, cos, sin, mod_img, mod_txt, ops)
+        n_txt = c.shape[1]
+        h = torch.cat([c, x], dim=1)
+        for block in self.single_blocks:
+            h = block(h, cos, sin, mod_single, ops)
+        return self.final_layer(h[:, n_txt:], vec)

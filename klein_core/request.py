@@ -1,0 +1,171 @@
+"""What a generation asks for, and the rules that turn it into concrete numbers.
+
+:class:`GenerationRequest` is the frozen description of one run (prompts, references, size,
+sampler settings, output). :func:`resolve` applies the model kind's defaults (distilled: 4 steps
+without CFG; base: 50 steps, CFG 4) and the size rules (the first reference's size or 1024,
+multiples of 16, 64 px to 4 megapixels) in one place for the engine, the nodes and the CLI.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from PIL import Image
+
+from .sampling import MAX_SEED
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_SIZE = 1024
+MIN_SIDE = 64
+MAX_PIXELS = 4 * 1024 * 1024  # 4 megapixels (BFL's published limit)
+DISTILLED_DEFAULTS = {"steps": 4, "guidance": 1.0}
+BASE_DEFAULTS = {"steps": 50, "guidance": 4.0}
+ModelKind = Literal["distilled", "base"]
+MODEL_KINDS: tuple[str, ...] = ("distilled", "base")
+OUTPUTS: tuple[str, ...] = ("pil", "latent")
+
+
+def guess_model_kind(name: str) -> ModelKind:
+    """Pick sampler defaults from a file name ("...-base-..." -> base). Weights cannot tell."""
+    return "base" if "base" in name.lower() else "distilled"
+
+
+def check_size(width: int, height: int, *, multiple: int = 16) -> tuple[int, int]:
+    """``(width, height)`` rounded down to multiples of ``multiple``; refuses sizes under 64 px a
+    side or over 4 megapixels, judging the size that will be used (after rounding)."""
+    for name, v in (("width", width), ("height", height)):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise TypeError(f"{name} must be an integer number of pixels, got {v!r}")
+    rw, rh = width // multiple * multiple, height // multiple * multiple
+    if rw < MIN_SIDE or rh < MIN_SIDE:
+        raise ValueError(f"Output size {width}x{height} is too small: both sides must be at least {MIN_SIDE} px.")
+    if rw * rh > MAX_PIXELS:
+        raise ValueError(
+            f"Output size {width}x{height} is {rw * rh / 1e6:.1f} megapixels; FLUX.2 Klein supports at most 4 "
+            f"megapixels (e.g. 2048x2048)."
+        )
+    if (rw, rh) != (width, height):
+        logger.warning("Size %dx%d is not a multiple of %d; using %dx%d", width, height, multiple, rw, rh)
+    return rw, rh
+
+
+def resolve_size(
+    width: int | None, height: int | None, first_reference: tuple[int, int] | None, multiple: int = 16
+) -> tuple[int, int]:
+    """Output (width, height): given values, else the first reference's size, else 1024x1024.
+
+    Values that are not multiples of ``multiple`` are rounded down with a warning; sizes under
+    64 px a side or above 4 megapixels are refused.
+    """
+    default_w, default_h = first_reference or (DEFAULT_SIZE, DEFAULT_SIZE)
+    return check_size(default_w if width is None else width, default_h if height is None else height,
+                      multiple=multiple)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Sampler settings as given; None means the model kind's default (and the size: the first
+    reference's, else 1024)."""
+
+    width: int | None = None
+    height: int | None = None
+    steps: int | None = None
+    guidance: float | None = None
+    seed: int = 0
+    batch_size: int = 1
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """Concrete settings for one run: every default applied and every value checked."""
+
+    width: int
+    height: int
+    steps: int
+    guidance: float
+    seed: int
+    batch_size: int
+    cfg: bool  # classifier-free guidance runs (base model and guidance > 1)
+
+
+def resolve(settings: Settings, kind: ModelKind, first_reference: tuple[int, int] | None = None,
+            *, multiple: int = 16, warn: bool = True) -> Resolved:
+    """Apply the defaults of ``kind`` and the size rules to ``settings``; raise ValueError (or
+    TypeError for a wrong type) naming the bad value."""
+    if kind not in MODEL_KINDS:
+        raise ValueError(f"model kind must be one of {MODEL_KINDS}, got {kind!r}")
+    defaults = DISTILLED_DEFAULTS if kind == "distilled" else BASE_DEFAULTS
+    steps = defaults["steps"] if settings.steps is None else settings.steps
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps must be a positive integer, got {steps!r}")
+    raw = defaults["guidance"] if settings.guidance is None else settings.guidance
+    if isinstance(raw, bool) or not isinstance(raw, (int, float)):
+        raise TypeError(f"guidance must be a number, got {raw!r}")
+    guidance = float(raw)
+    if not math.isfinite(guidance) or guidance < 0:
+        raise ValueError(f"guidance must be a finite number >= 0, got {guidance}")
+    batch = settings.batch_size
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise ValueError(f"batch_size must be a positive integer, got {batch!r}")
+    seed = settings.seed
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+    if not 0 <= seed <= MAX_SEED:
+        raise ValueError(f"seed must be in [0, 2^64-1], got {seed}")
+    if warn and kind == "distilled" and guidance != 1.0:
+        logger.warning("guidance %.2f is ignored: distilled Klein models run without CFG", guidance)
+    width, height = resolve_size(settings.width, settings.height, first_reference, multiple)
+    return Resolved(width, height, steps, guidance, seed, batch, kind == "base" and guidance > 1.0)
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One generation, as a user describes it (see :meth:`klein_core.engine.Engine.generate`).
+
+    ``prompt``: one prompt or several (each gets ``settings.batch_size`` images);
+    ``negative_prompt``: used by base models with guidance > 1; ``references``: PIL images (or
+    prepared ``[1, 3, H, W]`` tensors in [-1, 1]) to edit from; ``output``: "pil" decodes,
+    "latent" stops at the latents.
+    """
+
+    prompt: str | tuple[str, ...] = ""
+    negative_prompt: str = ""
+    references: tuple[Image.Image | torch.Tensor, ...] = ()
+    settings: Settings = Settings()
+    output: Literal["pil", "latent"] = "pil"
+
+    def __post_init__(self) -> None:
+        prompts = self.prompts
+        if not prompts:
+            raise ValueError("prompt list is empty")
+        for i, p in enumerate(prompts):
+            if not isinstance(p, str):
+                raise TypeError(f"prompt {i + 1} must be a str, got {type(p).__name__}")
+        if not isinstance(self.negative_prompt, str):
+            raise TypeError(f"negative_prompt must be a str, got {type(self.negative_prompt).__name__}")
+        if self.output not in OUTPUTS:
+            raise ValueError(f"output must be one of {OUTPUTS}, got {self.output!r}")
+
+    @property
+    def prompts(self) -> tuple[str, ...]:
+        return (self.prompt,) if isinstance(self.prompt, str) else tuple(self.prompt)
+
+
+def as_prompts(prompt: str | Sequence[str]) -> tuple[str, ...]:
+    """A prompt argument (one string or a sequence of them) as a tuple."""
+    if prompt is None:
+        raise TypeError("prompt must be a str or a list of str, got None")
+    return (prompt,) if isinstance(prompt, str) else tuple(prompt)
+
+
+__all__ = [
+    "BASE_DEFAULTS", "DEFAULT_SIZE", "DISTILLED_DEFAULTS", "MAX_PIXELS", "MIN_SIDE", "MODEL_KINDS", "OUTPUTS",
+    "GenerationRequest", "ModelKind", "Resolved", "Settings", "as_prompts", "check_size", "guess_model_kind",
+    "resolve", "resolve_size",
+]

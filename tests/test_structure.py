@@ -1,0 +1,170 @@
+"""The package's shape: every module imports on its own, no import cycles, no private names across modules.
+
+Imports are read from the source (every ``import`` statement, including those inside functions,
+which is how cycles used to be hidden), so a cycle fails here even when it happens to work at run
+time. The nodes use klein_core only through its top-level names.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+CORE = REPO / "klein_core"
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(REPO).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_name(p): p for p in sorted(CORE.rglob("*.py"))}
+
+
+def _resolve(module: str, is_package: bool, level: int, target: str | None) -> str:
+    """Absolute name of a (possibly relative) import target."""
+    if level == 0:
+        return target or ""
+    base = module.split(".") if is_package else module.split(".")[:-1]
+    base = base[: len(base) - (level - 1)]
+    return ".".join(base + ([target] if target else []))
+
+
+def _imports(name: str, path: Path, known: set[str]) -> list[tuple[str, list[str], int]]:
+    """``(imported module, names taken from it, line)`` for every klein_core import in the file."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    is_package = path.name == "__init__.py"
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("klein_core"):
+                    out.append((alias.name, [], node.lineno))
+        elif isinstance(node, ast.ImportFrom):
+            base = _resolve(name, is_package, node.level, node.module)
+            if not base.startswith("klein_core"):
+                continue
+            names = [a.name for a in node.names]
+            # "from . import x" may import a submodule x.
+            subs = [f"{base}.{n}" for n in names if f"{base}.{n}" in known]
+            if subs:
+                out += [(s, [], node.lineno) for s in subs]
+                names = [n for n in names if f"{base}.{n}" not in known]
+            if names or not subs:
+                out.append((base, names, node.lineno))
+    return out
+
+
+def _graph() -> tuple[dict[str, set[str]], list[str]]:
+    mods = _modules()
+    known = set(mods)
+    graph: dict[str, set[str]] = {m: set() for m in mods}
+    private = []
+    for name, path in mods.items():
+        for target, names, line in _imports(name, path, known):
+            if target not in known:
+                continue
+            if target != name:
+                graph[name].add(target)
+            same_package = target.rsplit(".", 1)[0] == name.rsplit(".", 1)[0] or target.startswith(name + ".")
+            for n in names:
+                if n.startswith("_") and not n.startswith("__") and not same_package:
+                    private.append(f"{name} (line {line}) imports private '{n}' from {target}")
+    return graph, private
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+    counter = [0]
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_cycles():
+    graph, _ = _graph()
+    assert _cycles(graph) == []
+
+
+def test_the_cycle_detector_finds_cycles():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_private_names_across_modules():
+    _, private = _graph()
+    assert private == []
+
+
+def test_nodes_use_only_the_public_api():
+    offenders = []
+    for path in sorted((REPO / "nodes").glob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("klein_core"):
+                offenders.append(f"{path.name}:{node.lineno} from {node.module} import ...")
+            elif isinstance(node, ast.Import):
+                offenders += [f"{path.name}:{node.lineno} import {a.name}" for a in node.names
+                              if a.name.startswith("klein_core.")]
+            elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "kc":
+                import klein_core
+
+                if node.attr not in klein_core.__all__ and node.attr != "__version__":
+                    offenders.append(f"{path.name}:{node.lineno} kc.{node.attr} is not in klein_core.__all__")
+    assert offenders == []
+
+
+def test_every_module_imports_alone_in_a_fresh_interpreter_without_cuda():
+    """Each module imported with no other klein_core module loaded (so no import order hides a
+    problem), in a fresh interpreter, and importing never
+    initialises CUDA. The Triton kernel modules need Triton and are imported lazily by design."""
+    names = [m for m in _modules() if not m.endswith("__main__") and ".kernels._" not in m]
+    code = (
+        "import importlib, sys, torch\n"
+        "for name in sys.argv[1:]:\n"
+        "    for loaded in [m for m in sys.modules if m.startswith('klein_core')]:\n"
+        "        del sys.modules[loaded]\n"
+        "    importlib.import_module(name)\n"
+        "    assert not torch.cuda.is_initialized(), name\n"
+        "print('ok', len(sys.argv) - 1)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code, *names], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == f"ok {len(names)}"
