@@ -3,7 +3,7 @@
 Builds full-size random-weight components directly on the GPU (built on the meta device, then
 ``to_empty`` + in-place random init, so a 9B model appears in seconds without a checkpoint), then
 for every case and memory mode runs one warm-up and one measured generation stage by stage (text
-encoder -> reference encode -> denoise -> decode) with :class:`klein_core.memory.placement.StagePlacer`,
+encoder -> reference encode -> denoise -> decode) through :class:`klein_core.engine.Engine` with the plan,
 recording ``torch.cuda.max_memory_allocated`` and wall time per stage next to the estimate of
 :mod:`klein_core.memory.planner`. ``--cap-gb`` limits the allocator with
 ``torch.cuda.set_per_process_memory_fraction`` to emulate a smaller card (``auto`` then plans for
@@ -40,7 +40,9 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from klein_core import testing as demo  # noqa: E402
-from klein_core.memory.placement import StagePlacer, pin_memory_  # noqa: E402
+from klein_core.engine import Engine  # noqa: E402
+from klein_core.errors import KleinOutOfMemory  # noqa: E402
+from klein_core.memory.placement import pin_memory_  # noqa: E402
 from klein_core.memory.planner import (  # noqa: E402
     MODES,
     MemoryPlan,
@@ -49,13 +51,15 @@ from klein_core.memory.planner import (  # noqa: E402
     choose_plan,
     estimate,
 )
-from klein_core.memory.tiling import decode_tiled, encode_tiled  # noqa: E402
 from klein_core.models import Flux2Transformer, Flux2VAE, Qwen3Config, Qwen3TextEncoder, TransformerConfig, VAEConfig  # noqa: E402
 from klein_core.quant.fp8 import quantize_model_  # noqa: E402
-from klein_core.sampling import denoise, get_schedule, make_noise, reference_tokens  # noqa: E402
+from klein_core.request import Settings  # noqa: E402
 
 GB = 1e9
 QWEN_VOCAB = 151936
+
+
+PROMPT = "a red fox sitting in fresh snow at golden hour"
 
 
 def _qwen(hidden: int, inter: int) -> Qwen3Config:
@@ -184,32 +188,22 @@ def run_generation(
     components: dict[str, nn.Module], req: MemoryRequest, plan: MemoryPlan, device: torch.device, steps: int,
     seed: int = 0,
 ) -> dict:
-    """One generation following ``plan``; returns per-stage times, peaks and a finiteness check."""
-    placer = StagePlacer(device, components, dict(plan.placements), prefetch=plan.prefetch)
+    """One generation following ``plan``, stage by stage through klein_core's Engine; returns
+    per-stage times, peaks and a finiteness check."""
+    engine = Engine(components["transformer"], components["text_encoder"], components["vae"],
+                    kind="base" if req.cfg else "distilled", device=device, memory=plan, prompt_cache=None)
     out: dict = {}
     g = torch.Generator().manual_seed(seed)
-    dtype = components["transformer"].dtype
-    n_txt = req.batch * (2 if req.cfg else 1)
-    with _meter("text", device, out), placer.stage("text_encoder") as te:
-        ids = torch.randint(0, 1000, (n_txt, req.text_length), generator=g)
-        emb = te.encode(ids, torch.ones_like(ids))
-    ref_lat = []
-    with _meter("references", device, out), placer.stage("vae") as vae:
-        for w, h in req.references:
-            px = torch.rand(1, 3, h, w, generator=g).to(device=device, dtype=dtype) * 2 - 1
-            tile = 16 * plan.vae_tile if plan.vae_tile else None
-            ref_lat.append(encode_tiled(vae, px, tile=tile, overlap=tile // 4) if tile else vae.encode(px))
-    with _meter("denoise", device, out), placer.stage("transformer") as tr:
-        noise = make_noise(seed, req.batch, tr.config.in_channels, req.height // 16, req.width // 16)
-        sig = get_schedule(steps, noise.shape[-1] * noise.shape[-2])
-        txt, neg = (emb[: req.batch], emb[req.batch :]) if req.cfg else (emb, None)
-        latents = denoise(tr, noise, txt, sig, neg_txt=neg, guidance=4.0 if req.cfg else 1.0,
-                          refs=reference_tokens(ref_lat))
-    with _meter("decode", device, out), placer.stage("vae") as vae:
-        if plan.vae_tile:
-            px = decode_tiled(vae, latents, tile=plan.vae_tile, overlap=plan.vae_overlap or 0)
-        else:
-            px = vae.decode(latents)
+    with _meter("text", device, out):
+        cond = engine.encode_prompts([PROMPT] * req.batch, "" if req.cfg else None)
+    with _meter("references", device, out):
+        pixels = [torch.rand(1, 3, h, w, generator=g) * 2 - 1 for w, h in req.references]
+        ref_lat = engine.encode_references(pixels)
+    with _meter("denoise", device, out):
+        settings = Settings(req.width, req.height, steps, 4.0 if req.cfg else 1.0, seed)
+        latents, _ = engine.denoise(cond, ref_lat, settings)
+    with _meter("decode", device, out):
+        px = engine.decode(latents)
     out["finite"] = bool(torch.isfinite(px.float()).all())  # random weights: informational only
     out["total_s"] = sum(out["time_s"].values())
     peaks = [p for p in out["peak_bytes"].values() if p is not None]
@@ -262,7 +256,7 @@ def main(argv: list[str] | None = None) -> dict:
                     try:
                         run_generation(comps, req, plan, device, args.steps)  # warm-up (first moves, kernels)
                         row.update(run_generation(comps, req, plan, device, args.steps))
-                    except torch.OutOfMemoryError as exc:
+                    except (torch.OutOfMemoryError, KleinOutOfMemory) as exc:  # refused up front, or ran out
                         row.update(oom=str(exc).splitlines()[0])
                     finally:
                         _home(comps)
