@@ -13,7 +13,7 @@ from .engine import (
     encode_references,
     generate,
 )
-from .errors import GenerationCancelled, KleinOutOfMemory, WeightFormatError
+from .errors import GenerationCancelled, KleinOutOfMemory, NonFiniteWeights, WeightFormatError
 from .files.fp8 import quantize_state_dict
 from .files.identify import FileInfo, matching_text_encoders, probe
 from .files.opening import open_weights
@@ -73,7 +73,7 @@ __all__ = [
     "TEXT_ENCODER_FOR_WIDTH", "VARIANTS",
     "AppliedLoRAs", "BlockOffloader", "Conditioning", "Engine", "FP8Linear", "FileInfo", "Flux2Transformer",
     "Flux2VAE", "GenerationCancelled", "GenerationRequest", "GenerationResult", "KleinOutOfMemory", "LoRA",
-    "LoRAPatch", "MemoryEstimate", "MemoryPlan", "MemoryRequest", "ModelSizes", "PromptCache", "Qwen3Config",
+    "LoRAPatch", "MemoryEstimate", "NonFiniteWeights", "MemoryPlan", "MemoryRequest", "ModelSizes", "PromptCache", "Qwen3Config",
     "Qwen3TextEncoder", "Resolved", "Settings", "StagePlacer", "TransformerConfig", "VAEConfig", "Variant",
     "WeightFormatError", "WeightSource",
     "apply_loras", "bfl_to_diffusers", "check_compatible", "check_text_width", "check_loras", "choose_plan", "compute_empirical_mu",

@@ -20,14 +20,15 @@ import gc
 import logging
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import torch
 from PIL import Image
 
+from .checks import check_output, require_finite
 from .errors import KleinOutOfMemory
-from .images import PUBLISHED_REFERENCE_LIMIT, prepare_reference_image, reference_size, to_pil
+from .images import PUBLISHED_REFERENCE_LIMIT, oriented_size, prepare_reference_image, reference_size, to_pil
 from .memory.placement import StagePlacer
 from .memory.planner import MODES, MemoryPlan, MemoryRequest, plan_for
 from .memory.tiling import TILE_SIDES, decode_in_tiles, encode_in_tiles
@@ -35,7 +36,19 @@ from .models.qwen3 import Qwen3TextEncoder
 from .models.transformer import Flux2Transformer
 from .models.vae import Flux2VAE
 from .prompts import PromptCache, default_prompt_cache, encode_prompts
-from .request import GenerationRequest, ModelKind, Resolved, Settings, as_prompts, guess_model_kind, resolve
+from .request import (
+    GenerationRequest,
+    ModelKind,
+    Resolved,
+    Settings,
+    as_device,
+    as_list,
+    as_prompts,
+    as_reference,
+    check_tensor,
+    guess_model_kind,
+    resolve,
+)
 from .sampling import StepCallback, denoise, get_schedule, make_noise, reference_tokens
 from .variants import check_text_width
 
@@ -65,6 +78,11 @@ class Conditioning:
     positive: torch.Tensor
     negative: torch.Tensor | None = None
 
+    def __post_init__(self) -> None:
+        check_tensor(self.positive, "the prompt embeddings", 3)
+        if self.negative is not None:
+            check_tensor(self.negative, "the negative prompt embeddings", 3)
+
 
 @dataclass
 class GenerationResult:
@@ -87,13 +105,24 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def is_out_of_memory(exc: BaseException) -> bool:
+    """A device running out of memory: CUDA's OutOfMemoryError, or the CPU / MPS allocators' errors."""
+    if isinstance(exc, torch.OutOfMemoryError):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and any(
+        s in text for s in ("can't allocate memory", "not enough memory", "MPS backend out of memory"))
+
+
 @contextlib.contextmanager
 def explain_oom(stage: str, device: torch.device, w: int, h: int, batch: int, n_refs: int) -> Iterator[None]:
     """Turn an out-of-memory error in ``stage`` into :class:`KleinOutOfMemory` naming what to lower,
     after releasing the memory the failed attempt held."""
     try:
         yield
-    except torch.OutOfMemoryError as exc:
+    except RuntimeError as exc:
+        if not is_out_of_memory(exc):
+            raise
         # Drop the traceback's frames (they pin activations) before emptying the cache.
         del exc
         gc.collect()
@@ -105,26 +134,25 @@ def explain_oom(stage: str, device: torch.device, w: int, h: int, batch: int, n_
         if n_refs:
             hints.append(f"fewer or smaller references (now {n_refs})")
         hints.append("a lower-memory mode (offload the text encoder or transformer blocks, tiled VAE)")
+        where = "GPU" if device.type == "cuda" else device.type.upper()
         raise KleinOutOfMemory(
-            f"Out of GPU memory while {stage}; the memory was released. Try " + ", or ".join(hints) + "."
+            f"Out of {where} memory while {stage}; the memory was released. Try " + ", or ".join(hints) + "."
         ) from None
 
 
-def _check_finite(latents: torch.Tensor, transformer: Flux2Transformer) -> None:
-    # One reduction after the loop (not per step, which would sync the host every step).
-    if not bool(torch.isfinite(latents).all()):
-        dtype = transformer.dtype
-        cause = ("fp16 overflow: load the transformer in bf16 or fp32" if dtype == torch.float16
-                 else "corrupt or mismatched weights, or an extreme guidance value")
-        raise FloatingPointError(f"The sampler produced NaN/Inf latents (transformer in {dtype}); likely cause: {cause}.")
+def _overflow_cause(dtype: torch.dtype) -> str:
+    return ("fp16 overflow: load the model in bf16 or fp32" if dtype == torch.float16
+            else "an extreme guidance value, or weights that overflow in this dtype")
 
 
-def decode_to_pixels(vae: Any, latents: torch.Tensor, *, tile: int | None = None) -> torch.Tensor:
+def decode_to_pixels(vae: Any, latents: torch.Tensor, *, tile: int | None = None, clamp: bool = True) -> torch.Tensor:
     """Decode normalised latents ``[B, 128, h, w]`` to pixels ``[B, 3, 16h, 16w]`` in [0, 1] (CPU fp32).
 
-    ``tile``: decode in overlapping tiles of this many latent positions (see ``memory.tiling``).
+    ``tile``: decode in overlapping tiles of this many latent positions (see ``memory.tiling``);
+    ``clamp=False`` keeps values outside [0, 1] (and NaN) for checking.
     """
-    return (decode_in_tiles(vae, latents, tile).float() / 2 + 0.5).clamp(0, 1).cpu()
+    px = (decode_in_tiles(vae, latents, tile).float() / 2 + 0.5).cpu()
+    return px.clamp(0, 1) if clamp else px
 
 
 def encode_references(
@@ -137,11 +165,24 @@ def encode_references(
     tiles of this many latent positions.
     """
     out = []
-    for i, img in enumerate(images):
-        px = prepare_reference_image(img, vae.config.downscale) if isinstance(img, Image.Image) else img
+    for i, img in enumerate(as_list(images, "references")):
+        img = as_reference(img, i + 1)
+        if isinstance(img, Image.Image):
+            try:
+                px = prepare_reference_image(img, vae.config.downscale)
+            except (OSError, SyntaxError) as exc:  # PIL reads lazily: a truncated or corrupt file fails here
+                raise ValueError(f"reference {i + 1}: cannot read the image ({exc}); the file is truncated or "
+                                 "corrupt.") from None
+            except ValueError as exc:
+                raise ValueError(f"reference {i + 1}: {exc}") from None
+        else:
+            px = img
         if not isinstance(px, torch.Tensor) or px.ndim != 4 or px.shape[0] != 1:
             raise ValueError(f"reference {i + 1}: expected a PIL image or a [1, 3, H, W] tensor")
-        out.append(encode_in_tiles(vae, px, tile))
+        require_finite(px, f"reference {i + 1}")
+        latent = encode_in_tiles(vae, px, tile)
+        check_output(latent, f"The VAE encoder (reference {i + 1})", vae, _overflow_cause(vae.dtype))
+        out.append(latent)
     return out
 
 
@@ -151,7 +192,7 @@ def reference_pixel_sizes(images: Sequence[Image.Image | torch.Tensor], latents:
     sizes = [(lat.shape[-1] * downscale, lat.shape[-2] * downscale) for lat in latents]
     for img in images:
         if isinstance(img, Image.Image):
-            sizes.append(reference_size(img.width, img.height, downscale))
+            sizes.append(reference_size(*oriented_size(img), downscale))
         else:
             sizes.append((img.shape[-1], img.shape[-2]))
     return sizes
@@ -190,9 +231,10 @@ class Engine:
         *,
         kind: ModelKind | None = None,
         device: torch.device | str | None = None,
-        memory: str | MemoryPlan = "auto",
+        memory: str | MemoryPlan | None = "auto",
         prompt_cache: PromptCache | None = default_prompt_cache,
     ) -> None:
+        memory = "auto" if memory is None else memory
         if not isinstance(memory, MemoryPlan) and memory not in MODES:
             raise ValueError(f"memory must be one of {MODES} or a MemoryPlan, got {memory!r}")
         check_compatible(transformer, text_encoder, vae)
@@ -200,10 +242,11 @@ class Engine:
         self.text_encoder = text_encoder
         self.vae = vae
         self.kind: ModelKind = kind or guess_model_kind(getattr(transformer, "source", ""))
+        device = as_device(device)
         if device is None:
             first = next((m for m in (transformer, text_encoder, vae) if m is not None), None)
-            device = first.device if first is not None else "cpu"
-        self.device = torch.device(device)
+            device = first.device if first is not None else torch.device("cpu")
+        self.device = device
         # Pixels per latent position (16 for the FLUX.2 VAE; tiny test VAEs may have fewer levels).
         self.downscale = vae.config.downscale if vae is not None else 16
         self.memory = memory
@@ -247,6 +290,7 @@ class Engine:
         texts = prompts + ([negative_prompt] if negative_prompt is not None else [])
         with self._stage("text_encoder", plan) as te:
             embeds = encode_prompts(te, texts, cache=self.prompt_cache)  # one batch for both
+            check_output(embeds, "The text encoder", te, _overflow_cause(embeds.dtype))
         if negative_prompt is None:
             return Conditioning(embeds)
         return Conditioning(embeds[: len(prompts)], embeds[len(prompts):])
@@ -254,6 +298,7 @@ class Engine:
     def encode_references(self, images: Sequence[Image.Image | torch.Tensor], *,
                           plan: MemoryPlan | None = None) -> list[torch.Tensor]:
         """Stage 2: each reference VAE-encoded once, ``[1, 128, h, w]`` per image."""
+        images = [as_reference(img, i + 1) for i, img in enumerate(as_list(images, "references"))]
         if not images:
             return []
         if plan is None:
@@ -270,8 +315,11 @@ class Engine:
         if plan is None:
             h, w = pixels.shape[-2:]
             plan = self.plan(memory_request(1024, 1024, [(w, h)], encode_text=False, denoise=False, decode=False))
+        require_finite(pixels, "the pixels to encode")
         with self._stage("vae", plan) as vae:
-            return torch.cat([encode_in_tiles(vae, pixels[i : i + 1], plan.vae_tile) for i in range(len(pixels))])
+            latents = torch.cat([encode_in_tiles(vae, pixels[i : i + 1], plan.vae_tile) for i in range(len(pixels))])
+            check_output(latents, "The VAE encoder", vae, _overflow_cause(vae.dtype))
+        return latents
 
     def resolve(self, settings: Settings, references: Sequence[torch.Tensor] = ()) -> Resolved:
         """``settings`` with this engine's model-kind defaults and the size rules applied."""
@@ -305,26 +353,36 @@ class Engine:
         prompt = conditioning.positive
         check_text_width(prompt.shape[-1], tr.config.context_dim, encoded_by="The prompt embedding",
                          model=f"the {tr.config.variant} transformer")
+        require_finite(prompt, "the prompt embeddings")
+        if conditioning.negative is not None:
+            require_finite(conditioning.negative, "the negative prompt embeddings")
+        references = as_list(references, "reference_latents")
+        for i, ref in enumerate(references):
+            check_tensor(ref, f"reference latent {i + 1}", 4, tr.config.in_channels)
+            require_finite(ref, f"reference latent {i + 1}")
         if self.kind == "distilled" and conditioning.negative is not None:
             logger.warning("the negative prompt is ignored: distilled Klein models run without CFG")
-        txt = prompt.repeat_interleave(run.batch_size, dim=0)
-        neg = None
-        if run.cfg:
-            if conditioning.negative is None:
-                raise ValueError("CFG (a base model with guidance > 1) needs a negative prompt embedding")
-            negative = conditioning.negative
-            neg = negative.expand(prompt.shape[0], -1, -1) if negative.shape[0] == 1 else negative
-            neg = neg.repeat_interleave(run.batch_size, dim=0)
+        if run.cfg and conditioning.negative is None:
+            raise ValueError("CFG (a base model with guidance > 1) needs a negative prompt embedding")
+        n_images = prompt.shape[0] * run.batch_size
+        with explain_oom("preparing the batch", self.device, run.width, run.height, n_images, len(references)):
+            txt = prompt.repeat_interleave(run.batch_size, dim=0)
+            neg = None
+            if run.cfg:
+                negative = conditioning.negative
+                neg = negative.expand(prompt.shape[0], -1, -1) if negative.shape[0] == 1 else negative
+                neg = neg.repeat_interleave(run.batch_size, dim=0)
         down = self.downscale
         width, height = run.width, run.height
         if noise is not None:
-            if noise.ndim != 4 or noise.shape[1] != tr.config.in_channels:
-                raise ValueError(f"noise must be [B, {tr.config.in_channels}, h, w], got {list(noise.shape)}")
+            check_tensor(noise, "the given noise", 4, tr.config.in_channels)
+            require_finite(noise, "the given noise")
             if noise.shape[0] != txt.shape[0]:
                 raise ValueError(f"noise batch {noise.shape[0]} != prompts x batch_size = {txt.shape[0]}")
             width, height = noise.shape[-1] * down, noise.shape[-2] * down
         else:
-            noise = make_noise(run.seed, txt.shape[0], tr.config.in_channels, height // down, width // down)
+            with explain_oom("drawing the noise", self.device, width, height, txt.shape[0], len(references)):
+                noise = make_noise(run.seed, txt.shape[0], tr.config.in_channels, height // down, width // down)
         if len(references) > PUBLISHED_REFERENCE_LIMIT:
             logger.warning("%d references: Klein is published for at most %d", len(references),
                            PUBLISHED_REFERENCE_LIMIT)
@@ -339,7 +397,7 @@ class Engine:
             with self._stage("transformer", plan) as model:
                 latents = denoise(model, noise, txt, sigmas, neg_txt=neg, guidance=run.guidance, refs=refs,
                                   callback=callback)
-        _check_finite(latents, tr)
+        check_output(latents, "The sampler", tr, _overflow_cause(tr.dtype))
         return latents, run
 
     def decode(self, latents: torch.Tensor, *, plan: MemoryPlan | None = None) -> torch.Tensor:
@@ -349,14 +407,18 @@ class Engine:
             down = self.downscale
             plan = self.plan(memory_request(latents.shape[-1] * down, latents.shape[-2] * down,
                                             batch=latents.shape[0], encode_text=False, denoise=False))
+        require_finite(latents, "the latents to decode")
         tiles = [plan.vae_tile] + [t for t in TILE_SIDES if plan.vae_tile is None or t < plan.vae_tile]
         with self._stage("vae", plan) as vae:
             for i, tile in enumerate(tiles):
                 try:
-                    return decode_to_pixels(vae, latents, tile=tile)
-                except torch.OutOfMemoryError:
-                    if i == len(tiles) - 1:
+                    pixels = decode_to_pixels(vae, latents, tile=tile, clamp=False)
+                    check_output(pixels, "The VAE decoder", vae, _overflow_cause(vae.decoder_dtype))
+                    return pixels.clamp(0, 1)
+                except RuntimeError as exc:
+                    if not is_out_of_memory(exc) or i == len(tiles) - 1:
                         raise
+                    del exc
                     gc.collect()
                     if self.device.type == "cuda":
                         torch.cuda.empty_cache()
@@ -390,6 +452,9 @@ class Engine:
         (skips stage 1), already encoded ``reference_latents`` (put before ``request.references``)
         and explicit starting ``noise``."""
         timings: dict[str, float] = {}
+        request = replace(request, references=tuple(as_reference(r, i + 1) for i, r in enumerate(request.references)))
+        reference_latents = [check_tensor(lat, f"reference latent {i + 1}", 4)
+                             for i, lat in enumerate(as_list(reference_latents, "reference_latents"))]
         memory = self.memory_request(request, encode_text=conditioning is None)
         if reference_latents:
             extra = tuple(reference_pixel_sizes((), reference_latents, self.downscale))
@@ -399,13 +464,16 @@ class Engine:
         if self.kind == "distilled" and request.negative_prompt and conditioning is None:
             logger.warning("the negative prompt is ignored: distilled Klein models run without CFG")
         t0 = time.perf_counter()
+        n_refs = len(reference_latents) + len(request.references)
         if conditioning is None:
-            conditioning = self.encode_prompts(request.prompts, request.negative_prompt if memory.cfg else None,
-                                               plan=plan)
+            with explain_oom("encoding the prompts", self.device, memory.width, memory.height, memory.batch, n_refs):
+                conditioning = self.encode_prompts(request.prompts, request.negative_prompt if memory.cfg else None,
+                                                   plan=plan)
         _sync(self.device)
         timings["text"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        refs = list(reference_latents) + self.encode_references(request.references, plan=plan)
+        with explain_oom("encoding the references", self.device, memory.width, memory.height, 1, n_refs):
+            refs = list(reference_latents) + self.encode_references(request.references, plan=plan)
         _sync(self.device)
         timings["references"] = time.perf_counter() - t0
         t0 = time.perf_counter()
@@ -480,6 +548,8 @@ def generate(
     Returns:
         :class:`GenerationResult` with latents, images/pixels (if decoded) and per-stage timings.
     """
+    if distilled is not None and not isinstance(distilled, bool):
+        raise TypeError(f"distilled (the model kind) must be True, False or None, got {distilled!r}")
     kind = None if distilled is None else ("distilled" if distilled else "base")
     engine = Engine(transformer, text_encoder, vae, kind=kind, device=device, memory=memory, prompt_cache=cache)
     settings = Settings(width, height, steps, guidance, seed, batch_size)
@@ -489,6 +559,7 @@ def generate(
         prompt = [""] * prompt_embeds.shape[0]
     elif text_encoder is None:
         raise ValueError("pass a text_encoder, or prompt_embeds")
+    references = as_list(references, "references")
     if references and vae is None:
         raise ValueError("references need a vae to encode them")
     request = GenerationRequest(as_prompts(prompt), negative_prompt, tuple(references), settings, output)
@@ -498,7 +569,7 @@ def generate(
             raise ValueError("CFG needs a text_encoder for the negative prompt, or negative_embeds")
         conditioning = Conditioning(prompt_embeds, engine.encode_prompts([negative_prompt]).positive)
     return engine.run(request, callback=callback, conditioning=conditioning,
-                      reference_latents=reference_latents, noise=noise)
+                      reference_latents=as_list(reference_latents, "reference_latents"), noise=noise)
 
 
 __all__ = [

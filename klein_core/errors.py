@@ -14,6 +14,11 @@ class WeightFormatError(ValueError):
     """
 
 
+class NonFiniteWeights(WeightFormatError, FloatingPointError):
+    """A model's weights hold NaN or Inf (a corrupt file): both a file problem and the numeric
+    failure it causes; the message names the tensor and the file."""
+
+
 class KleinOutOfMemory(RuntimeError):
     """The device ran out of memory (or a request was refused because it would); the message says
     which setting to lower. Memory was released before raising."""
@@ -23,4 +28,4 @@ class GenerationCancelled(RuntimeError):
     """Raised when a step callback returned ``False`` to stop the run."""
 
 
-__all__ = ["GenerationCancelled", "KleinOutOfMemory", "WeightFormatError"]
+__all__ = ["GenerationCancelled", "KleinOutOfMemory", "NonFiniteWeights", "WeightFormatError"]

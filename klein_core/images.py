@@ -8,7 +8,7 @@ import math
 
 import numpy as np
 import torch
-from PIL import Image
+from PIL import Image, ImageOps
 
 logger = logging.getLogger(__name__)
 
@@ -27,15 +27,28 @@ def reference_size(width: int, height: int, multiple: int = 16) -> tuple[int, in
     return width // multiple * multiple, height // multiple * multiple
 
 
+def oriented_size(image: Image.Image) -> tuple[int, int]:
+    """(width, height) of ``image`` once its EXIF orientation is applied (5-8 are quarter turns)."""
+    try:
+        orientation = image.getexif().get(0x0112, 1)
+    except (OSError, ValueError, SyntaxError):  # unreadable EXIF: the pixels are taken as stored
+        orientation = 1
+    return (image.height, image.width) if orientation in (5, 6, 7, 8) else (image.width, image.height)
+
+
 def prepare_reference_image(image: Image.Image, multiple: int = 16) -> torch.Tensor:
     """Preprocess a reference image for VAE encoding: ``Tensor[1, 3, H, W]`` in [-1, 1], float32.
 
     LANCZOS down-scaling to at most 1024x1024 pixels of area when larger (before RGB conversion,
     like diffusers), then a centre crop to multiples of ``multiple`` (16 for the FLUX.2 VAE).
-    Grayscale, palette, RGBA (alpha dropped) and 16-bit images are converted to 8-bit RGB.
+    Grayscale, palette, RGBA (alpha dropped), 16-bit and float images are converted to 8-bit RGB;
+    the EXIF orientation of photos is applied first.
     """
     if not isinstance(image, Image.Image):
         raise TypeError(f"reference must be a PIL.Image, got {type(image).__name__}")
+    # Phone photos store their orientation in EXIF; honour it, as diffusers' load_image and ComfyUI's
+    # LoadImage do (an image already upright is returned unchanged).
+    image = ImageOps.exif_transpose(image)
     w, h = image.size
     if w < MIN_REFERENCE_SIDE or h < MIN_REFERENCE_SIDE:
         raise ValueError(f"reference image is {w}x{h}; both sides must be at least {MIN_REFERENCE_SIDE} px")
@@ -60,9 +73,16 @@ def _to_rgb_array(image: Image.Image) -> np.ndarray:
         peak = 65535.0 if image.mode.startswith("I;16") or a.max() > 255 else 255.0
         a = np.clip(a / peak, 0.0, 1.0)
         return np.repeat(a[..., None], 3, axis=-1).astype(np.float32)
-    if image.mode == "F":
-        a = np.clip(np.asarray(image, dtype=np.float32), 0.0, 1.0)
-        return np.repeat(a[..., None], 3, axis=-1)
+    if image.mode == "F":  # float images come in 0..1, 0..255 or 0..65535: scale by the range in use
+        a = np.asarray(image, dtype=np.float32)
+        if not np.isfinite(a).all():
+            raise ValueError("the reference image (a float 'F' image) has NaN or infinite pixel values")
+        lo, hi = float(a.min()), float(a.max())
+        peak = next((p for p in (1.0, 255.0, 65535.0) if hi <= p), None)
+        if lo < 0 or peak is None:
+            raise ValueError(f"the reference image (a float 'F' image) has values from {lo:g} to {hi:g}; "
+                             "expected 0..1, 0..255 or 0..65535")
+        return np.repeat((a / peak)[..., None], 3, axis=-1)
     if image.mode != "RGB":
         image = image.convert("RGB")
     return np.asarray(image, dtype=np.float32) / 255.0

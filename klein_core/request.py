@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -24,6 +25,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_SIZE = 1024
 MIN_SIDE = 64
 MAX_PIXELS = 4 * 1024 * 1024  # 4 megapixels (BFL's published limit)
+MAX_STEPS = 10_000  # far beyond any schedule Klein uses (4 distilled, 20-50 base); a typo guard
 DISTILLED_DEFAULTS = {"steps": 4, "guidance": 1.0}
 BASE_DEFAULTS = {"steps": 50, "guidance": 4.0}
 ModelKind = Literal["distilled", "base"]
@@ -102,8 +104,8 @@ def resolve(settings: Settings, kind: ModelKind, first_reference: tuple[int, int
         raise ValueError(f"model kind must be one of {MODEL_KINDS}, got {kind!r}")
     defaults = DISTILLED_DEFAULTS if kind == "distilled" else BASE_DEFAULTS
     steps = defaults["steps"] if settings.steps is None else settings.steps
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"steps must be a positive integer, got {steps!r}")
+    if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= MAX_STEPS:
+        raise ValueError(f"steps must be an integer from 1 to {MAX_STEPS}, got {steps!r}")
     raw = defaults["guidance"] if settings.guidance is None else settings.guidance
     if isinstance(raw, bool) or not isinstance(raw, (int, float)):
         raise TypeError(f"guidance must be a number, got {raw!r}")
@@ -157,15 +159,77 @@ class GenerationRequest:
         return (self.prompt,) if isinstance(self.prompt, str) else tuple(self.prompt)
 
 
+def as_device(device: torch.device | str | int | None) -> torch.device | None:
+    """A torch device from a device, its name ("cuda", "cuda:1", "cpu", "mps") or a CUDA index,
+    checked to exist here (a CPU-only torch refuses "cuda" with the fix, not an assertion)."""
+    if device is None:
+        return None
+    if isinstance(device, torch.device):
+        d = device
+    elif isinstance(device, str):
+        try:
+            d = torch.device(device)
+        except RuntimeError:
+            raise ValueError(f"device {device!r} is not a device name torch knows (e.g. 'cuda', 'cuda:1', 'cpu', "
+                             "'mps')") from None
+    elif isinstance(device, int) and not isinstance(device, bool) and device >= 0:
+        d = torch.device("cuda", device)
+    else:
+        raise TypeError(f"device must be a torch.device, a name such as 'cuda' or 'cpu', or a CUDA index; got "
+                        f"{device!r}")
+    if d.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {str(d)!r} needs CUDA, but this torch {torch.__version__} has no CUDA device (a "
+                         "CPU-only build, or no GPU/driver). Install a CUDA build of torch (README: Quick start) "
+                         "or use device 'cpu'.")
+    if d.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError("device 'mps' needs Apple silicon and a torch built with MPS; use 'cpu'.")
+    return d
+
+
+def check_tensor(x: object, what: str, ndim: int, channels: int | None = None) -> torch.Tensor:
+    """``x`` as a tensor of ``ndim`` dimensions (and ``channels`` in dim 1 if given), or a clear error."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{what} must be a torch tensor, got {type(x).__name__}")
+    if x.ndim != ndim or (channels is not None and x.shape[1] != channels):
+        want = f"{ndim} dimensions" + (f" with {channels} channels in dim 1" if channels is not None else "")
+        raise ValueError(f"{what} must have {want}, got shape {list(x.shape)}")
+    if not x.is_floating_point():
+        raise TypeError(f"{what} must be a float tensor, got {x.dtype}")
+    return x
+
+
+def as_reference(item: object, index: int) -> Image.Image | torch.Tensor:
+    """A reference as given: a PIL image, a prepared ``[1, 3, H, W]`` tensor, or a path to an image."""
+    if isinstance(item, (Image.Image, torch.Tensor)):
+        return item
+    if isinstance(item, (str, os.PathLike)):
+        try:
+            return Image.open(item)
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"reference {index}: cannot open {item!s} as an image ({exc}).") from None
+    raise TypeError(f"reference {index} must be a PIL image, a [1, 3, H, W] tensor or an image path, "
+                    f"got {type(item).__name__}")
+
+
+def as_list(items: object, what: str) -> list:
+    """A list argument (a list or tuple) as a list; a single item or anything else is refused."""
+    if not isinstance(items, (list, tuple)):
+        raise TypeError(f"{what} must be a list, got {type(items).__name__}; wrap a single item as [item]")
+    return list(items)
+
+
 def as_prompts(prompt: str | Sequence[str]) -> tuple[str, ...]:
     """A prompt argument (one string or a sequence of them) as a tuple."""
-    if prompt is None:
-        raise TypeError("prompt must be a str or a list of str, got None")
-    return (prompt,) if isinstance(prompt, str) else tuple(prompt)
+    if isinstance(prompt, str):
+        return (prompt,)
+    if not isinstance(prompt, (list, tuple)):
+        raise TypeError(f"prompt must be a str or a list of str, got {type(prompt).__name__}")
+    return tuple(prompt)
 
 
 __all__ = [
     "BASE_DEFAULTS", "DEFAULT_SIZE", "DISTILLED_DEFAULTS", "MAX_PIXELS", "MIN_SIDE", "MODEL_KINDS", "OUTPUTS",
-    "GenerationRequest", "ModelKind", "Resolved", "Settings", "as_prompts", "check_size", "guess_model_kind",
+    "GenerationRequest", "ModelKind", "Resolved", "Settings", "as_device", "as_list", "as_prompts", "as_reference",
+    "check_size", "check_tensor", "guess_model_kind",
     "resolve", "resolve_size",
 ]

@@ -238,6 +238,13 @@ def _check_prompts(prompts: object) -> list[str]:
     for index, prompt in enumerate(prompts):
         if not isinstance(prompt, str):
             raise TypeError(f"prompts[{index}] must be a str, got {type(prompt).__name__}")
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as exc:  # a lone surrogate, e.g. from a mis-decoded emoji
+            raise ValueError(
+                f"prompts[{index}] is not valid Unicode text: it has an unpaired surrogate "
+                f"U+{ord(prompt[exc.start]):04X} at position {exc.start}; fix the text's encoding."
+            ) from None
     return list(prompts)
 
 

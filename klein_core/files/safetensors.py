@@ -66,20 +66,25 @@ def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
+def _require_regular(path: Path, st: os.stat_result) -> None:
+    if not stat.S_ISREG(st.st_mode):
+        kind = ("a named pipe (FIFO)" if stat.S_ISFIFO(st.st_mode) else
+                "a device" if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode) else
+                "a socket" if stat.S_ISSOCK(st.st_mode) else
+                "a folder" if stat.S_ISDIR(st.st_mode) else "not a regular file")
+        raise WeightFormatError(f"{path}: is {kind}, not a weight file; give the path of a .safetensors file.")
+
+
 def _open_regular(path: Path):
     """Open ``path`` for reading, refusing anything but a regular file.
 
     Opened non-blocking first: opening a FIFO without a writer would otherwise wait forever.
     """
+    _require_regular(path, os.stat(path))  # before opening: a socket cannot be opened at all
     flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0)
     fd = os.open(path, flags)
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            kind = ("a named pipe (FIFO)" if stat.S_ISFIFO(st.st_mode) else
-                    "a device" if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode) else
-                    "a socket" if stat.S_ISSOCK(st.st_mode) else "not a regular file")
-            raise WeightFormatError(f"{path}: is {kind}, not a weight file; give the path of a .safetensors file.")
+        _require_regular(path, os.fstat(fd))  # and again: the path may have changed in between
         if hasattr(os, "set_blocking"):
             os.set_blocking(fd, True)
         return os.fdopen(fd, "rb", buffering=0)

@@ -124,6 +124,24 @@ def sharded_source(name: str, files: Sequence[Path], key_to_file: Mapping[str, P
     return WeightSource(name, infos, lambda k: owner[k].get(k), metadata)
 
 
+def _read_weight_map(index_path: Path) -> dict[str, str]:
+    """The ``weight_map`` of a Hugging Face shard index, checked: tensor name -> a shard file name
+    in the same folder."""
+    try:
+        index = json.loads(index_path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise WeightFormatError(f"{index_path}: not a valid shard index ({str(exc)[:120]}).") from None
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise WeightFormatError(f"{index_path}: not a valid shard index: it needs a 'weight_map' object mapping "
+                                "tensor names to shard files. Download the index again.")
+    for key, shard in weight_map.items():
+        if not isinstance(shard, str) or not shard or Path(shard).name != shard:
+            raise WeightFormatError(f"{index_path}: the shard for tensor '{key}' is {shard!r}, not a file name in "
+                                    "this folder; the index is corrupt. Download it again.")
+    return weight_map
+
+
 def folder_source(folder: Path, subfolder: str | None) -> WeightSource:
     candidates = [folder]
     if subfolder:
@@ -134,10 +152,7 @@ def folder_source(folder: Path, subfolder: str | None) -> WeightSource:
         indexes = sorted(d.glob("*.safetensors.index.json"))
         if indexes:
             index_path = indexes[0]
-            try:
-                weight_map = json.loads(index_path.read_text())["weight_map"]
-            except (OSError, KeyError, json.JSONDecodeError) as exc:
-                raise WeightFormatError(f"{index_path}: not a valid shard index ({exc}).") from None
+            weight_map = _read_weight_map(index_path)
             files = sorted({d / f for f in weight_map.values()})
             missing = [str(f) for f in files if not f.is_file()]
             if missing:

@@ -49,6 +49,7 @@ def _read_source(
             if not isinstance(v, torch.Tensor):
                 raise TypeError(f"<in-memory LoRA>: value for '{k}' is {type(v).__name__}, not a torch.Tensor")
             tensors[str(k)] = v
+        _check_finite("<in-memory LoRA>", tensors)
         return "<in-memory LoRA>", tensors, dict(metadata or {})
     path = Path(source).expanduser()
     if not path.exists():
@@ -64,7 +65,17 @@ def _read_source(
     f = open_safetensors(path, "LoRA")
     tensors = {k: f.read(k) for k in f.tensors}
     file_meta = dict(f.metadata)
+    _check_finite(str(path), tensors)
     return str(path), tensors, {**file_meta, **dict(metadata or {})}
+
+
+def _check_finite(name: str, tensors: Mapping[str, torch.Tensor]) -> None:
+    """LoRAs are small: every float tensor is checked once, where it enters, so a NaN is named here
+    and not later as a broken image."""
+    for key, t in tensors.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t.float()).all()):
+            raise ValueError(f"{name}: tensor '{key}' contains NaN or infinite values; the LoRA file is corrupt. "
+                             "Download it again or use another LoRA.")
 
 
 def _peft_configs(name: str, metadata: Mapping[str, str]) -> dict[str | None, dict[str, Any]]:
@@ -140,7 +151,7 @@ def _build_patch(
         if a.ndim != 2 or b.ndim != 2 or a.shape[0] != b.shape[1]:
             raise ValueError(f"{name}: LoRA factors of '{path}' do not fit each other: A (down) "
                              f"{list(a.shape)}, B (up) {list(b.shape)}; expected [r, in] and [out, r].")
-        rank = a.shape[0]
+        rank = _rank(name, path, a.shape[0])
         if alpha is not None:  # Kohya / ai-toolkit / LyCORIS: scale = alpha / rank
             scale = alpha / rank
         elif cfg:  # diffusers / PEFT: LoraConfig in the metadata
@@ -159,20 +170,30 @@ def _build_patch(
                 return None
         decomposed = [t[k].shape[0] for k in ("lokr_w2_b", "lokr_w1_b") if k in t]
         if cfg and str(cfg.get("peft_type", "")).upper() == "LOKR":  # PEFT LoKr: alpha / r always
-            r = float(_pattern_value(cfg.get("rank_pattern"), peft_name, cfg.get("r", 1)))
+            r = _rank(name, path, float(_pattern_value(cfg.get("rank_pattern"), peft_name, cfg.get("r", 1))))
             scale = float(_pattern_value(cfg.get("alpha_pattern"), peft_name, cfg.get("alpha", r))) / r
         elif alpha is not None and decomposed:  # LyCORIS: alpha / rank, only for decomposed factors
-            scale = alpha / decomposed[0]
+            scale = alpha / _rank(name, path, decomposed[0])
         else:  # LyCORIS with two full factors ignores alpha
             scale = 1.0
     elif kind == "loha":
         if any(r not in t for r in _LOHA_ROLES):
             incomplete(", ".join(r for r in _LOHA_ROLES if r not in t))
             return None
-        scale = alpha / t["hada_w1_b"].shape[0] if alpha is not None else 1.0
+        rank = _rank(name, path, t["hada_w1_b"].shape[0])
+        scale = alpha / rank if alpha is not None else 1.0
     else:
         scale = 1.0
+    if not math.isfinite(scale):
+        raise ValueError(f"{name}: the scale of '{path}' is {scale} (alpha {alpha}); the LoRA's alpha or "
+                         "metadata is corrupt.")
     return LoRAPatch(target, kind, t, scale, keys)
+
+
+def _rank(name: str, path: str, rank: float) -> float:
+    if not rank > 0:
+        raise ValueError(f"{name}: '{path}' has rank {rank:g} (empty factors); the LoRA is empty or corrupt.")
+    return rank
 
 
 def _format_name(patches: Iterable[LoRAPatch], tensors: Mapping[str, torch.Tensor]) -> str:

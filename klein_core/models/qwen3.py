@@ -279,7 +279,12 @@ class Qwen3TextEncoder(nn.Module):
     def __init__(self, config: Qwen3Config) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # nn.Embedding's own init, but skipped on the meta device (where loaders build the model): there
+        # it costs ~1.5 s and ~140 MB the first time (torch imports its decompositions for it).
+        weight = torch.empty(config.vocab_size, config.hidden_size)
+        if weight.device.type != "meta":
+            nn.init.normal_(weight)
+        self.embed_tokens = nn.Embedding.from_pretrained(weight, freeze=False)
         self.layers = nn.ModuleList(Qwen3DecoderLayer(config) for _ in range(config.num_layers_run))
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
