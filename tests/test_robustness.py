@@ -384,3 +384,14 @@ def test_exif_orientation_is_applied():
     t = kc.prepare_reference_image(photo)
     assert t.shape == (1, 3, 128, 80)
     assert torch.equal(t, kc.prepare_reference_image(upright))
+
+
+@pytest.mark.parametrize("header", [b"[" * 200000 + b"]" * 200000, b'{"a": {"dtype": "F32", "shape": [' + b"9" * 5000
+                                    + b'], "data_offsets": [0, 4]}}', b'{"a": ' * 50000 + b"1" + b"}" * 50000])
+def test_hostile_headers_are_named(tmp_path, header):
+    path = tmp_path / "hostile.safetensors"
+    pad = b" " * (-len(header) % 8)
+    path.write_bytes(len(header + pad).to_bytes(8, "little") + header + pad + bytes(4))
+    for load in (kc.load_transformer, kc.load_vae, kc.load_lora):
+        with pytest.raises(kc.WeightFormatError, match=r"hostile\.safetensors"):
+            load(path)
