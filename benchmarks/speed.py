@@ -747,7 +747,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     ap.add_argument("--dtype", choices=("bf16", "fp32"), default=None,
                     help="default: bf16 on CUDA, fp32 on CPU")
-    ap.add_argument("--out", default="speed_results.json", help="JSON results file")
+    ap.add_argument("--out", default="out/speed_results.json", help="JSON results file (its folder is created)")
     ap.add_argument("-v", "--verbose", action="store_true")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
@@ -795,6 +795,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     report = {"env": env, "args": {k: v for k, v in vars(args).items()}, "results": results}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=1, default=str))
     print_table(results)
     print(f"\nfull results: {args.out}")

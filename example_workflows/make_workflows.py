@@ -6,7 +6,8 @@
 Each workflow becomes ``example_workflows/<name>.json`` (the UI format the frontend loads; ComfyUI lists
 these as the pack's templates) and ``example_workflows/api/<name>.api.json`` (the API format that
 ``POST /prompt`` takes; kept in a subfolder so the template browser does not offer it). Both come from
-the same :class:`Node` list, so they cannot disagree. Standard library only.
+the same :class:`Node` list, so they cannot disagree; so does each workflow's thumbnail
+``example_workflows/<name>.jpg`` (the picture ComfyUI's template browser shows; drawn with Pillow).
 """
 
 from __future__ import annotations
@@ -65,13 +66,20 @@ SPECS = {
     "LoadImage": Spec(widgets=("image",), outputs=(("IMAGE", "IMAGE"), ("MASK", "MASK")),
                       frontend_extra=(("image", "image"),), size=(320, 330)),
     "SaveImage": Spec(sockets=(("images", "IMAGE", False),), widgets=("filename_prefix",), size=(420, 460)),
+    "PreviewAny": Spec(sockets=(("source", "*", False),), size=(340, 120)),
     "Note": Spec(widgets=("text",), size=(340, 140), virtual=True),
 }
+# Room each node needs below its position beyond its saved size: the sampler's latent preview grows
+# it to about 454 px (ComfyUI with --preview-method auto), Save Image shows the picture.
+GROWS = {"KleinSampler": 460, "SaveImage": 560}
+NODE_TITLE_HEIGHT = 30  # LiteGraph draws a node's title bar above its position
+VIEW = (1280, 720)  # the saved view fits the graph into this canvas, below the tab bar
+TAB_BAR = 56
 DISPLAY_NAMES = {
     "KleinModelLoader": "Klein Model Loader", "KleinTextEncode": "Qwen3 Layer-Concat Encoder",
     "KleinReferenceStacker": "Klein Reference Stacker", "KleinSampler": "Klein Sampler",
     "KleinVAEDecode": "Flux2 VAE Decode", "LoadImage": "Load Image", "SaveImage": "Save Image",
-    "Note": "Note",
+    "PreviewAny": "Preview as Text", "Note": "Note",
 }
 
 
@@ -111,8 +119,9 @@ def _sampler(nid: int, size: int, steps: int, guidance: float, refs: tuple[int, 
 
 
 def _decode_save(prefix: str, sampler: int = 3) -> list[Node]:
-    return [Node(4, "KleinVAEDecode", (520, 400), links={"samples": (sampler, 0), "vae": (1, 1)}),
-            Node(5, "SaveImage", (900, 80), {"filename_prefix": prefix}, {"images": (4, 0)})]
+    # Right of the sampler, not below it: its latent preview grows it downwards while it runs.
+    return [Node(4, "KleinVAEDecode", (900, 80), links={"samples": (sampler, 0), "vae": (1, 1)}),
+            Node(5, "SaveImage", (900, 200), {"filename_prefix": prefix}, {"images": (4, 0)})]
 
 
 WORKFLOWS = [
@@ -141,19 +150,20 @@ WORKFLOWS = [
         _loader(1, "flux-2-klein-4b.safetensors"),
         _encoder(2, "Place the object from image 2 into the scene of image 1, keeping the lighting and "
                     "perspective of image 1."),
-        Node(7, "LoadImage", (-340, 420), {"image": "klein_reference_1.png"},
+        Node(7, "LoadImage", (-380, 80), {"image": "klein_reference_1.png"},
              title="Reference 1 (sets the size)"),
-        Node(8, "LoadImage", (-340, 800), {"image": "klein_reference_2.png"}, title="Reference 2"),
-        Node(9, "KleinReferenceStacker", (40, 620), links={"image": (7, 0), "vae": (1, 1)}),
-        Node(10, "KleinReferenceStacker", (40, 760),
+        Node(8, "LoadImage", (-380, 470), {"image": "klein_reference_2.png"}, title="Reference 2"),
+        Node(9, "KleinReferenceStacker", (40, 640), links={"image": (7, 0), "vae": (1, 1)}),
+        Node(10, "KleinReferenceStacker", (40, 780),
              links={"image": (8, 0), "vae": (1, 1), "references": (9, 0)}),
         _sampler(3, 0, 4, 1.0, refs=(10, 0)),
         *_decode_save("Klein-4B-edit"),
-        Node(6, "Note", (520, 640), {"text": "Replace klein_reference_1.png and klein_reference_2.png with "
+        Node(11, "PreviewAny", (520, 640), links={"source": (10, 1)}, title="Reference sizes"),
+        Node(6, "Note", (520, 810), {"text": "Replace klein_reference_1.png and klein_reference_2.png with "
                                              "your own images (upload them in the Load Image nodes). Width "
                                              "and height 0 = the size of reference 1 (scaled to at most 1 "
-                                             "megapixel, multiples of 16). Chain more stackers for more "
-                                             "references (up to 4)."}),
+                                             "megapixel, multiples of 16), shown in Reference sizes after a "
+                                             "run. Chain more stackers for more references (up to 4)."}),
     ]),
 ]
 
@@ -183,9 +193,10 @@ def to_ui(wf: Workflow) -> dict:
         for slot, (name, typ, _) in enumerate(spec.sockets):
             if name in node.links:
                 src, src_slot = node.links[name]
-                if SPECS[by_id[src].type].outputs[src_slot][1] != typ:
+                out_type = SPECS[by_id[src].type].outputs[src_slot][1]
+                if typ not in (out_type, "*"):
                     raise ValueError(f"{wf.name}: node {node.id}.{name} ({typ}) linked to a different type")
-                links.append([len(links) + 1, src, src_slot, node.id, slot, typ])
+                links.append([len(links) + 1, src, src_slot, node.id, slot, out_type])
                 out_links.setdefault((src, src_slot), []).append(len(links))
     link_of = {(lk[3], lk[4]): lk[0] for lk in links}
     nodes = []
@@ -218,8 +229,24 @@ def to_ui(wf: Workflow) -> dict:
     return {
         "id": str(uuid.uuid5(uuid.NAMESPACE_URL, f"klein-nodes/example_workflows/{wf.name}")),
         "revision": 0, "last_node_id": max(by_id), "last_link_id": len(links), "nodes": nodes, "links": links,
-        "groups": [], "config": {}, "extra": {"ds": {"scale": 1.0, "offset": [400, 0]}}, "version": 0.4,
+        "groups": [], "config": {}, "extra": {"ds": view(wf)}, "version": 0.4,
     }
+
+
+def bounds(wf: Workflow) -> tuple[int, int, int, int]:
+    """(left, top, right, bottom) of everything drawn: title bars, and the room nodes grow into."""
+    boxes = [(n.pos[0], n.pos[1] - NODE_TITLE_HEIGHT, n.pos[0] + SPECS[n.type].size[0],
+              n.pos[1] + max(SPECS[n.type].size[1], GROWS.get(n.type, 0))) for n in wf.nodes]
+    return min(b[0] for b in boxes), min(b[1] for b in boxes), max(b[2] for b in boxes), max(b[3] for b in boxes)
+
+
+def view(wf: Workflow, margin: int = 20) -> dict:
+    """The saved canvas view (LiteGraph: screen = (graph + offset) * scale) that shows the whole graph
+    in a VIEW-sized canvas below the tab bar."""
+    left, top, right, bottom = bounds(wf)
+    scale = min(1.0, (VIEW[0] - 2 * margin) / (right - left), (VIEW[1] - TAB_BAR - 2 * margin) / (bottom - top))
+    scale = round(scale, 3)
+    return {"scale": scale, "offset": [round(margin / scale - left, 1), round((TAB_BAR + margin) / scale - top, 1)]}
 
 
 def _folder(widget: str) -> str:
@@ -238,6 +265,40 @@ def to_api(wf: Workflow) -> dict:
     return graph
 
 
+TITLES = {"klein_4b_text_to_image": "Klein 4B: text to image", "klein_4b_base_cfg": "Klein 4B base: CFG + negative",
+          "klein_4b_two_reference_edit": "Klein 4B: edit with two references"}
+COLORS = {"KleinModelLoader": (70, 110, 170), "KleinTextEncode": (90, 140, 90), "KleinSampler": (170, 100, 60),
+          "KleinVAEDecode": (130, 90, 160), "KleinReferenceStacker": (60, 140, 140), "LoadImage": (110, 110, 110),
+          "SaveImage": (110, 110, 110), "PreviewAny": (110, 110, 110), "Note": (150, 140, 80)}
+
+
+def thumbnail(wf: Workflow, size: tuple[int, int] = (512, 384)):
+    """The template browser's picture of a workflow: its graph, drawn from the same description."""
+    from PIL import Image, ImageDraw  # only for the thumbnails; the JSON files need the standard library
+
+    img = Image.new("RGB", size, (32, 33, 38))
+    draw = ImageDraw.Draw(img)
+    draw.text((12, 10), TITLES.get(wf.name, wf.name), fill=(235, 235, 235))
+    left, top, right, bottom = bounds(wf)
+    scale = min((size[0] - 24) / (right - left), (size[1] - 44) / (bottom - top))
+
+    def at(x: float, y: float) -> tuple[int, int]:
+        return int(12 + (x - left) * scale), int(34 + (y - top) * scale)
+
+    centre = {}
+    for n in wf.nodes:
+        w, h = SPECS[n.type].size
+        x0, y0 = at(n.pos[0], n.pos[1] - NODE_TITLE_HEIGHT)
+        x1, y1 = at(n.pos[0] + w, n.pos[1] + h)
+        draw.rectangle((x0, y0, x1, y1), fill=COLORS.get(n.type, (90, 90, 90)), outline=(200, 200, 200))
+        draw.text((x0 + 4, y0 + 3), (n.title or DISPLAY_NAMES[n.type])[: max(4, (x1 - x0) // 6)], fill=(250, 250, 250))
+        centre[n.id] = ((x0 + x1) // 2, (y0 + y1) // 2)
+    for n in wf.nodes:
+        for src, _ in n.links.values():
+            draw.line((centre[src], centre[n.id]), fill=(230, 200, 90), width=2)
+    return img
+
+
 def rendered() -> dict[Path, str]:
     """Every file this script writes, with its exact text."""
     files = {}
@@ -252,14 +313,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--check", action="store_true", help="only compare the committed files")
     args = ap.parse_args(argv)
     stale = [p for p, text in rendered().items() if not p.is_file() or p.read_text() != text]
+    # Thumbnails (same name, .jpg: what ComfyUI's template browser shows) are pictures: checked to
+    # exist, rewritten whenever the workflows are.
+    thumbs = {HERE / f"{wf.name}.jpg": wf for wf in WORKFLOWS}
     if args.check:
-        for p in stale:
+        for p in stale + [t for t in thumbs if not t.is_file()]:
             sys.stderr.write(f"out of date: {p.relative_to(HERE.parent)}\n")
-        return 1 if stale else 0
+        return 1 if stale or not all(t.is_file() for t in thumbs) else 0
     API_DIR.mkdir(exist_ok=True)
     for p in stale:
         p.write_text(rendered()[p])
         sys.stdout.write(f"wrote {p.relative_to(HERE.parent)}\n")
+    for p, wf in thumbs.items():
+        if stale or not p.is_file():
+            thumbnail(wf).save(p, quality=90)
+            sys.stdout.write(f"wrote {p.relative_to(HERE.parent)}\n")
     return 0
 
 

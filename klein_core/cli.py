@@ -18,7 +18,9 @@ from . import __version__
 from .engine import GenerationResult, generate
 from .errors import GenerationCancelled, WeightFormatError
 from .files.identify import matching_text_encoders, probe
-from .request import guess_model_kind
+from .images import oriented_size, reference_size
+from .request import MAX_STEPS, as_device, guess_model_kind, resolve_size
+from .sampling import MAX_SEED
 from .variants import check_text_width
 
 logger = logging.getLogger("klein_core.cli")
@@ -35,41 +37,60 @@ def _write(stream, text: str) -> None:
     stream.flush()
 
 
+class _Formatter(argparse.HelpFormatter):
+    """Shows "(default: ...)" for options whose default is a value (not None, empty or off)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        d = action.default
+        if not (d is None or d is False or d == "" or d == [] or d == argparse.SUPPRESS) and "default" not in text:
+            text += " (default: %(default)s)"
+        return text
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="klein-generate", description="FLUX.2 Klein text-to-image and editing.")
-    sub = p.add_subparsers(dest="command")
-    g = sub.add_parser("generate", help="generate images (the default command)")
-    _add_generate_args(g)
+    p = argparse.ArgumentParser(
+        prog="klein-generate", formatter_class=_Formatter,
+        description="FLUX.2 Klein text-to-image and editing. 'generate' is the only command and may be "
+                    "left out: 'klein-generate --prompt ...' is 'klein-generate generate --prompt ...'.",
+        epilog="examples: klein-generate --demo --out out/demo.png | klein-generate --models-dir ComfyUI/models "
+               "--model flux-2-klein-4b.safetensors --prompt 'a red fox' --out fox.png")
+    _add_generate_args(p)
     return p
 
 
 def _add_generate_args(g: argparse.ArgumentParser) -> None:
-    src = g.add_argument_group("models")
+    src = g.add_argument_group("models (give --models-dir, the three files, or --demo)")
     src.add_argument("--transformer", type=Path, help="Klein transformer .safetensors (or diffusers folder)")
     src.add_argument("--text-encoder", type=Path, help="Qwen3 text encoder .safetensors (or HF folder)")
     src.add_argument("--vae", type=Path, help="FLUX.2 VAE .safetensors")
     src.add_argument("--models-dir", type=Path,
                      help="a ComfyUI models/ folder with diffusion_models/, text_encoders/, vae/")
-    src.add_argument("--model", default=None, help="file name in diffusion_models/ (with --models-dir)")
+    src.add_argument("--model", default=None,
+                     help="file name in diffusion_models/ (with --models-dir; default: the first file there)")
     src.add_argument("--demo", action="store_true",
-                     help="tiny random models built in memory: checks the install, the image is noise")
+                     help="tiny random models built in memory: checks the install, the image is noise "
+                          "(256x256 unless --width/--height say otherwise)")
     g.add_argument("--prompt", default="", help="the prompt")
     g.add_argument("--negative-prompt", default="", help="negative prompt (base models with guidance > 1)")
     g.add_argument("--ref", action="append", default=[], type=Path, help="reference image (repeatable)")
     g.add_argument("--lora", action="append", default=[], type=_lora_arg, metavar="FILE[:STRENGTH]",
                    help="LoRA .safetensors with optional strength (default 1), merged after loading (repeatable)")
-    g.add_argument("--width", type=int, default=None, help="output width (default: first reference, else 1024)")
-    g.add_argument("--height", type=int, default=None, help="output height")
-    g.add_argument("--steps", type=int, default=None, help="steps (distilled 4, base 50)")
-    g.add_argument("--guidance", type=float, default=None, help="CFG scale (distilled 1, base 4)")
+    g.add_argument("--width", type=int, default=None,
+                   help="output width in pixels, a multiple of 16 (default: the first reference's, else 1024)")
+    g.add_argument("--height", type=int, default=None, help="output height (same default as --width)")
+    g.add_argument("--steps", type=int, default=None, help="steps (default: 4 distilled, 50 base)")
+    g.add_argument("--guidance", type=float, default=None, help="CFG scale (default: 1 distilled, 4 base)")
     g.add_argument("--seed", type=int, default=0, help="seed, 0..2^64-1")
     g.add_argument("--batch", type=int, default=1, help="images per prompt")
     kind = g.add_mutually_exclusive_group()
     kind.add_argument("--base", action="store_true", help="base model: CFG with a negative prompt")
     kind.add_argument("--distilled", action="store_true", help="distilled model (default unless the name says base)")
-    g.add_argument("--out", type=Path, default=Path("klein.png"), help="output PNG (index added for batches)")
-    g.add_argument("--device", default=None, help="cuda, cpu, ... (default: cuda if available)")
-    g.add_argument("--dtype", choices=sorted(_DTYPES), default=None, help="weights dtype (default bf16 on GPU, fp32 on CPU)")
+    g.add_argument("--out", type=Path, default=Path("klein.png"),
+                   help="output PNG; with --batch, _00, _01... are added before the suffix")
+    g.add_argument("--device", default=None, help="cuda, cuda:1, cpu, mps (default: cuda if available, else cpu)")
+    g.add_argument("--dtype", choices=sorted(_DTYPES), default=None,
+                   help="weights dtype (default: bf16 on GPU, fp32 on CPU)")
     g.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
 
 
@@ -87,14 +108,17 @@ def _lora_arg(text: str) -> tuple[Path, float]:
 def _pick(folder: Path, what: str, name: str | None = None) -> Path:
     if not folder.is_dir():
         raise CLIError(f"{folder} does not exist (expected the {what} folder of a ComfyUI models/ dir)")
+    files = sorted(folder.glob("*.safetensors"))
     if name:
         p = folder / name
         if not p.is_file():
-            raise CLIError(f"{p} not found; files there: {', '.join(sorted(f.name for f in folder.glob('*.safetensors')))}")
+            there = ", ".join(f.name for f in files) if files else "no .safetensors files at all"
+            raise CLIError(f"{p} not found; {folder} has {there}")
         return p
-    files = sorted(folder.glob("*.safetensors"))
     if not files:
-        raise CLIError(f"no .safetensors files in {folder}")
+        noun = {"diffusion_models": "Klein transformer (e.g. flux-2-klein-4b.safetensors)",
+                "vae": "FLUX.2 VAE (flux2-vae.safetensors)"}.get(what, what)
+        raise CLIError(f"no .safetensors files in {folder}; put the {noun} there (README: Model files)")
     return files[0]
 
 
@@ -169,9 +193,31 @@ def _save_images(result: GenerationResult, out: Path, params: dict) -> list[Path
     return paths
 
 
+def _check_request(args: argparse.Namespace, refs: list[Image.Image]) -> None:
+    """Every number checked before anything loads (a wrong size must not wait for 16 GB of weights)."""
+    if args.demo and not refs:  # the demo's tiny models are quick at 256 px; a side given is kept
+        args.width = 256 if args.width is None else args.width
+        args.height = 256 if args.height is None else args.height
+    first = reference_size(*oriented_size(refs[0])) if refs else None
+    resolve_size(args.width, args.height, first)
+    if args.steps is not None and not 1 <= args.steps <= MAX_STEPS:
+        raise CLIError(f"--steps must be from 1 to {MAX_STEPS}, got {args.steps}")
+    if args.batch < 1:
+        raise CLIError(f"--batch must be at least 1, got {args.batch}")
+    if not 0 <= args.seed <= MAX_SEED:
+        raise CLIError(f"--seed must be from 0 to 2^64-1, got {args.seed}")
+
+
 def run_generate(args: argparse.Namespace) -> int:
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = as_device(args.device) or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = _DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    refs = []
+    for r in args.ref:
+        try:
+            refs.append(Image.open(r))
+        except (OSError, ValueError) as exc:
+            raise CLIError(f"cannot read reference image {r}: {exc}") from None
+    _check_request(args, refs)
     t_load = time.perf_counter()
     if args.demo:
         from .testing.tiny import build_tiny_components
@@ -181,8 +227,6 @@ def run_generate(args: argparse.Namespace) -> int:
         names = {"transformer": "demo", "text_encoder": "demo", "vae": "demo"}
         distilled = not args.base
         _write(sys.stderr, "--demo: tiny random models (no download); the image will be noise.\n")
-        if args.width is None and args.height is None and not args.ref:
-            args.width = args.height = 256
     else:
         from .loading import load_text_encoder, load_transformer, load_vae
 
@@ -197,12 +241,6 @@ def run_generate(args: argparse.Namespace) -> int:
 
         apply_loras((transformer, text_encoder), [(load_lora(p), s) for p, s in args.lora], mode="merge")
     t_load = time.perf_counter() - t_load
-    refs = []
-    for r in args.ref:
-        try:
-            refs.append(Image.open(r))
-        except (OSError, ValueError) as exc:
-            raise CLIError(f"cannot read reference image {r}: {exc}") from None
     t0 = time.perf_counter()
     result = generate(
         transformer, text_encoder, vae, prompt=args.prompt, negative_prompt=args.negative_prompt,
@@ -238,8 +276,8 @@ def _log_to_stderr() -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] not in ("generate", "-h", "--help"):
-        argv = ["generate", *argv]  # "generate" is the default command
+    if argv[:1] == ["generate"]:  # the only command, so naming it is optional
+        argv = argv[1:]
     args = build_parser().parse_args(argv)
     _log_to_stderr()
     try:

@@ -28,7 +28,7 @@ def parity():
 def pytest_terminal_summary(terminalreporter):
     if not _RESULTS:
         return
-    terminalreporter.section("measured parity (max abs diff vs reference)")
+    terminalreporter.section("measured parity (max abs diff vs the reference unless the row names another measure)")
     width = max(len(k) for k in _RESULTS)
     for name in sorted(_RESULTS):
         terminalreporter.write_line(f"{name:<{width}}  {_RESULTS[name]:.3e}")

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from PIL import Image
 
 from klein_core import cli
@@ -85,3 +86,57 @@ def test_errors_are_one_line(models, tmp_path, capsys):
     rc = cli.main(["--transformer", str(tmp_path / "m.ckpt"), "--text-encoder", str(p["qwen_4b"]),
                    "--vae", str(p["vae"])])
     assert rc == 2 and "never unpickles" in capsys.readouterr().err
+
+
+def test_help_lists_the_options_and_defaults(capsys):
+    with pytest.raises(SystemExit) as done:
+        cli.main(["--help"])
+    out = capsys.readouterr().out
+    assert done.value.code == 0
+    for option in ("--prompt", "--models-dir", "--width", "--seed", "--out", "--device"):
+        assert option in out
+    assert "(default: klein.png)" in out and "0..2^64-1 (default: 0)" in out
+    with pytest.raises(SystemExit):
+        cli.main(["generate", "--help"])  # the command's name is optional, not required
+    assert capsys.readouterr().out == out
+
+
+def test_device_and_size_errors_are_one_line_before_loading(models, monkeypatch, capsys):
+    _, p = models
+    import klein_core.loading as loading
+
+    def never(*a, **k):
+        raise AssertionError("a model was loaded before the request was checked")
+
+    for name in ("load_transformer", "load_text_encoder", "load_vae"):
+        monkeypatch.setattr(loading, name, never)
+    files = ["--transformer", str(p["klein_4b"]), "--text-encoder", str(p["qwen_4b"]), "--vae", str(p["vae"])]
+    for extra, words in ((["--width", "100000"], "at most 4 megapixels"), (["--width", "30"], "too small"),
+                         (["--steps", "0"], "--steps must be"), (["--seed", "-1"], "--seed must be"),
+                         (["--device", "cuda" if not torch.cuda.is_available() else "bogus"], "device")):
+        rc = cli.main([*files, *extra])
+        err = capsys.readouterr().err.strip()
+        assert rc == 2 and err.count("\n") == 0 and words in err, err
+        assert "not a multiple" not in err  # one message, not a warning contradicting it
+
+
+def test_demo_keeps_a_given_side(tmp_path):
+    out = tmp_path / "d.png"
+    assert cli.main(["--demo", "--width", "320", "--out", str(out), "-q"]) == 0
+    assert Image.open(out).size == (320, 256)
+
+
+def test_empty_models_folder_and_unrelated_file_say_what_to_do(tmp_path, models, capsys):
+    (tmp_path / "diffusion_models").mkdir()
+    assert cli.main(["--models-dir", str(tmp_path)]) == 2
+    assert "put the Klein transformer (e.g. flux-2-klein-4b.safetensors) there" in capsys.readouterr().err
+    assert cli.main(["--models-dir", str(tmp_path), "--model", "x.safetensors"]) == 2
+    assert "has no .safetensors files at all" in capsys.readouterr().err
+    from safetensors.torch import save_file
+
+    save_file({"foo.weight": torch.zeros(2, 2)}, tmp_path / "unrelated.safetensors")
+    _, p = models
+    assert cli.main(["--transformer", str(tmp_path / "unrelated.safetensors"), "--text-encoder", str(p["qwen_4b"]),
+                     "--vae", str(p["vae"])]) == 2
+    err = capsys.readouterr().err
+    assert "does not recognise (first tensors: 'foo.weight')" in err and "Pick a Klein transformer file" in err

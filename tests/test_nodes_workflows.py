@@ -43,7 +43,7 @@ def test_ui_links_are_consistent(name):
     for link_id, src, src_slot, dst, dst_slot, typ in wf["links"]:
         out, inp = nodes[src]["outputs"][src_slot], nodes[dst]["inputs"][dst_slot]
         assert link_id in out["links"] and inp["link"] == link_id
-        assert out["type"] == inp["type"] == typ
+        assert out["type"] == typ and inp["type"] in (typ, "*")  # "*": an input taking any type (PreviewAny)
         assert nodes[src]["order"] < nodes[dst]["order"]
     linked = {lk[0] for lk in wf["links"]}
     assert {i["link"] for n in wf["nodes"] for i in n["inputs"]} - {None} == linked
@@ -94,3 +94,35 @@ def test_workflows_use_the_public_file_names_and_settings():
         ["klein_reference_1.png", "klein_reference_2.png"]
     stackers = [n["inputs"] for n in edit.values() if n["class_type"] == "KleinReferenceStacker"]
     assert len(stackers) == 2 and sum("references" in s for s in stackers) == 1
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_layout_leaves_room_for_previews_and_the_view_shows_everything(make, name):
+    wf = next(w for w in make.WORKFLOWS if w.name == name)
+    boxes = {}
+    for n in wf.nodes:  # what each node covers once its preview or picture has grown it
+        w, h = make.SPECS[n.type].size
+        boxes[n.id] = (n.pos[0], n.pos[1] - make.NODE_TITLE_HEIGHT, n.pos[0] + w,
+                       n.pos[1] + max(h, make.GROWS.get(n.type, 0)))
+    for a in boxes:
+        for b in boxes:
+            if a < b:
+                (l1, t1, r1, b1), (l2, t2, r2, b2) = boxes[a], boxes[b]
+                assert r1 <= l2 or r2 <= l1 or b1 <= t2 or b2 <= t1, f"nodes {a} and {b} overlap in {name}"
+    ds = _ui(name)["extra"]["ds"]
+    for left, top, right, bottom in boxes.values():  # every corner on screen, below the tab bar
+        for x, y in ((left, top), (right, bottom)):
+            sx, sy = (x + ds["offset"][0]) * ds["scale"], (y + ds["offset"][1]) * ds["scale"]
+            assert 0 <= sx <= make.VIEW[0] and make.TAB_BAR <= sy <= make.VIEW[1], (name, x, y, sx, sy)
+    thumb = REPO / "example_workflows" / f"{name}.jpg"
+    from PIL import Image
+
+    assert Image.open(thumb).size == (512, 384)
+
+
+def test_edit_workflow_shows_the_reference_sizes(make):
+    api = _api("klein_4b_two_reference_edit")
+    previews = [n for n in api.values() if n["class_type"] == "PreviewAny"]
+    assert len(previews) == 1
+    source = previews[0]["inputs"]["source"]
+    assert api[source[0]]["class_type"] == "KleinReferenceStacker" and source[1] == 1  # its "sizes" output

@@ -146,7 +146,7 @@ def test_decoded_images_match_diffusers(components, parity):
 
 @pytest.mark.parametrize("steps,size", [(4, (1024, 1024)), (50, (1024, 1024)), (4, (512, 256)), (2, (64, 96)),
                                         (8, (1440, 1440)), (28, (768, 1360))])
-def test_schedule_equals_diffusers_scheduler(steps, size):
+def test_schedule_equals_diffusers_scheduler(steps, size, parity):
     w, h = size
     seq = (h // 16) * (w // 16)
     sched = diffusers.FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, time_shift_type="exponential")
@@ -154,6 +154,8 @@ def test_schedule_equals_diffusers_scheduler(steps, size):
     sched.set_timesteps(sigmas=np.linspace(1.0, 1 / steps, steps), mu=mu)
     ours = get_schedule(steps, seq)
     assert ours.dtype == torch.float32 and ours.shape == (steps + 1,)
+    parity(f"schedule {steps} steps at {w}x{h} vs diffusers FlowMatchEulerDiscreteScheduler",
+           (ours - sched.sigmas).abs().max().item())
     assert torch.equal(ours, sched.sigmas), f"{(ours - sched.sigmas).abs().max()}"
 
 

@@ -149,7 +149,7 @@ def test_eager_reference_agrees(files):
     assert diff <= FP32_TOL, f"eager reference: max abs diff {diff:.3e}"
 
 
-def test_bf16_close_to_fp32_reference(files, reference):
+def test_bf16_close_to_fp32_reference(files, reference, parity):
     te = load_text_encoder(files["comfy_file"], dtype=torch.bfloat16)
     assert all(p.dtype == torch.bfloat16 for p in te.parameters())
     ids, mask = _batch()
@@ -164,6 +164,8 @@ def test_bf16_close_to_fp32_reference(files, reference):
     ours = rel(out)
     worst = _max_diff(out, reference) / reference.abs().max().item()
     msg = f"bf16: relative L2 {ours:.3e} (transformers bf16: {hf_rel:.3e}), max abs / max|ref| {worst:.3e}"
+    parity("text encoder bf16 (relative L2 vs fp32 reference)", ours)
+    parity("text encoder bf16, transformers' own bf16 model (relative L2 vs fp32)", hf_rel)
     assert ours < 5e-2 and ours < 1.5 * hf_rel, msg
     assert worst < 5e-2, msg
 
