@@ -48,6 +48,7 @@ from .request import (
     guess_model_kind,
     resolve_size,
 )
+from .request import resolve as resolve_settings
 from .sampling import (
     MAX_SEED,
     compute_empirical_mu,
@@ -82,6 +83,6 @@ __all__ = [
     "guess_model_kind", "load_lora", "load_text_encoder", "load_transformer", "load_vae", "make_noise",
     "matching_text_encoders", "module_bytes", "offload_blocks", "on_device", "open_weights", "pack", "pin_memory_", "plan_for",
     "position_ids", "prepare_reference_image", "probe", "quantize_model_", "quantize_state_dict",
-    "reference_size", "reference_tokens", "resolve_size", "text_position_ids", "to_pil", "tokenize_prompts",
+    "reference_size", "reference_tokens", "resolve_settings", "resolve_size", "text_position_ids", "to_pil", "tokenize_prompts",
     "unpack", "variant_for_text_width", "weightless", "weights_home", "with_loras",
 ]

@@ -1,9 +1,16 @@
-"""Module-level caches of loaded klein_core models and prompt embeddings, released on ``POST /free``.
+"""Loaded klein_core models and prompt embeddings, shared with ComfyUI's model management.
 
 At most one model per role (transformer, text encoder, VAE) is held. Node outputs carry a
 :class:`ModelRef` (file, device, dtype), never the model itself, so ComfyUI's own output cache
 cannot keep weights alive: after :func:`release_all` the memory is really free, and the next node
 that needs the model reloads it from its file.
+
+Every loaded model is registered with ComfyUI's model management (``nodes/host.py``): before a
+model is loaded ComfyUI is asked for the memory (it unloads its own models first), and before each
+use the model is handed to ``load_models_gpu``, so when another model (an upscaler, a second
+checkpoint) needs the GPU ComfyUI can offload ours, and moves it back when we need it again. Where
+the weights live is decided by klein_core's planner (``kc.weights_home``); what runs where during a
+generation by klein_core's engine.
 """
 
 from __future__ import annotations
@@ -24,18 +31,20 @@ from . import host
 logger = logging.getLogger(__name__)
 
 ROLES = ("transformer", "text_encoder", "vae")
-# When the GPU is short of memory, our own idle models leave it in this order.
-_OFFLOAD_ORDER = ("text_encoder", "vae", "transformer")
 
 _lock = threading.RLock()
-_resident: dict[str, tuple[ModelRef, torch.nn.Module]] = {}
+_resident: dict[str, tuple[ModelRef, torch.nn.Module, object]] = {}  # role -> (ref, model, host handle)
 loads: Counter[str] = Counter()  # loads per role since start (tests and logs)
 prompts = kc.PromptCache(max_entries=32)  # the pack's prompt-embedding cache
 
 
 @dataclass(frozen=True)
 class ModelRef:
-    """What to load and where: the cache key, and what the socket types carry between nodes."""
+    """What to load and where: the cache key, and what the socket types carry between nodes.
+
+    ``device`` is where the weights live between uses (the GPU, or the CPU when klein_core streams
+    them in); ``str()`` gives only the file name, since ComfyUI shows node inputs to API clients.
+    """
 
     role: str
     name: str  # the file name as listed in its models folder
@@ -45,22 +54,20 @@ class ModelRef:
     dtype: torch.dtype
     quantize: str | None = None  # "fp8": quantise the block Linears while loading
 
-    def get(self) -> torch.nn.Module:
-        """The loaded model on its device; loaded (or moved back) on demand."""
-        return acquire(self)
+    def __str__(self) -> str:
+        return f"{self.name} ({self.role}, {self.device}, {str(self.dtype).removeprefix('torch.')})"
+
+    __repr__ = __str__
+
+    def get(self, memory_required: int = 0) -> torch.nn.Module:
+        """The loaded model, on its device, with ``memory_required`` more bytes free there for its
+        activations (ComfyUI frees them); loaded or moved back on demand."""
+        return acquire(self, memory_required)
 
 
 def model_ref(role: str, path: str, name: str, device: torch.device, dtype: torch.dtype,
               quantize: str | None = None) -> ModelRef:
     return ModelRef(role, name, path, os.stat(path).st_mtime_ns, str(device), dtype, quantize)
-
-
-def _same_device(a: torch.device, b: torch.device) -> bool:
-    return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
-
-
-def _nbytes(model: torch.nn.Module) -> int:
-    return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
 
 
 def weight_bytes(ref: ModelRef) -> int:
@@ -69,60 +76,40 @@ def weight_bytes(ref: ModelRef) -> int:
     return kc.module_bytes(kc.weightless(ref.path, ref.role, dtype=ref.dtype, quantize=ref.quantize))
 
 
-def _make_room(ref: ModelRef, nbytes: int) -> None:
-    device = torch.device(ref.device)
-    if device.type == "cpu":
-        return
-    host.make_room(nbytes, device)  # ComfyUI's own models first
-    for role in _OFFLOAD_ORDER:
-        if host.free_bytes(device) >= nbytes:
-            return
-        held = _resident.get(role)
-        if role == ref.role or held is None or not _same_device(_device_of(held[1]), device):
-            continue
-        logger.info("Klein: moving the %s %s to %s to make room", role, held[0].name, host.offload_device())
-        held[1].to(host.offload_device())
-        host.empty_cache()
-
-
-def _device_of(model: torch.nn.Module) -> torch.device:
-    return next(model.parameters()).device
-
-
-def acquire(ref: ModelRef) -> torch.nn.Module:
-    """Return the model for ``ref``, loading it (and dropping the previous one of its role) if needed."""
+def acquire(ref: ModelRef, memory_required: int = 0) -> torch.nn.Module:
+    """Return the model for ``ref`` on ``ref.device``, loading it (and dropping the previous one of
+    its role) if needed; ComfyUI makes room for it and its activations first."""
     with _lock:
         held = _resident.get(ref.role)
-        if held is not None and held[0] == ref:
-            model = held[1]
-            if not _same_device(_device_of(model), torch.device(ref.device)):
-                _make_room(ref, _nbytes(model))
-                model.to(ref.device)
-            return model
-        if held is not None:
-            logger.info("Klein: dropping the %s %s for %s", ref.role, held[0].name, ref.name)
-            del _resident[ref.role], held
-        _make_room(ref, weight_bytes(ref))
-        t0 = time.perf_counter()
-        extra = {"quantize": ref.quantize} if ref.quantize else {}
-        model = kc.LOADERS[ref.role](ref.path, device=ref.device, dtype=ref.dtype, **extra)
-        loads[ref.role] += 1
-        _resident[ref.role] = (ref, model)
-        logger.info("Klein: loaded %s %s on %s as %s in %.2fs", ref.role.replace("_", " "), ref.name,
-                    ref.device, str(ref.dtype).removeprefix("torch."), time.perf_counter() - t0)
+        if held is None or held[0] != ref:
+            if held is not None:
+                logger.info("Klein: dropping the %s %s for %s", ref.role, held[0].name, ref.name)
+                del _resident[ref.role], held
+            device = torch.device(ref.device)
+            host.make_room(weight_bytes(ref) + memory_required, device)  # ComfyUI frees its models first
+            t0 = time.perf_counter()
+            extra = {"quantize": ref.quantize} if ref.quantize else {}
+            model = kc.LOADERS[ref.role](ref.path, device=ref.device, dtype=ref.dtype, **extra)
+            loads[ref.role] += 1
+            handle = host.register_model(model, ref.role, device)
+            _resident[ref.role] = (ref, model, handle)
+            logger.info("Klein: loaded %s %s on %s as %s in %.2fs", ref.role.replace("_", " "), ref.name,
+                        ref.device, str(ref.dtype).removeprefix("torch."), time.perf_counter() - t0)
+        _, model, handle = _resident[ref.role]
+        host.use_models([handle], memory_required)  # back on its device if ComfyUI offloaded it
         return model
 
 
 def resident() -> dict[str, str]:
     """Role -> file name of every model held now."""
     with _lock:
-        return {role: ref.name for role, (ref, _) in _resident.items()}
+        return {role: entry[0].name for role, entry in _resident.items()}
 
 
 def release_all(reason: str = "ComfyUI unloaded all models") -> int:
     """Drop every cached model and prompt embedding; returns how many models were held."""
     with _lock:
-        names = [f"{role} {ref.name}" for role, (ref, _) in _resident.items()]
+        names = [f"{role} {entry[0].name}" for role, entry in _resident.items()]
         _resident.clear()
         prompts.clear()
     logger.info("Klein: released %d cached model(s) (%s): %s; cache empty", len(names),

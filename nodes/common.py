@@ -60,3 +60,11 @@ def check_choices(node: type, folders: dict[str, str], **values: object) -> bool
             if name in folders else ""
         return f"{name} '{value}' is not available (choices: {listed}){where}"
     return True
+
+
+def activation_bytes(stage: str, request: kc.MemoryRequest, **configs: object) -> int:
+    """klein_core's estimate of what ``stage`` ("text", "references", "denoise", "decode") needs beyond
+    its weights, from the components' configs: what a node asks ComfyUI to free before running."""
+    sizes = kc.ModelSizes.from_configs(configs.get("transformer"), configs.get("text_encoder"), configs.get("vae"))
+    stage_estimate = kc.estimate(request, sizes).stages.get(stage)
+    return stage_estimate.activations if stage_estimate is not None else 0

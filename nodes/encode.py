@@ -10,7 +10,7 @@ from comfy_api.latest import io
 import klein_core as kc
 
 from . import cache, host
-from .common import check_choices, errors_named, model_file
+from .common import activation_bytes, check_choices, errors_named, model_file
 from .types import KleinConditioning, KleinCondType
 
 logger = logging.getLogger(__name__)
@@ -56,7 +56,8 @@ class KleinTextEncode(io.ComfyNode):
         device = host.text_encoder_device()
         ref = cache.model_ref("text_encoder", path, text_encoder, device, encoder_dtype(device))
         with errors_named(NODE, "text_encoder", text_encoder):
-            encoder = ref.get()
+            encoder = ref.get(activation_bytes("text", kc.MemoryRequest(batch=2, denoise=False, decode=False),
+                                               text_encoder=kc.weightless(path, "text_encoder").config))
         engine = kc.Engine(text_encoder=encoder, device=device, prompt_cache=cache.prompts)
         embeds = engine.encode_prompts([prompt], negative_prompt)
         cfg = encoder.config

@@ -75,6 +75,49 @@ def empty_cache() -> None:
     _mm().soft_empty_cache()
 
 
+_HOLDERS: dict[str, type] = {}
+
+
+def _holder(role: str, model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` inside a plain module named after its role ("KleinTransformer"...), which ComfyUI
+    logs and may set attributes on (our models' ``device`` is a read-only property)."""
+    cls = _HOLDERS.get(role)
+    if cls is None:
+        def __init__(self, inner: torch.nn.Module) -> None:
+            torch.nn.Module.__init__(self)
+            self.inner = inner
+
+        name = "Klein" + "".join(part.title() for part in role.split("_"))
+        cls = _HOLDERS[role] = type(name, (torch.nn.Module,), {"__init__": __init__})
+    return cls(model)
+
+
+def _patcher_class() -> type:
+    import comfy.model_patcher
+
+    class KleinModelPatcher(comfy.model_patcher.ModelPatcher):
+        """A ModelPatcher that offloads a Klein model whole: klein_core's modules run on one device
+        (or are streamed by klein_core itself), never split across devices by ComfyUI."""
+
+        def partially_unload(self, *args, **kwargs):  # noqa: ANN002, ANN003 (same in every host version)
+            return 0  # nothing freed partially: ComfyUI then detaches (offloads) the whole model
+
+    return KleinModelPatcher
+
+
+def register_model(model: torch.nn.Module, role: str, device: torch.device) -> object:
+    """Hand a loaded model to ComfyUI's model management; returns its handle (a ModelPatcher), to be
+    kept exactly as long as the model. ComfyUI may then offload the model when another one needs the
+    GPU, and ``use_models`` brings it back."""
+    return _patcher_class()(_holder(role, model), load_device=device, offload_device=offload_device())
+
+
+def use_models(handles: list, memory_required: int = 0) -> None:
+    """Before a node runs its models: ComfyUI frees ``memory_required`` bytes beyond them (unloading
+    other models) and puts every one wholly on its device."""
+    _mm().load_models_gpu(list(handles), memory_required=int(memory_required), force_full_load=True)
+
+
 def install_unload_hook(on_unload: Callable[[], object]) -> bool:
     """Call ``on_unload()`` whenever ComfyUI unloads all models (``POST /free``, OOM recovery,
     ``--disable-smart-memory``). Wraps ``comfy.model_management.unload_all_models`` once, chaining to

@@ -12,6 +12,7 @@ from PIL import Image
 import klein_core as kc
 
 from . import host
+from .common import activation_bytes
 from .types import KleinReferences, KleinRefsType, KleinVAE, KleinVAEType, Reference
 
 logger = logging.getLogger(__name__)
@@ -78,9 +79,14 @@ class KleinReferenceStacker(io.ComfyNode):
     def execute(cls, image: torch.Tensor, vae: KleinVAE,
                 references: KleinReferences | None = None) -> io.NodeOutput:
         items = list(references.items) if references is not None else []
-        vae_model = vae.ref.get()
+        frames = frames_to_pil(image)
+        largest = max(frames, key=lambda p: p.width * p.height)
+        size = kc.reference_size(largest.width, largest.height)
+        request = kc.MemoryRequest(references=(size,) if min(size) >= 16 else (), encode_text=False, denoise=False,
+                                   decode=False)
+        vae_model = vae.ref.get(activation_bytes("references", request, vae=vae.config))
         engine = kc.Engine(vae=vae_model, device=vae_model.device)
-        for pil in frames_to_pil(image):
+        for pil in frames:
             host.check_interrupt()
             items.append(encode_frame(engine, pil, len(items) + 1))
         if len(items) > kc.PUBLISHED_REFERENCE_LIMIT:

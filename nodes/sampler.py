@@ -12,7 +12,7 @@ from comfy_api.latest import io
 import klein_core as kc
 
 from . import host
-from .common import errors_named
+from .common import activation_bytes, errors_named
 from .encode import NODE as ENCODER_NODE
 from .preview import StepReporter
 from .types import (
@@ -106,15 +106,19 @@ class KleinSampler(io.ComfyNode):
                 references: KleinReferences | None = None) -> io.NodeOutput:
         check_encoder_fits(model, conditioning)
         refs = [r.latent for r in references.items] if references is not None else []
-        with errors_named(NODE, "model", model.name):
-            transformer = model.ref.get()
-        engine = kc.Engine(transformer, kind=model.kind, device=host.torch_device(), memory=model.memory,
-                           prompt_cache=None)
         try:
-            run = engine.resolve(settings(width, height, steps, guidance, seed, batch_size), refs)
+            run = kc.resolve_settings(settings(width, height, steps, guidance, seed, batch_size), model.kind,
+                             (refs[0].shape[-1] * 16, refs[0].shape[-2] * 16) if refs else None)
         except ValueError as exc:
             raise ValueError(f"{NODE}: width/height: {exc} Set both to 0 to use the first reference's size "
                              f"(1024x1024 without references).") from exc
+        request = kc.MemoryRequest(run.width, run.height, references=tuple((r.width, r.height) for r in
+                                                                            (references.items if references else ())),
+                                   batch=run.batch_size, cfg=run.cfg, encode_text=False, decode=False)
+        with errors_named(NODE, "model", model.name):  # ComfyUI frees what the run needs first
+            transformer = model.ref.get(activation_bytes("denoise", request, transformer=model.config))
+        engine = kc.Engine(transformer, kind=model.kind, device=host.torch_device(), memory=model.memory,
+                           prompt_cache=None)
         logger.info("%s: %s %dx%d, %d steps, guidance %.2f, seed %d, batch %d, %d reference(s)", NODE,
                     model.kind, run.width, run.height, run.steps, run.guidance, run.seed, run.batch_size, len(refs))
         negative = conditioning.negative if model.kind == "base" else None

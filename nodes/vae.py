@@ -10,6 +10,7 @@ from comfy_api.latest import io
 import klein_core as kc
 
 from . import host
+from .common import activation_bytes
 from .types import KleinVAE, KleinVAEType
 
 logger = logging.getLogger(__name__)
@@ -55,7 +56,10 @@ class KleinVAEDecode(io.ComfyNode):
     @classmethod
     def execute(cls, samples: dict, vae: KleinVAE) -> io.NodeOutput:
         latents = flux2_samples(samples, vae.config.latent_channels)
-        model = vae.ref.get()
+        down = vae.config.downscale
+        request = kc.MemoryRequest(latents.shape[-1] * down, latents.shape[-2] * down, encode_text=False,
+                                   denoise=False)
+        model = vae.ref.get(activation_bytes("decode", request, vae=vae.config))  # one frame at a time
         engine = kc.Engine(vae=model, device=model.device)
         frames = []
         for i in range(latents.shape[0]):  # one at a time: decoding memory grows with the batch
@@ -89,6 +93,8 @@ class KleinVAEEncode(io.ComfyNode):
                              f"least {down}x{down} pixels, got shape {list(pixels.shape)}.")
         px = center_crop(pixels, down)
         rgb = px[..., :3] if px.shape[-1] >= 3 else px[..., :1].expand(*px.shape[:-1], 3)  # gray -> RGB
-        model = vae.ref.get()
+        request = kc.MemoryRequest(references=((px.shape[2], px.shape[1]),), encode_text=False, denoise=False,
+                                   decode=False)
+        model = vae.ref.get(activation_bytes("references", request, vae=vae.config))
         latents = kc.Engine(vae=model, device=model.device).encode_pixels(rgb.permute(0, 3, 1, 2).float() * 2 - 1)
         return io.NodeOutput({"samples": latents.to(host.intermediate_device(), torch.float32)})

@@ -72,8 +72,12 @@ def comfy_pack():
         if _in_ci():
             pytest.fail(msg + "  (CI is set, so a missing host fails instead of skipping)", pytrace=False)
         pytest.skip(msg)
-    host_dir = str(setup.host_paths(setup.HOST_DIR)["comfyui"])
-    added = [p for p in (str(_REPO), host_dir) if p not in sys.path]
+    paths = setup.host_paths(setup.HOST_DIR)
+    host_dir = str(paths["comfyui"])
+    # The torchvision stub, as the e2e server has it on PYTHONPATH: comfy.model_patcher's imports
+    # reach modules that import torchvision (used only by models the pack never touches).
+    stub = str(paths["stub"])
+    added = [p for p in (str(_REPO), host_dir, stub) if p not in sys.path]
     sys.path.extend(added)  # appended: nothing of the repo is shadowed
     argv = sys.argv
     try:

@@ -514,35 +514,50 @@ def test_free_hook_is_installed_once(comfy):
     assert not getattr(hooked.__wrapped__, "_klein_unload_hook", False)
 
 
-def test_gpu_room_is_made_by_comfy_first_then_by_offloading_our_idle_models(comfy, monkeypatch):
-    # No GPU here: the bookkeeping of cache._make_room is checked with stand-in models and memory.
+def test_models_are_registered_with_comfy_model_management(comfy):
+    """Our loaded models are in ComfyUI's list of loaded models, so ComfyUI can unload them when
+    another model needs the memory; a later use brings them back without reading the file again."""
+    mm, cache = comfy.mm, comfy.cache
+    model, vae = _load(comfy)
+    cond = _encode(comfy, "a lighthouse")
+    _sample(comfy, model, cond)
+
+    def ours():
+        return {type(lm.model.model).__name__: lm.model.model.inner for lm in mm.current_loaded_models
+                if lm.model is not None and type(lm.model.model).__name__.startswith("Klein")}
+
+    registered = ours()
+    assert registered.keys() == {"KleinTransformer", "KleinTextEncoder", "KleinVae"}
+    assert registered["KleinTransformer"] is model.ref.get()
+    loads = dict(cache.loads)
+    mm.free_memory(1e30, mm.get_torch_device())  # what ComfyUI does when another model needs the memory
+    assert ours() == {}
+    assert _sample(comfy, model, cond).shape == (1, 128, 4, 4)  # used again: registered again, not reloaded
+    assert "KleinTransformer" in ours() and dict(cache.loads) == loads
+    mm.unload_all_models()  # POST /free: ComfyUI unloads, and our cache lets go of the weights
+    assert ours() == {} and cache.resident() == {}
+
+
+def test_loads_ask_comfy_for_memory_first(comfy, monkeypatch):
     cache, host = comfy.cache, comfy.host
-    moved, asked = [], []
-
-    class Held:
-        def __init__(self, role):
-            self.role = role
-
-        def to(self, device):
-            moved.append((self.role, str(device)))
-
-    def ref(role, name):
-        return cache.ModelRef(role, name, "/nowhere", 0, "cuda:0", torch.bfloat16)
-
-    resident = {r: (ref(r, f"{r}.safetensors"), Held(r)) for r in ("text_encoder", "vae", "transformer")}
-    free = iter([100, 100, 500])  # after ComfyUI freed its models, after the encoder left, ...
-    monkeypatch.setattr(cache, "_resident", resident)
-    monkeypatch.setattr(cache, "_device_of", lambda model: torch.device("cuda", 0))
-    monkeypatch.setattr(host, "make_room", lambda n, d: asked.append((n, str(d))))
-    monkeypatch.setattr(host, "free_bytes", lambda d: next(free))
-    monkeypatch.setattr(host, "offload_device", lambda: torch.device("cpu"))
-    monkeypatch.setattr(host, "empty_cache", lambda: None)
-    cache._make_room(ref("transformer", "new.safetensors"), 400)
-    assert asked == [(400, "cuda:0")]
-    assert moved == [("text_encoder", "cpu"), ("vae", "cpu")]  # never the role being placed
-    moved.clear()
-    cache._make_room(cache.ModelRef("vae", "v", "/nowhere", 0, "cpu", torch.float32), 400)
-    assert moved == [] and asked == [(400, "cuda:0")]  # nothing to do for the CPU
+    events = []
+    monkeypatch.setattr(host, "make_room", lambda n, d: events.append(("make_room", n, str(d))))
+    real_use = host.use_models
+    monkeypatch.setattr(host, "use_models", lambda h, m=0: (events.append(("use_models", m)), real_use(h, m)))
+    real_loaders = dict(kc.LOADERS)
+    for role, load in real_loaders.items():
+        monkeypatch.setitem(kc.LOADERS, role, lambda *a, _l=load, _r=role, **k: (
+            events.append(("load", _r, str(k.get("device")))), _l(*a, **k))[1])
+    cache.release_all("test")
+    model, _ = _load(comfy)
+    weights = cache.weight_bytes(model.ref)
+    assert weights == kc.module_bytes(model.ref.get())  # the header-only estimate is the real size
+    real = [e for e in events if e[0] != "load" or e[2] != "meta"]  # header-only (meta) builds read no data
+    assert real[:2] == [("make_room", weights, "cpu"), ("load", "transformer", "cpu")]
+    events.clear()
+    _sample(comfy, model, _encode(comfy, "a tower"), width=128, height=96)
+    sampler_use = [e for e in events if e[0] == "use_models"][-1]
+    assert sampler_use[1] > 0  # the sampler asked ComfyUI for its activation memory too
 
 
 @pytest.mark.parametrize("mode", ["resident", "swap", "blocks", "minimum"])

@@ -151,23 +151,23 @@ class ModelSizes:
     @classmethod
     def from_configs(
         cls,
-        transformer: Any,
+        transformer: Any | None = None,
         text_encoder: Any | None = None,
         vae: Any | None = None,
         *,
         transformer_precision: str = "bf16",
         text_precision: str = "bf16",
     ) -> ModelSizes:
-        """Sizes from ``TransformerConfig`` / ``Qwen3Config`` / ``VAEConfig``; ``*_precision`` is
+        """Sizes from ``TransformerConfig`` / ``Qwen3Config`` / ``VAEConfig`` (any may be absent); ``*_precision`` is
         ``"bf16"`` or ``"fp8"`` (block Linear weights in float8, the rest bf16)."""
-        tr = _meta_size(Flux2Transformer, transformer, transformer_precision)
+        tr = _meta_size(Flux2Transformer, transformer, transformer_precision) if transformer is not None else None
         te = _meta_size(Qwen3TextEncoder, text_encoder, text_precision) if text_encoder is not None else None
         enc = dec = None
         if vae is not None:
             enc, dec = _meta_vae_sizes(Flux2VAE, vae)
         return cls(
             transformer=tr, text_encoder=te, vae_encoder=enc, vae_decoder=dec,
-            hidden=transformer.hidden_size, context_dim=transformer.context_dim,
+            hidden=getattr(transformer, "hidden_size", 0), context_dim=getattr(transformer, "context_dim", 0),
             text_hidden=getattr(text_encoder, "hidden_size", 0),
             text_inter=getattr(text_encoder, "intermediate_size", 0),
             encoder_channels=tuple(getattr(vae, "block_channels", ())),

@@ -232,6 +232,24 @@ def test_free_releases_the_cached_models(klein):
     assert node_id(api("klein_4b_text_to_image"), "KleinModelLoader") in cached
 
 
+def test_our_models_go_through_comfy_model_management(klein):
+    """ComfyUI loads our models itself (so it can make room for them, and unload them for others)."""
+    released = count(klein, r"Klein: released \d+ cached model")
+    assert klein.free(unload_models=True, free_memory=False) == 200  # start with nothing loaded
+    deadline = time.monotonic() + 15
+    while count(klein, r"Klein: released \d+ cached model") == released:
+        assert time.monotonic() < deadline, klein.log_tail(2000)
+        time.sleep(0.1)
+    before = {name: count(klein, rf"Requested to load {name}\b") for name in ("KleinTransformer", "KleinVae",
+                                                                                "KleinTextEncoder")}
+    graph = api("klein_4b_text_to_image", width=64, height=64, steps=1)
+    graph[node_id(graph, "KleinTextEncode")]["inputs"]["prompt"] = f"a quiet pond {time.time()}"  # not cached
+    res = klein.run_prompt(graph, timeout=60)
+    assert res.ok, res.describe()
+    for name, n in before.items():
+        assert count(klein, rf"Requested to load {name}\b") > n, f"{name} was not loaded through ComfyUI"
+
+
 def test_pack_logged_no_unexpected_tracebacks(klein):
     expected = ("ValueError: Klein Sampler: the conditioning", "InterruptProcessingException")
     deliberate = "wrong_size.safetensors: this LoRA was trained for"  # test_lora_e2e.py's bad LoRA
