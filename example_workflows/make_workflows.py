@@ -50,8 +50,8 @@ SPECS = {
         widgets=("model_name", "vae_name", "weight_dtype", "model_kind", "memory_mode"),
         outputs=(("model", "KLEIN_MODEL"), ("vae", "KLEIN_VAE")), size=(340, 150)),
     "KleinTextEncode": Spec(
-        widgets=("text_encoder", "prompt", "negative_prompt"), outputs=(("conditioning", "KLEIN_COND"),),
-        size=(420, 300)),
+        widgets=("text_encoder", "prompt", "negative_prompt", "precision", "max_tokens"),
+        outputs=(("conditioning", "KLEIN_COND"),), size=(420, 350)),
     "KleinReferenceStacker": Spec(
         sockets=(("image", "IMAGE", False), ("vae", "KLEIN_VAE", False), ("references", "KLEIN_REFS", True)),
         outputs=(("references", "KLEIN_REFS"), ("sizes", "STRING")), size=(300, 100)),
@@ -109,7 +109,8 @@ def _loader(nid: int, model: str) -> Node:
 
 def _encoder(nid: int, prompt: str, negative: str = "") -> Node:
     return Node(nid, "KleinTextEncode", (40, 290),
-                {"text_encoder": "qwen_3_4b.safetensors", "prompt": prompt, "negative_prompt": negative})
+                {"text_encoder": "qwen_3_4b.safetensors", "prompt": prompt, "negative_prompt": negative,
+                 "precision": "model dtype", "max_tokens": "512"})
 
 
 def _sampler(nid: int, size: int, steps: int, guidance: float, refs: tuple[int, int] | None = None) -> Node:
@@ -131,7 +132,7 @@ WORKFLOWS = [
                     "detailed fur"),
         _sampler(3, 1024, 4, 1.0),
         *_decode_save("Klein-4B"),
-        Node(6, "Note", (40, 640), {"text": "FLUX.2 Klein 4B distilled: 4 steps, no CFG (guidance 1). Files: "
+        Node(6, "Note", (40, 700), {"text": "FLUX.2 Klein 4B distilled: 4 steps, no CFG (guidance 1). Files: "
                                             "diffusion_models/flux-2-klein-4b.safetensors, text_encoders/"
                                             "qwen_3_4b.safetensors, vae/flux2-vae.safetensors."}),
     ]),
@@ -142,7 +143,7 @@ WORKFLOWS = [
                  "blurry, low quality, distorted, watermark, text"),
         _sampler(3, 1024, 50, 4.0),
         *_decode_save("Klein-4B-base"),
-        Node(6, "Note", (40, 640), {"text": "FLUX.2 Klein base 4B: classifier-free guidance 4 with the "
+        Node(6, "Note", (40, 700), {"text": "FLUX.2 Klein base 4B: classifier-free guidance 4 with the "
                                             "negative prompt, 50 steps (two transformer passes per step). "
                                             "Fewer steps (20-30) are faster at some cost in detail."}),
     ]),
@@ -153,13 +154,13 @@ WORKFLOWS = [
         Node(7, "LoadImage", (-380, 80), {"image": "klein_reference_1.png"},
              title="Reference 1 (sets the size)"),
         Node(8, "LoadImage", (-380, 470), {"image": "klein_reference_2.png"}, title="Reference 2"),
-        Node(9, "KleinReferenceStacker", (40, 640), links={"image": (7, 0), "vae": (1, 1)}),
-        Node(10, "KleinReferenceStacker", (40, 780),
+        Node(9, "KleinReferenceStacker", (40, 700), links={"image": (7, 0), "vae": (1, 1)}),
+        Node(10, "KleinReferenceStacker", (40, 840),
              links={"image": (8, 0), "vae": (1, 1), "references": (9, 0)}),
         _sampler(3, 0, 4, 1.0, refs=(10, 0)),
         *_decode_save("Klein-4B-edit"),
-        Node(11, "PreviewAny", (520, 640), links={"source": (10, 1)}, title="Reference sizes"),
-        Node(6, "Note", (520, 810), {"text": "Replace klein_reference_1.png and klein_reference_2.png with "
+        Node(11, "PreviewAny", (520, 700), links={"source": (10, 1)}, title="Reference sizes"),
+        Node(6, "Note", (520, 870), {"text": "Replace klein_reference_1.png and klein_reference_2.png with "
                                              "your own images (upload them in the Load Image nodes). Width "
                                              "and height 0 = the size of reference 1 (scaled to at most 1 "
                                              "megapixel, multiples of 16), shown in Reference sizes after a "

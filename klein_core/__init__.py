@@ -21,8 +21,15 @@ from .files.source import WeightSource
 from .files.transformer_layout import bfl_to_diffusers
 from .images import PUBLISHED_REFERENCE_LIMIT, prepare_reference_image, reference_size, to_pil
 from .loading import LOADERS, load_text_encoder, load_transformer, load_vae, weightless
-from .lora import AppliedLoRAs, LoRA, LoRAPatch, apply_loras, check_loras, load_lora, with_loras
-from .memory.placement import BlockOffloader, StagePlacer, module_bytes, offload_blocks, on_device, pin_memory_
+from .lora import AppliedLoRAs, LoRA, LoRAPatch, apply_loras, check_loras, has_loras, load_lora, with_loras
+from .memory.placement import (
+    BlockOffloader,
+    StagePlacer,
+    module_bytes,
+    offload_blocks,
+    on_device,
+    pin_memory_,
+)
 from .memory.planner import (
     MemoryEstimate,
     MemoryPlan,
@@ -37,7 +44,16 @@ from .memory.tiling import decode_tiled, encode_tiled
 from .models.qwen3 import Qwen3Config, Qwen3TextEncoder
 from .models.transformer import Flux2Transformer, TransformerConfig
 from .models.vae import Flux2VAE, VAEConfig
-from .prompts import PromptCache, default_prompt_cache, encode_prompts
+from .prompts import (
+    COMFYUI_TEXT,
+    DiskPromptCache,
+    PromptCache,
+    TextOptions,
+    default_prompt_cache,
+    encode_prompts,
+    encoder_identity,
+    identity_of,
+)
 from .quant.fp8 import FP8Linear, fp8_layers, quantize_model_
 from .request import (
     BASE_DEFAULTS,
@@ -61,8 +77,17 @@ from .sampling import (
     text_position_ids,
     unpack,
 )
-from .tokenizer import tokenize_prompts
-from .variants import KLEIN_4B, KLEIN_9B, VARIANTS, Variant, check_text_width, encoder_for_text_width, variant_for_text_width
+from .tokenizer import count_tokens, tokenize_prompts
+from .variants import (
+    KLEIN_4B,
+    KLEIN_9B,
+    VARIANTS,
+    Variant,
+    check_text_width,
+    encoder_for_text_width,
+    encoder_name,
+    variant_for_text_width,
+)
 
 __version__ = "0.1.0"
 
@@ -70,19 +95,101 @@ __version__ = "0.1.0"
 TEXT_ENCODER_FOR_WIDTH = {v.text_width: encoder_for_text_width(v.text_width) for v in VARIANTS}
 
 __all__ = [
-    "BASE_DEFAULTS", "DISTILLED_DEFAULTS", "LOADERS", "KLEIN_4B", "KLEIN_9B", "MAX_SEED", "PUBLISHED_REFERENCE_LIMIT",
-    "TEXT_ENCODER_FOR_WIDTH", "VARIANTS",
-    "AppliedLoRAs", "BlockOffloader", "Conditioning", "Engine", "FP8Linear", "FileInfo", "Flux2Transformer",
-    "Flux2VAE", "GenerationCancelled", "GenerationRequest", "GenerationResult", "KleinOutOfMemory", "LoRA",
-    "LoRAPatch", "MemoryEstimate", "NonFiniteWeights", "MemoryPlan", "MemoryRequest", "ModelSizes", "PromptCache", "Qwen3Config",
-    "Qwen3TextEncoder", "Resolved", "Settings", "StagePlacer", "TransformerConfig", "VAEConfig", "Variant",
-    "WeightFormatError", "WeightSource",
-    "apply_loras", "bfl_to_diffusers", "check_compatible", "check_text_width", "check_loras", "choose_plan", "compute_empirical_mu",
-    "decode_tiled", "decode_to_pixels", "default_prompt_cache", "denoise", "encode_prompts", "encode_references",
-    "encode_tiled", "encoder_for_text_width", "estimate", "fp8_layers", "generate", "get_schedule",
-    "guess_model_kind", "load_lora", "load_text_encoder", "load_transformer", "load_vae", "make_noise",
-    "matching_text_encoders", "module_bytes", "offload_blocks", "on_device", "open_weights", "pack", "pin_memory_", "plan_for",
-    "position_ids", "prepare_reference_image", "probe", "quantize_model_", "quantize_state_dict",
-    "reference_size", "reference_tokens", "resolve_settings", "resolve_size", "text_position_ids", "to_pil", "tokenize_prompts",
-    "unpack", "variant_for_text_width", "weightless", "weights_home", "with_loras",
+    "BASE_DEFAULTS",
+    "COMFYUI_TEXT",
+    "DISTILLED_DEFAULTS",
+    "KLEIN_4B",
+    "KLEIN_9B",
+    "LOADERS",
+    "MAX_SEED",
+    "PUBLISHED_REFERENCE_LIMIT",
+    "TEXT_ENCODER_FOR_WIDTH",
+    "VARIANTS",
+    "AppliedLoRAs",
+    "BlockOffloader",
+    "Conditioning",
+    "DiskPromptCache",
+    "Engine",
+    "FP8Linear",
+    "FileInfo",
+    "Flux2Transformer",
+    "Flux2VAE",
+    "GenerationCancelled",
+    "GenerationRequest",
+    "GenerationResult",
+    "KleinOutOfMemory",
+    "LoRA",
+    "LoRAPatch",
+    "MemoryEstimate",
+    "MemoryPlan",
+    "MemoryRequest",
+    "ModelSizes",
+    "NonFiniteWeights",
+    "PromptCache",
+    "Qwen3Config",
+    "Qwen3TextEncoder",
+    "Resolved",
+    "Settings",
+    "StagePlacer",
+    "TextOptions",
+    "TransformerConfig",
+    "VAEConfig",
+    "Variant",
+    "WeightFormatError",
+    "WeightSource",
+    "apply_loras",
+    "bfl_to_diffusers",
+    "check_compatible",
+    "check_loras",
+    "check_text_width",
+    "choose_plan",
+    "compute_empirical_mu",
+    "count_tokens",
+    "decode_tiled",
+    "decode_to_pixels",
+    "default_prompt_cache",
+    "denoise",
+    "encode_prompts",
+    "encode_references",
+    "encode_tiled",
+    "encoder_for_text_width",
+    "encoder_identity",
+    "encoder_name",
+    "estimate",
+    "fp8_layers",
+    "generate",
+    "get_schedule",
+    "guess_model_kind",
+    "has_loras",
+    "identity_of",
+    "load_lora",
+    "load_text_encoder",
+    "load_transformer",
+    "load_vae",
+    "make_noise",
+    "matching_text_encoders",
+    "module_bytes",
+    "offload_blocks",
+    "on_device",
+    "open_weights",
+    "pack",
+    "pin_memory_",
+    "plan_for",
+    "position_ids",
+    "prepare_reference_image",
+    "probe",
+    "quantize_model_",
+    "quantize_state_dict",
+    "reference_size",
+    "reference_tokens",
+    "resolve_settings",
+    "resolve_size",
+    "text_position_ids",
+    "to_pil",
+    "tokenize_prompts",
+    "unpack",
+    "variant_for_text_width",
+    "weightless",
+    "weights_home",
+    "with_loras",
 ]

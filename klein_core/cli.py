@@ -15,10 +15,11 @@ from PIL import Image
 from PIL.PngImagePlugin import PngInfo
 
 from . import __version__
-from .engine import GenerationResult, generate
+from .engine import Engine, GenerationResult, generate
 from .errors import GenerationCancelled, WeightFormatError
 from .files.identify import matching_text_encoders, probe
 from .images import oriented_size, reference_size
+from .prompts import DiskPromptCache, PromptCache, TextOptions, default_prompt_cache, encoder_identity
 from .request import MAX_STEPS, as_device, guess_model_kind, resolve_size
 from .sampling import MAX_SEED
 from .variants import check_text_width
@@ -91,6 +92,14 @@ def _add_generate_args(g: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default=None, help="cuda, cuda:1, cpu, mps (default: cuda if available, else cpu)")
     g.add_argument("--dtype", choices=sorted(_DTYPES), default=None,
                    help="weights dtype (default: bf16 on GPU, fp32 on CPU)")
+    g.add_argument("--text-precision", choices=("model", "fp32"), default="model",
+                   help="text encoder activations: model = its weights' dtype (BFL, diffusers); fp32 = "
+                        "fp32 activations on the same weights (ComfyUI's native nodes)")
+    g.add_argument("--max-tokens", choices=("512", "whole"), default="512",
+                   help="512 cuts longer prompts (BFL, diffusers); whole keeps every token (ComfyUI)")
+    g.add_argument("--prompt-cache", type=Path, default=None, metavar="DIR",
+                   help="keep prompt embeddings in DIR across runs: a prompt seen before does not load the "
+                        "text encoder at all")
     g.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
 
 
@@ -218,6 +227,15 @@ def run_generate(args: argparse.Namespace) -> int:
         except (OSError, ValueError) as exc:
             raise CLIError(f"cannot read reference image {r}: {exc}") from None
     _check_request(args, refs)
+    text = TextOptions(max_tokens=None if args.max_tokens == "whole" else 512,
+                       activations=torch.float32 if args.text_precision == "fp32" else None)
+    cache = default_prompt_cache
+    if args.prompt_cache is not None:
+        try:
+            cache = PromptCache(disk=DiskPromptCache(args.prompt_cache.expanduser()))
+        except OSError as exc:
+            raise CLIError(f"--prompt-cache {args.prompt_cache}: {exc.strerror or exc}") from None
+    cond, text_encoder = None, None
     t_load = time.perf_counter()
     if args.demo:
         from .testing.tiny import build_tiny_components
@@ -233,7 +251,15 @@ def run_generate(args: argparse.Namespace) -> int:
         tr_path, te_path, vae_path = resolve_files(args)
         distilled = not args.base and (args.distilled or guess_model_kind(tr_path.name) == "distilled")
         transformer = load_transformer(tr_path, device=device, dtype=dtype)
-        text_encoder = load_text_encoder(te_path, device=device, dtype=dtype)
+        if args.prompt_cache is not None and not args.lora:  # LoRAs may change the encoder: encode anew
+            cfg = not distilled and (args.guidance is None or args.guidance > 1)
+            cond = Engine(prompt_cache=cache, text=text).cached_prompts(
+                [args.prompt], args.negative_prompt if cfg else None,
+                identity=encoder_identity(te_path, dtype, device))
+        if cond is None:
+            text_encoder = load_text_encoder(te_path, device=device, dtype=dtype)
+        elif not args.quiet:
+            _write(sys.stderr, f"prompt embeddings from {args.prompt_cache}; {te_path.name} not loaded\n")
         vae = load_vae(vae_path, device=device, dtype=dtype)
         names = {"transformer": tr_path.name, "text_encoder": te_path.name, "vae": vae_path.name}
     if args.lora:
@@ -246,6 +272,8 @@ def run_generate(args: argparse.Namespace) -> int:
         transformer, text_encoder, vae, prompt=args.prompt, negative_prompt=args.negative_prompt,
         references=refs, width=args.width, height=args.height, steps=args.steps, guidance=args.guidance,
         seed=args.seed, batch_size=args.batch, distilled=distilled, callback=_Progress(args.quiet),
+        cache=cache, text=text, prompt_embeds=cond.positive if cond is not None else None,
+        negative_embeds=cond.negative if cond is not None else None,
     )
     total = time.perf_counter() - t0
     params = {
@@ -253,6 +281,7 @@ def run_generate(args: argparse.Namespace) -> int:
         "height": result.height, "steps": result.steps, "guidance": result.guidance, "seed": args.seed,
         "model_kind": "distilled" if distilled else "base", "references": [str(r) for r in args.ref],
         "demo": bool(args.demo), **names, "loras": [f"{p.name}:{s:g}" for p, s in args.lora],
+        "text_precision": args.text_precision, "max_tokens": args.max_tokens,
     }
     paths = _save_images(result, args.out, params)
     stages = ", ".join(f"{k} {v:.2f} s" for k, v in result.timings.items())

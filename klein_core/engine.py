@@ -35,7 +35,7 @@ from .memory.tiling import TILE_SIDES, decode_in_tiles, encode_in_tiles
 from .models.qwen3 import Qwen3TextEncoder
 from .models.transformer import Flux2Transformer
 from .models.vae import Flux2VAE
-from .prompts import PromptCache, default_prompt_cache, encode_prompts
+from .prompts import PromptCache, TextOptions, default_prompt_cache, encode_prompts, identity_of
 from .request import (
     GenerationRequest,
     ModelKind,
@@ -233,6 +233,7 @@ class Engine:
         device: torch.device | str | None = None,
         memory: str | MemoryPlan | None = "auto",
         prompt_cache: PromptCache | None = default_prompt_cache,
+        text: TextOptions = TextOptions(),
     ) -> None:
         memory = "auto" if memory is None else memory
         if not isinstance(memory, MemoryPlan) and memory not in MODES:
@@ -251,6 +252,9 @@ class Engine:
         self.downscale = vae.config.downscale if vae is not None else 16
         self.memory = memory
         self.prompt_cache = prompt_cache
+        if not isinstance(text, TextOptions):
+            raise TypeError(f"text must be a TextOptions, got {type(text).__name__}")
+        self.text = text
 
     # -- memory ---------------------------------------------------------------------------------
 
@@ -278,22 +282,59 @@ class Engine:
 
     # -- stages ---------------------------------------------------------------------------------
 
-    def encode_prompts(self, prompts: Sequence[str], negative_prompt: str | None = None, *,
-                       plan: MemoryPlan | None = None) -> Conditioning:
-        """Stage 1: embeddings ``[len(prompts), 512, text_dim]`` (and the negative's, if given)."""
+    def _text_groups(self, prompts: Sequence[str], negative_prompt: str | None) -> tuple[list[list[str]], int]:
+        """The batches the texts are encoded in, and how many positive prompts there are."""
         prompts = list(as_prompts(prompts))
         if not prompts:
             raise ValueError("prompt list is empty")
+        if self.text.truncate or negative_prompt is None:  # one batch for both: every text is as long
+            return [prompts + ([negative_prompt] if negative_prompt is not None else [])], len(prompts)
+        return [prompts, [negative_prompt]], len(prompts)  # whole prompts: each its own length, as ComfyUI
+
+    @staticmethod
+    def _conditioning(embeds: list[torch.Tensor], n: int, negative: bool) -> Conditioning:
+        if len(embeds) == 2:
+            return Conditioning(embeds[0], embeds[1])
+        return Conditioning(embeds[0][:n], embeds[0][n:] if negative else None)
+
+    def cached_prompts(self, prompts: Sequence[str], negative_prompt: str | None = None, *,
+                       identity: str | None = None) -> Conditioning | None:
+        """Stage 1 from the prompt cache alone: the embeddings if every text is cached (in memory or
+        on disk), else None. ``identity`` names the encoder (:func:`~klein_core.prompts.encoder_identity`
+        of its file, dtype and this device), so the encoder need not be loaded; default: the
+        engine's text encoder's. Embeddings read from disk are on the CPU."""
+        cache = self.prompt_cache
+        if identity is None and self.text_encoder is not None:
+            identity = identity_of(self.text_encoder, self.device)
+        if cache is None or identity is None:
+            return None
+        groups, n = self._text_groups(prompts, negative_prompt)
+        embeds = [cache.cached(identity, g, self.text) for g in groups]
+        if any(e is None for e in embeds):
+            return None
+        return self._conditioning(embeds, n, negative_prompt is not None)  # type: ignore[arg-type]
+
+    def encode_prompts(self, prompts: Sequence[str], negative_prompt: str | None = None, *,
+                       plan: MemoryPlan | None = None) -> Conditioning:
+        """Stage 1: embeddings ``[len(prompts), L, text_dim]`` (and the negative's, if given).
+
+        ``L`` is 512, or with ``TextOptions(max_tokens=None)`` the longest prompt's token count
+        (at least 512; the negative prompt then has its own length). Cached prompts are not
+        encoded again, and when every one is cached the encoder is not even placed."""
+        groups, n = self._text_groups(prompts, negative_prompt)
         if plan is None:
-            plan = self.plan(memory_request(1024, 1024, batch=len(prompts) + (negative_prompt is not None),
-                                            denoise=False, decode=False))
-        texts = prompts + ([negative_prompt] if negative_prompt is not None else [])
-        with self._stage("text_encoder", plan) as te:
-            embeds = encode_prompts(te, texts, cache=self.prompt_cache)  # one batch for both
-            check_output(embeds, "The text encoder", te, _overflow_cause(embeds.dtype))
-        if negative_prompt is None:
-            return Conditioning(embeds)
-        return Conditioning(embeds[: len(prompts)], embeds[len(prompts):])
+            plan = self.plan(memory_request(1024, 1024, batch=sum(map(len, groups)), denoise=False, decode=False))
+        cache = self.prompt_cache
+        identity = identity_of(self.text_encoder, self.device) if self.text_encoder is not None else None
+        embeds = [cache.cached(identity, g, self.text) if cache is not None else None for g in groups]
+        if any(e is None for e in embeds):  # the encoder is placed only when something is not cached
+            with self._stage("text_encoder", plan) as te:
+                embeds = [e if e is not None else
+                          encode_prompts(te, g, cache=cache, options=self.text, identity=identity)
+                          for e, g in zip(embeds, groups)]
+                for emb in embeds:
+                    check_output(emb, "The text encoder", te, _overflow_cause(emb.dtype))
+        return self._conditioning([e.to(self.device) for e in embeds], n, negative_prompt is not None)  # type: ignore[union-attr]
 
     def encode_references(self, images: Sequence[Image.Image | torch.Tensor], *,
                           plan: MemoryPlan | None = None) -> list[torch.Tensor]:
@@ -520,6 +561,7 @@ def generate(
     cache: PromptCache | None = default_prompt_cache,
     memory: str | MemoryPlan = "auto",
     device: torch.device | str | None = None,
+    text: TextOptions = TextOptions(),
 ) -> GenerationResult:
     """Generate images with FLUX.2 Klein (an :class:`Engine` run with keyword arguments).
 
@@ -545,13 +587,17 @@ def generate(
             stays where it is off CUDA); "resident", "swap", "blocks" or "minimum" force one; a
             :class:`~klein_core.memory.planner.MemoryPlan` is used as given. See :class:`Engine`.
         device: the compute device (default: the transformer's).
+        text: how prompts are encoded (:class:`~klein_core.prompts.TextOptions`): cut at 512 tokens
+            in the model dtype (BFL, diffusers; the default), or ``COMFYUI_TEXT`` (whole prompts,
+            fp32 activations, as ComfyUI's own nodes).
     Returns:
         :class:`GenerationResult` with latents, images/pixels (if decoded) and per-stage timings.
     """
     if distilled is not None and not isinstance(distilled, bool):
         raise TypeError(f"distilled (the model kind) must be True, False or None, got {distilled!r}")
     kind = None if distilled is None else ("distilled" if distilled else "base")
-    engine = Engine(transformer, text_encoder, vae, kind=kind, device=device, memory=memory, prompt_cache=cache)
+    engine = Engine(transformer, text_encoder, vae, kind=kind, device=device, memory=memory, prompt_cache=cache,
+                    text=text)
     settings = Settings(width, height, steps, guidance, seed, batch_size)
     conditioning = None
     if prompt_embeds is not None:

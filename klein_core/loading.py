@@ -120,6 +120,7 @@ def load_text_encoder(
     )
     assert isinstance(model, Qwen3TextEncoder)
     model.source = src.name
+    model.quantize = quantize  # with source and dtype: what cached prompt embeddings depend on
     return model
 
 

@@ -144,10 +144,12 @@ def denoise(
     ``noise``: ``[B, C, h, w]`` starting latents (any dtype/device; cast to the model's).
     ``txt``: ``[B, L, D]`` prompt embeddings; ``neg_txt``: ``[B, L', D]`` negative embeddings, which
     turn on classifier-free guidance ``v = v_neg + guidance * (v_pos - v_neg)``, evaluated in one
-    batched forward. ``refs``: reference tokens appended after the noisy tokens (the velocity is
-    kept for the noisy tokens only). ``callback(step, total, latents)`` runs after each step;
-    returning ``False`` cancels with :class:`GenerationCancelled`. Returns ``[B, C, h, w]`` latents
-    in the model dtype.
+    batched forward when ``L == L'`` and in two forwards otherwise (whole prompts of different
+    lengths, as ComfyUI runs them). ``refs``: reference tokens appended after the noisy tokens (the
+    velocity is kept for the noisy tokens only). ``callback(step, total, latents)`` runs after each
+    step; returning ``False`` cancels with :class:`GenerationCancelled`. A callback with a true
+    ``wants_denoised`` attribute also gets ``denoised=``, the step's estimate of the clean latents
+    ``x - sigma * v`` (for previews). Returns ``[B, C, h, w]`` latents in the model dtype.
     """
     device, dtype = model.device, model.dtype
     b, _, h, w = noise.shape
@@ -158,36 +160,49 @@ def denoise(
     txt = txt.to(device=device, dtype=dtype)
     if txt.shape[0] != b:
         raise ValueError(f"prompt batch {txt.shape[0]} does not match latent batch {b}")
+    ref_tok = None
+    if refs is not None:
+        ref_tok = refs.tokens.to(device=device, dtype=dtype)
+        img_ids = torch.cat([img_ids, refs.ids])
+    # One forward per entry: (text, RoPE tables, how many copies of the latents it takes).
     if cfg:
         neg_txt = neg_txt.to(device=device, dtype=dtype)  # type: ignore[union-attr]
         if neg_txt.shape[0] != b:
             raise ValueError(f"negative prompt batch {neg_txt.shape[0]} does not match latent batch {b}")
-        if neg_txt.shape[1] != txt.shape[1]:
-            raise ValueError("prompt and negative prompt embeddings must have the same length")
-        txt = torch.cat([txt, neg_txt])  # one forward for both halves: [pos; neg]
-    ref_tok = None
-    if refs is not None:
-        ref_tok = refs.tokens.to(device=device, dtype=dtype).expand(txt.shape[0], -1, -1)
-        img_ids = torch.cat([img_ids, refs.ids])
-    txt_ids = text_position_ids(txt.shape[1])
-    rope = model.rope(txt_ids, img_ids)  # ids are fixed for the whole run
+        if neg_txt.shape[1] == txt.shape[1]:
+            texts = [torch.cat([txt, neg_txt])]  # one forward for both halves: [pos; neg]
+        else:
+            texts = [txt, neg_txt]
+    else:
+        texts = [txt]
+    passes = []
+    for text in texts:  # ids and RoPE tables are fixed for the whole run
+        txt_ids = text_position_ids(text.shape[1])
+        passes.append((text, txt_ids, model.rope(txt_ids, img_ids), text.shape[0] // b))
     sig = sigmas.to(device=device, dtype=torch.float32)
     # What the model is told: sigma*1000 in the latent dtype, /1000 (see SPEC §4.4).
     t_model = ((sig * 1000).to(dtype) / 1000).to(dtype)
     total = len(sigmas) - 1
     dts = sig[1:] - sig[:-1]  # one launch for the whole run; dts[i] is a 0-dim fp32 tensor below
+    wants_denoised = bool(getattr(callback, "wants_denoised", False))
     for i in range(total):
-        x = torch.cat([latents, latents]) if cfg else latents
-        if ref_tok is not None:
-            x = torch.cat([x, ref_tok], dim=1)
-        t = t_model[i].expand(x.shape[0])
-        v = model(img=x, img_ids=img_ids, txt=txt, txt_ids=txt_ids, timesteps=t, rope=rope)[:, :n]
+        outs = []
+        for text, txt_ids, rope, copies in passes:
+            x = latents if copies == 1 else torch.cat([latents] * copies)
+            if ref_tok is not None:
+                x = torch.cat([x, ref_tok.expand(x.shape[0], -1, -1)], dim=1)
+            t = t_model[i].expand(x.shape[0])
+            outs.append(model(img=x, img_ids=img_ids, txt=text, txt_ids=txt_ids, timesteps=t, rope=rope)[:, :n])
+        v = outs[0] if len(outs) == 1 else torch.cat(outs)
         if cfg:
             v_pos, v_neg = v.chunk(2)
             v = v_neg + guidance * (v_pos - v_neg)
+        denoised = (latents.float() - sig[i] * v.float()) if wants_denoised else None
         # dt is a 0-dim fp32 tensor, so dt*v stays in the model dtype (torch promotion), then the
         # sum is fp32 and re-cast: bit-for-bit the diffusers FlowMatchEuler step.
         latents = (latents.float() + dts[i] * v).to(dtype)
-        if callback is not None and callback(i + 1, total, unpack(latents, h, w)) is False:
-            raise GenerationCancelled(f"cancelled after step {i + 1} of {total}")
+        if callback is not None:
+            kwargs = {"denoised": unpack(denoised, h, w)} if denoised is not None else {}
+            if callback(i + 1, total, unpack(latents, h, w), **kwargs) is False:
+                raise GenerationCancelled(f"cancelled after step {i + 1} of {total}")
     return unpack(latents, h, w)

@@ -255,18 +255,22 @@ def _encode(texts: list[str]) -> list[list[int]]:
 
 
 def tokenize_prompts(
-    prompts: list[str], max_length: int = MAX_LENGTH
+    prompts: list[str], max_length: int = MAX_LENGTH, *, truncate: bool = True
 ) -> tuple[torch.LongTensor, torch.LongTensor]:
     """Template, tokenize, truncate and right-pad a batch of prompts.
 
     Each prompt goes through :func:`chat_template`, is tokenized, cut at the end to
     ``max_length`` tokens (a warning is logged with the number of tokens cut) and right-padded with
     :data:`QWEN3_PAD_ID`. Identical to the Hugging Face Qwen3 tokenizer called with
-    ``padding="max_length", truncation=True, max_length=max_length``.
+    ``padding="max_length", truncation=True, max_length=max_length`` (BFL and diffusers).
+
+    With ``truncate=False`` nothing is cut: the batch is padded to ``max_length`` or to its longest
+    prompt, whichever is longer (ComfyUI's way: at least 512 tokens, never truncated).
 
     Args:
         prompts: ``B`` prompts (a list; a bare str is refused). Empty prompts are allowed.
-        max_length: ``L``, the fixed output length (>= 1).
+        max_length: ``L``, the fixed output length (>= 1); the minimum length without truncation.
+        truncate: cut prompts longer than ``max_length`` (the default) or keep them whole.
 
     Returns:
         ``(input_ids, attention_mask)``, both ``torch.long`` of shape ``[B, L]``; the mask is 1
@@ -279,19 +283,20 @@ def tokenize_prompts(
         raise ValueError(f"max_length must be >= 1, got {max_length}")
 
     all_ids = _encode(texts)
-    input_ids = torch.full((len(texts), max_length), QWEN3_PAD_ID, dtype=torch.long)
-    attention_mask = torch.zeros((len(texts), max_length), dtype=torch.long)
+    length = max_length if truncate else max(max_length, *(len(ids) for ids in all_ids))
+    input_ids = torch.full((len(texts), length), QWEN3_PAD_ID, dtype=torch.long)
+    attention_mask = torch.zeros((len(texts), length), dtype=torch.long)
     for index, ids in enumerate(all_ids):
-        if len(ids) > max_length:
+        if len(ids) > length:
             logger.warning(
                 "prompt %d is %d tokens after the chat template; truncated to max_length=%d "
                 "(%d tokens cut from the end)",
                 index,
                 len(ids),
-                max_length,
-                len(ids) - max_length,
+                length,
+                len(ids) - length,
             )
-            ids = ids[:max_length]
+            ids = ids[:length]
         n = len(ids)
         input_ids[index, :n] = torch.tensor(ids, dtype=torch.long)
         attention_mask[index, :n] = 1

@@ -21,6 +21,7 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -35,7 +36,42 @@ ROLES = ("transformer", "text_encoder", "vae")
 _lock = threading.RLock()
 _resident: dict[str, tuple[ModelRef, torch.nn.Module, object]] = {}  # role -> (ref, model, host handle)
 loads: Counter[str] = Counter()  # loads per role since start (tests and logs)
-prompts = kc.PromptCache(max_entries=32)  # the pack's prompt-embedding cache
+prompts = kc.PromptCache(max_entries=32)  # the pack's prompt-embedding cache (in memory)
+
+# Opt-in disk cache of prompt embeddings: a folder, and its size bound in MiB. Set before (or while)
+# ComfyUI runs; read at each encode, so a change takes effect without a restart.
+PROMPT_CACHE_ENV = "KLEIN_PROMPT_CACHE"
+PROMPT_CACHE_MB_ENV = "KLEIN_PROMPT_CACHE_MB"
+PROMPT_CACHE_MB = 2048
+
+
+def prompt_cache() -> kc.PromptCache:
+    """The pack's prompt cache, backed by the folder named in ``$KLEIN_PROMPT_CACHE`` if set (bounded
+    by ``$KLEIN_PROMPT_CACHE_MB``, default 2048): embeddings there survive restarts, so a repeated
+    prompt never loads the text encoder. A folder that cannot be used is logged and skipped."""
+    folder = os.environ.get(PROMPT_CACHE_ENV, "").strip()
+    if not folder:
+        prompts.disk = None
+        return prompts
+    try:
+        mb = float(os.environ.get(PROMPT_CACHE_MB_ENV, "") or PROMPT_CACHE_MB)
+        if not mb > 0:
+            raise ValueError
+    except ValueError:
+        logger.warning("Klein: %s=%r is not a positive number of MiB; using %d", PROMPT_CACHE_MB_ENV,
+                       os.environ.get(PROMPT_CACHE_MB_ENV), PROMPT_CACHE_MB)
+        mb = PROMPT_CACHE_MB
+    disk = prompts.disk
+    if disk is None or str(disk.folder) != str(Path(folder).expanduser()) or disk.max_bytes != int(mb * 2**20):
+        try:
+            prompts.disk = kc.DiskPromptCache(Path(folder).expanduser(), max_bytes=int(mb * 2**20))
+        except OSError as exc:
+            logger.warning("Klein: the prompt cache folder %s=%s cannot be used (%s); caching in memory only",
+                           PROMPT_CACHE_ENV, folder, exc.strerror or exc)
+            prompts.disk = None
+        else:
+            logger.info("Klein: prompt embeddings cached on disk in %s (up to %d MiB)", folder, mb)
+    return prompts
 
 
 @dataclass(frozen=True)

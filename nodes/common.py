@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
 
 import klein_core as kc
 
 from . import host
+
+logger = logging.getLogger(__name__)
 
 # What a file picked in the wrong place is, for a one-line hint (catalog kinds -> where it belongs).
 _KINDS = {
@@ -25,9 +28,12 @@ def model_file(node: str, input_name: str, folder: str, name: str, expect: str) 
     """
     path = host.full_path(folder, name)
     if path is None:
-        where = ", ".join(host.folder_paths_of(folder)) or f"models/{folder}"
-        raise ValueError(f"{node}: {input_name} '{name}' was not found in the {folder} folder ({where}). "
-                         f"Put the file there and refresh, or pick another file.")
+        # The folders themselves go to the server log only: API clients see no server paths.
+        logger.info("%s: %s '%s' is in none of the %s folders: %s", node, input_name, name, folder,
+                    ", ".join(host.folder_paths_of(folder)) or "(none configured)")
+        raise ValueError(f"{node}: {input_name} '{name}' was not found in models/{folder} (or the {folder} "
+                         f"folders added in extra_model_paths.yaml). Put the file there and refresh, or pick "
+                         f"another file.")
     info = kc.probe(path)
     if info.kind in _KINDS and info.kind != expect:
         (noun, where), wanted = _KINDS[info.kind], _KINDS[expect][0]
@@ -60,6 +66,13 @@ def check_choices(node: type, folders: dict[str, str], **values: object) -> bool
             if name in folders else ""
         return f"{name} '{value}' is not available (choices: {listed}){where}"
     return True
+
+
+def check_widget(node: str, input_name: str, value: object, choices: object) -> None:
+    """Refuse a combo value that is not one of ``choices`` (ComfyUI 0.3.75 does not check V3 combos
+    when a prompt is queued), naming the node, the input and the choices."""
+    if value not in choices:  # type: ignore[operator]
+        raise ValueError(f"{node}: {input_name} '{value}' is not one of {', '.join(map(str, choices))}.")  # type: ignore[call-overload]
 
 
 def activation_bytes(stage: str, request: kc.MemoryRequest, **configs: object) -> int:

@@ -9,13 +9,16 @@ from comfy_api.latest import io
 
 import klein_core as kc
 
-from . import cache, host
-from .common import activation_bytes, check_choices, errors_named, model_file
+from . import cache, host, notices
+from .common import activation_bytes, check_choices, check_widget, errors_named, model_file
 from .types import KleinConditioning, KleinCondType
 
 logger = logging.getLogger(__name__)
 
 NODE = "Qwen3 Layer-Concat Encoder"
+# Widget value -> klein_core TextOptions field. The first of each is the default (BFL / diffusers).
+PRECISIONS: dict[str, torch.dtype | None] = {"model dtype": None, "fp32 activations": torch.float32}
+MAX_TOKENS: dict[str, int | None] = {"512": 512, "whole prompt": None}
 
 
 def encoder_dtype(device: torch.device) -> torch.dtype:
@@ -41,9 +44,19 @@ class KleinTextEncode(io.ComfyNode):
                 io.String.Input("negative_prompt", multiline=True, dynamic_prompts=True, default="",
                                 tooltip="What to avoid. Used only by base models with guidance > 1 "
                                         "(classifier-free guidance); distilled models ignore it."),
+                io.Combo.Input("precision", options=list(PRECISIONS), default="model dtype", optional=True,
+                               tooltip="model dtype = the encoder computes in its weights' dtype (bf16), as "
+                                       "BFL and diffusers do. fp32 activations = bf16 weights computing in "
+                                       "fp32, as ComfyUI's own Flux.2 nodes do; choose it to match images "
+                                       "made there."),
+                io.Combo.Input("max_tokens", options=list(MAX_TOKENS), default="512", optional=True,
+                               tooltip="512 = prompts are cut at 512 tokens, as BFL and diffusers do (a "
+                                       "warning says how much was cut). whole prompt = nothing is cut (at "
+                                       "least 512), as ComfyUI's own Flux.2 nodes do."),
             ],
             outputs=[KleinCondType.Output(display_name="conditioning",
-                                          tooltip="Prompt and negative embeddings [1, 512, text width].")],
+                                          tooltip="Prompt and negative embeddings [1, tokens, text width] "
+                                                  "(512 tokens, or more with max_tokens = whole prompt).")],
         )
 
     @classmethod
@@ -51,15 +64,49 @@ class KleinTextEncode(io.ComfyNode):
         return check_choices(cls, {"text_encoder": "text_encoders"}, text_encoder=text_encoder)
 
     @classmethod
-    def execute(cls, text_encoder: str, prompt: str, negative_prompt: str = "") -> io.NodeOutput:
-        path = model_file(NODE, "text_encoder", "text_encoders", text_encoder, expect="text_encoder")
+    @notices.reported
+    def execute(cls, text_encoder: str, prompt: str, negative_prompt: str = "", precision: str = "model dtype",
+                max_tokens: str = "512") -> io.NodeOutput:
+        options = text_options(precision, max_tokens)
+        if options.truncate:
+            for name, text in (("prompt", prompt), ("negative_prompt", negative_prompt)):
+                warn_if_cut(name, text, options.max_tokens)  # type: ignore[arg-type]
         device = host.text_encoder_device()
-        ref = cache.model_ref("text_encoder", path, text_encoder, device, encoder_dtype(device))
-        with errors_named(NODE, "text_encoder", text_encoder):
-            encoder = ref.get(activation_bytes("text", kc.MemoryRequest(batch=2, denoise=False, decode=False),
-                                               text_encoder=kc.weightless(path, "text_encoder").config))
-        engine = kc.Engine(text_encoder=encoder, device=device, prompt_cache=cache.prompts)
-        embeds = engine.encode_prompts([prompt], negative_prompt)
-        cfg = encoder.config
-        return io.NodeOutput(KleinConditioning(embeds.positive, embeds.negative, text_encoder, cfg.text_dim,
-                                               cfg.variant))
+        dtype = encoder_dtype(device)
+        prompts = cache.prompt_cache()
+        # A prompt seen before (also before a restart, with the disk cache) needs no encoder at all:
+        # the cache is keyed by the file's name, size and time, so the file is not even opened.
+        path = host.full_path("text_encoders", text_encoder)
+        embeds = None if path is None else kc.Engine(device=device, prompt_cache=prompts, text=options).cached_prompts(
+            [prompt], negative_prompt, identity=kc.encoder_identity(path, dtype, device))
+        if embeds is None:
+            path = model_file(NODE, "text_encoder", "text_encoders", text_encoder, expect="text_encoder")
+            ref = cache.model_ref("text_encoder", path, text_encoder, device, dtype)
+            with errors_named(NODE, "text_encoder", text_encoder):
+                encoder = ref.get(activation_bytes("text", kc.MemoryRequest(batch=2, denoise=False, decode=False),
+                                                   text_encoder=kc.weightless(path, "text_encoder").config))
+            engine = kc.Engine(text_encoder=encoder, device=device, prompt_cache=prompts, text=options)
+            with notices.ignoring("klein_core.tokenizer"):  # cut prompts were reported above, by input name
+                embeds = engine.encode_prompts([prompt], negative_prompt)
+        else:
+            logger.info("%s: prompt embeddings from the cache; %s not loaded", NODE, text_encoder)
+        text_dim = embeds.positive.shape[-1]
+        return io.NodeOutput(KleinConditioning(embeds.positive, embeds.negative, text_encoder, text_dim,
+                                               kc.encoder_name(text_dim // 3),
+                                               has_negative=bool(negative_prompt.strip())))
+
+
+def text_options(precision: str, max_tokens: str) -> kc.TextOptions:
+    """The widgets' values as klein_core TextOptions; unknown values are refused by input name."""
+    check_widget(NODE, "precision", precision, PRECISIONS)
+    check_widget(NODE, "max_tokens", max_tokens, MAX_TOKENS)
+    return kc.TextOptions(max_tokens=MAX_TOKENS[max_tokens], activations=PRECISIONS[precision])
+
+
+def warn_if_cut(input_name: str, text: str, limit: int) -> None:
+    """Warn (shown on the node) when ``text`` is longer than ``limit`` tokens after the chat template."""
+    n = kc.count_tokens(text)
+    if n > limit:
+        logger.warning("%s: %s is %d tokens; only the first %d are used (%d cut from the end, as BFL and "
+                       "diffusers do). Set max_tokens to 'whole prompt' to keep all of it.", NODE, input_name, n,
+                       limit, n - limit)

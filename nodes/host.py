@@ -99,7 +99,7 @@ def _patcher_class() -> type:
         """A ModelPatcher that offloads a Klein model whole: klein_core's modules run on one device
         (or are streamed by klein_core itself), never split across devices by ComfyUI."""
 
-        def partially_unload(self, *args, **kwargs):  # noqa: ANN002, ANN003 (same in every host version)
+        def partially_unload(self, *args, **kwargs):
             return 0  # nothing freed partially: ComfyUI then detaches (offloads) the whole model
 
     return KleinModelPatcher
@@ -166,6 +166,26 @@ def preview_size() -> int:
     from comfy.cli_args import args
 
     return int(args.preview_size)
+
+
+def latent_previewer(device: torch.device) -> Callable[[torch.Tensor], tuple] | None:
+    """ComfyUI's own previewer for FLUX.2 latents, as its samplers use it: TAEF2 with
+    ``--preview-method taesd`` and a ``taef2_decoder*`` file in models/vae_approx (hosts that know
+    TAEF2), else the latent->RGB map. Returns ``x0 [B, 128, h, w] -> ("JPEG", image, max size)``,
+    or None when the host has no previewer for FLUX.2 (or previews are off). Built once per run:
+    the host loads the TAEF2 weights each time it is asked."""
+    try:
+        import comfy.latent_formats
+        import latent_preview
+
+        previewer = latent_preview.get_previewer(device, comfy.latent_formats.Flux2())
+    except Exception:  # an older host without Flux2 previews, or a broken approx file
+        logger.warning("Klein: ComfyUI's FLUX.2 previewer is unavailable; using the pack's own latent preview",
+                       exc_info=logger.isEnabledFor(logging.DEBUG))
+        return None
+    if previewer is None:
+        return None
+    return lambda x0: previewer.decode_latent_to_preview_image("JPEG", x0[:1])
 
 
 def flux2_latent_rgb() -> tuple[torch.Tensor, torch.Tensor] | None:

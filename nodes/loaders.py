@@ -9,8 +9,8 @@ from comfy_api.latest import io
 
 import klein_core as kc
 
-from . import cache, host
-from .common import check_choices, errors_named, model_file
+from . import cache, host, notices
+from .common import check_choices, check_widget, errors_named, model_file
 from .types import KleinModel, KleinModelType, KleinVAE, KleinVAEType
 
 logger = logging.getLogger(__name__)
@@ -85,16 +85,20 @@ class KleinModelLoader(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, model_name: str, vae_name: str, weight_dtype: str,
-                        model_kind: str, memory_mode: str = "auto") -> bool | str:
-        folders = {"model_name": "diffusion_models", "vae_name": "vae"}
-        return check_choices(cls, folders, model_name=model_name, vae_name=vae_name,
-                             weight_dtype=weight_dtype, model_kind=model_kind, memory_mode=memory_mode)
+    def validate_inputs(cls, model_name: str) -> bool | str:
+        # Only model_name: ComfyUI reports a failure once under each input named here, and inputs
+        # not named keep the host's own checks (current ComfyUI checks every combo, vae_name too;
+        # 0.3.75 checks none, so there vae_name is checked when the node runs, by name).
+        return check_choices(cls, {"model_name": "diffusion_models"}, model_name=model_name)
 
     @classmethod
+    @notices.reported
     def execute(cls, model_name: str, vae_name: str, weight_dtype: str = "bf16",
                 model_kind: str = "auto", memory_mode: str = "auto") -> io.NodeOutput:
         device = host.torch_device()
+        check_widget(NODE, "weight_dtype", weight_dtype, DTYPES)
+        check_widget(NODE, "model_kind", model_kind, KINDS)
+        check_widget(NODE, "memory_mode", memory_mode, MEMORY_MODES)
         model_path = model_file(NODE, "model_name", "diffusion_models", model_name, expect="transformer")
         vae_path = model_file(NODE, "vae_name", "vae", vae_name, expect="vae")
         dtype, vae_device = weight_dtype_for(weight_dtype, device), host.vae_device()

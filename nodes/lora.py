@@ -25,7 +25,8 @@ from torch import nn
 
 import klein_core as kc
 
-from . import host
+from . import host, notices
+from .common import check_choices
 from .types import KleinModelType
 
 logger = logging.getLogger(__name__)
@@ -119,12 +120,18 @@ class KleinLoraLoader(io.ComfyNode):
         )
 
     @classmethod
+    def validate_inputs(cls, lora_name: str) -> bool | str:
+        # Checked when the prompt is queued (ComfyUI 0.3.75 does not check V3 combos itself).
+        return check_choices(cls, {"lora_name": "loras"}, lora_name=lora_name)
+
+    @classmethod
     def fingerprint_inputs(cls, lora_name: str = "", strength: float = 1.0, **_: Any) -> Any:
         # Re-run when the LoRA file is replaced under the same name.
         path = host.full_path("loras", lora_name) if lora_name else None
         return (lora_name, strength, os.stat(path).st_mtime_ns if path and os.path.isfile(path) else None)
 
     @classmethod
+    @notices.reported
     def execute(cls, model: Any, lora_name: str, strength: float = 1.0) -> io.NodeOutput:
         path = host.full_path("loras", lora_name)
         if path is None:

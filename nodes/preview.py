@@ -27,30 +27,29 @@ def latent_preview(latents: torch.Tensor) -> Image.Image:
 
 
 class StepReporter:
-    """The ``callback(step, total, latents)`` given to ``klein_core.Engine.denoise`` for one run.
+    """The step callback given to ``klein_core.Engine.denoise`` for one run.
 
-    Each step: stop if Cancel was pressed (within one step), then one progress update; with previews
-    on, the preview shows the predicted clean image ``x - sigma * v``, where the velocity ``v`` comes
-    from the last two steps' latents.
+    Each step: stop if Cancel was pressed (within one step), then one progress update. With previews
+    on, the preview shows the step's estimate of the clean image (``x - sigma * v``, which the engine
+    hands over as ``denoised``), never the noisy latents: through ComfyUI's own previewer (TAEF2 where
+    the host has it and the user chose it, else latent->RGB), or the pack's latent->RGB map.
     """
 
-    def __init__(self, sigmas: torch.Tensor):
-        """``sigmas``: the run's schedule ``[steps + 1]`` (``klein_core.Engine.schedule``)."""
-        self.bar = host.progress_bar(len(sigmas) - 1)
-        previews = host.previews_enabled()
-        self.sigmas = sigmas.tolist() if previews else None
-        self.previous: torch.Tensor | None = None
-        self.max_size = host.preview_size() if previews else 0
+    wants_denoised = True  # klein_core passes denoised= to callbacks that ask for it
 
-    def __call__(self, step: int, total: int, latents: torch.Tensor) -> None:
+    def __init__(self, total: int, device: torch.device):
+        self.bar = host.progress_bar(total)
+        self.preview = None
+        if host.previews_enabled():
+            self.preview = host.latent_previewer(device) or self._own_preview
+
+    @staticmethod
+    def _own_preview(x0: torch.Tensor) -> tuple:
+        return ("JPEG", latent_preview(x0), host.preview_size())
+
+    def __call__(self, step: int, total: int, latents: torch.Tensor, denoised: torch.Tensor | None = None) -> None:
         host.check_interrupt()
         preview = None
-        if self.sigmas is not None:
-            x = latents[:1].float()
-            x0 = x
-            if self.previous is not None:
-                v = (x - self.previous) / (self.sigmas[step] - self.sigmas[step - 1])
-                x0 = x - self.sigmas[step] * v
-            self.previous = x
-            preview = ("JPEG", latent_preview(x0), self.max_size)
+        if self.preview is not None:
+            preview = self.preview((denoised if denoised is not None else latents)[:1].float())
         self.bar.update_absolute(step, total, preview)

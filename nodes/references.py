@@ -11,7 +11,7 @@ from PIL import Image
 
 import klein_core as kc
 
-from . import host
+from . import host, notices
 from .common import activation_bytes
 from .types import KleinReferences, KleinRefsType, KleinVAE, KleinVAEType, Reference
 
@@ -76,6 +76,7 @@ class KleinReferenceStacker(io.ComfyNode):
         )
 
     @classmethod
+    @notices.reported
     def execute(cls, image: torch.Tensor, vae: KleinVAE,
                 references: KleinReferences | None = None) -> io.NodeOutput:
         items = list(references.items) if references is not None else []

@@ -11,7 +11,7 @@ from comfy_api.latest import io
 
 import klein_core as kc
 
-from . import host
+from . import host, notices
 from .common import activation_bytes, errors_named
 from .encode import NODE as ENCODER_NODE
 from .preview import StepReporter
@@ -101,6 +101,7 @@ class KleinSampler(io.ComfyNode):
         return True
 
     @classmethod
+    @notices.reported
     def execute(cls, model: KleinModel, conditioning: KleinConditioning, width: int = 0, height: int = 0,
                 steps: int = 0, guidance: float = 0.0, seed: int = 0, batch_size: int = 1,
                 references: KleinReferences | None = None) -> io.NodeOutput:
@@ -121,10 +122,14 @@ class KleinSampler(io.ComfyNode):
                            prompt_cache=None)
         logger.info("%s: %s %dx%d, %d steps, guidance %.2f, seed %d, batch %d, %d reference(s)", NODE,
                     model.kind, run.width, run.height, run.steps, run.guidance, run.seed, run.batch_size, len(refs))
-        negative = conditioning.negative if model.kind == "base" else None
+        negative = conditioning.negative if run.cfg else None
+        if conditioning.has_negative and not run.cfg:
+            logger.warning("%s: the negative prompt is not used: %s", NODE,
+                           "distilled models run without CFG (set model_kind to base for a base model)"
+                           if model.kind == "distilled" else f"guidance {run.guidance:g} is not above 1")
         try:
             latents, _ = engine.denoise(kc.Conditioning(conditioning.positive, negative), refs, run,
-                                        callback=StepReporter(engine.schedule(run)))
+                                        callback=StepReporter(run.steps, host.torch_device()))
         except kc.KleinOutOfMemory as exc:
             raise kc.KleinOutOfMemory(f"{NODE}: {exc} Lower width/height, use fewer references or a smaller "
                                       "batch, or set memory_mode to blocks/minimum.") from None

@@ -34,6 +34,9 @@ class KleinModel:
     def name(self) -> str:
         return self.ref.name
 
+    def __str__(self) -> str:  # ComfyUI shows inputs to API clients with str(): file names only
+        return f"{self.ref} as a {self.kind} model, memory {self.memory}"
+
 
 @dataclass(frozen=True)
 class KleinVAE:
@@ -44,16 +47,25 @@ class KleinVAE:
     def name(self) -> str:
         return self.ref.name
 
+    def __str__(self) -> str:
+        return str(self.ref)
+
 
 @dataclass(frozen=True)
 class KleinConditioning:
-    """Prompt and negative-prompt embeddings ``[1, 512, text_dim]`` and the encoder that made them."""
+    """Prompt and negative-prompt embeddings ``[1, L, text_dim]`` (L = 512, or longer for whole
+    prompts; the two may differ) and the encoder that made them."""
 
     positive: torch.Tensor
     negative: torch.Tensor
     encoder_name: str
     text_dim: int
     variant: str
+    has_negative: bool = False  # a negative prompt was written (distilled models ignore it: say so)
+
+    def __str__(self) -> str:  # what API clients see of it in an error's inputs
+        return (f"conditioning from {self.encoder_name}: prompt {self.positive.shape[1]} tokens, negative "
+                f"{self.negative.shape[1]} tokens")
 
 
 @dataclass(frozen=True)
@@ -76,3 +88,6 @@ class KleinReferences:
 
     def describe(self) -> str:
         return "\n".join(r.describe(i) for i, r in enumerate(self.items, start=1))
+
+    def __str__(self) -> str:
+        return f"{len(self.items)} reference(s): " + "; ".join(r.describe(i) for i, r in enumerate(self.items, 1))

@@ -9,7 +9,7 @@ from comfy_api.latest import io
 
 import klein_core as kc
 
-from . import host
+from . import host, notices
 from .common import activation_bytes
 from .types import KleinVAE, KleinVAEType
 
@@ -54,6 +54,7 @@ class KleinVAEDecode(io.ComfyNode):
         )
 
     @classmethod
+    @notices.reported
     def execute(cls, samples: dict, vae: KleinVAE) -> io.NodeOutput:
         latents = flux2_samples(samples, vae.config.latent_channels)
         down = vae.config.downscale
@@ -86,6 +87,7 @@ class KleinVAEEncode(io.ComfyNode):
         )
 
     @classmethod
+    @notices.reported
     def execute(cls, pixels: torch.Tensor, vae: KleinVAE) -> io.NodeOutput:
         down = vae.config.downscale
         if pixels.ndim != 4 or pixels.shape[1] < down or pixels.shape[2] < down:

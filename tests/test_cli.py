@@ -140,3 +140,27 @@ def test_empty_models_folder_and_unrelated_file_say_what_to_do(tmp_path, models,
                      "--vae", str(p["vae"])]) == 2
     err = capsys.readouterr().err
     assert "does not recognise (first tensors: 'foo.weight')" in err and "Pick a Klein transformer file" in err
+
+
+def test_prompt_cache_skips_the_text_encoder_on_the_second_run(models, tmp_path, monkeypatch, capsys):
+    import klein_core.loading as loading
+
+    _, p = models
+    loads = []
+    real = loading.load_text_encoder
+    monkeypatch.setattr(loading, "load_text_encoder", lambda *a, **k: (loads.append(a[0]), real(*a, **k))[1])
+    base = ["--transformer", str(p["klein_base_4b"]), "--text-encoder", str(p["qwen_4b"]), "--vae", str(p["vae"]),
+            "--prompt", "a lighthouse", "--negative-prompt", "fog", "--width", "64", "--height", "64",
+            "--steps", "2", "--seed", "5", "--prompt-cache", str(tmp_path / "pc"), "--max-tokens", "whole",
+            "--text-precision", "fp32"]
+    assert cli.main([*base, "--out", str(tmp_path / "a.png")]) == 0
+    assert len(loads) == 1
+    assert cli.main([*base, "--out", str(tmp_path / "b.png")]) == 0
+    assert len(loads) == 1, "the text encoder was loaded although both prompts were cached"
+    assert "not loaded" in capsys.readouterr().err
+    a, b = Image.open(tmp_path / "a.png"), Image.open(tmp_path / "b.png")
+    assert a.tobytes() == b.tobytes()
+    assert json.loads(b.text["parameters"])["max_tokens"] == "whole"
+    # another option is another cache entry: the encoder is needed again
+    assert cli.main([*base[:-2], "--out", str(tmp_path / "c.png")]) == 0
+    assert len(loads) == 2

@@ -376,3 +376,38 @@ def test_encode_validates_inputs(state_dict):
         te.encode(ids.float(), mask)
     with pytest.raises(ValueError, match="floating dtype"):
         load_text_encoder(state_dict, dtype=torch.int8)
+
+
+def test_fp32_activations_match_transformers_on_the_same_bf16_weights(files, hf_model, parity):
+    """ComfyUI's way: bf16 weights computing with fp32 activations (each layer cast while it runs)
+    equals transformers in fp32 on the bf16-rounded weights."""
+    import copy
+
+    te = load_text_encoder(files["comfy_file"], dtype=torch.bfloat16)
+    ids, mask = _batch()
+    out = te.encode(ids, mask, activations=torch.float32)
+    assert out.dtype == torch.float32
+    assert all(p.dtype == torch.bfloat16 for p in te.parameters())  # the weights were cast back
+    rounded = copy.deepcopy(hf_model)
+    with torch.no_grad():  # parameters only: model.to(bf16) would also round the rotary inv_freq buffer
+        for p in rounded.parameters():
+            p.copy_(p.to(torch.bfloat16).to(torch.float32))
+    reference = _reference(rounded, ids, mask)
+    diff = parity("text encoder fp32 activations on bf16 weights vs transformers fp32 on the same weights",
+                  _max_diff(out, reference))
+    assert diff <= FP32_TOL
+    in_bf16 = _max_diff(te.encode(ids, mask), reference)
+    assert in_bf16 > 10 * max(diff, 1e-7)  # the model-dtype path really is a different computation
+
+
+def test_whole_prompt_longer_than_512_matches_transformers(files, hf_model, parity):
+    """max_tokens=None keeps every token: a 600-token sequence through the encoder as through transformers."""
+    te = load_text_encoder(files["comfy_file"])
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(1, VOCAB, (2, 600), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, 520:] = 0
+    ids[mask == 0] = 0
+    diff = parity("text encoder fp32, 600 tokens (whole prompt) vs transformers",
+                  _max_diff(te.encode(ids, mask), _reference(hf_model, ids, mask)))
+    assert diff <= FP32_TOL

@@ -476,3 +476,18 @@ def test_random_text_matches_reference(ref, prompt: str) -> None:
 @given(prompts=st.lists(_random_text, min_size=1, max_size=6), max_length=st.integers(1, 64))
 def test_random_batches_match_reference(ref, prompts: list[str], max_length: int) -> None:
     _assert_same(ref, prompts, max_length=max_length)
+
+
+def test_whole_prompt_mode_matches_reference_without_truncation(ref, parity) -> None:
+    """ComfyUI's way (klein_core's max_tokens=None): nothing cut, padded to max(512, the longest)."""
+    prompts = [LONG_ENGLISH, "a cat", LONG_CJK]
+    ids, mask = kt.tokenize_prompts(prompts, truncate=False)
+    longest = max(len(ref(kt.chat_template(p))["input_ids"]) for p in prompts)
+    assert longest > kt.MAX_LENGTH and ids.shape == (3, longest)
+    out = ref([kt.chat_template(p) for p in prompts], padding="max_length", truncation=False, max_length=longest,
+              return_tensors="pt")
+    differing = int((ids != out["input_ids"]).sum()) + int((mask != out["attention_mask"]).sum())
+    parity("tokenizer, whole prompts (no truncation): ids differing from transformers'", differing)
+    assert differing == 0
+    short, _ = kt.tokenize_prompts(["a cat"], truncate=False)
+    assert short.shape == (1, kt.MAX_LENGTH)  # still padded to at least 512

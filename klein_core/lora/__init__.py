@@ -3,12 +3,12 @@
 Every Klein LoRA format maps onto the core's module names (:mod:`.formats`); see README "LoRA".
 """
 
-from .apply import AppliedLoRAs, LoRABranch, LoRASpec, apply_loras, check_loras, with_loras
+from .apply import AppliedLoRAs, LoRABranch, LoRASpec, apply_loras, check_loras, has_loras, with_loras
 from .formats import TEXT_ENCODER, TRANSFORMER
 from .patches import LoRA, LoRAPatch
 from .read import load_lora
 
 __all__ = [
     "TEXT_ENCODER", "TRANSFORMER", "AppliedLoRAs", "LoRA", "LoRABranch", "LoRAPatch", "LoRASpec", "apply_loras",
-    "check_loras", "load_lora", "with_loras",
+    "check_loras", "has_loras", "load_lora", "with_loras",
 ]

@@ -392,6 +392,15 @@ def apply_loras(
     return handle
 
 
+def has_loras(model: nn.Module) -> bool:
+    """Whether ``model`` computes with LoRAs now: merged into its weights, or as branch hooks
+    (:func:`apply_loras` in either mode, or a :func:`with_loras` copy). Caches of its outputs
+    keyed by the model's file would be stale."""
+    if _MERGED.get(model):
+        return True
+    return any(isinstance(hook, LoRABranch) for m in model.modules() for hook in m._forward_hooks.values())
+
+
 def check_loras(
     models: nn.Module | Sequence[nn.Module] | Mapping[str, nn.Module],
     loras: LoRASpec | Sequence[LoRASpec],

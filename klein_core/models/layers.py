@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -37,3 +40,27 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     ``mask`` is a boolean ``[B, 1, Lq, Lk]`` (True = attend) or None. Returns ``[B, H, Lq, D]``.
     """
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+@contextlib.contextmanager
+def computing_in(module: nn.Module, dtype: torch.dtype) -> Iterator[nn.Module]:
+    """Run ``module`` with its floating parameters and buffers cast to ``dtype`` for the duration
+    (float8 weights stay: their layers upcast themselves); the originals are put back afterwards.
+
+    What ComfyUI's "manual cast" does per layer: e.g. bf16 weights computing with fp32 activations.
+    Only one module's copies exist at a time; hooks on the module (LoRA branches) keep working.
+    """
+    swapped: list[tuple[nn.Module, str, bool, torch.Tensor]] = []
+    try:
+        for owner in module.modules():
+            for store, is_param in ((owner._parameters, True), (owner._buffers, False)):
+                for name, t in store.items():
+                    if t is None or not t.is_floating_point() or t.dtype == dtype or t.dtype.itemsize == 1:
+                        continue
+                    swapped.append((owner, name, is_param, t))
+                    cast = t.detach().to(dtype)
+                    store[name] = nn.Parameter(cast, requires_grad=False) if is_param else cast
+        yield module
+    finally:
+        for owner, name, is_param, t in swapped:
+            (owner._parameters if is_param else owner._buffers)[name] = t

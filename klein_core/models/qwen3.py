@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..variants import encoder_name
-from .layers import RMSNorm, attention
+from .layers import RMSNorm, attention, computing_in
 
 logger = logging.getLogger(__name__)
 
@@ -287,11 +287,14 @@ class Qwen3TextEncoder(nn.Module):
         self.embed_tokens = nn.Embedding.from_pretrained(weight, freeze=False)
         self.layers = nn.ModuleList(Qwen3DecoderLayer(config) for _ in range(config.num_layers_run))
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                activations: torch.dtype | None = None) -> torch.Tensor:
         """Unchecked forward; use :meth:`encode`. ids/mask [B, L] on the model device -> [B, L, 3*hidden]."""
         cfg = self.config
         _, n = input_ids.shape
         x = self.embed_tokens(input_ids)  # [B, L, H]
+        if activations is not None:
+            x = x.to(activations)
         cos, sin = _rope_cos_sin(n, cfg.head_dim, cfg.rope_theta, x.device, x.dtype)
         keep = attention_mask.bool()
         causal = torch.ones(n, n, dtype=torch.bool, device=x.device).tril()
@@ -307,29 +310,39 @@ class Qwen3TextEncoder(nn.Module):
             mask = mask | blind_rows
         states: list[torch.Tensor] = [x] if 0 in OUTPUT_LAYERS else []
         for i, layer in enumerate(self.layers, start=1):
-            x = layer(x, cos, sin, mask, blind_rows)
+            if activations is None:
+                x = layer(x, cos, sin, mask, blind_rows)
+            else:  # weights cast one layer at a time, as ComfyUI's manual cast
+                with computing_in(layer, activations):
+                    x = layer(x, cos, sin, mask, blind_rows)
             if i in OUTPUT_LAYERS:
                 states.append(x)
         return torch.cat(states, dim=-1)
 
     @torch.no_grad()  # no_grad rather than inference_mode: callers may reuse the result in-place
-    def encode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    def encode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *,
+               activations: torch.dtype | None = None) -> torch.Tensor:
         """Encode token ids into Klein text features.
 
         Args:
             input_ids: integer ``[B, L]`` token ids (any device; moved to the model's device).
             attention_mask: ``[B, L]``, 1 for real tokens and 0 for padding (any padding side).
                 Every row needs at least one real token. Positions are ``arange(L)`` regardless.
+            activations: the dtype to compute in; None is the model dtype (BFL, diffusers);
+                ``torch.float32`` with bf16 weights is ComfyUI's way (each layer's weights cast to
+                fp32 while it runs).
 
         Returns:
-            ``[B, L, 3 * hidden]`` in the model dtype: per token [h9 | h18 | h27], HF
+            ``[B, L, 3 * hidden]`` in the activation dtype: per token [h9 | h18 | h27], HF
             ``hidden_states`` without the final norm. Pad positions are computed and kept.
         """
         _check_inputs(input_ids, attention_mask, self.config.vocab_size)
         device = self.embed_tokens.weight.device
         ids = input_ids.to(device=device, dtype=torch.long)
         mask = attention_mask.to(device=device)
-        return self.forward(ids, mask)
+        if activations is not None and not activations.is_floating_point:
+            raise ValueError(f"activations must be a floating dtype, got {activations}")
+        return self.forward(ids, mask, None if activations == self.embed_tokens.weight.dtype else activations)
 
 
 def _check_inputs(input_ids: torch.Tensor, attention_mask: torch.Tensor, vocab_size: int) -> None:

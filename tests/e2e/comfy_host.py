@@ -23,6 +23,7 @@ import os
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -73,6 +74,7 @@ class PromptResult:
     history: dict  # /history/{prompt_id}[prompt_id] ({} if absent)
     seconds: float
     post_response: dict = field(default_factory=dict)
+    node_texts: list[tuple[str, str]] = field(default_factory=list)  # (node id, text): progress-text frames
 
     def of_type(self, kind: str) -> list[Any]:
         """Data of this prompt's messages of one type (messages without a prompt_id are kept)."""
@@ -123,6 +125,15 @@ class PromptResult:
         return f"prompt {self.prompt_id}: status {self.status_str}, messages {self.types}"
 
 
+def _progress_text(frame: bytes) -> tuple[str, str] | None:
+    """(node id, text) of a binary websocket frame of type 3 (``send_progress_text``), else None:
+    event type (4 bytes, big-endian), node id length (4 bytes), node id, UTF-8 text."""
+    if len(frame) < 8 or struct.unpack(">I", frame[:4])[0] != 3:
+        return None
+    n = struct.unpack(">I", frame[4:8])[0]
+    return frame[8:8 + n].decode(), frame[8 + n:].decode()
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -161,9 +172,13 @@ class ComfyServer:
         self.keep_work_dir = keep_work_dir
         self.work_dir = Path(work_dir) if work_dir else None
         self.models_dir = Path(models_dir).resolve() if models_dir else None
-        # The stub hides a real torchvision, so use it only where none is installed.
-        self.torchvision_stub = (importlib.util.find_spec("torchvision") is None
-                                 if torchvision_stub is None else torchvision_stub)
+        # The stub hides a real torchvision, so use it only where none is installed (the stub itself
+        # may be importable here: the unit tests put it on sys.path).
+        if torchvision_stub is None:
+            spec = importlib.util.find_spec("torchvision")
+            stub_dir = self.paths["stub"].resolve()
+            torchvision_stub = spec is None or stub_dir in Path(spec.origin or "").resolve().parents
+        self.torchvision_stub = torchvision_stub
         self.proc: subprocess.Popen | None = None
         self.start_seconds: float | None = None
         self._log_file = None
@@ -420,6 +435,7 @@ class ComfyServer:
         if extra_data:
             body["extra_data"] = extra_data
         messages: list[tuple[str, Any]] = []
+        node_texts: list[tuple[str, str]] = []
         binary = 0
         t0 = time.perf_counter()
         deadline = t0 + timeout
@@ -457,13 +473,16 @@ class ComfyServer:
                             break
                     elif msg.type == aiohttp.WSMsgType.BINARY:
                         binary += 1
+                        text = _progress_text(msg.data)
+                        if text is not None:
+                            node_texts.append(text)
                     elif msg.type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSING,
                                       aiohttp.WSMsgType.CLOSED, aiohttp.WSMsgType.ERROR):
                         raise ServerError(f"websocket closed while following prompt {prompt_id} "
                                           f"({msg.type}); server alive: {self.alive}\n{self.log_tail(3000)}")
         seconds = time.perf_counter() - t0
         return PromptResult(prompt_id=prompt_id, number=answer.get("number"), messages=messages,
-                            binary_frames=binary, history=self.history(prompt_id), seconds=seconds,
+                            binary_frames=binary, history=self.history(prompt_id), seconds=seconds, node_texts=node_texts,
                             post_response=answer)
 
 

@@ -92,7 +92,6 @@ BAD_INPUTS = [
     ("1", "model_name", "../../../../etc/passwd"),
     ("1", "model_name", "/etc/passwd"),
     ("2", "text_encoder", "../text_encoders/qwen_3_4b.safetensors"),
-    ("1", "weight_dtype", "int4"),
 ]
 
 

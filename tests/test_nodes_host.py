@@ -1,0 +1,279 @@
+"""The nodes as ComfyUI citizens: encoder options, warnings the user sees, errors without server
+paths, validation once per input, previews from the denoised estimate, the disk prompt cache.
+
+Nodes' ``execute`` are called directly in ComfyUI 0.3.75's modules (``--cpu``), as in test_nodes.py.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from test_nodes import M4B, M4B_BASE, Q4B, VAE, _load, _sample, comfy, progress  # noqa: F401 (fixtures)
+
+import klein_core as kc
+
+LONG = " ".join(f"word{i}" for i in range(700))
+
+
+def _encode_out(comfy, prompt="a red fox", negative="", precision="model dtype", max_tokens="512"):  # noqa: F811
+    with torch.inference_mode():
+        return comfy.pack.KleinTextEncode.execute(Q4B, prompt, negative, precision, max_tokens)
+
+
+def _warnings(out) -> list[str]:
+    ui = out.ui or {}
+    return list(ui.get("warnings", []))
+
+
+# ----- encoder options ------------------------------------------------------------------------------
+
+
+def test_encoder_options_match_klein_core(comfy):  # noqa: F811
+    direct = kc.load_text_encoder(comfy.paths["qwen_4b"], dtype=torch.bfloat16)
+    default = _encode_out(comfy, "a red fox", "blurry").args[0]
+    expected = kc.encode_prompts(direct, ["a red fox", "blurry"], cache=None)
+    assert default.positive.dtype == torch.bfloat16 and torch.equal(default.positive, expected[:1])
+    comfy_way = _encode_out(comfy, LONG, "blurry", "fp32 activations", "whole prompt").args[0]
+    n = kc.count_tokens(LONG)
+    assert comfy_way.positive.shape == (1, n, 96) and comfy_way.negative.shape == (1, 512, 96)
+    assert comfy_way.positive.dtype == torch.float32
+    assert torch.equal(comfy_way.positive, kc.encode_prompts(direct, [LONG], cache=None, options=kc.COMFYUI_TEXT))
+    with pytest.raises(ValueError, match=r"Qwen3 Layer-Concat Encoder: precision 'fp64' is not one of"):
+        _encode_out(comfy, precision="fp64")
+
+
+def test_long_prompts_warn_by_input_name_also_from_the_cache(comfy):  # noqa: F811
+    n = kc.count_tokens(LONG)
+    for _ in range(2):  # the second time the embeddings come from the cache: still said
+        out = _encode_out(comfy, LONG, "blurry")
+        [warning] = _warnings(out)
+        assert f"prompt is {n} tokens; only the first 512 are used ({n - 512} cut" in warning
+        assert "whole prompt" in warning
+    assert _warnings(_encode_out(comfy, LONG, "blurry", max_tokens="whole prompt")) == []
+    assert _encode_out(comfy, "short").ui is None
+
+
+def test_whole_prompts_of_different_lengths_sample_with_cfg(comfy):  # noqa: F811
+    model, _ = _load(comfy, M4B_BASE)
+    cond = _encode_out(comfy, LONG, "blurry", "fp32 activations", "whole prompt").args[0]
+    latents = _sample(comfy, model, cond, steps=2, guidance=3.0)
+    assert latents.shape == (1, 128, 4, 4) and torch.isfinite(latents).all()
+
+
+# ----- warnings reach the user ----------------------------------------------------------------------
+
+
+def test_sampler_warnings_are_in_the_ui_output_and_on_the_node(comfy, monkeypatch):  # noqa: F811
+    import server
+    from comfy_execution.utils import CurrentNodeContext
+
+    sent = []
+
+    class FakeServer:
+        client_id = "client-1"
+
+        def send_progress_text(self, text, node_id, sid=None):
+            sent.append((text, node_id, sid))
+
+    monkeypatch.setattr(server.PromptServer, "instance", FakeServer(), raising=False)
+    model, _ = _load(comfy)
+    cond = _encode_out(comfy, "a red fox", "blurry").args[0]
+    with torch.inference_mode(), CurrentNodeContext("prompt-1", "7"):
+        out = comfy.pack.KleinSampler.execute(model, cond, width=72, height=64, steps=1, guidance=3.0, seed=1,
+                                              batch_size=1)
+    warnings = _warnings(out)
+    assert any("negative prompt is not used" in w and "model_kind" in w for w in warnings), warnings
+    assert any("guidance 3.00 is ignored" in w for w in warnings), warnings
+    assert any("not a multiple of 16" in w for w in warnings), warnings
+    assert out.args[0]["samples"].shape == (1, 128, 4, 4)
+    [(text, node_id, sid)] = sent
+    assert node_id == "7" and sid == "client-1" and all(w in text for w in warnings)
+    # a clean run says nothing
+    with torch.inference_mode():
+        clean = comfy.pack.KleinSampler.execute(model, _encode_out(comfy, "a fox").args[0], width=64, height=64,
+                                                steps=1, guidance=0.0, seed=1, batch_size=1)
+    assert clean.ui is None
+
+
+def test_reference_sizes_text_and_warnings_share_the_ui(comfy, monkeypatch):  # noqa: F811
+    import logging
+
+    _, vae = _load(comfy)
+    real = kc.Engine.encode_references
+
+    def warn_then_encode(self, images, **kw):
+        logging.getLogger("klein_core.engine").warning("a warning from the core")
+        return real(self, images, **kw)
+
+    monkeypatch.setattr(kc.Engine, "encode_references", warn_then_encode)
+    with torch.inference_mode():
+        out = comfy.pack.KleinReferenceStacker.execute(torch.rand(1, 72, 88, 3), vae, None)
+    assert list(out.ui["text"]) == ["ref 1: 80x64 (from 88x72)"]  # the node's own text output is kept
+    assert out.ui["warnings"] == ["a warning from the core"]
+
+
+def test_every_node_execute_is_reported(comfy):  # noqa: F811
+    for node in comfy.pack.NODES:
+        assert getattr(node.execute, "__wrapped__", None) is not None, node.__name__
+
+
+# ----- errors ---------------------------------------------------------------------------------------
+
+
+def test_errors_name_files_but_never_server_paths(comfy, tmp_path):  # noqa: F811
+    folder = Path(comfy.folder_paths.get_folder_paths("diffusion_models")[0])
+    bad = folder / "broken-klein.safetensors"
+    bad.write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}garbage")
+    comfy.folder_paths.filename_list_cache.clear()
+    try:
+        with pytest.raises(ValueError) as err, torch.inference_mode():
+            comfy.pack.KleinModelLoader.execute("broken-klein.safetensors", VAE, "bf16", "auto", "auto")
+        msg = str(err.value)
+        assert "broken-klein.safetensors" in msg
+        assert str(folder) not in msg and str(tmp_path.anchor + "tmp") not in msg.replace("tmp_path", "")
+        assert err.value.__cause__ is not None and str(folder) in str(err.value.__cause__)  # the log keeps it
+        with pytest.raises(ValueError) as err, torch.inference_mode():
+            comfy.pack.KleinModelLoader.execute("missing.safetensors", VAE, "bf16", "auto", "auto")
+        assert "models/diffusion_models" in str(err.value) and str(folder) not in str(err.value)
+    finally:
+        bad.unlink()
+        comfy.folder_paths.filename_list_cache.clear()
+
+
+def test_scrub_paths(comfy):  # noqa: F811
+    from klein_pack_nodes.notices import scrub_paths
+
+    assert scrub_paths("/home/me/models/x.safetensors: bad") == "x.safetensors: bad"
+    assert scrub_paths("file 'C:\\Program Files\\Comfy\\m 1.st' x") == "file 'm 1.st' x"
+    for keep in ("models/loras/x.st", "width/height: 3", "see https://example.org/a/b", "and/or 1/2"):
+        assert scrub_paths(keep) == keep
+
+
+def test_each_validation_names_only_its_input(comfy):  # noqa: F811
+    loader, lora = comfy.pack.KleinModelLoader, sys.modules["klein_pack_nodes.lora"].KleinLoraLoader
+    import inspect
+
+    assert list(inspect.signature(loader.validate_inputs).parameters) == ["model_name"]
+    assert list(inspect.signature(lora.validate_inputs).parameters) == ["lora_name"]
+    assert "model_name 'nope.safetensors' is not available" in loader.validate_inputs("nope.safetensors")
+    assert loader.validate_inputs(M4B) is True
+    msg = lora.validate_inputs("nope.safetensors")
+    assert msg.startswith("lora_name 'nope.safetensors' is not available") and "models/loras" in msg
+    with pytest.raises(ValueError, match=r"Klein Model Loader: vae_name 'nope.safetensors' was not found"):
+        with torch.inference_mode():
+            loader.execute(M4B, "nope.safetensors", "bf16", "auto", "auto")
+    with pytest.raises(ValueError, match=r"Klein Model Loader: memory_mode 'fast' is not one of auto"):
+        with torch.inference_mode():
+            loader.execute(M4B, VAE, "bf16", "auto", "fast")
+
+
+def test_node_values_print_without_paths(comfy):  # noqa: F811
+    model, vae = _load(comfy)
+    cond = _encode_out(comfy).args[0]
+    for value in (model, vae, cond):
+        text = str(value)
+        assert "/" not in text and len(text) < 200, text
+
+
+# ----- previews -------------------------------------------------------------------------------------
+
+
+def test_previews_come_from_the_hosts_previewer_fed_with_the_denoised_estimate(comfy, progress, monkeypatch):  # noqa: F811
+    import latent_preview
+
+    seen = []
+    real = latent_preview.get_previewer
+
+    def spy(device, latent_format):
+        previewer = real(device, latent_format)
+        decode = previewer.decode_latent_to_preview_image
+
+        def recording(fmt, x0):
+            seen.append(x0.clone())
+            return decode(fmt, x0)
+
+        previewer.decode_latent_to_preview_image = recording
+        return previewer
+
+    monkeypatch.setattr(latent_preview, "get_previewer", spy)
+    monkeypatch.setattr(comfy.args.args, "preview_method", comfy.args.LatentPreviewMethod.Auto)
+    model, _ = _load(comfy)
+    steps = []
+    real_denoise = kc.Engine.denoise
+
+    def denoise(self, conditioning, references=(), settings=kc.Settings(), **kw):
+        inner = kw["callback"]
+        assert inner.wants_denoised
+
+        def cb(step, total, latents, denoised=None):
+            steps.append((latents.clone(), denoised.clone()))
+            return inner(step, total, latents, denoised=denoised)
+
+        cb.wants_denoised = True
+        kw["callback"] = cb
+        return real_denoise(self, conditioning, references, settings, **kw)
+
+    monkeypatch.setattr(kc.Engine, "denoise", denoise)
+    out = _sample(comfy, model, _encode_out(comfy, "a fox").args[0], steps=3, width=128, height=96)
+    assert len(seen) == 3 and all(p is not None for _, _, p in progress)
+    for (latents, denoised), shown in zip(steps, seen):
+        assert torch.equal(shown, denoised[:1].float())  # the estimate, never the noisy latents
+        assert not torch.equal(shown, latents[:1].float())
+    # the last estimate is the result (up to its bf16 rounding)
+    assert (seen[-1] - out[:1]).abs().max() <= 0.02 * out.abs().max()
+
+
+# ----- disk prompt cache ----------------------------------------------------------------------------
+
+
+class _Opens:
+    active: list[str] | None = None
+    installed = False
+
+    @staticmethod
+    def hook(event, args):
+        if _Opens.active is not None and event == "open" and isinstance(args[0], (str, bytes, os.PathLike)):
+            _Opens.active.append(os.fsdecode(args[0]))
+
+
+def test_disk_prompt_cache_second_run_opens_no_encoder_file(comfy, tmp_path, monkeypatch):  # noqa: F811
+    monkeypatch.setenv("KLEIN_PROMPT_CACHE", str(tmp_path / "prompt_cache"))
+    cache = comfy.cache
+    cache.release_all("test start")
+    loads = cache.loads["text_encoder"]
+    first = _encode_out(comfy, "a lighthouse at dusk", "fog").args[0]
+    assert cache.loads["text_encoder"] == loads + 1
+    assert len(list((tmp_path / "prompt_cache").glob("*.safetensors"))) == 2
+    cache.release_all("as after a restart: nothing in memory")
+    if not _Opens.installed:
+        sys.addaudithook(_Opens.hook)
+        _Opens.installed = True
+    _Opens.active = opened = []
+    try:
+        second = _encode_out(comfy, "a lighthouse at dusk", "fog").args[0]
+    finally:
+        _Opens.active = None
+    encoder_file = str(comfy.paths["qwen_4b"])
+    assert encoder_file not in opened, "the encoder file was opened"
+    assert cache.loads["text_encoder"] == loads + 1 and "text_encoder" not in cache.resident()
+    assert torch.equal(second.positive, first.positive.cpu()) and torch.equal(second.negative, first.negative.cpu())
+    assert second.text_dim == first.text_dim and second.variant == first.variant
+    # a new prompt loads the encoder as usual
+    _encode_out(comfy, "a lighthouse at noon", "fog")
+    assert cache.loads["text_encoder"] == loads + 2
+    monkeypatch.delenv("KLEIN_PROMPT_CACHE")
+    assert cache.prompt_cache().disk is None
+
+
+def test_unusable_prompt_cache_folder_is_a_warning_not_a_failure(comfy, tmp_path, monkeypatch):  # noqa: F811
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    monkeypatch.setenv("KLEIN_PROMPT_CACHE", str(blocker / "cache"))
+    out = _encode_out(comfy, "a windmill in fog")
+    assert out.args[0].positive.shape == (1, 512, 96)
+    assert any("prompt cache folder" in w and "cache" in w for w in _warnings(out))
+    assert all(str(tmp_path) not in w for w in _warnings(out))
