@@ -8,6 +8,7 @@ from .engine import (
     Conditioning,
     Engine,
     GenerationResult,
+    InitLatents,
     check_compatible,
     decode_to_pixels,
     encode_references,
@@ -20,6 +21,7 @@ from .files.opening import open_weights
 from .files.source import WeightSource
 from .files.transformer_layout import bfl_to_diffusers
 from .images import PUBLISHED_REFERENCE_LIMIT, prepare_reference_image, reference_size, to_pil
+from .inpaint import InitImage, composite, crop_for_inpaint, outpaint, prepare_inpaint, stitch
 from .loading import LOADERS, load_text_encoder, load_transformer, load_vae, weightless
 from .lora import AppliedLoRAs, LoRA, LoRAPatch, apply_loras, check_loras, has_loras, load_lora, with_loras
 from .memory.placement import (
@@ -117,6 +119,8 @@ __all__ = [
     "GenerationCancelled",
     "GenerationRequest",
     "GenerationResult",
+    "InitImage",
+    "InitLatents",
     "KleinOutOfMemory",
     "LoRA",
     "LoRAPatch",
@@ -143,8 +147,10 @@ __all__ = [
     "check_loras",
     "check_text_width",
     "choose_plan",
+    "composite",
     "compute_empirical_mu",
     "count_tokens",
+    "crop_for_inpaint",
     "decode_tiled",
     "decode_to_pixels",
     "default_prompt_cache",
@@ -172,10 +178,12 @@ __all__ = [
     "offload_blocks",
     "on_device",
     "open_weights",
+    "outpaint",
     "pack",
     "pin_memory_",
     "plan_for",
     "position_ids",
+    "prepare_inpaint",
     "prepare_reference_image",
     "probe",
     "quantize_model_",
@@ -184,6 +192,7 @@ __all__ = [
     "reference_tokens",
     "resolve_settings",
     "resolve_size",
+    "stitch",
     "text_position_ids",
     "to_pil",
     "tokenize_prompts",

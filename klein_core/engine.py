@@ -29,6 +29,7 @@ from PIL import Image
 from .checks import check_output, require_finite
 from .errors import KleinOutOfMemory
 from .images import PUBLISHED_REFERENCE_LIMIT, oriented_size, prepare_reference_image, reference_size, to_pil
+from .inpaint import InitImage, InpaintInputs, check_strength, latent_mask, prepare_inpaint, steps_to_run, stitch
 from .memory.placement import StagePlacer
 from .memory.planner import MODES, MemoryPlan, MemoryRequest, plan_for
 from .memory.tiling import TILE_SIDES, decode_in_tiles, encode_in_tiles
@@ -98,6 +99,17 @@ class GenerationResult:
     seed: int
     timings: dict[str, float] = field(default_factory=dict)
     reference_sizes: list[tuple[int, int]] = field(default_factory=list)  # (width, height) in pixels
+
+
+@dataclass(frozen=True)
+class InitLatents:
+    """Where denoising starts: the clean latents of an image ``[1 or B, 128, h, w]`` (normalised, as
+    the VAE encoder gives them), the strength (the share of the schedule that runs, in (0, 1]) and
+    optionally which latent positions to repaint, ``mask`` ``[1 or B, 1, h, w]`` in [0, 1]."""
+
+    latents: torch.Tensor
+    strength: float = 1.0
+    mask: torch.Tensor | None = None
 
 
 def _sync(device: torch.device) -> None:
@@ -380,17 +392,42 @@ class Engine:
         noise: torch.Tensor | None = None,
         callback: StepCallback | None = None,
         plan: MemoryPlan | None = None,
+        init: InitLatents | None = None,
     ) -> tuple[torch.Tensor, Resolved]:
         """Stage 3: latents ``[P * batch, 128, H/16, W/16]`` from the prompts' embeddings and the
         encoded references; returns them with the resolved settings.
 
         ``noise``: explicit starting latents (then the size comes from them); else seeded noise.
         ``callback(step, total, latents)`` after each step; return False to cancel.
+        ``init``: image-to-image / inpainting (:class:`InitLatents`): the size comes from its
+        latents, and of ``steps`` only the last ``int(steps * strength)`` run (diffusers' rule).
         """
         tr = self.transformer
         if tr is None:
             raise ValueError("denoising needs a transformer; none was given")
-        run = settings if isinstance(settings, Resolved) else self.resolve(settings, references)
+        init_size = None
+        if init is not None:
+            if not isinstance(init, InitLatents):
+                raise TypeError(f"init must be InitLatents, got {type(init).__name__}")
+            check_tensor(init.latents, "the init image latents", 4, tr.config.in_channels)
+            require_finite(init.latents, "the init image latents")
+            check_strength(init.strength)
+            if init.mask is not None:
+                check_tensor(init.mask, "the inpaint mask", 4, 1)
+                require_finite(init.mask, "the inpaint mask")
+                if init.mask.shape[-2:] != init.latents.shape[-2:]:
+                    raise ValueError(f"the inpaint mask {list(init.mask.shape)} is not on the latent grid of the "
+                                     f"image {list(init.latents.shape)}")
+            init_size = (init.latents.shape[-1] * self.downscale, init.latents.shape[-2] * self.downscale)
+        if isinstance(settings, Resolved):
+            run = settings
+        elif init_size is not None:
+            run = resolve(settings, self.kind, init_size, multiple=self.downscale)
+        else:
+            run = self.resolve(settings, references)
+        if init_size is not None and (run.width, run.height) != init_size:
+            raise ValueError(f"the output size comes from the init image ({init_size[0]}x{init_size[1]}); got "
+                             f"width/height {run.width}x{run.height}: leave them unset (0 in ComfyUI)")
         prompt = conditioning.positive
         check_text_width(prompt.shape[-1], tr.config.context_dim, encoded_by="The prompt embedding",
                          model=f"the {tr.config.variant} transformer")
@@ -415,6 +452,10 @@ class Engine:
                 neg = neg.repeat_interleave(run.batch_size, dim=0)
         down = self.downscale
         width, height = run.width, run.height
+        if init is not None:
+            b = init.latents.shape[0]
+            if b not in (1, txt.shape[0]) or (init.mask is not None and init.mask.shape[0] not in (1, txt.shape[0])):
+                raise ValueError(f"the init image batch {b} must be 1 or prompts x batch_size = {txt.shape[0]}")
         if noise is not None:
             check_tensor(noise, "the given noise", 4, tr.config.in_channels)
             require_finite(noise, "the given noise")
@@ -433,11 +474,18 @@ class Engine:
             plan = self.plan(memory_request(width, height, sizes, batch=txt.shape[0], cfg=run.cfg,
                                             encode_text=False, decode=False))
         sigmas = get_schedule(run.steps, noise.shape[-1] * noise.shape[-2])  # = self.schedule(run) for seeded noise
+        image = mask = None
+        if init is not None:
+            if noise.shape[-2:] != init.latents.shape[-2:]:
+                raise ValueError(f"the given noise {list(noise.shape)} does not match the init image latents "
+                                 f"{list(init.latents.shape)}")
+            sigmas = sigmas[run.steps - steps_to_run(run.steps, init.strength):]  # at least one step for strength > 0
+            image, mask = init.latents, init.mask
         with explain_oom("denoising", self.device, width, height, txt.shape[0] * (2 if run.cfg else 1),
                          len(references)):
             with self._stage("transformer", plan) as model:
                 latents = denoise(model, noise, txt, sigmas, neg_txt=neg, guidance=run.guidance, refs=refs,
-                                  callback=callback)
+                                  callback=callback, image=image, mask=mask)
         check_output(latents, "The sampler", tr, _overflow_cause(tr.dtype))
         return latents, run
 
@@ -469,10 +517,15 @@ class Engine:
 
     # -- composition ----------------------------------------------------------------------------
 
-    def memory_request(self, request: GenerationRequest, *, encode_text: bool = True) -> MemoryRequest:
+    def memory_request(self, request: GenerationRequest, *, encode_text: bool = True,
+                       init: InpaintInputs | None = None) -> MemoryRequest:
         """What the planner needs to know about ``request``, worked out before anything runs."""
         sizes = reference_pixel_sizes(request.references, (), self.downscale)
-        run = resolve(request.settings, self.kind, sizes[0] if sizes else None, multiple=self.downscale, warn=False)
+        first = sizes[0] if sizes else None
+        if init is not None:  # the image sets the size, and (as a reference) joins the sequence
+            first = init.size
+            sizes = ([init.size] if request.init.as_reference else []) + sizes  # type: ignore[union-attr]
+        run = resolve(request.settings, self.kind, first, multiple=self.downscale, warn=False)
         return memory_request(run.width, run.height, sizes, batch=len(request.prompts) * run.batch_size,
                               cfg=run.cfg, encode_text=encode_text, decode=request.output != "latent")
 
@@ -496,7 +549,13 @@ class Engine:
         request = replace(request, references=tuple(as_reference(r, i + 1) for i, r in enumerate(request.references)))
         reference_latents = [check_tensor(lat, f"reference latent {i + 1}", 4)
                              for i, lat in enumerate(as_list(reference_latents, "reference_latents"))]
-        memory = self.memory_request(request, encode_text=conditioning is None)
+        init = request.init
+        prepared = None
+        if init is not None:
+            if self.vae is None:
+                raise ValueError("an init image needs a vae to encode it")
+            prepared = prepare_inpaint(init.image, init.mask, crop_padding=init.crop_padding, multiple=self.downscale)
+        memory = self.memory_request(request, encode_text=conditioning is None, init=prepared)
         if reference_latents:
             extra = tuple(reference_pixel_sizes((), reference_latents, self.downscale))
             memory = memory_request(memory.width, memory.height, extra + memory.references, batch=memory.batch,
@@ -515,10 +574,19 @@ class Engine:
         t0 = time.perf_counter()
         with explain_oom("encoding the references", self.device, memory.width, memory.height, 1, n_refs):
             refs = list(reference_latents) + self.encode_references(request.references, plan=plan)
+            start = None
+            if init is not None and prepared is not None:
+                image_latents = self.encode_pixels(prepared.pixels, plan=plan)
+                h, w = image_latents.shape[-2:]
+                mask = latent_mask(prepared.mask, h, w) if prepared.mask is not None else None
+                start = InitLatents(image_latents, init.resolved_strength, mask)
+                if init.as_reference:  # first, at time offset 10, as diffusers' Klein inpaint pipeline
+                    refs = [image_latents, *refs]
         _sync(self.device)
         timings["references"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        latents, run = self.denoise(conditioning, refs, request.settings, noise=noise, callback=callback, plan=plan)
+        latents, run = self.denoise(conditioning, refs, request.settings, noise=noise, callback=callback, plan=plan,
+                                    init=start)
         _sync(self.device)
         timings["denoise"] = time.perf_counter() - t0
         ref_sizes = reference_pixel_sizes((), refs, self.downscale)
@@ -533,6 +601,12 @@ class Engine:
         with explain_oom("VAE decoding", self.device, width, height, latents.shape[0], len(refs)):
             result.pixels = self.decode(latents, plan=plan)
         result.images = to_pil(result.pixels)
+        if prepared is not None and init is not None and (
+                prepared.box is not None or (prepared.original_mask is not None and init.composite)):
+            # back into the picture: the crop resized into its box; only masked pixels changed
+            result.images = [stitch(prepared.original, img, prepared.box, prepared.original_mask,
+                                    feather=init.feather, keep_unmasked=init.composite) for img in result.images]
+            result.width, result.height = result.images[0].size
         timings["decode"] = time.perf_counter() - t0
         return result
 
@@ -562,6 +636,13 @@ def generate(
     memory: str | MemoryPlan = "auto",
     device: torch.device | str | None = None,
     text: TextOptions = TextOptions(),
+    image: Image.Image | None = None,
+    mask: Any = None,
+    strength: float | None = None,
+    image_as_reference: bool = True,
+    mask_crop_padding: int | None = None,
+    composite: bool = True,
+    feather: int = 0,
 ) -> GenerationResult:
     """Generate images with FLUX.2 Klein (an :class:`Engine` run with keyword arguments).
 
@@ -590,6 +671,9 @@ def generate(
         text: how prompts are encoded (:class:`~klein_core.prompts.TextOptions`): cut at 512 tokens
             in the model dtype (BFL, diffusers; the default), or ``COMFYUI_TEXT`` (whole prompts,
             fp32 activations, as ComfyUI's own nodes).
+        image, mask, strength, image_as_reference, mask_crop_padding, composite, feather:
+            image-to-image (``image``, ``strength``) and inpainting (with ``mask``: white =
+            repaint); see :class:`~klein_core.inpaint.InitImage`. The size comes from the image.
     Returns:
         :class:`GenerationResult` with latents, images/pixels (if decoded) and per-stage timings.
     """
@@ -608,7 +692,12 @@ def generate(
     references = as_list(references, "references")
     if references and vae is None:
         raise ValueError("references need a vae to encode them")
-    request = GenerationRequest(as_prompts(prompt), negative_prompt, tuple(references), settings, output)
+    init = None
+    if image is not None:
+        init = InitImage(image, mask, strength, image_as_reference, mask_crop_padding, composite, feather)
+    elif mask is not None or strength is not None or mask_crop_padding is not None:
+        raise ValueError("mask, strength and mask_crop_padding need an image to start from (image=)")
+    request = GenerationRequest(as_prompts(prompt), negative_prompt, tuple(references), settings, output, init)
     run = resolve(settings, engine.kind, warn=False) if conditioning is not None else None
     if conditioning is not None and run is not None and run.cfg and negative_embeds is None:
         if text_encoder is None:

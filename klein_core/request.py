@@ -18,6 +18,7 @@ from typing import Literal
 import torch
 from PIL import Image
 
+from .inpaint import InitImage
 from .sampling import MAX_SEED
 
 logger = logging.getLogger(__name__)
@@ -133,7 +134,8 @@ class GenerationRequest:
     ``prompt``: one prompt or several (each gets ``settings.batch_size`` images);
     ``negative_prompt``: used by base models with guidance > 1; ``references``: PIL images (or
     prepared ``[1, 3, H, W]`` tensors in [-1, 1]) to edit from; ``output``: "pil" decodes,
-    "latent" stops at the latents.
+    "latent" stops at the latents; ``init``: an image to start from, and a mask to repaint
+    (:class:`~klein_core.inpaint.InitImage`).
     """
 
     prompt: str | tuple[str, ...] = ""
@@ -141,6 +143,8 @@ class GenerationRequest:
     references: tuple[Image.Image | torch.Tensor, ...] = ()
     settings: Settings = Settings()
     output: Literal["pil", "latent"] = "pil"
+    init: InitImage | None = None  # image-to-image / inpainting: where denoising starts
+
 
     def __post_init__(self) -> None:
         prompts = self.prompts
@@ -153,6 +157,8 @@ class GenerationRequest:
             raise TypeError(f"negative_prompt must be a str, got {type(self.negative_prompt).__name__}")
         if self.output not in OUTPUTS:
             raise ValueError(f"output must be one of {OUTPUTS}, got {self.output!r}")
+        if self.init is not None and not isinstance(self.init, InitImage):
+            raise TypeError(f"init must be an InitImage, got {type(self.init).__name__}")
 
     @property
     def prompts(self) -> tuple[str, ...]:

@@ -138,6 +138,8 @@ def denoise(
     guidance: float = 1.0,
     refs: ReferenceTokens | None = None,
     callback: StepCallback | None = None,
+    image: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Run the Euler flow sampler from ``noise`` along ``sigmas``.
 
@@ -150,11 +152,31 @@ def denoise(
     step; returning ``False`` cancels with :class:`GenerationCancelled`. A callback with a true
     ``wants_denoised`` attribute also gets ``denoised=``, the step's estimate of the clean latents
     ``x - sigma * v`` (for previews). Returns ``[B, C, h, w]`` latents in the model dtype.
+
+    Image-to-image and inpainting (diffusers' ``Flux2KleinInpaintPipeline``): ``image`` ``[B or 1,
+    C, h, w]`` are clean latents; the run starts from ``sigmas[0] * noise + (1 - sigmas[0]) * image``
+    (``sigmas`` is the schedule already cut by the strength). ``mask`` ``[B or 1, 1, h, w]`` (1 =
+    repaint, fractions blend) keeps the rest: after each step the unmasked part is replaced by the
+    image noised to the next sigma (the clean image after the last step).
     """
     device, dtype = model.device, model.dtype
     b, _, h, w = noise.shape
     n = h * w
     latents = pack(noise).to(device=device, dtype=dtype)
+    clean = keep = noise_f = None
+    if image is not None:
+        if image.ndim != 4 or image.shape[1:] != noise.shape[1:] or image.shape[0] not in (1, b):
+            raise ValueError(f"image latents {list(image.shape)} do not match the noise {list(noise.shape)}")
+        clean = pack(image).to(device=device, dtype=torch.float32).expand(b, -1, -1)
+        noise_f = pack(noise).to(device=device, dtype=torch.float32)
+        s0 = sigmas[0].to(device=device, dtype=torch.float32)
+        latents = (s0 * noise_f + (1 - s0) * clean).to(dtype)  # diffusers' scale_noise at the first sigma
+    if mask is not None:
+        if clean is None:
+            raise ValueError("a mask needs the image latents it keeps (image=)")
+        if mask.ndim != 4 or mask.shape[1] != 1 or mask.shape[2:] != noise.shape[2:] or mask.shape[0] not in (1, b):
+            raise ValueError(f"mask {list(mask.shape)} must be [1 or {b}, 1, {h}, {w}] (the latent grid)")
+        keep = pack(mask).to(device=device, dtype=torch.float32)  # [B or 1, n, 1]: 1 = repaint
     img_ids = position_ids(h, w)
     cfg = neg_txt is not None
     txt = txt.to(device=device, dtype=dtype)
@@ -201,6 +223,11 @@ def denoise(
         # dt is a 0-dim fp32 tensor, so dt*v stays in the model dtype (torch promotion), then the
         # sum is fp32 and re-cast: bit-for-bit the diffusers FlowMatchEuler step.
         latents = (latents.float() + dts[i] * v).to(dtype)
+        if keep is not None:  # the known region follows the image, noised to the next sigma
+            proper = clean if i == total - 1 else sig[i + 1] * noise_f + (1 - sig[i + 1]) * clean
+            latents = ((1 - keep) * proper + keep * latents.float()).to(dtype)
+            if denoised is not None:
+                denoised = (1 - keep) * clean + keep * denoised
         if callback is not None:
             kwargs = {"denoised": unpack(denoised, h, w)} if denoised is not None else {}
             if callback(i + 1, total, unpack(latents, h, w), **kwargs) is False:

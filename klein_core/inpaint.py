@@ -1,0 +1,394 @@
+"""Image-to-image, inpainting and outpainting: the image and mask prepared as diffusers'
+``Flux2KleinInpaintPipeline`` prepares them, the crop around a small mask, the stitch back into the
+full image, and the final composite that keeps every unmasked pixel exactly.
+
+Masks follow ComfyUI and diffusers: 1 (white) = repaint, 0 (black) = keep; grey values blend in the
+composite and are binarised (at 0.5) for the sampler, as diffusers does.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from PIL import Image, ImageOps
+
+from .images import MAX_REFERENCE_AREA, MIN_REFERENCE_SIDE, _to_rgb_array
+
+MaskInput = Image.Image | torch.Tensor | np.ndarray
+
+# diffusers' Flux2KleinInpaintPipeline defaults to 0.8 for every call; a mask usually means "paint
+# this area anew", so with a mask the default is a full repaint.
+DEFAULT_STRENGTH_IMAGE_TO_IMAGE = 0.8
+DEFAULT_STRENGTH_INPAINT = 1.0
+
+
+def processing_size(width: int, height: int, multiple: int = 16) -> tuple[int, int]:
+    """The size an init image is generated at: scaled to at most 1 megapixel (``int`` of each side,
+    as diffusers), then each side rounded down to a multiple of ``multiple`` (by resizing, not
+    cropping: the image keeps its content edge to edge)."""
+    if width * height > MAX_REFERENCE_AREA:
+        s = math.sqrt(MAX_REFERENCE_AREA / (width * height))
+        width, height = int(width * s), int(height * s)
+    return width // multiple * multiple, height // multiple * multiple
+
+
+def steps_to_run(steps: int, strength: float) -> int:
+    """How many of ``steps`` an image-to-image run at ``strength`` takes (diffusers' get_timesteps:
+    the schedule of ``steps`` is computed whole and its first ``steps - int(steps * strength)`` are
+    skipped)."""
+    init = min(steps * strength, steps)
+    return steps - int(max(steps - init, 0))
+
+
+def check_strength(strength: float) -> float:
+    if isinstance(strength, bool) or not isinstance(strength, (int, float)) or not math.isfinite(strength) \
+            or not 0 < strength <= 1:
+        raise ValueError(f"strength (denoise) must be a number in (0, 1], got {strength!r}")
+    return float(strength)
+
+
+# ----- masks ----------------------------------------------------------------------------------------
+
+
+def mask_array(mask: MaskInput) -> np.ndarray:
+    """A mask as float32 ``[H, W]`` in [0, 1]: PIL images in any mode (converted to L), or a tensor /
+    array ``[H, W]``, ``[1, H, W]`` or ``[1, 1, H, W]`` already in [0, 1]."""
+    if isinstance(mask, Image.Image):
+        return np.asarray(mask.convert("L"), dtype=np.float32) / 255.0
+    if isinstance(mask, torch.Tensor):
+        mask = mask.detach().float().cpu().numpy()
+    if not isinstance(mask, np.ndarray):
+        raise TypeError(f"mask must be a PIL image, a tensor or an array, got {type(mask).__name__}")
+    a = np.asarray(mask, dtype=np.float32)
+    while a.ndim > 2 and a.shape[0] == 1:
+        a = a[0]
+    if a.ndim != 2:
+        raise ValueError(f"mask must be one [H, W] mask, got shape {list(np.shape(mask))}")
+    if not np.isfinite(a).all() or a.min() < 0 or a.max() > 1:
+        raise ValueError("mask values must be finite and within 0..1 (1 = repaint, 0 = keep)")
+    return a
+
+
+def mask_image(mask: MaskInput) -> Image.Image:
+    """The mask as an 8-bit grey PIL image (PIL masks are kept as they are, converted to L)."""
+    if isinstance(mask, Image.Image):
+        return mask.convert("L")
+    return Image.fromarray(np.round(mask_array(mask) * 255).astype(np.uint8), "L")
+
+
+def crop_region(mask: MaskInput, width: int, height: int, pad: int = 0) -> tuple[int, int, int, int]:
+    """``(x1, y1, x2, y2)``: the smallest box around every non-zero mask pixel, grown by ``pad`` on
+    each side and then to the aspect ratio of ``width x height`` (diffusers' get_crop_region, so
+    ``padding_mask_crop`` crops the same region). Raises for an empty mask."""
+    m = np.asarray(mask_image(mask))
+    h, w = m.shape
+    cols, rows = np.flatnonzero(m.any(axis=0)), np.flatnonzero(m.any(axis=1))
+    if cols.size == 0:
+        raise ValueError("the mask is empty (all black): there is nothing to repaint")
+    x1, y1 = max(int(cols[0]) - pad, 0), max(int(rows[0]) - pad, 0)
+    x2, y2 = min(int(cols[-1]) + 1 + pad, w), min(int(rows[-1]) + 1 + pad, h)
+    if (x2 - x1) / (y2 - y1) > width / height:
+        diff = int((x2 - x1) / (width / height) - (y2 - y1))
+        y1 -= diff // 2
+        y2 += diff - diff // 2
+        if y2 >= h:
+            y1, y2 = y1 - (y2 - h), h
+        if y1 < 0:
+            y1, y2 = 0, y2 - y1
+        y2 = min(y2, h)
+    else:
+        diff = int((y2 - y1) * (width / height) - (x2 - x1))
+        x1 -= diff // 2
+        x2 += diff - diff // 2
+        if x2 >= w:
+            x1, x2 = x1 - (x2 - w), w
+        if x1 < 0:
+            x1, x2 = 0, x2 - x1
+        x2 = min(x2, w)
+    return x1, y1, x2, y2
+
+
+def _resize_fill(image: Image.Image, width: int, height: int) -> Image.Image:
+    """Fit ``image`` inside ``width x height`` keeping its aspect, centred, the borders filled by
+    stretching its edge rows/columns (diffusers' ``resize_mode="fill"``; RGB out, as there)."""
+    ratio, src_ratio = width / height, image.width / image.height
+    src_w = width if ratio < src_ratio else image.width * height // image.height
+    src_h = height if ratio >= src_ratio else image.height * width // image.width
+    resized = image.resize((src_w, src_h), Image.Resampling.LANCZOS)
+    out = Image.new("RGB", (width, height))
+    out.paste(resized, box=(width // 2 - src_w // 2, height // 2 - src_h // 2))
+    if ratio < src_ratio:
+        fill = height // 2 - src_h // 2
+        if fill > 0:
+            out.paste(resized.resize((width, fill), box=(0, 0, width, 0)), box=(0, 0))
+            out.paste(resized.resize((width, fill), box=(0, resized.height, width, resized.height)),
+                      box=(0, fill + src_h))
+    elif ratio > src_ratio:
+        fill = width // 2 - src_w // 2
+        if fill > 0:
+            out.paste(resized.resize((fill, height), box=(0, 0, 0, height)), box=(0, 0))
+            out.paste(resized.resize((fill, height), box=(resized.width, 0, resized.width, height)),
+                      box=(fill + src_w, 0))
+    return out
+
+
+def _resized(image: Image.Image, width: int, height: int, box: tuple[int, int, int, int] | None) -> Image.Image:
+    if box is not None:
+        return _resize_fill(image.crop(box), width, height)
+    return image if image.size == (width, height) else image.resize((width, height), Image.Resampling.LANCZOS)
+
+
+# ----- what a request asks for ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class InitImage:
+    """Start from an image instead of pure noise (image-to-image), optionally repainting only a
+    masked part of it (inpainting; outpainting is inpainting on a canvas from :func:`outpaint`).
+
+    Args:
+        image: the picture to start from. The output has its size (scaled to at most 1 megapixel,
+            sides multiples of 16; with a mask and ``composite``, the exact original size).
+        mask: white (1) = repaint, black (0) = keep; a PIL image or a ``[H, W]`` tensor/array in 0..1
+            of the image's size (resized to it otherwise).
+        strength: how much of the schedule runs, in (0, 1]: 1 repaints fully, 0.6 keeps the
+            composition. Default 1.0 with a mask, 0.8 without (diffusers' default).
+        as_reference: the image also joins the token sequence as the first reference (time offset
+            10, before any other reference), as diffusers' Klein inpaint pipeline does.
+        crop_padding: inpaint only a crop around the mask, grown by this many pixels and fitted to
+            the image's processing size, then stitched back (diffusers' ``padding_mask_crop``): for
+            a small mask on a large image.
+        composite: keep every unmasked pixel of the original exactly (the generated picture is
+            blended in only under the mask). On by default; has no effect without a mask.
+        feather: with ``composite``, soften the seam over this many pixels inside the mask.
+    """
+
+    image: Image.Image
+    mask: MaskInput | None = None
+    strength: float | None = None
+    as_reference: bool = True
+    crop_padding: int | None = None
+    composite: bool = True
+    feather: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.image, Image.Image):
+            raise TypeError(f"image must be a PIL.Image, got {type(self.image).__name__}")
+        if self.strength is not None:
+            check_strength(self.strength)
+        if isinstance(self.feather, bool) or not isinstance(self.feather, int) or self.feather < 0:
+            raise ValueError(f"feather must be a whole number of pixels >= 0, got {self.feather!r}")
+
+    @property
+    def resolved_strength(self) -> float:
+        if self.strength is not None:
+            return float(self.strength)
+        return DEFAULT_STRENGTH_INPAINT if self.mask is not None else DEFAULT_STRENGTH_IMAGE_TO_IMAGE
+
+
+# ----- the prepared inputs ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class InpaintInputs:
+    """An init image (and mask) ready for the sampler, and what the stitch-back needs.
+
+    ``pixels`` ``[1, 3, H, W]`` in [-1, 1] at the processing size; ``mask`` ``[1, 1, H, W]`` in {0, 1}
+    (binarised) or None; ``box`` the crop in ``original`` coordinates (None: the whole image);
+    ``original`` the image as given (EXIF-upright, full size) and ``original_mask`` its mask as an
+    8-bit image, for the stitch and the composite.
+    """
+
+    pixels: torch.Tensor
+    mask: torch.Tensor | None
+    box: tuple[int, int, int, int] | None
+    original: Image.Image
+    original_mask: Image.Image | None
+
+    @property
+    def size(self) -> tuple[int, int]:
+        return self.pixels.shape[-1], self.pixels.shape[-2]
+
+
+def prepare_inpaint(image: Image.Image, mask: MaskInput | None = None, *, crop_padding: int | None = None,
+                    multiple: int = 16) -> InpaintInputs:
+    """Prepare an image (and mask) for image-to-image or inpainting, as diffusers'
+    ``Flux2KleinInpaintPipeline`` does: larger than 1 megapixel -> scaled down; each side resized
+    down to a multiple of ``multiple``; with ``crop_padding``, only the region around the mask
+    (grown by that many pixels, at the image's aspect ratio) is cropped and fitted to that size.
+    The mask is resized the same way and binarised at 0.5.
+    """
+    if not isinstance(image, Image.Image):
+        raise TypeError(f"image must be a PIL.Image, got {type(image).__name__}")
+    if crop_padding is not None:
+        if mask is None:
+            raise ValueError("crop_padding needs a mask: it crops the region around the mask")
+        if isinstance(crop_padding, bool) or not isinstance(crop_padding, int) or crop_padding < 0:
+            raise ValueError(f"crop_padding must be a whole number of pixels >= 0, got {crop_padding!r}")
+    image = ImageOps.exif_transpose(image)
+    w, h = image.size
+    if w < MIN_REFERENCE_SIDE or h < MIN_REFERENCE_SIDE:
+        raise ValueError(f"the image is {w}x{h}; both sides must be at least {MIN_REFERENCE_SIDE} px")
+    width, height = processing_size(w, h, multiple)
+    m_img = mask_image(mask) if mask is not None else None
+    box = None
+    original, work = image, image
+    if crop_padding is None and w * h > MAX_REFERENCE_AREA:  # diffusers' 1-megapixel step, sides int()
+        s = math.sqrt(MAX_REFERENCE_AREA / (w * h))
+        work = image.resize((int(w * s), int(h * s)), Image.Resampling.LANCZOS)
+    if m_img is not None:
+        if crop_padding is not None:
+            if m_img.size != image.size:
+                raise ValueError(f"the mask is {m_img.width}x{m_img.height} but the image is {image.width}x"
+                                 f"{image.height}; with crop_padding both must be the same size")
+            box = crop_region(m_img, width, height, crop_padding)
+        elif not np.asarray(m_img).any():
+            raise ValueError("the mask is empty (all black): there is nothing to repaint; for image-to-image "
+                             "give no mask")
+    pixels = torch.from_numpy(_to_rgb_array(_resized(work, width, height, box))).permute(2, 0, 1)[None] * 2 - 1
+    mask_px = None
+    if m_img is not None:
+        # diffusers resizes the mask as given, then converts it to grey
+        source = mask if isinstance(mask, Image.Image) else m_img
+        m = np.asarray(_resized(source, width, height, box).convert("L"), dtype=np.float32) / 255.0
+        mask_px = torch.from_numpy((m >= 0.5).astype(np.float32))[None, None]
+    return InpaintInputs(pixels, mask_px, box, original, m_img)
+
+
+def latent_mask(mask: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """A pixel mask ``[B, 1, H, W]`` on the latent grid ``[B, 1, height, width]`` (bilinear, as
+    diffusers: edge positions get fractions)."""
+    return F.interpolate(mask.float(), size=(height, width), mode="bilinear")
+
+
+# ----- back into the picture -----------------------------------------------------------------------
+
+
+def feather_mask(mask: torch.Tensor, radius: int) -> torch.Tensor:
+    """A float mask ``[..., H, W]`` in [0, 1] with its edge softened inwards over about ``radius``
+    pixels: where the mask is 0 it stays exactly 0 (unmasked pixels are never touched); inside, it
+    ramps up from the edge."""
+    if radius <= 0:
+        return mask
+    sigma = radius / 2
+    half = max(1, math.ceil(3 * sigma))
+    x = torch.arange(-half, half + 1, dtype=torch.float32)
+    k = torch.exp(-(x**2) / (2 * sigma**2))
+    k = (k / k.sum()).to(mask.device)
+    flat = mask.float().reshape(-1, 1, *mask.shape[-2:])
+    blurred = F.conv2d(F.pad(flat, (half, half, 0, 0), mode="replicate"), k.view(1, 1, 1, -1))
+    blurred = F.conv2d(F.pad(blurred, (0, 0, half, half), mode="replicate"), k.view(1, 1, -1, 1))
+    # The blur spills outwards; 2b - 1 is 0 at the edge and 1 well inside, and the minimum keeps it
+    # inside the mask.
+    return torch.minimum(flat, (2 * blurred - 1).clamp(0, 1)).reshape(mask.shape)
+
+
+def composite_pixels(original: torch.Tensor, generated: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``generated`` under the mask, ``original`` elsewhere; channels last ``[..., H, W, C]``, mask
+    ``[..., H, W]`` in [0, 1]. Where the mask is 0 the result is ``original`` bit for bit."""
+    m = mask.to(original.dtype)[..., None]
+    blended = original * (1 - m) + generated.to(original.dtype) * m
+    return torch.where(m == 0, original, blended)
+
+
+def composite(original: Image.Image, generated: Image.Image, mask: Image.Image, feather: int = 0) -> Image.Image:
+    """``generated`` where the mask is white, ``original`` where it is black, blended in between:
+    every pixel under a black mask is the original's, bit for bit. ``generated`` (and the mask) are
+    resized to the original's size first if they differ."""
+    original = original.convert("RGB")
+    if generated.size != original.size:
+        generated = generated.resize(original.size, Image.Resampling.LANCZOS)
+    if mask.size != original.size:
+        mask = mask.resize(original.size, Image.Resampling.LANCZOS)
+    m = feather_mask(torch.from_numpy(np.asarray(mask.convert("L"), dtype=np.float32) / 255.0), feather)
+    a = torch.from_numpy(np.asarray(original, dtype=np.float32))
+    b = torch.from_numpy(np.asarray(generated.convert("RGB"), dtype=np.float32))
+    return Image.fromarray(composite_pixels(a, b, m).round().clamp(0, 255).to(torch.uint8).numpy(), "RGB")
+
+
+def stitch(original: Image.Image, generated: Image.Image, box: tuple[int, int, int, int] | None,
+           mask: Image.Image | None, *, feather: int = 0, keep_unmasked: bool = True) -> Image.Image:
+    """Put a generated crop back: resized to ``box`` in ``original``, then (``keep_unmasked``)
+    composited so that only the masked pixels change. ``box`` None: ``generated`` is the whole picture.
+
+    (diffusers' own ``padding_mask_crop`` overlay for Klein centre-crops the generated image to the
+    box size instead of resizing it, which misplaces the content; this resizes it.)
+    """
+    if box is None:
+        canvas = generated
+    else:
+        x1, y1, x2, y2 = box
+        canvas = original.convert("RGB").copy()
+        canvas.paste(generated.convert("RGB").resize((x2 - x1, y2 - y1), Image.Resampling.LANCZOS), (x1, y1))
+    if keep_unmasked and mask is not None:
+        return composite(original, canvas, mask, feather)
+    return canvas.convert("RGB") if canvas.size == original.size else canvas.resize(original.size,
+                                                                                      Image.Resampling.LANCZOS)
+
+
+def outpaint(image: Image.Image, left: int = 0, top: int = 0, right: int = 0, bottom: int = 0, *,
+             feather: int = 0) -> tuple[Image.Image, Image.Image]:
+    """The image on a larger canvas and the mask of the new area (white), for inpainting.
+
+    The new area is filled with the image's edge pixels stretched outwards (a better start for the
+    sampler than a flat colour); ``feather`` also marks that many pixels of the image's own edge,
+    ramping down, so the seam is repainted softly.
+    """
+    for name, v in (("left", left), ("top", top), ("right", right), ("bottom", bottom), ("feather", feather)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"{name} must be a whole number of pixels >= 0, got {v!r}")
+    if not left + top + right + bottom:
+        raise ValueError("outpaint needs at least one side to grow (left, top, right or bottom > 0)")
+    image = ImageOps.exif_transpose(image).convert("RGB")
+    w, h = image.size
+    arr = np.pad(np.asarray(image), ((top, bottom), (left, right), (0, 0)), mode="edge")
+    mask = np.full(arr.shape[:2], 255, dtype=np.float32)
+    inner = np.zeros((h, w), dtype=np.float32)
+    if feather:
+        yy, xx = np.mgrid[0:h, 0:w]
+        dist = np.full((h, w), np.inf, dtype=np.float32)
+        for grows, d in ((left, xx), (right, w - 1 - xx), (top, yy), (bottom, h - 1 - yy)):
+            if grows:
+                dist = np.minimum(dist, d)
+        inner = np.where(dist < feather, (1 - dist / feather) ** 2 * 255, 0)
+    mask[top:top + h, left:left + w] = inner
+    return Image.fromarray(arr), Image.fromarray(np.round(mask).astype(np.uint8), "L")
+
+
+def crop_size(box: tuple[int, int, int, int], megapixels: float = 1.0, multiple: int = 16) -> tuple[int, int]:
+    """The size a crop ``box`` is generated at: scaled (up or down) to about ``megapixels``, each side
+    a multiple of ``multiple``."""
+    if not 0.0625 <= megapixels <= 4:
+        raise ValueError(f"megapixels must be from 0.0625 to 4, got {megapixels}")
+    bw, bh = box[2] - box[0], box[3] - box[1]
+    s = math.sqrt(megapixels * 1024 * 1024 / (bw * bh))
+    return max(multiple, int(bw * s) // multiple * multiple), max(multiple, int(bh * s) // multiple * multiple)
+
+
+def crop_for_inpaint(image: Image.Image, mask: MaskInput, *, padding: int = 32, megapixels: float = 1.0,
+                     multiple: int = 16) -> tuple[Image.Image, Image.Image, tuple[int, int, int, int]]:
+    """Crop-and-stitch, first half: the region around the mask (grown by ``padding`` pixels, at the
+    image's aspect ratio) cut out of the full-size ``image`` and resized to about ``megapixels``
+    (sides multiples of ``multiple``), with its mask. Returns ``(crop, crop_mask, box)``; after
+    generating, :func:`stitch` puts the result back with ``box``.
+    """
+    image = ImageOps.exif_transpose(image)
+    m = mask_image(mask)
+    if m.size != image.size:
+        raise ValueError(f"the mask is {m.width}x{m.height} but the image is {image.width}x{image.height}")
+    box = crop_region(m, image.width, image.height, padding)
+    tw, th = crop_size(box, megapixels, multiple)
+    crop = image.crop(box).convert("RGB").resize((tw, th), Image.Resampling.LANCZOS)
+    crop_mask = m.crop(box).resize((tw, th), Image.Resampling.LANCZOS)
+    return crop, crop_mask, box
+
+
+__all__ = [
+    "DEFAULT_STRENGTH_IMAGE_TO_IMAGE", "DEFAULT_STRENGTH_INPAINT", "InitImage", "InpaintInputs", "check_strength", "composite",
+    "composite_pixels", "crop_for_inpaint", "crop_region", "crop_size", "feather_mask", "latent_mask", "mask_array", "mask_image", "outpaint",
+    "prepare_inpaint", "processing_size", "stitch", "steps_to_run",
+]
