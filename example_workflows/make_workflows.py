@@ -57,9 +57,21 @@ SPECS = {
         outputs=(("references", "KLEIN_REFS"), ("sizes", "STRING")), size=(300, 100)),
     "KleinSampler": Spec(
         sockets=(("model", "KLEIN_MODEL", False), ("conditioning", "KLEIN_COND", False),
-                 ("references", "KLEIN_REFS", True)),
-        widgets=("width", "height", "steps", "guidance", "seed", "batch_size"),
-        outputs=(("latent", "LATENT"),), frontend_extra=(("seed", "randomize"),), size=(320, 260)),
+                 ("references", "KLEIN_REFS", True), ("latent", "LATENT", True), ("mask", "MASK", True)),
+        widgets=("width", "height", "steps", "guidance", "seed", "batch_size", "denoise", "latent_as_reference"),
+        outputs=(("latent", "LATENT"),), frontend_extra=(("seed", "randomize"),), size=(320, 330)),
+    "KleinVAEEncode": Spec(
+        sockets=(("pixels", "IMAGE", False), ("vae", "KLEIN_VAE", False)), widgets=("size",),
+        outputs=(("latent", "LATENT"),), size=(300, 90)),
+    "KleinInpaintCrop": Spec(
+        sockets=(("image", "IMAGE", False), ("mask", "MASK", False)), widgets=("padding", "megapixels"),
+        outputs=(("image", "IMAGE"), ("mask", "MASK"), ("stitch", "KLEIN_STITCH")), size=(300, 130)),
+    "KleinInpaintStitch": Spec(
+        sockets=(("stitch", "KLEIN_STITCH", False), ("image", "IMAGE", False)), widgets=("feather", "composite"),
+        outputs=(("image", "IMAGE"),), size=(300, 110)),
+    "ImagePadForOutpaint": Spec(
+        sockets=(("image", "IMAGE", False),), widgets=("left", "top", "right", "bottom", "feathering"),
+        outputs=(("IMAGE", "IMAGE"), ("MASK", "MASK")), size=(300, 190)),
     "KleinVAEDecode": Spec(
         sockets=(("samples", "LATENT", False), ("vae", "KLEIN_VAE", False)), outputs=(("image", "IMAGE"),),
         size=(240, 60)),
@@ -79,7 +91,9 @@ DISPLAY_NAMES = {
     "KleinModelLoader": "Klein Model Loader", "KleinTextEncode": "Qwen3 Layer-Concat Encoder",
     "KleinReferenceStacker": "Klein Reference Stacker", "KleinSampler": "Klein Sampler",
     "KleinVAEDecode": "Flux2 VAE Decode", "LoadImage": "Load Image", "SaveImage": "Save Image",
-    "PreviewAny": "Preview as Text", "Note": "Note",
+    "PreviewAny": "Preview as Text", "Note": "Note", "KleinVAEEncode": "Flux2 VAE Encode",
+    "KleinInpaintCrop": "Klein Inpaint Crop", "KleinInpaintStitch": "Klein Inpaint Stitch",
+    "ImagePadForOutpaint": "Pad Image for Outpainting",
 }
 
 
@@ -113,10 +127,28 @@ def _encoder(nid: int, prompt: str, negative: str = "") -> Node:
                  "precision": "model dtype", "max_tokens": "512"})
 
 
-def _sampler(nid: int, size: int, steps: int, guidance: float, refs: tuple[int, int] | None = None) -> Node:
-    links = {"model": (1, 0), "conditioning": (2, 0), **({"references": refs} if refs else {})}
+def _sampler(nid: int, size: int, steps: int, guidance: float, refs: tuple[int, int] | None = None,
+             latent: tuple[int, int] | None = None, mask: tuple[int, int] | None = None,
+             denoise: float = 1.0) -> Node:
+    links = {"model": (1, 0), "conditioning": (2, 0), **({"references": refs} if refs else {}),
+             **({"latent": latent} if latent else {}), **({"mask": mask} if mask else {})}
     return Node(nid, "KleinSampler", (520, 80), {"width": size, "height": size, "steps": steps,
-                                                  "guidance": guidance, "seed": 42, "batch_size": 1}, links)
+                                                  "guidance": guidance, "seed": 42, "batch_size": 1,
+                                                  "denoise": denoise, "latent_as_reference": True}, links)
+
+
+def _inpaint_chain(image: tuple[int, int], mask: tuple[int, int], padding: int, prefix: str) -> list[Node]:
+    """Crop around the mask -> encode -> sample -> decode -> stitch back -> save."""
+    return [
+        Node(9, "KleinInpaintCrop", (-380, 470), {"padding": padding, "megapixels": 1.0},
+             {"image": image, "mask": mask}),
+        Node(8, "KleinVAEEncode", (-380, 660), {"size": "crop to 16"}, {"pixels": (9, 0), "vae": (1, 1)}),
+        _sampler(3, 0, 4, 1.0, latent=(8, 0), mask=(9, 1)),
+        Node(4, "KleinVAEDecode", (900, 80), links={"samples": (3, 0), "vae": (1, 1)}),
+        Node(10, "KleinInpaintStitch", (900, 200), {"feather": 8, "composite": True},
+             {"stitch": (9, 2), "image": (4, 0)}),
+        Node(5, "SaveImage", (900, 370), {"filename_prefix": prefix}, {"images": (10, 0)}),
+    ]
 
 
 def _decode_save(prefix: str, sampler: int = 3) -> list[Node]:
@@ -124,6 +156,11 @@ def _decode_save(prefix: str, sampler: int = 3) -> list[Node]:
     return [Node(4, "KleinVAEDecode", (900, 80), links={"samples": (sampler, 0), "vae": (1, 1)}),
             Node(5, "SaveImage", (900, 200), {"filename_prefix": prefix}, {"images": (4, 0)})]
 
+
+INPAINT_NOTE = ("Load your picture in Load Image, then right-click it > Open in MaskEditor and paint what "
+                "to change (or load a PNG whose transparent pixels mark it). Klein Inpaint Crop paints the "
+                "masked region (plus padding) at about 1 megapixel; Klein Inpaint Stitch puts it back, "
+                "changing only masked pixels (feathered edge). The picture also guides Klein as a reference.")
 
 WORKFLOWS = [
     Workflow("klein_4b_text_to_image", [
@@ -165,6 +202,37 @@ WORKFLOWS = [
                                              "and height 0 = the size of reference 1 (scaled to at most 1 "
                                              "megapixel, multiples of 16), shown in Reference sizes after a "
                                              "run. Chain more stackers for more references (up to 4)."}),
+    ]),
+    Workflow("klein_4b_img2img", [
+        _loader(1, "flux-2-klein-4b.safetensors"),
+        _encoder(2, "The same scene as a watercolour painting, soft washes of colour, paper texture"),
+        Node(7, "LoadImage", (-380, 80), {"image": "klein_img2img_input.png"}, title="Picture to start from"),
+        Node(8, "KleinVAEEncode", (-380, 470), {"size": "fit 1 megapixel"}, {"pixels": (7, 0), "vae": (1, 1)}),
+        _sampler(3, 0, 4, 1.0, latent=(8, 0), denoise=0.6),
+        *_decode_save("Klein-4B-img2img"),
+        Node(6, "Note", (40, 700), {"text": "Image to image: denoise 0.6 keeps the composition of the picture "
+                                            "and repaints its style and details; 1.0 repaints fully, 0.3 "
+                                            "changes little. The output takes the picture's size (about 1 "
+                                            "megapixel, sides multiples of 16)."}),
+    ]),
+    Workflow("klein_4b_inpaint", [
+        _loader(1, "flux-2-klein-4b.safetensors"),
+        _encoder(2, "A vase of sunflowers on the table"),
+        Node(7, "LoadImage", (-380, 80), {"image": "klein_inpaint_input.png"}, title="Picture + mask"),
+        *_inpaint_chain((7, 0), (7, 1), 32, "Klein-4B-inpaint"),
+        Node(6, "Note", (40, 700), {"text": INPAINT_NOTE}),
+    ]),
+    Workflow("klein_4b_outpaint", [
+        _loader(1, "flux-2-klein-4b.safetensors"),
+        _encoder(2, "A wide mountain landscape continuing the scene, same light and style"),
+        Node(7, "LoadImage", (-760, 80), {"image": "klein_outpaint_input.png"}, title="Picture to extend"),
+        Node(11, "ImagePadForOutpaint", (-380, 80), {"left": 0, "top": 0, "right": 256, "bottom": 0,
+                                                     "feathering": 40}, {"image": (7, 0)}),
+        *_inpaint_chain((11, 0), (11, 1), 64, "Klein-4B-outpaint"),
+        Node(6, "Note", (40, 700), {"text": "Outpainting: Pad Image for Outpainting adds the new area (here "
+                                            "256 px on the right; feathering repaints a soft seam into the "
+                                            "picture), and the inpaint chain fills it. Only the new area and "
+                                            "the feathered seam change."}),
     ]),
 ]
 
@@ -267,7 +335,9 @@ def to_api(wf: Workflow) -> dict:
 
 
 TITLES = {"klein_4b_text_to_image": "Klein 4B: text to image", "klein_4b_base_cfg": "Klein 4B base: CFG + negative",
-          "klein_4b_two_reference_edit": "Klein 4B: edit with two references"}
+          "klein_4b_two_reference_edit": "Klein 4B: edit with two references",
+          "klein_4b_img2img": "Klein 4B: image to image", "klein_4b_inpaint": "Klein 4B: inpaint",
+          "klein_4b_outpaint": "Klein 4B: outpaint"}
 COLORS = {"KleinModelLoader": (70, 110, 170), "KleinTextEncode": (90, 140, 90), "KleinSampler": (170, 100, 60),
           "KleinVAEDecode": (130, 90, 160), "KleinReferenceStacker": (60, 140, 140), "LoadImage": (110, 110, 110),
           "SaveImage": (110, 110, 110), "PreviewAny": (110, 110, 110), "Note": (150, 140, 80)}

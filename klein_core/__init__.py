@@ -21,7 +21,21 @@ from .files.opening import open_weights
 from .files.source import WeightSource
 from .files.transformer_layout import bfl_to_diffusers
 from .images import PUBLISHED_REFERENCE_LIMIT, prepare_reference_image, reference_size, to_pil
-from .inpaint import InitImage, composite, crop_for_inpaint, outpaint, prepare_inpaint, stitch
+from .inpaint import (
+    InitImage,
+    composite,
+    composite_pixels,
+    crop_for_inpaint,
+    crop_region,
+    crop_size,
+    feather_mask,
+    mask_for_latents,
+    outpaint,
+    prepare_inpaint,
+    processing_size,
+    steps_to_run,
+    stitch,
+)
 from .loading import LOADERS, load_text_encoder, load_transformer, load_vae, weightless
 from .lora import AppliedLoRAs, LoRA, LoRAPatch, apply_loras, check_loras, has_loras, load_lora, with_loras
 from .memory.placement import (
@@ -148,9 +162,12 @@ __all__ = [
     "check_text_width",
     "choose_plan",
     "composite",
+    "composite_pixels",
     "compute_empirical_mu",
     "count_tokens",
     "crop_for_inpaint",
+    "crop_region",
+    "crop_size",
     "decode_tiled",
     "decode_to_pixels",
     "default_prompt_cache",
@@ -162,6 +179,7 @@ __all__ = [
     "encoder_identity",
     "encoder_name",
     "estimate",
+    "feather_mask",
     "fp8_layers",
     "generate",
     "get_schedule",
@@ -173,6 +191,7 @@ __all__ = [
     "load_transformer",
     "load_vae",
     "make_noise",
+    "mask_for_latents",
     "matching_text_encoders",
     "module_bytes",
     "offload_blocks",
@@ -186,12 +205,14 @@ __all__ = [
     "prepare_inpaint",
     "prepare_reference_image",
     "probe",
+    "processing_size",
     "quantize_model_",
     "quantize_state_dict",
     "reference_size",
     "reference_tokens",
     "resolve_settings",
     "resolve_size",
+    "steps_to_run",
     "stitch",
     "text_position_ids",
     "to_pil",

@@ -19,6 +19,7 @@ from .engine import Engine, GenerationResult, generate
 from .errors import GenerationCancelled, WeightFormatError
 from .files.identify import matching_text_encoders, probe
 from .images import oriented_size, reference_size
+from .inpaint import outpaint
 from .prompts import DiskPromptCache, PromptCache, TextOptions, default_prompt_cache, encoder_identity
 from .request import MAX_STEPS, as_device, guess_model_kind, resolve_size
 from .sampling import MAX_SEED
@@ -92,6 +93,22 @@ def _add_generate_args(g: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default=None, help="cuda, cuda:1, cpu, mps (default: cuda if available, else cpu)")
     g.add_argument("--dtype", choices=sorted(_DTYPES), default=None,
                    help="weights dtype (default: bf16 on GPU, fp32 on CPU)")
+    edit = g.add_argument_group("image to image, inpainting, outpainting")
+    edit.add_argument("--image", type=Path, default=None,
+                      help="start from this picture (image to image); the output takes its size")
+    edit.add_argument("--mask", type=Path, default=None,
+                      help="with --image: white = repaint, black = keep (inpainting)")
+    edit.add_argument("--strength", type=float, default=None,
+                      help="with --image: share of the schedule that runs, 0..1 (default 1 with a mask, 0.8 without)")
+    edit.add_argument("--outpaint", default=None, metavar="L,T,R,B",
+                      help="with --image: grow the canvas by these pixels on the left, top, right, bottom and paint "
+                           "the new area")
+    edit.add_argument("--crop-padding", type=int, default=None, metavar="PX",
+                      help="paint only a crop around the mask, grown by PX (small masks on large pictures)")
+    edit.add_argument("--feather", type=int, default=0, metavar="PX",
+                      help="soften the seam over PX pixels inside the mask (and, with --outpaint, into the picture)")
+    edit.add_argument("--no-composite", action="store_true",
+                      help="return the generated picture as is (by default only masked pixels change)")
     g.add_argument("--text-precision", choices=("model", "fp32"), default="model",
                    help="text encoder activations: model = its weights' dtype (BFL, diffusers); fp32 = "
                         "fp32 activations on the same weights (ComfyUI's native nodes)")
@@ -215,6 +232,43 @@ def _check_request(args: argparse.Namespace, refs: list[Image.Image]) -> None:
         raise CLIError(f"--batch must be at least 1, got {args.batch}")
     if not 0 <= args.seed <= MAX_SEED:
         raise CLIError(f"--seed must be from 0 to 2^64-1, got {args.seed}")
+    if args.image is None:
+        for flag, value in (("--mask", args.mask), ("--strength", args.strength), ("--outpaint", args.outpaint),
+                            ("--crop-padding", args.crop_padding)):
+            if value is not None:
+                raise CLIError(f"{flag} needs --image (the picture to start from)")
+    elif args.width is not None or args.height is not None:
+        raise CLIError("--width/--height: with --image the output takes the picture's size")
+    if args.strength is not None and not 0 < args.strength <= 1:
+        raise CLIError(f"--strength must be in (0, 1], got {args.strength}")
+    if args.mask is not None and args.outpaint is not None:
+        raise CLIError("--outpaint makes its own mask; give --mask or --outpaint, not both")
+
+
+def _init_image(args: argparse.Namespace) -> tuple[Image.Image, Image.Image | None] | None:
+    """--image / --mask / --outpaint as (picture, mask), read before any model loads."""
+    if args.image is None:
+        return None
+    images = []
+    for flag, path in (("--image", args.image), ("--mask", args.mask)):
+        if path is None:
+            images.append(None)
+            continue
+        try:
+            img = Image.open(path)
+            img.load()
+        except (OSError, ValueError) as exc:
+            raise CLIError(f"cannot read {flag} {path}: {exc}") from None
+        images.append(img)
+    image, mask = images
+    if args.outpaint is not None:
+        try:
+            left, top, right, bottom = (int(v) for v in args.outpaint.split(","))
+            image, mask = outpaint(image, left, top, right, bottom, feather=args.feather)
+        except ValueError as exc:
+            raise CLIError(f"--outpaint {args.outpaint}: {exc} (give four pixel counts: left,top,right,bottom)") \
+                from None
+    return image, mask
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -226,6 +280,7 @@ def run_generate(args: argparse.Namespace) -> int:
             refs.append(Image.open(r))
         except (OSError, ValueError) as exc:
             raise CLIError(f"cannot read reference image {r}: {exc}") from None
+    init = _init_image(args)
     _check_request(args, refs)
     text = TextOptions(max_tokens=None if args.max_tokens == "whole" else 512,
                        activations=torch.float32 if args.text_precision == "fp32" else None)
@@ -273,6 +328,8 @@ def run_generate(args: argparse.Namespace) -> int:
         references=refs, width=args.width, height=args.height, steps=args.steps, guidance=args.guidance,
         seed=args.seed, batch_size=args.batch, distilled=distilled, callback=_Progress(args.quiet),
         cache=cache, text=text, prompt_embeds=cond.positive if cond is not None else None,
+        image=init[0] if init else None, mask=init[1] if init else None, strength=args.strength,
+        mask_crop_padding=args.crop_padding, composite=not args.no_composite, feather=args.feather,
         negative_embeds=cond.negative if cond is not None else None,
     )
     total = time.perf_counter() - t0
@@ -282,6 +339,8 @@ def run_generate(args: argparse.Namespace) -> int:
         "model_kind": "distilled" if distilled else "base", "references": [str(r) for r in args.ref],
         "demo": bool(args.demo), **names, "loras": [f"{p.name}:{s:g}" for p, s in args.lora],
         "text_precision": args.text_precision, "max_tokens": args.max_tokens,
+        **({"image": str(args.image), "mask": str(args.mask) if args.mask else None, "strength": args.strength,
+            "outpaint": args.outpaint} if args.image else {}),
     }
     paths = _save_images(result, args.out, params)
     stages = ", ".join(f"{k} {v:.2f} s" for k, v in result.timings.items())

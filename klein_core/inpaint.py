@@ -265,6 +265,27 @@ def latent_mask(mask: torch.Tensor, height: int, width: int) -> torch.Tensor:
     return F.interpolate(mask.float(), size=(height, width), mode="bilinear")
 
 
+def mask_for_latents(mask: torch.Tensor, height: int, width: int, downscale: int = 16) -> torch.Tensor:
+    """A pixel mask (ComfyUI MASK ``[B, H, W]`` or ``[H, W]``, 1 = repaint) for latents of
+    ``height x width`` positions: resized to the latents' pixel size if needed, binarised at 0.5,
+    then onto the latent grid as diffusers does. Returns ``[B, 1, height, width]``."""
+    m = mask.detach().float()
+    if m.ndim == 2:
+        m = m[None]
+    if m.ndim != 3:
+        raise ValueError(f"mask must be [batch, height, width] or [height, width], got {list(mask.shape)}")
+    if not torch.isfinite(m).all() or m.min() < 0 or m.max() > 1:
+        raise ValueError("mask values must be finite and within 0..1 (1 = repaint, 0 = keep)")
+    m = m[:, None]
+    size = (height * downscale, width * downscale)
+    if tuple(m.shape[-2:]) != size:
+        m = F.interpolate(m, size=size, mode="bilinear")
+    binary = (m >= 0.5).float()
+    if not binary.any():
+        raise ValueError("the mask is empty (all black): there is nothing to repaint")
+    return latent_mask(binary, height, width)
+
+
 # ----- back into the picture -----------------------------------------------------------------------
 
 
@@ -389,6 +410,6 @@ def crop_for_inpaint(image: Image.Image, mask: MaskInput, *, padding: int = 32, 
 
 __all__ = [
     "DEFAULT_STRENGTH_IMAGE_TO_IMAGE", "DEFAULT_STRENGTH_INPAINT", "InitImage", "InpaintInputs", "check_strength", "composite",
-    "composite_pixels", "crop_for_inpaint", "crop_region", "crop_size", "feather_mask", "latent_mask", "mask_array", "mask_image", "outpaint",
+    "composite_pixels", "crop_for_inpaint", "crop_region", "crop_size", "feather_mask", "latent_mask", "mask_array", "mask_for_latents", "mask_image", "outpaint",
     "prepare_inpaint", "processing_size", "stitch", "steps_to_run",
 ]

@@ -6,6 +6,7 @@ from comfy_api.latest import ComfyExtension, io
 
 from . import cache
 from .encode import KleinTextEncode
+from .inpaint import KleinInpaintCrop, KleinInpaintStitch
 from .loaders import KleinModelLoader
 from .lora import KleinLoraLoader
 from .references import KleinReferenceStacker
@@ -14,7 +15,7 @@ from .vae import KleinVAEDecode, KleinVAEEncode
 
 NODES: list[type[io.ComfyNode]] = [
     KleinModelLoader, KleinTextEncode, KleinReferenceStacker, KleinSampler, KleinVAEDecode, KleinVAEEncode,
-    KleinLoraLoader,
+    KleinLoraLoader, KleinInpaintCrop, KleinInpaintStitch,
 ]
 
 

@@ -47,6 +47,32 @@ def check_encoder_fits(model: KleinModel, cond: KleinConditioning) -> None:
                         model=f"the model {model.name} ({model.config.variant})")
 
 
+def start_from(latent: dict | None, mask: torch.Tensor | None, denoise: float,
+               channels: int) -> kc.InitLatents | None:
+    """The sampler's optional latent / mask / denoise inputs as klein_core InitLatents (None: from noise)."""
+    if latent is None:
+        if mask is not None:
+            raise ValueError(f"{NODE}: mask needs latent: connect the image to inpaint through Flux2 VAE Encode "
+                             f"to latent.")
+        if denoise < 1:
+            logger.warning("%s: denoise %.2f is used only with a latent input; sampling from noise", NODE, denoise)
+        return None
+    samples = latent.get("samples") if isinstance(latent, dict) else None
+    if not isinstance(samples, torch.Tensor) or samples.ndim != 4 or samples.shape[1] != channels:
+        shape = list(samples.shape) if isinstance(samples, torch.Tensor) else type(samples).__name__
+        raise ValueError(f"{NODE}: latent must be FLUX.2 latents [batch, {channels}, height/16, width/16] (Flux2 "
+                         f"VAE Encode), got {shape}.")
+    lat_mask = None
+    if mask is not None:
+        try:
+            lat_mask = kc.mask_for_latents(mask, samples.shape[-2], samples.shape[-1])
+        except ValueError as exc:
+            raise ValueError(f"{NODE}: mask: {exc}.") from exc
+    if not isinstance(denoise, (int, float)) or not math.isfinite(denoise) or not 0 < denoise <= 1:
+        raise ValueError(f"{NODE}: denoise must be a number from 0.01 to 1, got {denoise!r}.")
+    return kc.InitLatents(samples.float(), float(denoise), lat_mask)
+
+
 def settings(width: int, height: int, steps: int, guidance: float, seed: int, batch_size: int) -> kc.Settings:
     """The node's widgets as klein_core settings (0 = the model's default, or the first reference's size)."""
     return kc.Settings(width or None, height or None, steps or None, guidance or None, seed, batch_size)
@@ -86,6 +112,18 @@ class KleinSampler(io.ComfyNode):
                                      "gives the same image on any device)."),
                 io.Int.Input("batch_size", default=1, min=1, max=64,
                              tooltip="Images per run, with noise drawn together from the seed."),
+                io.Latent.Input("latent", optional=True, tooltip=(
+                    "Image-to-image / inpainting: the image to start from (Flux2 VAE Encode). The output "
+                    "takes its size (leave width and height at 0).")),
+                io.Mask.Input("mask", optional=True, tooltip=(
+                    "Inpainting: white = repaint, black = keep (LoadImage's mask, the mask editor, Image "
+                    "Pad for Outpaint, Klein Inpaint Crop). Needs latent.")),
+                io.Float.Input("denoise", default=1.0, min=0.01, max=1.0, step=0.01, optional=True, tooltip=(
+                    "With latent: how much of the schedule runs. 1 = repaint fully (inpainting); 0.5-0.8 = "
+                    "keep the composition (image-to-image). Ignored without latent.")),
+                io.Boolean.Input("latent_as_reference", default=True, optional=True, tooltip=(
+                    "With latent: the image also joins as the first reference, as Klein's inpainting "
+                    "(diffusers) does; it keeps colours and details. Off = the image only seeds the noise.")),
             ],
             outputs=[io.Latent.Output(display_name="latent", tooltip="FLUX.2 latents [B, 128, H/16, W/16] "
                                                                      "(ComfyUI's Flux2 layout).")],
@@ -104,17 +142,31 @@ class KleinSampler(io.ComfyNode):
     @notices.reported
     def execute(cls, model: KleinModel, conditioning: KleinConditioning, width: int = 0, height: int = 0,
                 steps: int = 0, guidance: float = 0.0, seed: int = 0, batch_size: int = 1,
-                references: KleinReferences | None = None) -> io.NodeOutput:
+                references: KleinReferences | None = None, latent: dict | None = None,
+                mask: torch.Tensor | None = None, denoise: float = 1.0,
+                latent_as_reference: bool = True) -> io.NodeOutput:
         check_encoder_fits(model, conditioning)
         refs = [r.latent for r in references.items] if references is not None else []
+        init = start_from(latent, mask, denoise, model.config.in_channels)
+        if init is not None and latent_as_reference:
+            if init.latents.shape[0] == 1:
+                refs = [init.latents, *refs]  # first, at time offset 10, as diffusers' Klein inpainting
+            else:
+                logger.warning("%s: latent_as_reference needs a single image; the %d images in latent only seed "
+                               "the noise", NODE, init.latents.shape[0])
+        if init is not None and (width or height):
+            raise ValueError(f"{NODE}: width/height: the output takes the size of latent "
+                             f"({init.latents.shape[-1] * 16}x{init.latents.shape[-2] * 16}); set both to 0.")
+        size_from = init.latents if init is not None else (refs[0] if refs else None)
         try:
             run = kc.resolve_settings(settings(width, height, steps, guidance, seed, batch_size), model.kind,
-                             (refs[0].shape[-1] * 16, refs[0].shape[-2] * 16) if refs else None)
+                                      (size_from.shape[-1] * 16, size_from.shape[-2] * 16)
+                                      if size_from is not None else None)
         except ValueError as exc:
             raise ValueError(f"{NODE}: width/height: {exc} Set both to 0 to use the first reference's size "
                              f"(1024x1024 without references).") from exc
-        request = kc.MemoryRequest(run.width, run.height, references=tuple((r.width, r.height) for r in
-                                                                            (references.items if references else ())),
+        request = kc.MemoryRequest(run.width, run.height, references=tuple((r.shape[-1] * 16, r.shape[-2] * 16)
+                                                                            for r in refs),
                                    batch=run.batch_size, cfg=run.cfg, encode_text=False, decode=False)
         with errors_named(NODE, "model", model.name):  # ComfyUI frees what the run needs first
             transformer = model.ref.get(activation_bytes("denoise", request, transformer=model.config))
@@ -128,8 +180,9 @@ class KleinSampler(io.ComfyNode):
                            "distilled models run without CFG (set model_kind to base for a base model)"
                            if model.kind == "distilled" else f"guidance {run.guidance:g} is not above 1")
         try:
+            total = kc.steps_to_run(run.steps, init.strength) if init is not None else run.steps
             latents, _ = engine.denoise(kc.Conditioning(conditioning.positive, negative), refs, run,
-                                        callback=StepReporter(run.steps, host.torch_device()))
+                                        callback=StepReporter(total, host.torch_device()), init=init)
         except kc.KleinOutOfMemory as exc:
             raise kc.KleinOutOfMemory(f"{NODE}: {exc} Lower width/height, use fewer references or a smaller "
                                       "batch, or set memory_mode to blocks/minimum.") from None

@@ -5,18 +5,20 @@ from __future__ import annotations
 import logging
 
 import torch
+import torch.nn.functional as F
 from comfy_api.latest import io
 
 import klein_core as kc
 
 from . import host, notices
-from .common import activation_bytes
+from .common import activation_bytes, check_widget
 from .types import KleinVAE, KleinVAEType
 
 logger = logging.getLogger(__name__)
 
 DECODE_NODE = "Flux2 VAE Decode"
 ENCODE_NODE = "Flux2 VAE Encode"
+SIZES = ("crop to 16", "fit 1 megapixel")
 
 
 def flux2_samples(latent: dict, channels: int) -> torch.Tensor:
@@ -82,18 +84,28 @@ class KleinVAEEncode(io.ComfyNode):
             inputs=[
                 io.Image.Input("pixels", tooltip="Images [B, H, W, C] in 0..1; alpha is dropped."),
                 KleinVAEType.Input("vae", tooltip="The FLUX.2 VAE from Klein Model Loader."),
+                io.Combo.Input("size", options=list(SIZES), default=SIZES[0], optional=True, tooltip=(
+                    "crop to 16 = centre-crop to multiples of 16 (ComfyUI's VAE Encode). fit 1 megapixel = "
+                    "scale larger images down to about 1 megapixel and resize the sides to multiples of 16, "
+                    "as diffusers prepares an image for image-to-image (Klein's preferred size).")),
             ],
             outputs=[io.Latent.Output(display_name="latent", tooltip="FLUX.2 latents [B, 128, H/16, W/16].")],
         )
 
     @classmethod
     @notices.reported
-    def execute(cls, pixels: torch.Tensor, vae: KleinVAE) -> io.NodeOutput:
+    def execute(cls, pixels: torch.Tensor, vae: KleinVAE, size: str = "crop to 16") -> io.NodeOutput:
         down = vae.config.downscale
         if pixels.ndim != 4 or pixels.shape[1] < down or pixels.shape[2] < down:
             raise ValueError(f"{ENCODE_NODE}: pixels must be an IMAGE [batch, height, width, channels] of at "
                              f"least {down}x{down} pixels, got shape {list(pixels.shape)}.")
-        px = center_crop(pixels, down)
+        check_widget(ENCODE_NODE, "size", size, SIZES)
+        if size == SIZES[1]:
+            w, h = kc.processing_size(pixels.shape[2], pixels.shape[1], down)
+            px = pixels if (w, h) == (pixels.shape[2], pixels.shape[1]) else F.interpolate(
+                pixels.movedim(-1, 1).float(), size=(h, w), mode="bicubic", antialias=True).clamp(0, 1).movedim(1, -1)
+        else:
+            px = center_crop(pixels, down)
         rgb = px[..., :3] if px.shape[-1] >= 3 else px[..., :1].expand(*px.shape[:-1], 3)  # gray -> RGB
         request = kc.MemoryRequest(references=((px.shape[2], px.shape[1]),), encode_text=False, denoise=False,
                                    decode=False)

@@ -164,3 +164,34 @@ def test_prompt_cache_skips_the_text_encoder_on_the_second_run(models, tmp_path,
     # another option is another cache entry: the encoder is needed again
     assert cli.main([*base[:-2], "--out", str(tmp_path / "c.png")]) == 0
     assert len(loads) == 2
+
+
+def test_inpaint_outpaint_and_img2img_from_the_command_line(models, tmp_path, capsys):
+    import numpy as np
+
+    _, p = models
+    files = ["--transformer", str(p["klein_4b"]), "--text-encoder", str(p["qwen_4b"]), "--vae", str(p["vae"]),
+             "--prompt", "a door", "--steps", "2", "-q"]
+    rgb = np.random.default_rng(0).integers(0, 256, (72, 100, 3), dtype=np.uint8)
+    Image.fromarray(rgb).save(tmp_path / "photo.png")
+    mask = np.zeros((72, 100), dtype=np.uint8)
+    mask[10:40, 20:60] = 255
+    Image.fromarray(mask).save(tmp_path / "mask.png")
+    assert cli.main([*files, "--image", str(tmp_path / "photo.png"), "--mask", str(tmp_path / "mask.png"),
+                     "--out", str(tmp_path / "inpaint.png")]) == 0
+    out = np.asarray(Image.open(tmp_path / "inpaint.png"))
+    assert out.shape == rgb.shape and np.array_equal(out[mask == 0], rgb[mask == 0])
+    assert cli.main([*files, "--image", str(tmp_path / "photo.png"), "--outpaint", "0,0,32,16",
+                     "--out", str(tmp_path / "outpaint.png")]) == 0
+    out = np.asarray(Image.open(tmp_path / "outpaint.png"))
+    assert out.shape == (88, 132, 3) and np.array_equal(out[:72, :100], rgb)
+    assert cli.main([*files, "--image", str(tmp_path / "photo.png"), "--strength", "0.5",
+                     "--out", str(tmp_path / "i2i.png")]) == 0
+    assert Image.open(tmp_path / "i2i.png").size == (96, 64)  # resized to multiples of 16
+    meta = json.loads(Image.open(tmp_path / "i2i.png").text["parameters"])
+    assert meta["strength"] == 0.5 and meta["image"].endswith("photo.png")
+    capsys.readouterr()
+    assert cli.main([*files, "--mask", str(tmp_path / "mask.png")]) == 2
+    assert "--mask needs --image" in capsys.readouterr().err
+    assert cli.main([*files, "--image", str(tmp_path / "photo.png"), "--width", "64"]) == 2
+    assert "takes the picture's size" in capsys.readouterr().err

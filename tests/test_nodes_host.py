@@ -277,3 +277,87 @@ def test_unusable_prompt_cache_folder_is_a_warning_not_a_failure(comfy, tmp_path
     assert out.args[0].positive.shape == (1, 512, 96)
     assert any("prompt cache folder" in w and "cache" in w for w in _warnings(out))
     assert all(str(tmp_path) not in w for w in _warnings(out))
+
+
+# ----- image to image and inpainting in the nodes ------------------------------------------------------
+
+
+def _vae_encode(comfy, vae, pixels, size="crop to 16"):  # noqa: F811
+    with torch.inference_mode():
+        return comfy.pack.KleinVAEEncode.execute(pixels, vae, size).args[0]
+
+
+def test_sampler_from_a_latent_equals_the_engine(comfy):  # noqa: F811
+    model, vae = _load(comfy)
+    cond = _encode_out(comfy, "a watercolour").args[0]
+    latent = _vae_encode(comfy, vae, torch.rand(1, 64, 96, 3))
+    got = _sample(comfy, model, cond, width=0, height=0, steps=4, latent=latent, denoise=0.6, seed=3)
+    engine = kc.Engine(model.ref.get(), kind="distilled", prompt_cache=None)
+    lat = latent["samples"]
+    expected, _ = engine.denoise(kc.Conditioning(cond.positive), [lat], kc.Settings(steps=4, seed=3),
+                                 init=kc.InitLatents(lat, 0.6))
+    assert torch.equal(got, expected.float())
+    plain = _sample(comfy, model, cond, width=0, height=0, steps=4, latent=latent, denoise=0.6, seed=3,
+                    latent_as_reference=False)
+    assert not torch.equal(plain, got)  # the reference really was used
+
+
+def test_sampler_mask_keeps_the_unmasked_latents(comfy):  # noqa: F811
+    model, vae = _load(comfy)
+    cond = _encode_out(comfy, "a red door").args[0]
+    latent = _vae_encode(comfy, vae, torch.rand(1, 96, 128, 3))
+    mask = torch.zeros(1, 96, 128)
+    mask[:, 16:64, 32:96] = 1
+    got = _sample(comfy, model, cond, width=0, height=0, steps=3, latent=latent, mask=mask)
+    lat_mask = kc.mask_for_latents(mask, 6, 8)
+    keep = (lat_mask == 0).expand_as(got)
+    src = latent["samples"].to(torch.bfloat16).float()  # the bf16 model's latents: the image's, rounded
+    assert torch.equal(got[keep], src[keep])
+    assert not torch.equal(got[~keep], src[~keep])
+
+
+def test_sampler_latent_and_mask_errors_name_the_input(comfy):  # noqa: F811
+    model, vae = _load(comfy)
+    cond = _encode_out(comfy).args[0]
+    latent = _vae_encode(comfy, vae, torch.rand(1, 64, 64, 3))
+    with pytest.raises(ValueError, match="mask needs latent"):
+        _sample(comfy, model, cond, mask=torch.ones(1, 64, 64))
+    with pytest.raises(ValueError, match="takes the size of latent"):
+        _sample(comfy, model, cond, width=64, height=64, latent=latent)
+    with pytest.raises(ValueError, match="mask: the mask is empty"):
+        _sample(comfy, model, cond, width=0, height=0, latent=latent, mask=torch.zeros(1, 64, 64))
+    with pytest.raises(ValueError, match="latent must be FLUX.2 latents"):
+        _sample(comfy, model, cond, width=0, height=0, latent={"samples": torch.zeros(1, 4, 8, 8)})
+
+
+def test_vae_encode_fit_one_megapixel(comfy):  # noqa: F811
+    _, vae = _load(comfy)
+    assert _vae_encode(comfy, vae, torch.rand(1, 150, 200, 3), "fit 1 megapixel")["samples"].shape[-2:] == (9, 12)
+    assert _vae_encode(comfy, vae, torch.rand(1, 150, 200, 3))["samples"].shape[-2:] == (9, 12)  # cropped
+
+
+def test_inpaint_crop_and_stitch_nodes(comfy):  # noqa: F811
+    mod = sys.modules["klein_pack_nodes.inpaint"]
+    image = torch.rand(1, 300, 400, 3, dtype=torch.float32)  # not 8-bit values: kept bit for bit anyway
+    mask = torch.zeros(1, 300, 400)
+    mask[:, 100:140, 250:300] = 1
+    with torch.inference_mode():
+        crop, crop_mask, info = mod.KleinInpaintCrop.execute(image, mask, 16, 0.0625).args
+    assert crop.shape[1] % 16 == 0 and crop.shape[2] % 16 == 0 and crop.shape[1:3] == crop_mask.shape[1:]
+    x1, y1, x2, y2 = info.box
+    assert x1 <= 234 and y1 <= 84 and x2 >= 316 and y2 >= 156 and "crop" in str(info)
+    painted = torch.rand(2, *crop.shape[1:])  # a batch of two painted crops
+    with torch.inference_mode():
+        out = mod.KleinInpaintStitch.execute(info, painted, 4, True).args[0]
+    keep = (mask[0] == 0)
+    assert out.shape == (2, 300, 400, 3)
+    assert torch.equal(out[:, keep], image[0, keep].expand(2, -1, -1))
+    assert not torch.equal(out[:, ~keep], image[0, ~keep].expand(2, -1, -1))
+    with torch.inference_mode():
+        whole = mod.KleinInpaintStitch.execute(info, painted, 0, False).args[0]
+    assert not torch.equal(whole[0, y1:y2, x1:x2], image[0, y1:y2, x1:x2])  # the box replaced
+    assert torch.equal(whole[0, :y1], image[0, :y1])
+    with pytest.raises(ValueError, match="the mask is 40x30 but the image is 400x300"):
+        mod.KleinInpaintCrop.execute(image, torch.ones(1, 30, 40), 16, 1.0)
+    with pytest.raises(ValueError, match="empty"):
+        mod.KleinInpaintCrop.execute(image, torch.zeros(1, 300, 400), 16, 1.0)

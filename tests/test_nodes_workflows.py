@@ -10,7 +10,8 @@ import pytest
 from script_module import load_script
 
 REPO = Path(__file__).resolve().parents[1]
-NAMES = ("klein_4b_text_to_image", "klein_4b_base_cfg", "klein_4b_two_reference_edit")
+NAMES = ("klein_4b_text_to_image", "klein_4b_base_cfg", "klein_4b_two_reference_edit", "klein_4b_img2img",
+         "klein_4b_inpaint", "klein_4b_outpaint")
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +74,7 @@ def test_api_twin_matches_the_ui_file(make, name):
 
 
 def test_workflows_use_the_public_file_names_and_settings():
-    t2i, base, edit = (_api(n) for n in NAMES)
+    t2i, base, edit, img2img, inpaint, outpaint = (_api(n) for n in NAMES)
 
     def only(graph, cls):
         (node,) = [n for n in graph.values() if n["class_type"] == cls]
@@ -81,7 +82,7 @@ def test_workflows_use_the_public_file_names_and_settings():
 
     assert only(t2i, "KleinModelLoader")["model_name"] == "flux-2-klein-4b.safetensors"
     assert only(base, "KleinModelLoader")["model_name"] == "flux-2-klein-base-4b.safetensors"
-    for graph in (t2i, base, edit):
+    for graph in (t2i, base, edit, img2img, inpaint, outpaint):
         assert only(graph, "KleinModelLoader")["vae_name"] == "flux2-vae.safetensors"
         assert only(graph, "KleinTextEncode")["text_encoder"] == "qwen_3_4b.safetensors"
         assert "SaveImage" in {n["class_type"] for n in graph.values()}
@@ -94,6 +95,16 @@ def test_workflows_use_the_public_file_names_and_settings():
         ["klein_reference_1.png", "klein_reference_2.png"]
     stackers = [n["inputs"] for n in edit.values() if n["class_type"] == "KleinReferenceStacker"]
     assert len(stackers) == 2 and sum("references" in s for s in stackers) == 1
+    # image to image: a latent at denoise 0.6; inpaint / outpaint: crop, mask into the sampler, stitch back
+    assert only(img2img, "KleinSampler")["denoise"] == 0.6 and "latent" in only(img2img, "KleinSampler")
+    for graph in (inpaint, outpaint):
+        sampler = only(graph, "KleinSampler")
+        crop_id = next(k for k, n in graph.items() if n["class_type"] == "KleinInpaintCrop")
+        assert sampler["mask"] == [crop_id, 1] and sampler["denoise"] == 1.0
+        assert only(graph, "KleinInpaintStitch")["stitch"] == [crop_id, 2]
+        save = only(graph, "SaveImage")["images"][0]
+        assert graph[save]["class_type"] == "KleinInpaintStitch"
+    assert only(outpaint, "ImagePadForOutpaint")["right"] > 0
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -25,7 +25,8 @@ from klein_core.testing import write_tiny_model_files
 pytestmark = pytest.mark.e2e
 
 WORKFLOWS = REPO_ROOT / "example_workflows"
-NAMES = ("klein_4b_text_to_image", "klein_4b_base_cfg", "klein_4b_two_reference_edit")
+NAMES = ("klein_4b_text_to_image", "klein_4b_base_cfg", "klein_4b_two_reference_edit", "klein_4b_img2img",
+         "klein_4b_inpaint", "klein_4b_outpaint")
 DISPLAY = {
     "KleinTextEncode": "Qwen3 Layer-Concat Encoder",
     "KleinModelLoader": "Klein Model Loader",
@@ -44,6 +45,8 @@ def klein(comfy_server, e2e_models_dir):
         write_tiny_model_files(e2e_models_dir)
     for i, (name, size) in enumerate(REF_SIZES.items()):
         Image.new("RGB", size, (40 + 80 * i, 120, 200 - 60 * i)).save(comfy_server.input_dir / name)
+    for name in ("klein_img2img_input.png", "klein_inpaint_input.png", "klein_outpaint_input.png"):
+        Image.new("RGB", (128, 96), (90, 120, 150)).save(comfy_server.input_dir / name)  # tests write real ones
     deadline = time.monotonic() + 10
     while "flux-2-klein-4b.safetensors" not in comfy_server.models("diffusion_models"):
         assert time.monotonic() < deadline, "the server does not list the tiny models"
@@ -99,7 +102,7 @@ def test_every_node_is_in_object_info(klein):
     sampler = pack["KleinSampler"]
     assert sampler["input_order"] == {
         "required": ["model", "conditioning", "width", "height", "steps", "guidance", "seed", "batch_size"],
-        "optional": ["references"]}
+        "optional": ["references", "latent", "mask", "denoise", "latent_as_reference"]}
     assert sampler["input"]["required"]["seed"][1]["control_after_generate"] is True
     assert sampler["output"] == ["LATENT"]
     assert pack["KleinVAEDecode"]["output"] == ["IMAGE"]

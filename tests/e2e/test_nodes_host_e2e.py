@@ -156,3 +156,80 @@ def test_latent_through_core_nodes_and_back(klein):  # noqa: F811
     assert res2.ok, res2.describe()
     [loaded] = [_pixels(klein, i) for i in _images_of(res2, "32")]
     assert np.array_equal(loaded, direct[0])  # SaveLatent/LoadLatent round trip: the same image
+
+
+# ----- image to image, inpainting, outpainting ---------------------------------------------------------
+
+
+def _photo(w: int, h: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8)
+
+
+def _shrunk(graph: dict) -> dict:
+    for n in graph.values():  # paint the crop small: tiny models, two CPU cores
+        if n["class_type"] == "KleinInpaintCrop":
+            n["inputs"]["megapixels"] = 0.0625
+    return graph
+
+
+def test_img2img_workflow(klein):  # noqa: F811
+    Image.fromarray(_photo(200, 150, 1)).save(klein.input_dir / "klein_img2img_input.png")
+    graph = api("klein_4b_img2img")
+    res = klein.run_prompt(graph, timeout=90)
+    assert res.ok, res.describe()
+    sampler = node_id(graph, "KleinSampler")
+    assert {p["max"] for p in res.progress if p["node"] == sampler} == {3}  # int(4 * 0.6) -> 3 of 4 steps run
+    [image] = _images_of(res, "5")
+    assert _pixels(klein, image).shape == (144, 192, 3)  # 200x150 resized to multiples of 16
+
+
+def test_inpaint_workflow_changes_only_the_painted_pixels(klein):  # noqa: F811
+    rgb = _photo(240, 176, 2)
+    alpha = np.full((176, 240), 255, dtype=np.uint8)
+    alpha[60:120, 150:200] = 0  # transparent = LoadImage's mask = repaint
+    Image.fromarray(np.dstack([rgb, alpha]), "RGBA").save(klein.input_dir / "klein_inpaint_input.png")
+    graph = _shrunk(api("klein_4b_inpaint"))
+    res = klein.run_prompt(graph, timeout=120)
+    assert res.ok, res.describe()
+    [image] = _images_of(res, "5")
+    out = _pixels(klein, image)
+    keep = alpha == 255
+    assert out.shape == rgb.shape
+    assert np.array_equal(out[keep], rgb[keep])  # every unmasked pixel, exactly
+    assert np.abs(out[~keep].astype(int) - rgb[~keep]).mean() > 5
+
+
+def test_outpaint_workflow_with_core_padding(klein):  # noqa: F811
+    rgb = _photo(160, 128, 3)
+    Image.fromarray(rgb).save(klein.input_dir / "klein_outpaint_input.png")
+    graph = _shrunk(api("klein_4b_outpaint"))
+    res = klein.run_prompt(graph, timeout=120)
+    assert res.ok, res.describe()
+    [image] = _images_of(res, "5")
+    out = _pixels(klein, image)
+    assert out.shape == (128, 160 + 256, 3)
+    feather = 40  # ImagePadForOutpaint's feathering repaints that band of the picture's right edge
+    assert np.array_equal(out[:, : 160 - feather], rgb[:, : 160 - feather])
+    assert np.abs(out[:, 160:].astype(int) - 128).mean() > 3  # the new area is painted, not the grey fill
+
+
+def test_core_image_composite_masked_takes_our_images(klein):  # noqa: F811
+    """ComfyUI's ImageCompositeMasked works on our decoded images too (an alternative to the stitch)."""
+    rgb = _photo(96, 64, 4)
+    Image.fromarray(rgb).save(klein.input_dir / "klein_composite_input.png")
+    graph = api("klein_4b_text_to_image", width=96, height=64, steps=1)
+    graph.update({
+        "40": {"class_type": "LoadImage", "inputs": {"image": "klein_composite_input.png"}},
+        "41": {"class_type": "SolidMask", "inputs": {"value": 1.0, "width": 96, "height": 64}},
+        "42": {"class_type": "ImageCompositeMasked", "inputs": {
+            "destination": ["40", 0], "source": ["4", 0], "x": 32, "y": 0, "resize_source": False,
+            "mask": ["41", 0]}},
+        "43": {"class_type": "SaveImage", "inputs": {"images": ["42", 0], "filename_prefix": "composited"}},
+    })
+    res = klein.run_prompt(graph, timeout=60)
+    assert res.ok, res.describe()
+    [image] = _images_of(res, "43")
+    [decoded] = _images_of(res, "5")
+    out, ours = _pixels(klein, image), _pixels(klein, decoded)
+    assert np.array_equal(out[:, :32], rgb[:, :32])  # left of the pasted image: the destination's pixels
+    assert np.array_equal(out[:, 32:], ours[:, :64])  # our decoded image, placed at x=32
