@@ -28,6 +28,8 @@ MODEL_URLS = {
     "flux-2-klein-base-4b.safetensors": f"{_HF}/flux2-klein/resolve/main/split_files/diffusion_models/",
     "qwen_3_4b.safetensors": f"{_HF}/flux2-klein/resolve/main/split_files/text_encoders/",
     "flux2-vae.safetensors": f"{_HF}/flux2-dev/resolve/main/split_files/vae/",
+    "flux-2-klein-9b-kv-fp8.safetensors": "https://huggingface.co/black-forest-labs/FLUX.2-klein-9b-kv-fp8/resolve/main/",
+    "qwen_3_8b_fp8mixed.safetensors": f"{_HF}/flux2-klein-9B/resolve/main/split_files/text_encoders/",
 }
 
 
@@ -58,8 +60,9 @@ SPECS = {
     "KleinSampler": Spec(
         sockets=(("model", "KLEIN_MODEL", False), ("conditioning", "KLEIN_COND", False),
                  ("references", "KLEIN_REFS", True), ("latent", "LATENT", True), ("mask", "MASK", True)),
-        widgets=("width", "height", "steps", "guidance", "seed", "batch_size", "denoise", "latent_as_reference"),
-        outputs=(("latent", "LATENT"),), frontend_extra=(("seed", "randomize"),), size=(320, 330)),
+        widgets=("width", "height", "steps", "guidance", "seed", "batch_size", "denoise", "latent_as_reference",
+                 "reference_mode"),
+        outputs=(("latent", "LATENT"),), frontend_extra=(("seed", "randomize"),), size=(320, 350)),
     "KleinVAEEncode": Spec(
         sockets=(("pixels", "IMAGE", False), ("vae", "KLEIN_VAE", False)), widgets=("size",),
         outputs=(("latent", "LATENT"),), size=(300, 90)),
@@ -121,9 +124,9 @@ def _loader(nid: int, model: str) -> Node:
                                                      "memory_mode": "auto"})
 
 
-def _encoder(nid: int, prompt: str, negative: str = "") -> Node:
+def _encoder(nid: int, prompt: str, negative: str = "", encoder: str = "qwen_3_4b.safetensors") -> Node:
     return Node(nid, "KleinTextEncode", (40, 290),
-                {"text_encoder": "qwen_3_4b.safetensors", "prompt": prompt, "negative_prompt": negative,
+                {"text_encoder": encoder, "prompt": prompt, "negative_prompt": negative,
                  "precision": "model dtype", "max_tokens": "512"})
 
 
@@ -134,7 +137,8 @@ def _sampler(nid: int, size: int, steps: int, guidance: float, refs: tuple[int, 
              **({"latent": latent} if latent else {}), **({"mask": mask} if mask else {})}
     return Node(nid, "KleinSampler", (520, 80), {"width": size, "height": size, "steps": steps,
                                                   "guidance": guidance, "seed": 42, "batch_size": 1,
-                                                  "denoise": denoise, "latent_as_reference": True}, links)
+                                                  "denoise": denoise, "latent_as_reference": True,
+                                                  "reference_mode": "auto"}, links)
 
 
 def _inpaint_chain(image: tuple[int, int], mask: tuple[int, int], padding: int, prefix: str) -> list[Node]:
@@ -202,6 +206,23 @@ WORKFLOWS = [
                                              "and height 0 = the size of reference 1 (scaled to at most 1 "
                                              "megapixel, multiples of 16), shown in Reference sizes after a "
                                              "run. Chain more stackers for more references (up to 4)."}),
+    ]),
+    Workflow("klein_9b_kv_edit", [
+        _loader(1, "flux-2-klein-9b-kv-fp8.safetensors"),
+        _encoder(2, "Put the person from image 1 into the street scene of image 2, evening light",
+                 encoder="qwen_3_8b_fp8mixed.safetensors"),
+        Node(7, "LoadImage", (-380, 80), {"image": "klein_reference_1.png"}, title="Reference 1 (sets the size)"),
+        Node(8, "LoadImage", (-380, 470), {"image": "klein_reference_2.png"}, title="Reference 2"),
+        Node(9, "KleinReferenceStacker", (40, 700), links={"image": (7, 0), "vae": (1, 1)}),
+        Node(10, "KleinReferenceStacker", (40, 840),
+             links={"image": (8, 0), "vae": (1, 1), "references": (9, 0)}),
+        _sampler(3, 0, 4, 1.0, refs=(10, 0)),
+        *_decode_save("Klein-9B-KV-edit"),
+        Node(6, "Note", (520, 700), {"text": "Klein 9B-KV: the references' keys and values are computed once "
+                                             "(model_kind auto reads 'kv' from the file name) and every step, "
+                                             "and the next run with the same pictures, reuses them: a new "
+                                             "prompt or seed skips the reference pass. Needs "
+                                             "qwen_3_8b_fp8mixed.safetensors (or qwen_3_8b) in text_encoders."}),
     ]),
     Workflow("klein_4b_img2img", [
         _loader(1, "flux-2-klein-4b.safetensors"),
@@ -337,7 +358,7 @@ def to_api(wf: Workflow) -> dict:
 TITLES = {"klein_4b_text_to_image": "Klein 4B: text to image", "klein_4b_base_cfg": "Klein 4B base: CFG + negative",
           "klein_4b_two_reference_edit": "Klein 4B: edit with two references",
           "klein_4b_img2img": "Klein 4B: image to image", "klein_4b_inpaint": "Klein 4B: inpaint",
-          "klein_4b_outpaint": "Klein 4B: outpaint"}
+          "klein_4b_outpaint": "Klein 4B: outpaint", "klein_9b_kv_edit": "Klein 9B-KV: edit, references cached"}
 COLORS = {"KleinModelLoader": (70, 110, 170), "KleinTextEncode": (90, 140, 90), "KleinSampler": (170, 100, 60),
           "KleinVAEDecode": (130, 90, 160), "KleinReferenceStacker": (60, 140, 140), "LoadImage": (110, 110, 110),
           "SaveImage": (110, 110, 110), "PreviewAny": (110, 110, 110), "Note": (150, 140, 80)}

@@ -36,6 +36,7 @@ from .inpaint import (
     steps_to_run,
     stitch,
 )
+from .kv import ReferenceKVCache, default_kv_cache
 from .loading import LOADERS, load_text_encoder, load_transformer, load_vae, weightless
 from .lora import AppliedLoRAs, LoRA, LoRAPatch, apply_loras, check_loras, has_loras, load_lora, with_loras
 from .memory.placement import (
@@ -82,6 +83,7 @@ from .request import (
 )
 from .request import resolve as resolve_settings
 from .sampling import (
+    REFERENCE_MODES,
     MAX_SEED,
     compute_empirical_mu,
     denoise,
@@ -119,6 +121,7 @@ __all__ = [
     "LOADERS",
     "MAX_SEED",
     "PUBLISHED_REFERENCE_LIMIT",
+    "REFERENCE_MODES",
     "TEXT_ENCODER_FOR_WIDTH",
     "VARIANTS",
     "AppliedLoRAs",
@@ -146,6 +149,7 @@ __all__ = [
     "PromptCache",
     "Qwen3Config",
     "Qwen3TextEncoder",
+    "ReferenceKVCache",
     "Resolved",
     "Settings",
     "StagePlacer",
@@ -170,6 +174,7 @@ __all__ = [
     "crop_size",
     "decode_tiled",
     "decode_to_pixels",
+    "default_kv_cache",
     "default_prompt_cache",
     "denoise",
     "encode_prompts",

@@ -50,7 +50,8 @@ from .request import (
     guess_model_kind,
     resolve,
 )
-from .sampling import StepCallback, denoise, get_schedule, make_noise, reference_tokens
+from .kv import ReferenceKVCache, default_kv_cache
+from .sampling import REFERENCE_MODES, StepCallback, denoise, get_schedule, make_noise, reference_tokens
 from .variants import check_text_width
 
 logger = logging.getLogger(__name__)
@@ -225,14 +226,21 @@ class Engine:
     Args:
         transformer, text_encoder, vae: loaded components; any may be absent, and a stage that
             needs a missing one says so.
-        kind: ``"distilled"`` (4 steps, no CFG) or ``"base"`` (50 steps, CFG 4); None: from the
-            transformer's file name ("base" in it -> base), else distilled. Weights cannot tell.
+        kind: ``"distilled"`` (4 steps, no CFG), ``"base"`` (50 steps, CFG 4) or ``"kv"`` (Klein
+            9B-KV: distilled, references in KV mode); None: from the transformer's file name
+            ("base" -> base, "kv" as a word -> kv), else distilled. Weights cannot tell.
         device: the compute device (default: where the transformer, else the first component, is).
         memory: ``"auto"`` plans placement for the free memory of ``device`` per call (all
             resident off CUDA); ``"resident"``, ``"swap"``, ``"blocks"`` or ``"minimum"`` force
             one; a :class:`~klein_core.memory.planner.MemoryPlan` is used as given. Components
             meant to be offloaded should be loaded on the CPU (pinned: ``pin_memory_``).
         prompt_cache: a :class:`~klein_core.prompts.PromptCache` (None: no caching).
+        text: how prompts are encoded (:class:`~klein_core.prompts.TextOptions`).
+        ref_mode: how references take part (``klein_core.sampling.REFERENCE_MODES``): "joint"
+            (Klein 4B/9B), "timestep_zero" (ComfyUI's index_timestep_zero) or "kv" (Klein 9B-KV:
+            reference keys/values computed once); None: "kv" for kind "kv", else "joint".
+        kv_cache: where KV-mode reference keys/values are kept across runs
+            (:class:`~klein_core.kv.ReferenceKVCache`; None: computed anew every run).
     """
 
     def __init__(
@@ -246,6 +254,8 @@ class Engine:
         memory: str | MemoryPlan | None = "auto",
         prompt_cache: PromptCache | None = default_prompt_cache,
         text: TextOptions = TextOptions(),
+        ref_mode: str | None = None,
+        kv_cache: ReferenceKVCache | None = default_kv_cache,
     ) -> None:
         memory = "auto" if memory is None else memory
         if not isinstance(memory, MemoryPlan) and memory not in MODES:
@@ -267,6 +277,11 @@ class Engine:
         if not isinstance(text, TextOptions):
             raise TypeError(f"text must be a TextOptions, got {type(text).__name__}")
         self.text = text
+        if ref_mode is not None and ref_mode not in REFERENCE_MODES:
+            raise ValueError(f"ref_mode must be one of {REFERENCE_MODES} or None, got {ref_mode!r}")
+        # The explicit mode wins; else KV models (kind "kv", from the file name) use KV mode.
+        self.ref_mode = ref_mode or ("kv" if self.kind == "kv" else "joint")
+        self.kv_cache = kv_cache
 
     # -- memory ---------------------------------------------------------------------------------
 
@@ -438,7 +453,7 @@ class Engine:
         for i, ref in enumerate(references):
             check_tensor(ref, f"reference latent {i + 1}", 4, tr.config.in_channels)
             require_finite(ref, f"reference latent {i + 1}")
-        if self.kind == "distilled" and conditioning.negative is not None:
+        if self.kind != "base" and conditioning.negative is not None:
             logger.warning("the negative prompt is ignored: distilled Klein models run without CFG")
         if run.cfg and conditioning.negative is None:
             raise ValueError("CFG (a base model with guidance > 1) needs a negative prompt embedding")
@@ -472,7 +487,7 @@ class Engine:
         if plan is None:
             sizes = reference_pixel_sizes((), references, down)
             plan = self.plan(memory_request(width, height, sizes, batch=txt.shape[0], cfg=run.cfg,
-                                            encode_text=False, decode=False))
+                                            encode_text=False, decode=False, reference_kv=self.ref_mode == "kv"))
         sigmas = get_schedule(run.steps, noise.shape[-1] * noise.shape[-2])  # = self.schedule(run) for seeded noise
         image = mask = None
         if init is not None:
@@ -484,8 +499,12 @@ class Engine:
         with explain_oom("denoising", self.device, width, height, txt.shape[0] * (2 if run.cfg else 1),
                          len(references)):
             with self._stage("transformer", plan) as model:
+                ref_kv = None
+                if refs is not None and self.ref_mode == "kv":  # once per run, or from an earlier run
+                    ref_kv = (self.kv_cache.get(model, refs) if self.kv_cache is not None
+                              else model.reference_kv(refs.tokens, refs.ids))
                 latents = denoise(model, noise, txt, sigmas, neg_txt=neg, guidance=run.guidance, refs=refs,
-                                  callback=callback, image=image, mask=mask)
+                                  callback=callback, image=image, mask=mask, ref_mode=self.ref_mode, ref_kv=ref_kv)
         check_output(latents, "The sampler", tr, _overflow_cause(tr.dtype))
         return latents, run
 
@@ -527,7 +546,8 @@ class Engine:
             sizes = ([init.size] if request.init.as_reference else []) + sizes  # type: ignore[union-attr]
         run = resolve(request.settings, self.kind, first, multiple=self.downscale, warn=False)
         return memory_request(run.width, run.height, sizes, batch=len(request.prompts) * run.batch_size,
-                              cfg=run.cfg, encode_text=encode_text, decode=request.output != "latent")
+                              cfg=run.cfg, encode_text=encode_text, decode=request.output != "latent",
+                              reference_kv=self.ref_mode == "kv")
 
     def generate(self, request: GenerationRequest, *, callback: StepCallback | None = None) -> GenerationResult:
         """Run the four stages for ``request``; one memory plan covers them all."""
@@ -559,9 +579,10 @@ class Engine:
         if reference_latents:
             extra = tuple(reference_pixel_sizes((), reference_latents, self.downscale))
             memory = memory_request(memory.width, memory.height, extra + memory.references, batch=memory.batch,
-                                    cfg=memory.cfg, encode_text=memory.encode_text, decode=memory.decode)
+                                    cfg=memory.cfg, encode_text=memory.encode_text, decode=memory.decode,
+                                    reference_kv=memory.reference_kv)
         plan = self.plan(memory)
-        if self.kind == "distilled" and request.negative_prompt and conditioning is None:
+        if self.kind != "base" and request.negative_prompt and conditioning is None:
             logger.warning("the negative prompt is ignored: distilled Klein models run without CFG")
         t0 = time.perf_counter()
         n_refs = len(reference_latents) + len(request.references)
@@ -643,6 +664,8 @@ def generate(
     mask_crop_padding: int | None = None,
     composite: bool = True,
     feather: int = 0,
+    ref_mode: str | None = None,
+    kv_cache: ReferenceKVCache | None = default_kv_cache,
 ) -> GenerationResult:
     """Generate images with FLUX.2 Klein (an :class:`Engine` run with keyword arguments).
 
@@ -674,6 +697,8 @@ def generate(
         image, mask, strength, image_as_reference, mask_crop_padding, composite, feather:
             image-to-image (``image``, ``strength``) and inpainting (with ``mask``: white =
             repaint); see :class:`~klein_core.inpaint.InitImage`. The size comes from the image.
+        ref_mode, kv_cache: how references take part ("joint", "timestep_zero", "kv"; default from
+            the model kind) and where KV-mode reference keys/values are kept; see :class:`Engine`.
     Returns:
         :class:`GenerationResult` with latents, images/pixels (if decoded) and per-stage timings.
     """
@@ -681,7 +706,7 @@ def generate(
         raise TypeError(f"distilled (the model kind) must be True, False or None, got {distilled!r}")
     kind = None if distilled is None else ("distilled" if distilled else "base")
     engine = Engine(transformer, text_encoder, vae, kind=kind, device=device, memory=memory, prompt_cache=cache,
-                    text=text)
+                    text=text, ref_mode=ref_mode, kv_cache=kv_cache)
     settings = Settings(width, height, steps, guidance, seed, batch_size)
     conditioning = None
     if prompt_embeds is not None:

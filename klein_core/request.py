@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -29,14 +30,23 @@ MAX_PIXELS = 4 * 1024 * 1024  # 4 megapixels (BFL's published limit)
 MAX_STEPS = 10_000  # far beyond any schedule Klein uses (4 distilled, 20-50 base); a typo guard
 DISTILLED_DEFAULTS = {"steps": 4, "guidance": 1.0}
 BASE_DEFAULTS = {"steps": 50, "guidance": 4.0}
-ModelKind = Literal["distilled", "base"]
-MODEL_KINDS: tuple[str, ...] = ("distilled", "base")
+ModelKind = Literal["distilled", "base", "kv"]
+# "kv": Klein 9B-KV, distilled (4 steps, no CFG) and run with stored reference keys/values.
+MODEL_KINDS: tuple[str, ...] = ("distilled", "base", "kv")
+_KV_NAME = re.compile(r"(?:^|[-_. ])kv(?:$|[-_. ])", re.IGNORECASE)
 OUTPUTS: tuple[str, ...] = ("pil", "latent")
 
 
 def guess_model_kind(name: str) -> ModelKind:
-    """Pick sampler defaults from a file name ("...-base-..." -> base). Weights cannot tell."""
-    return "base" if "base" in name.lower() else "distilled"
+    """Pick the model kind from a file name: "...-base-..." -> base, "...-kv..." (a word of its own,
+    e.g. flux-2-klein-9b-kv-fp8.safetensors) -> kv, else distilled. Weights cannot tell."""
+    stem = os.path.basename(str(name).rstrip("/\\"))
+    for ext in (".safetensors", ".sft", ".gguf"):
+        if stem.lower().endswith(ext):
+            stem = stem[: -len(ext)]
+    if _KV_NAME.search(stem):
+        return "kv"
+    return "base" if "base" in stem.lower() else "distilled"
 
 
 def check_size(width: int, height: int, *, multiple: int = 16) -> tuple[int, int]:
@@ -103,7 +113,7 @@ def resolve(settings: Settings, kind: ModelKind, first_reference: tuple[int, int
     TypeError for a wrong type) naming the bad value."""
     if kind not in MODEL_KINDS:
         raise ValueError(f"model kind must be one of {MODEL_KINDS}, got {kind!r}")
-    defaults = DISTILLED_DEFAULTS if kind == "distilled" else BASE_DEFAULTS
+    defaults = BASE_DEFAULTS if kind == "base" else DISTILLED_DEFAULTS
     steps = defaults["steps"] if settings.steps is None else settings.steps
     if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= MAX_STEPS:
         raise ValueError(f"steps must be an integer from 1 to {MAX_STEPS}, got {steps!r}")
@@ -121,7 +131,7 @@ def resolve(settings: Settings, kind: ModelKind, first_reference: tuple[int, int
         raise TypeError(f"seed must be an int, got {type(seed).__name__}")
     if not 0 <= seed <= MAX_SEED:
         raise ValueError(f"seed must be in [0, 2^64-1], got {seed}")
-    if warn and kind == "distilled" and guidance != 1.0:
+    if warn and kind != "base" and guidance != 1.0:
         logger.warning("guidance %.2f is ignored: distilled Klein models run without CFG", guidance)
     width, height = resolve_size(settings.width, settings.height, first_reference, multiple)
     return Resolved(width, height, steps, guidance, seed, batch, kind == "base" and guidance > 1.0)

@@ -15,11 +15,16 @@ from dataclasses import dataclass
 import torch
 
 from .errors import GenerationCancelled
-from .models.transformer import Flux2Transformer
+from .models.transformer import Flux2Transformer, ReferenceKV
 
 logger = logging.getLogger(__name__)
 
 REF_TIME_OFFSET = 10  # reference i gets RoPE time 10*(i+1) (BFL scale, ComfyUI ref_index_scale)
+# How reference tokens take part: "joint" = in the sequence at the current timestep (Klein 4B/9B,
+# BFL and diffusers); "timestep_zero" = in the sequence, modulated as at timestep 0 (ComfyUI's
+# "index_timestep_zero"); "kv" = their keys/values computed once, alone, at timestep 0, and joined
+# to every step's keys (Klein 9B-KV).
+REFERENCE_MODES: tuple[str, ...] = ("joint", "timestep_zero", "kv")
 MAX_SEED = 2**64 - 1  # ComfyUI seeds are unsigned 64-bit
 
 StepCallback = Callable[[int, int, torch.Tensor], "bool | None"]
@@ -140,6 +145,8 @@ def denoise(
     callback: StepCallback | None = None,
     image: torch.Tensor | None = None,
     mask: torch.Tensor | None = None,
+    ref_mode: str = "joint",
+    ref_kv: ReferenceKV | None = None,
 ) -> torch.Tensor:
     """Run the Euler flow sampler from ``noise`` along ``sigmas``.
 
@@ -158,7 +165,12 @@ def denoise(
     (``sigmas`` is the schedule already cut by the strength). ``mask`` ``[B or 1, 1, h, w]`` (1 =
     repaint, fractions blend) keeps the rest: after each step the unmasked part is replaced by the
     image noised to the next sigma (the clean image after the last step).
+
+    ``ref_mode`` (:data:`REFERENCE_MODES`): how ``refs`` take part; in "kv" mode their keys/values
+    are computed once before the first step, or taken from ``ref_kv`` (from an earlier run).
     """
+    if ref_mode not in REFERENCE_MODES:
+        raise ValueError(f"ref_mode must be one of {REFERENCE_MODES}, got {ref_mode!r}")
     device, dtype = model.device, model.dtype
     b, _, h, w = noise.shape
     n = h * w
@@ -182,10 +194,13 @@ def denoise(
     txt = txt.to(device=device, dtype=dtype)
     if txt.shape[0] != b:
         raise ValueError(f"prompt batch {txt.shape[0]} does not match latent batch {b}")
-    ref_tok = None
-    if refs is not None:
+    ref_tok, kv, zero_time = None, None, 0
+    if refs is not None and ref_mode == "kv":
+        kv = ref_kv if ref_kv is not None else model.reference_kv(refs.tokens, refs.ids)
+    elif refs is not None:
         ref_tok = refs.tokens.to(device=device, dtype=dtype)
         img_ids = torch.cat([img_ids, refs.ids])
+        zero_time = ref_tok.shape[1] if ref_mode == "timestep_zero" else 0
     # One forward per entry: (text, RoPE tables, how many copies of the latents it takes).
     if cfg:
         neg_txt = neg_txt.to(device=device, dtype=dtype)  # type: ignore[union-attr]
@@ -214,7 +229,8 @@ def denoise(
             if ref_tok is not None:
                 x = torch.cat([x, ref_tok.expand(x.shape[0], -1, -1)], dim=1)
             t = t_model[i].expand(x.shape[0])
-            outs.append(model(img=x, img_ids=img_ids, txt=text, txt_ids=txt_ids, timesteps=t, rope=rope)[:, :n])
+            outs.append(model(img=x, img_ids=img_ids, txt=text, txt_ids=txt_ids, timesteps=t, rope=rope, kv=kv,
+                              zero_time_tokens=zero_time)[:, :n])
         v = outs[0] if len(outs) == 1 else torch.cat(outs)
         if cfg:
             v_pos, v_neg = v.chunk(2)

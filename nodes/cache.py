@@ -37,6 +37,7 @@ _lock = threading.RLock()
 _resident: dict[str, tuple[ModelRef, torch.nn.Module, object]] = {}  # role -> (ref, model, host handle)
 loads: Counter[str] = Counter()  # loads per role since start (tests and logs)
 prompts = kc.PromptCache(max_entries=32)  # the pack's prompt-embedding cache (in memory)
+kv = kc.ReferenceKVCache(max_entries=1)  # KV models: the last edit's reference keys/values (on the GPU)
 
 # Opt-in disk cache of prompt embeddings: a folder, and its size bound in MiB. Set before (or while)
 # ComfyUI runs; read at each encode, so a change takes effect without a restart.
@@ -148,6 +149,7 @@ def release_all(reason: str = "ComfyUI unloaded all models") -> int:
         names = [f"{role} {entry[0].name}" for role, entry in _resident.items()]
         _resident.clear()
         prompts.clear()
+        kv.clear()
     logger.info("Klein: released %d cached model(s) (%s): %s; cache empty", len(names),
                 ", ".join(names) or "none", reason)
     return len(names)

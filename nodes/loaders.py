@@ -17,7 +17,7 @@ logger = logging.getLogger(__name__)
 
 NODE = "Klein Model Loader"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp8": torch.bfloat16}
-KINDS = ("auto", "distilled", "base")
+KINDS = ("auto", "distilled", "base", "kv")
 MEMORY_MODES = ("auto", "resident", "swap", "blocks", "minimum")
 
 
@@ -68,8 +68,9 @@ class KleinModelLoader(io.ComfyNode):
                                        "weights in float8 (half the memory of bf16; fp8 matmuls on GPUs "
                                        "with fp8 tensor cores). fp8 files load in fp8 with any choice."),
                 io.Combo.Input("model_kind", options=list(KINDS), default="auto", tooltip=(
-                    "Sets the sampler defaults: distilled = 4 steps without CFG, base = 50 steps with CFG 4. "
-                    "auto = base if the file name contains 'base'.")),
+                    "Sets the sampler defaults: distilled = 4 steps without CFG, base = 50 steps with CFG 4, "
+                    "kv = Klein 9B-KV (distilled; references' keys/values computed once per edit). auto = "
+                    "from the file name: 'base' -> base, '-kv' -> kv, else distilled (weights cannot tell).")),
                 io.Combo.Input("memory_mode", options=list(MEMORY_MODES), default="auto", tooltip=(
                     "GPU memory plan. auto = the fastest plan that fits the free memory (logged by the "
                     "sampler with its estimate); resident = everything stays on the GPU; swap = text "

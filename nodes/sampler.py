@@ -11,8 +11,8 @@ from comfy_api.latest import io
 
 import klein_core as kc
 
-from . import host, notices
-from .common import activation_bytes, errors_named
+from . import cache, host, notices
+from .common import activation_bytes, check_widget, errors_named
 from .encode import NODE as ENCODER_NODE
 from .preview import StepReporter
 from .types import (
@@ -27,6 +27,7 @@ from .types import (
 logger = logging.getLogger(__name__)
 
 NODE = "Klein Sampler"
+REFERENCE_MODES = {"auto": None, "joint": "joint", "timestep zero": "timestep_zero", "kv": "kv"}
 MAX_SIDE = 4096  # widget limit; the pixel count is limited to 4 megapixels (e.g. 2048x2048)
 
 
@@ -124,6 +125,13 @@ class KleinSampler(io.ComfyNode):
                 io.Boolean.Input("latent_as_reference", default=True, optional=True, tooltip=(
                     "With latent: the image also joins as the first reference, as Klein's inpainting "
                     "(diffusers) does; it keeps colours and details. Off = the image only seeds the noise.")),
+                io.Combo.Input("reference_mode", options=list(REFERENCE_MODES), default="auto", optional=True,
+                               tooltip=(
+                    "How references take part. auto = kv for Klein 9B-KV models, else joint. joint = in the "
+                    "sequence at the current timestep (BFL, diffusers). timestep zero = in the sequence, "
+                    "modulated as at timestep 0 (ComfyUI's index_timestep_zero). kv = their keys/values "
+                    "computed once per edit and reused by every step (and by the next run with the same "
+                    "references).")),
             ],
             outputs=[io.Latent.Output(display_name="latent", tooltip="FLUX.2 latents [B, 128, H/16, W/16] "
                                                                      "(ComfyUI's Flux2 layout).")],
@@ -144,8 +152,9 @@ class KleinSampler(io.ComfyNode):
                 steps: int = 0, guidance: float = 0.0, seed: int = 0, batch_size: int = 1,
                 references: KleinReferences | None = None, latent: dict | None = None,
                 mask: torch.Tensor | None = None, denoise: float = 1.0,
-                latent_as_reference: bool = True) -> io.NodeOutput:
+                latent_as_reference: bool = True, reference_mode: str = "auto") -> io.NodeOutput:
         check_encoder_fits(model, conditioning)
+        check_widget(NODE, "reference_mode", reference_mode, REFERENCE_MODES)
         refs = [r.latent for r in references.items] if references is not None else []
         init = start_from(latent, mask, denoise, model.config.in_channels)
         if init is not None and latent_as_reference:
@@ -165,20 +174,25 @@ class KleinSampler(io.ComfyNode):
         except ValueError as exc:
             raise ValueError(f"{NODE}: width/height: {exc} Set both to 0 to use the first reference's size "
                              f"(1024x1024 without references).") from exc
+        engine = kc.Engine(kind=model.kind, ref_mode=REFERENCE_MODES[reference_mode], kv_cache=cache.kv,
+                           prompt_cache=None)  # resolves the mode; the transformer is given below
         request = kc.MemoryRequest(run.width, run.height, references=tuple((r.shape[-1] * 16, r.shape[-2] * 16)
                                                                             for r in refs),
-                                   batch=run.batch_size, cfg=run.cfg, encode_text=False, decode=False)
+                                   batch=run.batch_size, cfg=run.cfg, encode_text=False, decode=False,
+                                   reference_kv=engine.ref_mode == "kv")
         with errors_named(NODE, "model", model.name):  # ComfyUI frees what the run needs first
             transformer = model.ref.get(activation_bytes("denoise", request, transformer=model.config))
         engine = kc.Engine(transformer, kind=model.kind, device=host.torch_device(), memory=model.memory,
-                           prompt_cache=None)
-        logger.info("%s: %s %dx%d, %d steps, guidance %.2f, seed %d, batch %d, %d reference(s)", NODE,
-                    model.kind, run.width, run.height, run.steps, run.guidance, run.seed, run.batch_size, len(refs))
+                           prompt_cache=None, ref_mode=engine.ref_mode, kv_cache=cache.kv)
+        logger.info("%s: %s %dx%d, %d steps, guidance %.2f, seed %d, batch %d, %d reference(s) (%s)", NODE,
+                    model.kind, run.width, run.height, run.steps, run.guidance, run.seed, run.batch_size, len(refs),
+                    engine.ref_mode)
         negative = conditioning.negative if run.cfg else None
         if conditioning.has_negative and not run.cfg:
             logger.warning("%s: the negative prompt is not used: %s", NODE,
                            "distilled models run without CFG (set model_kind to base for a base model)"
-                           if model.kind == "distilled" else f"guidance {run.guidance:g} is not above 1")
+                           if model.kind != "base" else f"guidance {run.guidance:g} is not above 1")
+        kv_hits = cache.kv.hits
         try:
             total = kc.steps_to_run(run.steps, init.strength) if init is not None else run.steps
             latents, _ = engine.denoise(kc.Conditioning(conditioning.positive, negative), refs, run,
@@ -186,4 +200,6 @@ class KleinSampler(io.ComfyNode):
         except kc.KleinOutOfMemory as exc:
             raise kc.KleinOutOfMemory(f"{NODE}: {exc} Lower width/height, use fewer references or a smaller "
                                       "batch, or set memory_mode to blocks/minimum.") from None
+        if cache.kv.hits > kv_hits:
+            logger.info("%s: reference keys/values reused from the previous run (reference pass skipped)", NODE)
         return io.NodeOutput({"samples": latents.to(host.intermediate_device(), torch.float32)})

@@ -11,7 +11,7 @@ from script_module import load_script
 
 REPO = Path(__file__).resolve().parents[1]
 NAMES = ("klein_4b_text_to_image", "klein_4b_base_cfg", "klein_4b_two_reference_edit", "klein_4b_img2img",
-         "klein_4b_inpaint", "klein_4b_outpaint")
+         "klein_4b_inpaint", "klein_4b_outpaint", "klein_9b_kv_edit")
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +74,7 @@ def test_api_twin_matches_the_ui_file(make, name):
 
 
 def test_workflows_use_the_public_file_names_and_settings():
-    t2i, base, edit, img2img, inpaint, outpaint = (_api(n) for n in NAMES)
+    t2i, base, edit, img2img, inpaint, outpaint, kv = (_api(n) for n in NAMES)
 
     def only(graph, cls):
         (node,) = [n for n in graph.values() if n["class_type"] == cls]
@@ -82,9 +82,10 @@ def test_workflows_use_the_public_file_names_and_settings():
 
     assert only(t2i, "KleinModelLoader")["model_name"] == "flux-2-klein-4b.safetensors"
     assert only(base, "KleinModelLoader")["model_name"] == "flux-2-klein-base-4b.safetensors"
-    for graph in (t2i, base, edit, img2img, inpaint, outpaint):
+    for graph in (t2i, base, edit, img2img, inpaint, outpaint, kv):
         assert only(graph, "KleinModelLoader")["vae_name"] == "flux2-vae.safetensors"
-        assert only(graph, "KleinTextEncode")["text_encoder"] == "qwen_3_4b.safetensors"
+        assert only(graph, "KleinTextEncode")["text_encoder"] == (
+            "qwen_3_8b_fp8mixed.safetensors" if graph is kv else "qwen_3_4b.safetensors")
         assert "SaveImage" in {n["class_type"] for n in graph.values()}
     assert (only(t2i, "KleinSampler")["steps"], only(t2i, "KleinSampler")["guidance"]) == (4, 1.0)
     assert (only(base, "KleinSampler")["steps"], only(base, "KleinSampler")["guidance"]) == (50, 4.0)
@@ -105,6 +106,9 @@ def test_workflows_use_the_public_file_names_and_settings():
         save = only(graph, "SaveImage")["images"][0]
         assert graph[save]["class_type"] == "KleinInpaintStitch"
     assert only(outpaint, "ImagePadForOutpaint")["right"] > 0
+    # KV: BFL's public 9B-KV file; model_kind auto reads "kv" from its name
+    assert only(kv, "KleinModelLoader")["model_name"] == "flux-2-klein-9b-kv-fp8.safetensors"
+    assert only(kv, "KleinModelLoader")["model_kind"] == "auto" and only(kv, "KleinSampler")["reference_mode"] == "auto"
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -178,7 +178,7 @@ class _BoundOps(BlockOps):
         self.fused_modulation = fused_modulation
 
     def modulate(self, x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        if self.fused_modulation:
+        if self.fused_modulation and shift.shape[1] == 1:  # the kernel takes one vector per sequence
             return kernels.modulate(x, shift, scale, NORM_EPS)
         return super().modulate(x, shift, scale)
 

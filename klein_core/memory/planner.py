@@ -89,6 +89,7 @@ class MemoryRequest:
     denoise: bool = True
     decode: bool = True
     activation_bytes: int = 2  # bf16/fp16 activations
+    reference_kv: bool = False  # KV mode: references run once alone; their keys/values stay stored
 
     def __post_init__(self) -> None:
         for name in ("width", "height"):
@@ -377,9 +378,20 @@ def estimate(request: MemoryRequest, components: ModelSizes) -> MemoryEstimate:
         stages["references"] = StageEstimate("vae", act, tiled)
     if r.denoise and components.transformer is not None:
         seqs = r.batch * (2 if r.cfg else 1)
-        tokens = r.text_length + r.image_tokens + r.reference_tokens
-        stages["denoise"] = StageEstimate("transformer", transformer_activation_bytes(
-            tokens, seqs, components.hidden, r.text_length, components.context_dim, r.image_tokens, elem=e))
+        if r.reference_kv and r.reference_tokens:
+            # The references' own pass (batch 1), then steps without them in the sequence; their
+            # keys and values (2 x tokens x hidden per block) stay stored throughout.
+            steps = transformer_activation_bytes(r.text_length + r.image_tokens, seqs, components.hidden,
+                                                 r.text_length, components.context_dim, r.image_tokens, elem=e)
+            ref_pass = transformer_activation_bytes(r.reference_tokens, 1, components.hidden, 0,
+                                                    components.context_dim, 0, elem=e)
+            stored = 2 * r.reference_tokens * components.hidden * len(components.transformer.blocks) * e
+            act = max(steps, ref_pass) + stored
+        else:
+            tokens = r.text_length + r.image_tokens + r.reference_tokens
+            act = transformer_activation_bytes(tokens, seqs, components.hidden, r.text_length,
+                                               components.context_dim, r.image_tokens, elem=e)
+        stages["denoise"] = StageEstimate("transformer", act)
     if r.decode and components.vae is not None:
         dec = components.decoder_channels
         act = vae_decode_activation_bytes(r.height, r.width, r.batch, dec, e)

@@ -148,6 +148,46 @@ class _Modulation(nn.Module):
         return self.lin(F.silu(vec))[:, None, :].chunk(self.n, dim=-1)
 
 
+def _with_reference(k: torch.Tensor, v: torch.Tensor,
+                    kv: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values ``[B, H, L, D]`` followed by the stored reference ones ``[1 or B, H, N, D]``
+    (attention does not depend on the order of the keys)."""
+    rk, rv = kv
+    b = k.shape[0]
+    return (torch.cat([k, rk.to(k.dtype).expand(b, -1, -1, -1)], dim=2),
+            torch.cat([v, rv.to(v.dtype).expand(b, -1, -1, -1)], dim=2))
+
+
+@dataclass(frozen=True)
+class ReferenceKV:
+    """The references' keys and values of every block (KV mode): computed once from the reference
+    tokens alone, then joined to the keys at every step. ``double``/``single``: one ``(k, v)``
+    ``[1, H, N, D]`` per block; ``tokens``: N."""
+
+    double: tuple[tuple[torch.Tensor, torch.Tensor], ...]
+    single: tuple[tuple[torch.Tensor, torch.Tensor], ...]
+    tokens: int
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for pair in (*self.double, *self.single) for t in pair)
+
+
+def kv_bytes(config: TransformerConfig, tokens: int, dtype_bytes: int = 2) -> int:
+    """Bytes the stored references' keys and values take: 2 x tokens x hidden per block."""
+    return 2 * tokens * config.hidden_size * (config.depth + config.depth_single) * dtype_bytes
+
+
+def _per_token(main: tuple[torch.Tensor, ...], ref: tuple[torch.Tensor, ...], n_main: int,
+               n_ref: int, before: int = 0) -> tuple[torch.Tensor, ...]:
+    """Modulation vectors ``[B, 1, D]`` made per token ``[B, before + n_main + n_ref, D]``: the last
+    ``n_ref`` tokens take ``ref``'s (the "timestep zero" reference mode)."""
+    out = []
+    for m, r in zip(main, ref):
+        b, _, d = m.shape
+        out.append(torch.cat([m.expand(b, before + n_main, d), r.expand(b, n_ref, d)], dim=1))
+    return tuple(out)
+
+
 class DoubleStreamBlock(nn.Module):
     def __init__(self, cfg: TransformerConfig) -> None:
         super().__init__()
@@ -165,6 +205,7 @@ class DoubleStreamBlock(nn.Module):
         mod_img: tuple[torch.Tensor, ...],
         mod_txt: tuple[torch.Tensor, ...],
         ops: BlockOps = PLAIN_OPS,
+        kv: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         i_shift1, i_scale1, i_gate1, i_shift2, i_scale2, i_gate2 = mod_img
         t_shift1, t_scale1, t_gate1, t_shift2, t_scale2, t_gate2 = mod_txt
@@ -172,13 +213,30 @@ class DoubleStreamBlock(nn.Module):
         tq, tk, tv = self.txt_attn.split_heads(ops.modulate(txt, t_shift1, t_scale1))
         # Joint attention over [txt, img]; RoPE tables are laid out in the same order.
         q, k = ops.qk_norm_rope([self.txt_attn.qk_part(tq, tk), self.img_attn.qk_part(iq, ik)], cos, sin)
-        out = ops.attention(q, k, torch.cat([tv.transpose(1, 2), iv.transpose(1, 2)], dim=2))
+        v = torch.cat([tv.transpose(1, 2), iv.transpose(1, 2)], dim=2)
+        if kv is not None:  # stored reference keys/values join the keys (KV mode)
+            k, v = _with_reference(k, v, kv)
+        out = ops.attention(q, k, v)
         n_txt = txt.shape[1]
         txt = txt + t_gate1 * self.txt_attn.proj(out[:, :n_txt])
         img = img + i_gate1 * self.img_attn.proj(out[:, n_txt:])
         img = img + i_gate2 * self.img_mlp(ops.modulate(img, i_shift2, i_scale2))
         txt = txt + t_gate2 * self.txt_mlp(ops.modulate(txt, t_shift2, t_scale2))
         return img, txt
+
+    def reference(
+        self, ref: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mod: tuple[torch.Tensor, ...],
+        ops: BlockOps = PLAIN_OPS,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The reference tokens' own pass (KV mode): they attend only among themselves, through the
+        image stream. Returns the new tokens and their keys and values ``[B, H, N, D]``."""
+        shift1, scale1, gate1, shift2, scale2, gate2 = mod
+        q, k, v = self.img_attn.split_heads(ops.modulate(ref, shift1, scale1))
+        q, k = ops.qk_norm_rope([self.img_attn.qk_part(q, k)], cos, sin)
+        v = v.transpose(1, 2)
+        ref = ref + gate1 * self.img_attn.proj(ops.attention(q, k, v))
+        ref = ref + gate2 * self.img_mlp(ops.modulate(ref, shift2, scale2))
+        return ref, k, v
 
 
 class SingleStreamBlock(nn.Module):
@@ -195,17 +253,32 @@ class SingleStreamBlock(nn.Module):
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mod: tuple[torch.Tensor, ...],
-        ops: BlockOps = PLAIN_OPS,
+        ops: BlockOps = PLAIN_OPS, kv: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
+        return self._run(x, cos, sin, mod, ops, kv)[0]
+
+    def reference(
+        self, ref: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mod: tuple[torch.Tensor, ...],
+        ops: BlockOps = PLAIN_OPS,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The reference tokens' own pass (KV mode): new tokens, keys and values ``[B, H, N, D]``."""
+        return self._run(ref, cos, sin, mod, ops, None)
+
+    def _run(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mod: tuple[torch.Tensor, ...],
+        ops: BlockOps, kv: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         shift, scale, gate = mod
         qkv, mlp = self.linear1(ops.modulate(x, shift, scale)).split(
             [3 * self.hidden, 2 * self.mlp_hidden], dim=-1
         )
         q, k, v = (t.unflatten(-1, (self.num_heads, -1)) for t in qkv.chunk(3, dim=-1))
         q, k = ops.qk_norm_rope([(q, k, self.norm.query_norm.scale, self.norm.key_norm.scale)], cos, sin)
-        attn = ops.attention(q, k, v.transpose(1, 2))
+        v = v.transpose(1, 2)
+        keys, values = _with_reference(k, v, kv) if kv is not None else (k, v)
+        attn = ops.attention(q, keys, values)
         gate_mlp, up = mlp.chunk(2, dim=-1)
-        return x + gate * self.linear2(torch.cat([attn, F.silu(gate_mlp) * up], dim=-1))
+        return x + gate * self.linear2(torch.cat([attn, F.silu(gate_mlp) * up], dim=-1)), k, v
 
 
 class _TimeEmbedder(nn.Module):
@@ -306,29 +379,80 @@ class Flux2Transformer(nn.Module):
         txt_ids: torch.Tensor,
         timesteps: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+        kv: ReferenceKV | None = None,
+        zero_time_tokens: int = 0,
     ) -> torch.Tensor:
+        """``kv``: stored reference keys/values (:meth:`reference_kv`), joined to every block's keys
+        (KV mode; the references are then not in ``img``). ``zero_time_tokens``: the last that many
+        tokens of ``img`` (the references) are modulated as at timestep 0 instead of the current one
+        (ComfyUI's "index_timestep_zero" reference method); 0 = every token at the current timestep.
+        """
         self._check_inputs(img, img_ids, txt, txt_ids, timesteps)
         dtype = self.dtype
         img = img.to(dtype)
         txt = txt.to(dtype)
-        # The references feed sigma*1000 to the embedder after a round trip through the model
-        # dtype (bf16 pipelines see [1000, 968, 908, 768] for the 4-step schedule).
-        t = timesteps.to(device=img.device, dtype=dtype) * 1000
-        vec = self.time_in(timestep_embedding(t).to(dtype))
-        if vec.shape[0] != img.shape[0]:
-            vec = vec.expand(img.shape[0], -1)
+        vec = self._time_vector(timesteps, img.shape[0], img.device)
         mod_img = self.double_stream_modulation_img(vec)
         mod_txt = self.double_stream_modulation_txt(vec)
         mod_single = self.single_stream_modulation(vec)
+        if zero_time_tokens:
+            if not 0 < zero_time_tokens <= img.shape[1]:
+                raise ValueError(f"zero_time_tokens must be from 0 to {img.shape[1]}, got {zero_time_tokens}")
+            vec0 = self._time_vector(torch.zeros_like(timesteps), img.shape[0], img.device)
+            n_main = img.shape[1] - zero_time_tokens
+            mod_img = _per_token(mod_img, self.double_stream_modulation_img(vec0), n_main, zero_time_tokens)
+            mod_single = _per_token(mod_single, self.single_stream_modulation(vec0), n_main, zero_time_tokens,
+                                    before=txt.shape[1])
+        if kv is not None and (len(kv.double), len(kv.single)) != (len(self.double_blocks), len(self.single_blocks)):
+            raise ValueError("the stored reference keys/values were made by a transformer with other blocks")
 
         cos, sin = rope if rope is not None else self.rope(txt_ids, img_ids)
         ops = self.ops.bind(img.device, dtype)
         x = self.img_in(img)
         c = self.txt_in(txt)
-        for block in self.double_blocks:
-            x, c = block(x, c, cos, sin, mod_img, mod_txt, ops)
+        for i, block in enumerate(self.double_blocks):
+            x, c = block(x, c, cos, sin, mod_img, mod_txt, ops, kv.double[i] if kv is not None else None)
         n_txt = c.shape[1]
         h = torch.cat([c, x], dim=1)
-        for block in self.single_blocks:
-            h = block(h, cos, sin, mod_single, ops)
+        for i, block in enumerate(self.single_blocks):
+            h = block(h, cos, sin, mod_single, ops, kv.single[i] if kv is not None else None)
         return self.final_layer(h[:, n_txt:], vec)
+
+    def _time_vector(self, timesteps: torch.Tensor, batch: int, device: torch.device) -> torch.Tensor:
+        # The references feed sigma*1000 to the embedder after a round trip through the model
+        # dtype (bf16 pipelines see [1000, 968, 908, 768] for the 4-step schedule).
+        t = timesteps.to(device=device, dtype=self.dtype) * 1000
+        vec = self.time_in(timestep_embedding(t).to(self.dtype))
+        return vec.expand(batch, -1) if vec.shape[0] != batch else vec
+
+    @torch.no_grad()
+    def reference_kv(self, ref: torch.Tensor, ref_ids: torch.Tensor, *, timestep: float = 0.0) -> ReferenceKV:
+        """The references' keys and values for KV mode (Klein 9B-KV): the reference tokens ``[1, N,
+        128]`` at positions ``ref_ids [N, 4]`` run alone through every block, modulated at
+        ``timestep`` (0, as BFL's KV model), attending only among themselves.
+
+        What this returns depends only on the weights and the references, never on the prompt, the
+        noise or the step, so one result serves every step and every later run with the same
+        references (see :class:`klein_core.kv.ReferenceKVCache`).
+        """
+        if ref.ndim != 3 or ref.shape[-1] != self.config.in_channels:
+            raise ValueError(f"reference tokens must be [B, N, {self.config.in_channels}], got {list(ref.shape)}")
+        if ref_ids.shape[-2] != ref.shape[1]:
+            raise ValueError(f"reference ids {list(ref_ids.shape)} do not match {ref.shape[1]} reference tokens")
+        dtype = self.dtype
+        ref = ref.to(device=self.device, dtype=dtype)
+        vec = self._time_vector(torch.full((1,), float(timestep)), ref.shape[0], ref.device)
+        mod_img = self.double_stream_modulation_img(vec)
+        mod_single = self.single_stream_modulation(vec)
+        cos, sin = rope_cos_sin(ref_ids.to(self.device), self.config.axes_dim, self.config.theta)
+        cos, sin = (cos[None, None], sin[None, None]) if cos.ndim == 2 else (cos[:, None], sin[:, None])
+        ops = self.ops.bind(ref.device, dtype)
+        x = self.img_in(ref)
+        double, single = [], []
+        for block in self.double_blocks:
+            x, k, v = block.reference(x, cos, sin, mod_img, ops)
+            double.append((k.contiguous(), v.contiguous()))
+        for block in self.single_blocks:
+            x, k, v = block.reference(x, cos, sin, mod_single, ops)
+            single.append((k.contiguous(), v.contiguous()))
+        return ReferenceKV(tuple(double), tuple(single), ref.shape[1])

@@ -103,7 +103,7 @@ def write_tiny_model_files(models_dir: str | os.PathLike, seed: int = 0, dtype: 
 
     Creates ``diffusion_models/flux-2-klein-4b.safetensors`` (BFL layout, same weights also as
     ``flux-2-klein-base-4b.safetensors``), ``diffusion_models/flux-2-klein-9b.safetensors`` (a
-    bigger sibling that needs the other encoder), ``text_encoders/qwen_3_4b.safetensors`` and
+    bigger sibling that needs the other encoder, also as ``flux-2-klein-9b-kv.safetensors``), ``text_encoders/qwen_3_4b.safetensors`` and
     ``qwen_3_8b.safetensors`` (HF names with the ``model.`` prefix, as ComfyUI ships them) and
     ``vae/flux2-vae.safetensors``. Returns the paths by short name.
     """
@@ -112,6 +112,7 @@ def write_tiny_model_files(models_dir: str | os.PathLike, seed: int = 0, dtype: 
         "klein_4b": root / "diffusion_models" / "flux-2-klein-4b.safetensors",
         "klein_base_4b": root / "diffusion_models" / "flux-2-klein-base-4b.safetensors",
         "klein_9b": root / "diffusion_models" / "flux-2-klein-9b.safetensors",
+        "klein_9b_kv": root / "diffusion_models" / "flux-2-klein-9b-kv.safetensors",
         "qwen_4b": root / "text_encoders" / "qwen_3_4b.safetensors",
         "qwen_8b": root / "text_encoders" / "qwen_3_8b.safetensors",
         "vae": root / "vae" / "flux2-vae.safetensors",
@@ -119,7 +120,9 @@ def write_tiny_model_files(models_dir: str | os.PathLike, seed: int = 0, dtype: 
     tr4 = tiny_transformer(TINY_4B, seed).state_dict()
     _save(tr4, paths["klein_4b"], dtype)
     _save(tr4, paths["klein_base_4b"], dtype)
-    _save(tiny_transformer(TINY_9B, seed).state_dict(), paths["klein_9b"], dtype)
+    tr9 = tiny_transformer(TINY_9B, seed).state_dict()
+    _save(tr9, paths["klein_9b"], dtype)
+    _save(tr9, paths["klein_9b_kv"], dtype)  # the KV model has the 9B structure; its name tells them apart
     for key, spec in (("qwen_4b", TINY_4B), ("qwen_8b", TINY_9B)):
         te = tiny_text_encoder(spec, seed).state_dict()
         _save({"model." + k: v for k, v in te.items()}, paths[key], dtype)

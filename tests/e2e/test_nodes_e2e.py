@@ -13,6 +13,7 @@ import io
 import itertools
 import json
 import re
+import shutil
 import time
 
 import pytest
@@ -26,7 +27,7 @@ pytestmark = pytest.mark.e2e
 
 WORKFLOWS = REPO_ROOT / "example_workflows"
 NAMES = ("klein_4b_text_to_image", "klein_4b_base_cfg", "klein_4b_two_reference_edit", "klein_4b_img2img",
-         "klein_4b_inpaint", "klein_4b_outpaint")
+         "klein_4b_inpaint", "klein_4b_outpaint", "klein_9b_kv_edit")
 DISPLAY = {
     "KleinTextEncode": "Qwen3 Layer-Concat Encoder",
     "KleinModelLoader": "Klein Model Loader",
@@ -42,7 +43,10 @@ _seeds = itertools.count(1000)  # a new seed per run defeats ComfyUI's output ca
 @pytest.fixture(scope="module")
 def klein(comfy_server, e2e_models_dir):
     if not (e2e_models_dir / "diffusion_models" / "flux-2-klein-4b.safetensors").is_file():
-        write_tiny_model_files(e2e_models_dir)
+        paths = write_tiny_model_files(e2e_models_dir)
+        # the KV workflow's public file names (BFL's fp8 KV file, ComfyUI's fp8-mixed Qwen3-8B)
+        shutil.copy(paths["klein_9b_kv"], e2e_models_dir / "diffusion_models" / "flux-2-klein-9b-kv-fp8.safetensors")
+        shutil.copy(paths["qwen_8b"], e2e_models_dir / "text_encoders" / "qwen_3_8b_fp8mixed.safetensors")
     for i, (name, size) in enumerate(REF_SIZES.items()):
         Image.new("RGB", size, (40 + 80 * i, 120, 200 - 60 * i)).save(comfy_server.input_dir / name)
     for name in ("klein_img2img_input.png", "klein_inpaint_input.png", "klein_outpaint_input.png"):
@@ -91,10 +95,11 @@ def test_every_node_is_in_object_info(klein):
                 assert spec[1].get("tooltip"), f"{name}.{inp}"
     loader = pack["KleinModelLoader"]["input"]["required"]
     assert loader["model_name"][1]["options"] == [
-        "flux-2-klein-4b.safetensors", "flux-2-klein-9b.safetensors", "flux-2-klein-base-4b.safetensors"]
+        "flux-2-klein-4b.safetensors", "flux-2-klein-9b-kv-fp8.safetensors", "flux-2-klein-9b-kv.safetensors",
+        "flux-2-klein-9b.safetensors", "flux-2-klein-base-4b.safetensors"]
     assert pack["KleinModelLoader"]["output"] == ["KLEIN_MODEL", "KLEIN_VAE"]
     assert pack["KleinTextEncode"]["input"]["required"]["text_encoder"][1]["options"] == [
-        "qwen_3_4b.safetensors", "qwen_3_8b.safetensors"]
+        "qwen_3_4b.safetensors", "qwen_3_8b.safetensors", "qwen_3_8b_fp8mixed.safetensors"]
     assert pack["KleinTextEncode"]["output"] == ["KLEIN_COND"]
     assert pack["KleinReferenceStacker"]["input_order"] == {"required": ["image", "vae"],
                                                             "optional": ["references"]}
@@ -102,7 +107,7 @@ def test_every_node_is_in_object_info(klein):
     sampler = pack["KleinSampler"]
     assert sampler["input_order"] == {
         "required": ["model", "conditioning", "width", "height", "steps", "guidance", "seed", "batch_size"],
-        "optional": ["references", "latent", "mask", "denoise", "latent_as_reference"]}
+        "optional": ["references", "latent", "mask", "denoise", "latent_as_reference", "reference_mode"]}
     assert sampler["input"]["required"]["seed"][1]["control_after_generate"] is True
     assert sampler["output"] == ["LATENT"]
     assert pack["KleinVAEDecode"]["output"] == ["IMAGE"]

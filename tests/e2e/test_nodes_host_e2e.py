@@ -233,3 +233,21 @@ def test_core_image_composite_masked_takes_our_images(klein):  # noqa: F811
     out, ours = _pixels(klein, image), _pixels(klein, decoded)
     assert np.array_equal(out[:, :32], rgb[:, :32])  # left of the pasted image: the destination's pixels
     assert np.array_equal(out[:, 32:], ours[:, :64])  # our decoded image, placed at x=32
+
+
+# ----- Klein 9B-KV -----------------------------------------------------------------------------------
+
+
+def test_kv_workflow_runs_and_reuses_the_reference_pass(klein):  # noqa: F811
+    import re
+
+    graph = api("klein_9b_kv_edit", steps=2)
+    res = klein.run_prompt(graph, timeout=120)
+    assert res.ok, res.describe()
+    assert _pixels(klein, _images_of(res, "5")[0]).shape == (144, 192, 3)  # reference 1's size
+    assert re.search(r"Klein Sampler: kv .*\(kv\)", klein.log_text())
+    reused = len(re.findall(r"reference keys/values reused", klein.log_text()))
+    graph[node_id(graph, "KleinTextEncode")]["inputs"]["prompt"] = "another prompt, same pictures"
+    res = klein.run_prompt(graph, timeout=120)
+    assert res.ok, res.describe()
+    assert len(re.findall(r"reference keys/values reused", klein.log_text())) == reused + 1
