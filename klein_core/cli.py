@@ -109,6 +109,9 @@ def _add_generate_args(g: argparse.ArgumentParser) -> None:
                       help="soften the seam over PX pixels inside the mask (and, with --outpaint, into the picture)")
     edit.add_argument("--no-composite", action="store_true",
                       help="return the generated picture as is (by default only masked pixels change)")
+    g.add_argument("--ref-mode", choices=("joint", "timestep_zero", "kv"), default=None,
+                   help="how references take part (default: kv for a Klein 9B-KV file, named '...-kv...', else "
+                        "joint)")
     g.add_argument("--text-precision", choices=("model", "fp32"), default="model",
                    help="text encoder activations: model = its weights' dtype (BFL, diffusers); fp32 = "
                         "fp32 activations on the same weights (ComfyUI's native nodes)")
@@ -304,7 +307,9 @@ def run_generate(args: argparse.Namespace) -> int:
         from .loading import load_text_encoder, load_transformer, load_vae
 
         tr_path, te_path, vae_path = resolve_files(args)
-        distilled = not args.base and (args.distilled or guess_model_kind(tr_path.name) == "distilled")
+        distilled = not args.base and (args.distilled or guess_model_kind(tr_path.name) != "base")
+        if args.ref_mode is None and guess_model_kind(tr_path.name) == "kv":
+            args.ref_mode = "kv"
         transformer = load_transformer(tr_path, device=device, dtype=dtype)
         if args.prompt_cache is not None and not args.lora:  # LoRAs may change the encoder: encode anew
             cfg = not distilled and (args.guidance is None or args.guidance > 1)
@@ -330,6 +335,7 @@ def run_generate(args: argparse.Namespace) -> int:
         cache=cache, text=text, prompt_embeds=cond.positive if cond is not None else None,
         image=init[0] if init else None, mask=init[1] if init else None, strength=args.strength,
         mask_crop_padding=args.crop_padding, composite=not args.no_composite, feather=args.feather,
+        ref_mode=args.ref_mode,
         negative_embeds=cond.negative if cond is not None else None,
     )
     total = time.perf_counter() - t0
@@ -338,7 +344,7 @@ def run_generate(args: argparse.Namespace) -> int:
         "height": result.height, "steps": result.steps, "guidance": result.guidance, "seed": args.seed,
         "model_kind": "distilled" if distilled else "base", "references": [str(r) for r in args.ref],
         "demo": bool(args.demo), **names, "loras": [f"{p.name}:{s:g}" for p, s in args.lora],
-        "text_precision": args.text_precision, "max_tokens": args.max_tokens,
+        "text_precision": args.text_precision, "max_tokens": args.max_tokens, "ref_mode": args.ref_mode,
         **({"image": str(args.image), "mask": str(args.mask) if args.mask else None, "strength": args.strength,
             "outpaint": args.outpaint} if args.image else {}),
     }

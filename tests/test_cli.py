@@ -195,3 +195,15 @@ def test_inpaint_outpaint_and_img2img_from_the_command_line(models, tmp_path, ca
     assert "--mask needs --image" in capsys.readouterr().err
     assert cli.main([*files, "--image", str(tmp_path / "photo.png"), "--width", "64"]) == 2
     assert "takes the picture's size" in capsys.readouterr().err
+
+
+def test_kv_file_runs_in_kv_mode(models, tmp_path):
+    _, p = models
+    ref = tmp_path / "ref.png"
+    Image.new("RGB", (96, 64), (20, 90, 160)).save(ref)
+    out = tmp_path / "kv.png"
+    rc = cli.main(["--transformer", str(p["klein_9b_kv"]), "--text-encoder", str(p["qwen_8b"]), "--vae",
+                   str(p["vae"]), "--prompt", "x", "--ref", str(ref), "--steps", "2", "--out", str(out), "-q"])
+    assert rc == 0
+    meta = json.loads(Image.open(out).text["parameters"])
+    assert meta["ref_mode"] == "kv" and meta["model_kind"] == "distilled" and meta["guidance"] == 1.0
