@@ -93,6 +93,9 @@ def _add_generate_args(g: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default=None, help="cuda, cuda:1, cpu, mps (default: cuda if available, else cpu)")
     g.add_argument("--dtype", choices=sorted(_DTYPES), default=None,
                    help="weights dtype (default: bf16 on GPU, fp32 on CPU)")
+    g.add_argument("--quantize", choices=("fp8", "q8", "q4"), default=None,
+                   help="store the transformer's block weights as fp8, or as GGUF Q8_0 / Q4_0 blocks (Klein 4B: "
+                        "about 4.0 / 2.3 GB); fp8 and GGUF files keep their own format")
     edit = g.add_argument_group("image to image, inpainting, outpainting")
     edit.add_argument("--image", type=Path, default=None,
                       help="start from this picture (image to image); the output takes its size")
@@ -134,10 +137,14 @@ def _lora_arg(text: str) -> tuple[Path, float]:
     return Path(text), 1.0
 
 
+def _model_files(folder: Path) -> list[Path]:
+    return sorted([*folder.glob("*.safetensors"), *folder.glob("*.gguf")])
+
+
 def _pick(folder: Path, what: str, name: str | None = None) -> Path:
     if not folder.is_dir():
         raise CLIError(f"{folder} does not exist (expected the {what} folder of a ComfyUI models/ dir)")
-    files = sorted(folder.glob("*.safetensors"))
+    files = _model_files(folder)
     if name:
         p = folder / name
         if not p.is_file():
@@ -161,7 +168,7 @@ def resolve_files(args: argparse.Namespace) -> tuple[Path, Path, Path]:
                       else _pick(md / "vae", "vae"))
         if te is None:
             info = probe(tr)
-            cands = sorted((md / "text_encoders").glob("*.safetensors"))
+            cands = _model_files(md / "text_encoders")
             fits = matching_text_encoders(info.text_width, cands) if info.text_width else []
             if not fits:
                 raise CLIError(f"no text encoder in {md / 'text_encoders'} fits {tr.name} ({info.description}); "
@@ -175,7 +182,7 @@ def resolve_files(args: argparse.Namespace) -> tuple[Path, Path, Path]:
             raise CLIError(f"file not found: {p}")
     tinfo, einfo = probe(tr), probe(te)
     if tinfo.kind == "transformer" and einfo.kind == "text_encoder":
-        fits = matching_text_encoders(tinfo.text_width, sorted(te.parent.glob("*.safetensors")))
+        fits = matching_text_encoders(tinfo.text_width, _model_files(te.parent))
         try:
             check_text_width(einfo.text_width, tinfo.text_width, encoded_by=f"{te.name} ({einfo.description})",
                              model=f"{tr.name} ({tinfo.description})",
@@ -310,7 +317,7 @@ def run_generate(args: argparse.Namespace) -> int:
         distilled = not args.base and (args.distilled or guess_model_kind(tr_path.name) != "base")
         if args.ref_mode is None and guess_model_kind(tr_path.name) == "kv":
             args.ref_mode = "kv"
-        transformer = load_transformer(tr_path, device=device, dtype=dtype)
+        transformer = load_transformer(tr_path, device=device, dtype=dtype, quantize=args.quantize)
         if args.prompt_cache is not None and not args.lora:  # LoRAs may change the encoder: encode anew
             cfg = not distilled and (args.guidance is None or args.guidance > 1)
             cond = Engine(prompt_cache=cache, text=text).cached_prompts(
@@ -325,7 +332,11 @@ def run_generate(args: argparse.Namespace) -> int:
     if args.lora:
         from .lora import apply_loras, load_lora
 
-        apply_loras((transformer, text_encoder), [(load_lora(p), s) for p, s in args.lora], mode="merge")
+        from .quant.ggml import ggml_layers
+
+        # GGUF blocks cannot take a merged LoRA exactly: branches then (a small cost per step)
+        mode = "branch" if ggml_layers(transformer) else "merge"
+        apply_loras((transformer, text_encoder), [(load_lora(p), s) for p, s in args.lora], mode=mode)
     t_load = time.perf_counter() - t_load
     t0 = time.perf_counter()
     result = generate(

@@ -36,7 +36,7 @@ class KleinTextEncode(io.ComfyNode):
             description="Encodes the prompt with Qwen3 (hidden states of layers 9, 18 and 27, concatenated "
                         "per token) for FLUX.2 Klein. Only changed texts are re-encoded.",
             inputs=[
-                io.Combo.Input("text_encoder", options=host.filename_list("text_encoders"), tooltip=(
+                io.Combo.Input("text_encoder", options=host.filename_list("text_encoders", (".gguf",)), tooltip=(
                     "Qwen3 file from models/text_encoders: qwen_3_4b.safetensors for Klein 4B models, "
                     "qwen_3_8b.safetensors for Klein 9B models.")),
                 io.String.Input("prompt", multiline=True, dynamic_prompts=True,

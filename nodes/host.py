@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from collections.abc import Callable
 
 import torch
@@ -204,10 +205,26 @@ def flux2_latent_rgb() -> tuple[torch.Tensor, torch.Tensor] | None:
 # ----- model folders --------------------------------------------------------------------------------
 
 
-def filename_list(folder: str) -> list[str]:
+def filename_list(folder: str, extra_extensions: tuple[str, ...] = ()) -> list[str]:
+    """The files ComfyUI lists for a models folder, plus files with ``extra_extensions`` (e.g.
+    ".gguf", which ComfyUI's own lists leave out) found in the same folders."""
     import folder_paths
 
-    return folder_paths.get_filename_list(folder)
+    names = list(folder_paths.get_filename_list(folder))
+    if extra_extensions:
+        seen = set(names)
+        for root in folder_paths.get_folder_paths(folder):
+            if not os.path.isdir(root):
+                continue
+            for dirpath, _, files in os.walk(root, followlinks=True):
+                for f in files:
+                    if f.lower().endswith(extra_extensions):
+                        rel = os.path.relpath(os.path.join(dirpath, f), root).replace(os.sep, "/")
+                        if rel not in seen:
+                            seen.add(rel)
+                            names.append(rel)
+        names.sort()
+    return names
 
 
 def full_path(folder: str, name: str) -> str | None:

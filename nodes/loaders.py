@@ -16,7 +16,10 @@ from .types import KleinModel, KleinModelType, KleinVAE, KleinVAEType
 logger = logging.getLogger(__name__)
 
 NODE = "Klein Model Loader"
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp8": torch.bfloat16}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp8": torch.bfloat16,
+          "q8": torch.bfloat16, "q4": torch.bfloat16}
+QUANTIZE = {"fp8": "fp8", "q8": "q8", "q4": "q4"}  # weight_dtype -> klein_core quantize= (the rest compute as named)
+GGUF = (".gguf",)
 KINDS = ("auto", "distilled", "base", "kv")
 MEMORY_MODES = ("auto", "resident", "swap", "blocks", "minimum")
 
@@ -55,10 +58,11 @@ class KleinModelLoader(io.ComfyNode):
             description="Loads a FLUX.2 Klein transformer (4B or 9B, distilled or base) and the FLUX.2 VAE. "
                         "Sizes are read from the weights; files stay cached until ComfyUI frees memory.",
             inputs=[
-                io.Combo.Input("model_name", options=host.filename_list("diffusion_models"), tooltip=(
-                    "Klein transformer from models/diffusion_models, e.g. flux-2-klein-4b.safetensors or "
-                    "flux-2-klein-base-4b.safetensors (4B or 9B is read from the weights; unsupported "
-                    "formats are refused by name).")),
+                io.Combo.Input("model_name", options=host.filename_list("diffusion_models", GGUF), tooltip=(
+                    "Klein transformer from models/diffusion_models (or models/unet), e.g. "
+                    "flux-2-klein-4b.safetensors, flux-2-klein-base-4b.safetensors or a GGUF such as "
+                    "flux-2-klein-4b-Q4_K_M.gguf (4B or 9B is read from the weights; unsupported formats "
+                    "are refused by name).")),
                 io.Combo.Input("vae_name", options=host.filename_list("vae"),
                                tooltip="FLUX.2 VAE from models/vae: flux2-vae.safetensors (or BFL's small-"
                                        "decoder file)."),
@@ -66,7 +70,9 @@ class KleinModelLoader(io.ComfyNode):
                                tooltip="Compute dtype of the transformer. bf16 is the native precision; fp16 "
                                        "for GPUs without bf16; fp32 doubles memory; fp8 stores the block "
                                        "weights in float8 (half the memory of bf16; fp8 matmuls on GPUs "
-                                       "with fp8 tensor cores). fp8 files load in fp8 with any choice."),
+                                       "with fp8 tensor cores); q8 / q4 store them as GGUF Q8_0 / Q4_0 "
+                                       "blocks (4B: 4.0 / 2.3 GB; dequantised one layer at a time). fp8 and "
+                                       "GGUF files keep their own format with any choice."),
                 io.Combo.Input("model_kind", options=list(KINDS), default="auto", tooltip=(
                     "Sets the sampler defaults: distilled = 4 steps without CFG, base = 50 steps with CFG 4, "
                     "kv = Klein 9B-KV (distilled; references' keys/values computed once per edit). auto = "
@@ -90,7 +96,7 @@ class KleinModelLoader(io.ComfyNode):
         # Only model_name: ComfyUI reports a failure once under each input named here, and inputs
         # not named keep the host's own checks (current ComfyUI checks every combo, vae_name too;
         # 0.3.75 checks none, so there vae_name is checked when the node runs, by name).
-        return check_choices(cls, {"model_name": "diffusion_models"}, model_name=model_name)
+        return check_choices(cls, {"model_name": "diffusion_models"}, model_name=model_name)  # .gguf listed too
 
     @classmethod
     @notices.reported
@@ -103,7 +109,7 @@ class KleinModelLoader(io.ComfyNode):
         model_path = model_file(NODE, "model_name", "diffusion_models", model_name, expect="transformer")
         vae_path = model_file(NODE, "vae_name", "vae", vae_name, expect="vae")
         dtype, vae_device = weight_dtype_for(weight_dtype, device), host.vae_device()
-        quantize = "fp8" if weight_dtype == "fp8" else None
+        quantize = QUANTIZE.get(weight_dtype)
         home = transformer_home(memory_mode, device, model_path, dtype, quantize)
         tref = cache.model_ref("transformer", model_path, model_name, home, dtype, quantize)
         vref = cache.model_ref("vae", vae_path, vae_name, vae_device, host.vae_dtype(vae_device))

@@ -207,3 +207,16 @@ def test_kv_file_runs_in_kv_mode(models, tmp_path):
     assert rc == 0
     meta = json.loads(Image.open(out).text["parameters"])
     assert meta["ref_mode"] == "kv" and meta["model_kind"] == "distilled" and meta["guidance"] == 1.0
+
+
+def test_gguf_and_quantize_from_the_command_line(models, tmp_path):
+    pytest.importorskip("gguf")
+    from gguf_files import write_tiny_gguf_transformer
+
+    _, p = models
+    gguf_file = write_tiny_gguf_transformer(tmp_path / "flux-2-klein-4b-Q8_0.gguf")
+    for extra in (["--transformer", str(gguf_file)], ["--transformer", str(p["klein_4b"]), "--quantize", "q4"]):
+        out = tmp_path / "g.png"
+        rc = cli.main([*extra, "--text-encoder", str(p["qwen_4b"]), "--vae", str(p["vae"]), "--prompt", "x",
+                       "--width", "64", "--height", "64", "--steps", "1", "--out", str(out), "-q"])
+        assert rc == 0 and Image.open(out).size == (64, 64)

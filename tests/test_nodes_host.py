@@ -361,3 +361,44 @@ def test_inpaint_crop_and_stitch_nodes(comfy):  # noqa: F811
         mod.KleinInpaintCrop.execute(image, torch.ones(1, 30, 40), 16, 1.0)
     with pytest.raises(ValueError, match="empty"):
         mod.KleinInpaintCrop.execute(image, torch.zeros(1, 300, 400), 16, 1.0)
+
+
+# ----- GGUF files in the model folders --------------------------------------------------------------
+
+
+def test_gguf_files_are_listed_load_and_mix_with_safetensors(comfy):  # noqa: F811
+    pytest.importorskip("gguf")
+    from gguf_files import write_tiny_gguf_qwen, write_tiny_gguf_transformer
+
+    from klein_core.quant.ggml import ggml_layers
+
+    unet = comfy.models / "diffusion_models" / "gguf"
+    unet.mkdir(exist_ok=True)
+    write_tiny_gguf_transformer(unet / "flux-2-klein-4b-Q8_0.gguf")
+    write_tiny_gguf_qwen(comfy.models / "text_encoders" / "qwen_3_4b-Q8_0.gguf")
+    comfy.folder_paths.filename_list_cache.clear()
+    try:
+        loader, encoder = comfy.pack.KleinModelLoader, comfy.pack.KleinTextEncode
+        names = loader.define_schema().inputs[0].options
+        assert "gguf/flux-2-klein-4b-Q8_0.gguf" in names
+        assert "qwen_3_4b-Q8_0.gguf" in encoder.define_schema().inputs[0].options
+        assert loader.validate_inputs("gguf/flux-2-klein-4b-Q8_0.gguf") is True
+        with torch.inference_mode():
+            model, _ = loader.execute("gguf/flux-2-klein-4b-Q8_0.gguf", VAE, "bf16", "auto", "auto").args
+        assert set(ggml_layers(model.ref.get()).values()) == {"Q8_0"}
+        assert comfy.cache.weight_bytes(model.ref) == kc.module_bytes(model.ref.get())  # planner: real bytes
+        # a GGUF transformer with a safetensors encoder, and a GGUF encoder with it
+        for enc in (Q4B, "qwen_3_4b-Q8_0.gguf"):
+            with torch.inference_mode():
+                cond = encoder.execute(enc, "a fox", "").args[0]
+            latents = _sample(comfy, model, cond, steps=2)
+            assert latents.shape == (1, 128, 4, 4) and torch.isfinite(latents).all()
+        with torch.inference_mode():
+            q4, _ = loader.execute(M4B, VAE, "q4", "auto", "auto").args
+        assert q4.ref.quantize == "q4" and set(ggml_layers(q4.ref.get()).values()) == {"Q4_0"}
+    finally:
+        comfy.cache.release_all("gguf test done")
+        for p in (unet / "flux-2-klein-4b-Q8_0.gguf", comfy.models / "text_encoders" / "qwen_3_4b-Q8_0.gguf"):
+            p.unlink(missing_ok=True)
+        unet.rmdir()
+        comfy.folder_paths.filename_list_cache.clear()

@@ -48,8 +48,8 @@ from .source import TensorInfo, WeightSource
 
 logger = logging.getLogger(__name__)
 
-QuantizeMode = str | None  # None (as stored), "fp8" (quantise bf16 block weights), "dequantize"
-QUANTIZE_MODES = (None, "fp8", "dequantize")
+QuantizeMode = str | None  # None (as stored), "fp8" / "q8" / "q4" (quantise bf16 block weights), "dequantize"
+QUANTIZE_MODES = (None, "fp8", "q8", "q4", "dequantize")  # q8/q4: GGML blocks (klein_core.files.gguf)
 
 _WEIGHT_SCALE_SUFFIXES = (".weight_scale", ".scale_weight")  # ComfyUI reads both spellings
 _INPUT_SCALE_SUFFIXES = (".input_scale", ".scale_input")
@@ -351,6 +351,8 @@ def plan_fp8(
         raise ValueError(f"quantize must be one of {QUANTIZE_MODES}, got {quantize!r}")
     if quantize == "dequantize":
         return {}
+    if quantize in ("q8", "q4"):  # GGML blocks instead (plan_ggml); fp8 files' layers stay fp8
+        quantize = None
     allowed = set(block_linear_names(module)) if layers is None else None
     out: dict[str, Fp8Layer] = {}
     for name, op in plan_ops.items():

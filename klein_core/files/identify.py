@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..variants import encoder_name, transformer_name
+from .gguf import gguf_header, is_gguf
 from .safetensors import open_safetensors
 
 _TEXT_MARK = "layers.0.self_attn.q_norm.weight"  # QK-norm: what sets Qwen3 apart from Qwen2/Llama
@@ -118,12 +119,12 @@ def _count_blocks(keys: Iterable[str], names: tuple[str, ...]) -> int:
 
 
 def probe(path: str | os.PathLike) -> FileInfo:
-    """Classify a ``.safetensors`` file from its header. Never raises for a readable file."""
+    """Classify a ``.safetensors`` or ``.gguf`` file from its header. Never raises for a readable file."""
     path = Path(path)
     try:
-        tensors = open_safetensors(path).tensors
+        tensors = gguf_header(path) if path.is_file() and is_gguf(path) else open_safetensors(path).tensors
     except (OSError, ValueError):
-        return FileInfo(path, "unknown", None, "unreadable or not safetensors")
+        return FileInfo(path, "unknown", None, "unreadable or not safetensors / GGUF")
     for key, info in tensors.items():
         if key.endswith(("txt_in.weight", "context_embedder.weight")) and len(info.shape) == 2:
             hidden, width = info.shape

@@ -10,6 +10,7 @@ from torch import nn
 
 from ..quant.fp8 import is_fp8
 from . import fp8 as fp8_files
+from . import gguf as gguf_files
 from .plan import LoadPlan, check_plan
 from .source import WeightSource
 
@@ -49,24 +50,42 @@ def materialize(
             f"{component}: dtype {dtype} is a storage format, not a compute dtype; load with "
             "dtype=torch.bfloat16 and quantize='fp8' to keep the weights in fp8."
         )
+    quantized_file = gguf_files.has_ggml(src, (k for op in plan.ops.values() for k in op.sources()))
     if dtype is None:
-        dtype = _dominant_float_dtype(plan, src)
+        # GGUF blocks are storage only; their models compute in bf16 (as the files were made from)
+        dtype = torch.bfloat16 if quantized_file else _dominant_float_dtype(plan, src)
     with torch.device("meta"):
         module = factory()
     check_plan(module, plan, src, component)
     fp8 = fp8_files.plan_fp8(module, plan.ops, src, quantize)
     fp8_files.swap_to_fp8_(module, fp8.values())  # free: the module is still on the meta device
+    ggml = gguf_files.plan_ggml(module, {k: v for k, v in plan.ops.items() if k not in fp8}, src, quantize)
+    gguf_files.swap_to_ggml_(module, ggml, dtype)
     state: dict[str, torch.Tensor] = {}
     for name, op in plan.ops.items():
         if name in fp8:
             state.update(fp8_files.load_fp8(name, fp8[name], op, src, device))
             continue
+        if name in ggml:
+            layer = name.rsplit(".", 1)[0]
+            if device.type == "meta":
+                state[f"{layer}.qweight"] = module.get_submodule(layer).qweight  # already the right shape
+            else:
+                state.update(gguf_files.load_ggml(name, ggml[name], op, src, device, dtype))
+            continue
         if device.type == "meta":  # a weightless model: shapes and dtypes only, no tensor data read
             stored = src.dtype(op.sources()[0])
+            if gguf_files.reads_ggml(op, src):
+                stored = torch.float32  # dequantised while loading
             target = (torch.float32 if keep_fp32(name) else dtype) if stored.is_floating_point else stored
             state[name] = torch.empty(op.shape(src), dtype=target, device=device)
             continue
-        t = fp8_files.dequantize_op(op, src) if fp8_files.reads_fp8(op, src) else op.load(src)
+        if gguf_files.reads_ggml(op, src):
+            t = gguf_files.dequantize_op(op, src)
+        elif fp8_files.reads_fp8(op, src):
+            t = fp8_files.dequantize_op(op, src)
+        else:
+            t = op.load(src)
         if t.is_floating_point():
             target = torch.float32 if keep_fp32(name) else dtype
             t = t.to(device=device, dtype=target)
@@ -80,6 +99,10 @@ def materialize(
     module.eval().requires_grad_(False)
     n = sum(p.numel() for p in module.parameters())
     logger.info("Loaded %s from %s: %.1fM parameters, %d tensors", component, src.name, n / 1e6, len(state))
+    if ggml:
+        kinds = sorted({q.name for q in ggml.values()})
+        logger.info("%s: %d Linear layers kept as GGML blocks (%s), compute dtype %s", component, len(ggml),
+                    ", ".join(kinds), dtype)
     if fp8:
         made = sum(1 for spec in fp8.values() if spec.quantize)
         logger.info("%s: %d Linear layers in fp8 (%d quantised while loading), compute dtype %s",

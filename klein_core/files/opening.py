@@ -16,7 +16,7 @@ import torch
 
 from ..errors import WeightFormatError
 from .fp8 import prepare_quantized, unsupported_format
-from .safetensors import NotSafetensors
+from .gguf import gguf_source, is_gguf
 from .source import WeightSource, dict_source, file_source, folder_source
 
 
@@ -41,16 +41,10 @@ def open_weights(
             raise FileNotFoundError(f"{component} weights not found: {path}")
         if path.is_dir():
             src = folder_source(path, subfolder)
+        elif path.is_file() and is_gguf(path):  # regular files only: never open a FIFO to sniff it
+            src = gguf_source(path, component)
         else:
-            try:
-                src = file_source(path, component)
-            except NotSafetensors as exc:
-                if exc.kind == "gguf":
-                    raise WeightFormatError(
-                        f"{path}: this is a GGUF file, which this version of klein_core cannot read yet; use "
-                        f"the bf16 or fp8 .safetensors {component} file."
-                    ) from None
-                raise
+            src = file_source(path, component)
     fmt = unsupported_format(src)
     if fmt is not None:
         raise WeightFormatError(

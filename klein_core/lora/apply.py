@@ -22,6 +22,7 @@ from typing_extensions import Self
 from ..models.qwen3 import Qwen3TextEncoder
 from ..models.transformer import Flux2Transformer
 from ..quant.fp8 import FLOAT8_DTYPES
+from ..quant.ggml import GGMLLinear
 from ..variants import encoder_model, model_for_hidden
 from .formats import TEXT_ENCODER, TRANSFORMER, module_hidden
 from .patches import MODES, LoRA, LoRAPatch, log_skipped
@@ -136,7 +137,7 @@ def _plan(
                     skipped[key] = f"not applied: no {what} was given to apply it to"
                 continue
             module = tables[patch.component].get(patch.module)
-            weight = getattr(module, "weight", None)
+            weight = _weight_of(module)
             if module is None or not isinstance(weight, torch.Tensor):
                 raise _missing_module(lora, patch, model)
             n = patch.target.part[1] if patch.target.part else 1
@@ -153,6 +154,14 @@ def _plan(
             plans[key].items.append((patch, strength))
     log_skipped("LoRA", skipped)
     return plans, skipped
+
+
+def _weight_of(module: nn.Module | None) -> torch.Tensor | None:
+    """A module's weight, or for a GGML-block Linear a weightless stand-in with its shape and
+    compute dtype (on the meta device: branches work, merging is refused)."""
+    if isinstance(module, GGMLLinear):
+        return torch.empty((module.out_features, module.in_features), dtype=module.compute_dtype, device="meta")
+    return getattr(module, "weight", None)
 
 
 def _rows(patch: LoRAPatch, total: int) -> slice:
@@ -208,7 +217,7 @@ class LoRABranch:
         out_features = weight.shape[0]
         # fp8 layers compute in their activation dtype; keep the factors in bf16 for them
         dtype = torch.bfloat16 if weight.dtype in FLOAT8_DTYPES else weight.dtype
-        device = weight.device
+        device = weight.device if weight.device.type != "meta" else torch.device("cpu")  # moved on first call
         self.out_features = out_features
         a_parts, b_parts = [], []
         self.kron: list[tuple[torch.Tensor, torch.Tensor, slice, bool]] = []
@@ -369,7 +378,11 @@ def apply_loras(
     handle = AppliedLoRAs(mode, items, skipped)
     handle._models = list(components.values())
     for (comp, name), plan in plans.items():
-        weight = plan.module.weight
+        weight = _weight_of(plan.module)
+        if mode == "merge" and isinstance(plan.module, GGMLLinear):
+            raise NotImplementedError(
+                f"{comp} module {name} holds GGUF {plan.module.qtype.name} blocks, which a LoRA cannot be merged "
+                "into exactly; apply the LoRA as a branch (mode='branch', what the LoRA node does).")
         if mode == "merge":
             original = weight.detach()
             if original.dtype in FLOAT8_DTYPES:
@@ -448,6 +461,6 @@ def with_loras(model: nn.Module, loras: LoRASpec | Sequence[LoRASpec]) -> nn.Mod
                 copies[path] = _shallow_copy(parent._modules[part])  # type: ignore[arg-type]
                 parent._modules[part] = copies[path]
             parent = copies[path]
-        parent.register_forward_hook(LoRABranch(plan, parent.weight))  # type: ignore[arg-type]
+        parent.register_forward_hook(LoRABranch(plan, _weight_of(parent)))  # type: ignore[arg-type]
     logger.info("patched copy with %s: %d modules", [(lora.name, s) for lora, s in items], len(plans))
     return root

@@ -251,3 +251,34 @@ def test_kv_workflow_runs_and_reuses_the_reference_pass(klein):  # noqa: F811
     res = klein.run_prompt(graph, timeout=120)
     assert res.ok, res.describe()
     assert len(re.findall(r"reference keys/values reused", klein.log_text())) == reused + 1
+
+
+# ----- GGUF --------------------------------------------------------------------------------------------
+
+
+def test_gguf_transformer_and_encoder_run_in_the_server(klein, e2e_models_dir):  # noqa: F811
+    pytest.importorskip("gguf")
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from gguf_files import write_tiny_gguf_qwen, write_tiny_gguf_transformer
+
+    tr = write_tiny_gguf_transformer(e2e_models_dir / "diffusion_models" / "flux-2-klein-4b-Q8_0.gguf")
+    te = write_tiny_gguf_qwen(e2e_models_dir / "text_encoders" / "qwen_3_4b-Q4_0.gguf", block="Q4_0")
+    try:
+        deadline = time.monotonic() + 10
+        while "flux-2-klein-4b-Q8_0.gguf" not in json.dumps(klein.object_info("KleinModelLoader")):
+            assert time.monotonic() < deadline, "the .gguf file is not listed"
+            time.sleep(0.2)
+        graph = api("klein_4b_text_to_image", width=64, height=64, steps=2)
+        graph[node_id(graph, "KleinModelLoader")]["inputs"]["model_name"] = "flux-2-klein-4b-Q8_0.gguf"
+        res = klein.run_prompt(graph, timeout=90)  # GGUF transformer + safetensors encoder
+        assert res.ok, res.describe()
+        graph[node_id(graph, "KleinTextEncode")]["inputs"]["text_encoder"] = "qwen_3_4b-Q4_0.gguf"
+        res = klein.run_prompt(graph, timeout=90)  # both GGUF
+        assert res.ok, res.describe()
+        assert "Linear layers kept as GGML blocks (Q8_0)" in klein.log_text()
+    finally:
+        tr.unlink(missing_ok=True)
+        te.unlink(missing_ok=True)
