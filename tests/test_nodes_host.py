@@ -402,3 +402,26 @@ def test_gguf_files_are_listed_load_and_mix_with_safetensors(comfy):  # noqa: F8
             p.unlink(missing_ok=True)
         unet.rmdir()
         comfy.folder_paths.filename_list_cache.clear()
+
+
+def test_nvfp4_file_loads_in_the_loader_and_samples(comfy):  # noqa: F811
+    pytest.importorskip("comfy_kitchen")
+    from test_nvfp4 import _nvfp4_file
+
+    from klein_core.quant.nvfp4 import nvfp4_layers
+    from klein_core.testing import tiny_transformer
+
+    path = comfy.models / "diffusion_models" / "flux-2-klein-4b-nvfp4.safetensors"
+    _nvfp4_file(path, tiny_transformer().float(), "metadata")
+    comfy.folder_paths.filename_list_cache.clear()
+    try:
+        with torch.inference_mode():
+            model, _ = comfy.pack.KleinModelLoader.execute(path.name, VAE, "bf16", "auto", "auto").args
+        assert len(nvfp4_layers(model.ref.get())) == 12  # every block Linear of the tiny model (1 + 2 blocks)
+        assert comfy.cache.weight_bytes(model.ref) == kc.module_bytes(model.ref.get())
+        latents = _sample(comfy, model, _encode_out(comfy, "a fox").args[0], steps=2)
+        assert torch.isfinite(latents).all()
+    finally:
+        comfy.cache.release_all("nvfp4 test done")
+        path.unlink()
+        comfy.folder_paths.filename_list_cache.clear()

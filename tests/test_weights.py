@@ -70,7 +70,7 @@ def test_refuses_pickles_gguf_and_quantised(tmp_path):
         with pytest.raises(WeightFormatError, match=match):
             open_weights(tmp_path / name, component="transformer")
     for extra, match in [({"x.scale_weight": torch.ones(1)}, "scaled_fp8"),
-                         ({"x.weight_scale_2": torch.ones(1)}, "nvfp4"),
+                         ({"x.weight_scale_2": torch.ones(1)}, "NVFP4 layer 'x' lacks"),
                          ({"x.weight_scale": torch.ones(1)}, "weight_scale")]:
         with pytest.raises(WeightFormatError, match=match):  # scales without a weight, nvfp4
             open_weights({"a": torch.zeros(1), **extra}, component="transformer")

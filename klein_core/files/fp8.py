@@ -43,6 +43,7 @@ from ..errors import WeightFormatError
 from ..quant.fp8 import (
     FP8_DTYPES, FP8_FORMAT_OF, FP8Linear, block_linear_names, dequantize, is_fp8, quantize_fp8,
 )
+from . import nvfp4 as nvfp4_files
 from .plan import Cat, Op, SwapHalves, Take
 from .source import TensorInfo, WeightSource
 
@@ -58,7 +59,6 @@ _SCALED_FP8_MARKER = "scaled_fp8"
 _METADATA_KEY = "_quantization_metadata"
 # Tensors that belong to formats we do not run; named in the refusal.
 _REFUSED_SUFFIXES = {
-    ".weight_scale_2": "nvfp4 (weight_scale_2, packed 4-bit weights)",
     ".pre_quant_scale": "AWQ / SmoothQuant (pre_quant_scale)",
 }
 
@@ -94,7 +94,7 @@ def unsupported_format(src: WeightSource) -> str | None:
                 return name
     for layer, spec in _declared_formats(src).items():
         fmt = spec.get("format")
-        if fmt not in FP8_DTYPES:
+        if fmt not in FP8_DTYPES and fmt != nvfp4_files.FORMAT:
             return f"'{fmt}' quantised (declared for layer '{layer}')"
     return None
 
@@ -174,6 +174,12 @@ def prepare_quantized(src: WeightSource) -> WeightSource:
         )
     keys = src.keys()
     declared = _declared_formats(src)
+    # NVFP4 layers first: their scales are not fp8 weight scales
+    nv_layers = nvfp4_files.nvfp4_layers(src, declared)
+    nv_infos, nv_hidden = nvfp4_files.nvfp4_view_infos(src, nv_layers)
+    declared = {k: v for k, v in declared.items() if k not in nv_layers}
+    keys = [k for k in keys if k not in nv_hidden and k not in nv_infos
+            and not (k.endswith(_COMFY_QUANT) and k[: -len(_COMFY_QUANT)] in nv_layers)]
     markers = [k for k in keys if k == _SCALED_FP8_MARKER or k.endswith("." + _SCALED_FP8_MARKER)]
     marker_fmt = None
     if markers:
@@ -183,7 +189,7 @@ def prepare_quantized(src: WeightSource) -> WeightSource:
     layers = set(scale_keys) | {
         layer for layer in declared if layer + ".weight" in src or layer + _COMFY_QUANT in src
     }
-    if not layers and not markers and not declared:
+    if not layers and not markers and not declared and not nv_infos:
         if input_keys:  # only activation scales: nothing to run differently
             logger.warning("%s: ignoring %d input_scale tensors of unquantised layers", src.name,
                            len(input_keys))
@@ -191,7 +197,7 @@ def prepare_quantized(src: WeightSource) -> WeightSource:
             return _view(src, {k: src.info(k) for k in keys if k not in hidden}, set())
         return src
 
-    infos: dict[str, TensorInfo] = {}
+    infos: dict[str, TensorInfo] = dict(nv_infos)
     containers: set[str] = set()
     for layer in sorted(layers):
         wkey = layer + ".weight"
@@ -232,8 +238,11 @@ def prepare_quantized(src: WeightSource) -> WeightSource:
         if k not in hidden and k not in infos:
             infos[k] = src.info(k)
     n_fp8 = sum(1 for i in infos.values() if isinstance(i, QuantTensorInfo))
-    logger.info("%s: %d fp8-scaled layers (%s)", src.name, n_fp8,
-                ", ".join(sorted({i.origin for i in infos.values() if isinstance(i, QuantTensorInfo)})))
+    if n_fp8:
+        logger.info("%s: %d fp8-scaled layers (%s)", src.name, n_fp8,
+                    ", ".join(sorted({i.origin for i in infos.values() if isinstance(i, QuantTensorInfo)})))
+    if nv_infos:
+        logger.info("%s: %d NVFP4 layers", src.name, len(nv_infos))
     return _view(src, infos, containers)
 
 

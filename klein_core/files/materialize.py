@@ -11,6 +11,7 @@ from torch import nn
 from ..quant.fp8 import is_fp8
 from . import fp8 as fp8_files
 from . import gguf as gguf_files
+from . import nvfp4 as nvfp4_files
 from .plan import LoadPlan, check_plan
 from .source import WeightSource
 
@@ -50,7 +51,8 @@ def materialize(
             f"{component}: dtype {dtype} is a storage format, not a compute dtype; load with "
             "dtype=torch.bfloat16 and quantize='fp8' to keep the weights in fp8."
         )
-    quantized_file = gguf_files.has_ggml(src, (k for op in plan.ops.values() for k in op.sources()))
+    quantized_file = gguf_files.has_ggml(src, (k for op in plan.ops.values() for k in op.sources())) or any(
+        nvfp4_files.reads_nvfp4(op, src) for op in plan.ops.values())
     if dtype is None:
         # GGUF blocks are storage only; their models compute in bf16 (as the files were made from)
         dtype = torch.bfloat16 if quantized_file else _dominant_float_dtype(plan, src)
@@ -61,10 +63,19 @@ def materialize(
     fp8_files.swap_to_fp8_(module, fp8.values())  # free: the module is still on the meta device
     ggml = gguf_files.plan_ggml(module, {k: v for k, v in plan.ops.items() if k not in fp8}, src, quantize)
     gguf_files.swap_to_ggml_(module, ggml, dtype)
+    nv = nvfp4_files.plan_nvfp4(module, plan.ops, src, quantize)
+    nvfp4_files.swap_to_nvfp4_(module, nv, src, plan.ops, dtype)
     state: dict[str, torch.Tensor] = {}
     for name, op in plan.ops.items():
         if name in fp8:
             state.update(fp8_files.load_fp8(name, fp8[name], op, src, device))
+            continue
+        if name in nv:
+            layer = nv[name]
+            if device.type == "meta":
+                state.update({f"{layer}.{b}": t for b, t in module.get_submodule(layer).named_buffers()})
+            else:
+                state.update(nvfp4_files.load_nvfp4(name, op, src, device))
             continue
         if name in ggml:
             layer = name.rsplit(".", 1)[0]
@@ -75,13 +86,15 @@ def materialize(
             continue
         if device.type == "meta":  # a weightless model: shapes and dtypes only, no tensor data read
             stored = src.dtype(op.sources()[0])
-            if gguf_files.reads_ggml(op, src):
+            if gguf_files.reads_ggml(op, src) or nvfp4_files.reads_nvfp4(op, src):
                 stored = torch.float32  # dequantised while loading
             target = (torch.float32 if keep_fp32(name) else dtype) if stored.is_floating_point else stored
             state[name] = torch.empty(op.shape(src), dtype=target, device=device)
             continue
         if gguf_files.reads_ggml(op, src):
             t = gguf_files.dequantize_op(op, src)
+        elif nvfp4_files.reads_nvfp4(op, src):
+            t = nvfp4_files.dequantize_op(op, src)
         elif fp8_files.reads_fp8(op, src):
             t = fp8_files.dequantize_op(op, src)
         else:
@@ -99,6 +112,9 @@ def materialize(
     module.eval().requires_grad_(False)
     n = sum(p.numel() for p in module.parameters())
     logger.info("Loaded %s from %s: %.1fM parameters, %d tensors", component, src.name, n / 1e6, len(state))
+    if nv:
+        logger.info("%s: %d Linear layers kept in NVFP4 (dequantised per call), compute dtype %s", component,
+                    len(nv), dtype)
     if ggml:
         kinds = sorted({q.name for q in ggml.values()})
         logger.info("%s: %d Linear layers kept as GGML blocks (%s), compute dtype %s", component, len(ggml),

@@ -1,0 +1,115 @@
+"""NVFP4 weights (ComfyUI / comfy-kitchen / BFL format) in plain PyTorch.
+
+A quantised Linear stores, for a weight ``[out, in]``:
+
+* ``weight``: uint8 ``[out, in/2]``, two E2M1 (4-bit float) codes per byte, the **even** element in
+  the high nibble (comfy-kitchen's order; ModelOpt's is the other way round);
+* ``weight_scale``: float8 e4m3 ``[roundup(out, 128), roundup(in/16, 4)]``, one scale per 16
+  elements of a row, in cuBLAS's swizzled "blocked" layout (128-row x 4-column tiles);
+* ``weight_scale_2``: float32 ``[]``, the per-tensor scale; ``input_scale`` (optional) is for fp4
+  activations and not needed to dequantise.
+
+``W[r, c] = E2M1[code] * (block_scale[r, c // 16] * weight_scale_2)``, computed in float32 in that
+order: bit for bit what comfy-kitchen's ``dequantize_nvfp4(..., output_type=torch.float32)`` gives.
+:class:`NVFP4Linear` keeps the packed weight and dequantises it for each call (one layer's weight
+alive at a time), on any device.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+BLOCK = 16
+
+
+def _roundup(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def scale_shape(out_features: int, in_features: int) -> tuple[int, int]:
+    """The stored (swizzled, padded) shape of the block scales of an ``[out, in]`` weight."""
+    return _roundup(out_features, 128), _roundup(in_features // BLOCK, 4)
+
+
+def unswizzle(block_scale: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """Swizzled ``[Rp, Cp]`` block scales -> row-major ``[rows, cols]`` (cols = in / 16)."""
+    rp, cp = block_scale.shape
+    if rp % 128 or cp % 4 or rp < rows or cp < cols:
+        raise ValueError(f"block scales {list(block_scale.shape)} are not the blocked layout of a "
+                         f"[{rows}, {cols}] scale grid")
+    tiles = block_scale.reshape(rp // 128, cp // 4, 32, 4, 4)  # (row tile, col tile, r % 32, r // 32 % 4, c % 4)
+    return tiles.permute(0, 3, 2, 1, 4).reshape(rp, cp)[:rows, :cols]
+
+
+def swizzle(plain: torch.Tensor) -> torch.Tensor:
+    """Row-major ``[rows, cols]`` block scales -> the swizzled, zero-padded layout (the inverse)."""
+    rows, cols = plain.shape
+    rp, cp = _roundup(rows, 128), _roundup(cols, 4)
+    padded = plain.new_zeros((rp, cp))
+    padded[:rows, :cols] = plain
+    return padded.reshape(rp // 128, 4, 32, cp // 4, 4).permute(0, 3, 2, 1, 4).reshape(rp, cp)
+
+
+def dequantize(packed: torch.Tensor, block_scale: torch.Tensor, tensor_scale: torch.Tensor,
+               shape: tuple[int, int], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The ``[out, in]`` weight stored as NVFP4, as ``dtype`` (float32 maths, one final cast)."""
+    out_features, in_features = shape
+    if packed.dtype != torch.uint8 or packed.shape[0] < out_features or packed.shape[1] * 2 < in_features:
+        raise ValueError(f"packed NVFP4 weight {packed.dtype} {list(packed.shape)} does not hold {list(shape)}")
+    codes = torch.stack([packed >> 4, packed & 0x0F], dim=-1).reshape(packed.shape[0], -1)  # high nibble first
+    codes = codes[:out_features, :in_features].long()
+    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=packed.device)
+    scales = unswizzle(block_scale, out_features, in_features // BLOCK).float()
+    total = tensor_scale.float().to(packed.device) * scales  # [out, in/16], as comfy-kitchen: global * block
+    w = table[codes].reshape(out_features, -1, BLOCK) * total[:, :, None]
+    return w.reshape(out_features, in_features).to(dtype)
+
+
+class NVFP4Linear(nn.Module):
+    """A Linear whose weight stays NVFP4 (packed codes, swizzled fp8 block scales and a per-tensor
+    scale, as buffers: they move with the module and count in its bytes), dequantised exactly for
+    each call in the input's dtype on the layer's device.
+
+    The scales are stored as integer bit patterns (``block_scale`` uint8, ``tensor_scale`` int32) so
+    that ``model.to(dtype)`` can never round them; :attr:`scales` gives them as float8 / float32."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, input_scale: bool = False,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__()
+        if in_features % BLOCK:
+            raise ValueError(f"NVFP4 needs whole blocks of {BLOCK} inputs, got {in_features}")
+        self.in_features, self.out_features = in_features, out_features
+        self.register_buffer("qweight", torch.empty(out_features, in_features // 2, dtype=torch.uint8, device=device))
+        self.register_buffer("block_scale", torch.empty(scale_shape(out_features, in_features),
+                                                        dtype=torch.uint8, device=device))
+        self.register_buffer("tensor_scale", torch.empty((), dtype=torch.int32, device=device))
+        # kept for a native fp4 matmul (activations quantised with it); the dequantising path ignores it
+        self.register_buffer("input_scale", torch.empty((), dtype=torch.int32, device=device) if input_scale else None)
+        self.bias = nn.Parameter(torch.empty(out_features, device=device), requires_grad=False) if bias else None
+        self.compute_dtype = torch.bfloat16
+
+    @property
+    def scales(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block scales as float8 e4m3, per-tensor scale as float32)."""
+        return self.block_scale.view(torch.float8_e4m3fn), self.tensor_scale.view(torch.float32)
+
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        block, tensor = self.scales
+        return dequantize(self.qweight, block, tensor, (self.out_features, self.in_features), dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = self.bias.to(x.dtype) if self.bias is not None else None
+        return F.linear(x, self.dequantized(x.dtype), bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, nvfp4"
+
+
+def nvfp4_layers(model: nn.Module) -> list[str]:
+    return [name for name, m in model.named_modules() if isinstance(m, NVFP4Linear)]
+
+
+__all__ = ["E2M1_VALUES", "NVFP4Linear", "dequantize", "nvfp4_layers", "scale_shape", "swizzle", "unswizzle"]
