@@ -80,6 +80,17 @@ def mask_image(mask: MaskInput) -> Image.Image:
     return Image.fromarray(np.round(mask_array(mask) * 255).astype(np.uint8), "L")
 
 
+def _grow(lo: int, hi: int, diff: int, limit: int) -> tuple[int, int]:
+    """``[lo, hi)`` grown by ``diff`` (half on each side), shifted back inside ``[0, limit)`` and
+    clipped, in diffusers' order of steps."""
+    lo, hi = lo - diff // 2, hi + diff - diff // 2
+    if hi >= limit:
+        lo, hi = lo - (hi - limit), limit
+    if lo < 0:
+        lo, hi = 0, hi - lo
+    return lo, min(hi, limit)
+
+
 def crop_region(mask: MaskInput, width: int, height: int, pad: int = 0) -> tuple[int, int, int, int]:
     """``(x1, y1, x2, y2)``: the smallest box around every non-zero mask pixel, grown by ``pad`` on
     each side and then to the aspect ratio of ``width x height`` (diffusers' get_crop_region, so
@@ -91,24 +102,10 @@ def crop_region(mask: MaskInput, width: int, height: int, pad: int = 0) -> tuple
         raise ValueError("the mask is empty (all black): there is nothing to repaint")
     x1, y1 = max(int(cols[0]) - pad, 0), max(int(rows[0]) - pad, 0)
     x2, y2 = min(int(cols[-1]) + 1 + pad, w), min(int(rows[-1]) + 1 + pad, h)
-    if (x2 - x1) / (y2 - y1) > width / height:
-        diff = int((x2 - x1) / (width / height) - (y2 - y1))
-        y1 -= diff // 2
-        y2 += diff - diff // 2
-        if y2 >= h:
-            y1, y2 = y1 - (y2 - h), h
-        if y1 < 0:
-            y1, y2 = 0, y2 - y1
-        y2 = min(y2, h)
+    if (x2 - x1) / (y2 - y1) > width / height:  # too wide: grow the height
+        y1, y2 = _grow(y1, y2, int((x2 - x1) / (width / height) - (y2 - y1)), h)
     else:
-        diff = int((y2 - y1) * (width / height) - (x2 - x1))
-        x1 -= diff // 2
-        x2 += diff - diff // 2
-        if x2 >= w:
-            x1, x2 = x1 - (x2 - w), w
-        if x1 < 0:
-            x1, x2 = 0, x2 - x1
-        x2 = min(x2, w)
+        x1, x2 = _grow(x1, x2, int((y2 - y1) * (width / height) - (x2 - x1)), w)
     return x1, y1, x2, y2
 
 

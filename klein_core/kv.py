@@ -12,12 +12,10 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import threading
-import weakref
-from collections import OrderedDict
 
 import torch
 
+from .bounded import BoundedCache
 from .lora.apply import has_loras
 from .models.transformer import Flux2Transformer, ReferenceKV
 from .sampling import ReferenceTokens
@@ -34,29 +32,14 @@ def _digest(*tensors: torch.Tensor) -> str:
     return h.hexdigest()
 
 
-class ReferenceKVCache:
+class ReferenceKVCache(BoundedCache[ReferenceKV]):
     """The last reference keys/values, bounded by entries and bytes; entries live on the device
     they were computed on. A model carrying LoRAs is never served from it (its outputs change with
     them); a freed or reloaded model never sees another model's entries (weak reference check).
     """
 
     def __init__(self, max_entries: int = 1, max_bytes: int = 8 << 30) -> None:
-        self.max_entries = max_entries
-        self.max_bytes = max_bytes
-        self._data: OrderedDict[tuple, tuple[weakref.ref, ReferenceKV]] = OrderedDict()
-        self._lock = threading.Lock()
-        self.hits = 0
-        self.misses = 0
-
-    def __len__(self) -> int:
-        return len(self._data)
-
-    def clear(self) -> None:
-        with self._lock:
-            self._data.clear()
-
-    def nbytes(self) -> int:
-        return sum(kv.nbytes() for _, kv in self._data.values())
+        super().__init__(max_entries, max_bytes, lambda kv: kv.nbytes())
 
     def get(self, model: Flux2Transformer, refs: ReferenceTokens, timestep: float = 0.0) -> ReferenceKV:
         """The keys/values of ``refs`` under ``model``: from the cache, or computed and kept."""
@@ -64,20 +47,15 @@ class ReferenceKVCache:
             return model.reference_kv(refs.tokens, refs.ids, timestep=timestep)
         key = (id(model), str(model.dtype), str(model.device), float(timestep), _digest(refs.tokens, refs.ids))
         with self._lock:
-            hit = self._data.get(key)
-            if hit is not None and hit[0]() is model:
-                self._data.move_to_end(key)
-                self.hits += 1
-                logger.debug("reference keys/values from the cache (%d tokens)", hit[1].tokens)
-                return hit[1]
+            hit = self._lookup(key, model)
+        if hit is not None:
+            self.hits += 1
+            logger.debug("reference keys/values from the cache (%d tokens)", hit.tokens)
+            return hit
         self.misses += 1
         kv = model.reference_kv(refs.tokens, refs.ids, timestep=timestep)
         with self._lock:
-            self._data[key] = (weakref.ref(model), kv)
-            total = self.nbytes()
-            while self._data and (len(self._data) > self.max_entries or total > self.max_bytes):
-                _, (_, old) = self._data.popitem(last=False)
-                total -= old.nbytes()
+            self._store(key, model, kv)
         return kv
 
 

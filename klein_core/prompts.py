@@ -19,9 +19,6 @@ import json
 import logging
 import os
 import tempfile
-import threading
-import weakref
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +26,7 @@ from typing import Any
 
 import torch
 
+from .bounded import BoundedCache
 from .errors import WeightFormatError
 from .files.safetensors import open_safetensors
 from .lora.apply import has_loras
@@ -184,7 +182,7 @@ class DiskPromptCache:
         return sum(p.stat().st_size for p in self.folder.glob("*.safetensors"))
 
 
-class PromptCache:
+class PromptCache(BoundedCache[torch.Tensor]):
     """Bounded LRU of prompt embeddings per (encoder, prompt, options), over an optional disk cache.
 
     Entries of an encoder loaded from a file are keyed by its identity (:func:`encoder_identity`),
@@ -194,37 +192,17 @@ class PromptCache:
     """
 
     def __init__(self, max_entries: int = 32, max_bytes: int = 1 << 30, disk: DiskPromptCache | None = None) -> None:
-        self.max_entries = max_entries
-        self.max_bytes = max_bytes
+        super().__init__(max_entries, max_bytes, lambda t: t.numel() * t.element_size())
         self.disk = disk
-        self._data: OrderedDict[tuple, tuple[weakref.ref | None, torch.Tensor]] = OrderedDict()
-        self._lock = threading.Lock()
-        self.hits = 0
-        self.misses = 0
-
-    def __len__(self) -> int:
-        return len(self._data)
 
     def clear(self) -> None:
         """Forget the in-memory entries (the disk cache, if any, is kept)."""
-        with self._lock:
-            self._data.clear()
-
-    def _lookup(self, key: tuple, encoder: Any) -> torch.Tensor | None:
-        hit = self._data.get(key)
-        if hit is None or (hit[0] is not None and hit[0]() is not encoder):
-            return None
-        self._data.move_to_end(key)
-        return hit[1]
+        super().clear()
 
     def _store(self, key: tuple, encoder: Any, emb: torch.Tensor) -> None:
         # A copy: a slice of the batch output would keep the whole batch alive, and the byte cap
         # would count only the slice.
-        self._data[key] = (None if encoder is None else weakref.ref(encoder), emb.clone())
-        total = sum(t.numel() * t.element_size() for _, t in self._data.values())
-        while self._data and (len(self._data) > self.max_entries or total > self.max_bytes):
-            _, (_, old) = self._data.popitem(last=False)
-            total -= old.numel() * old.element_size()
+        super()._store(key, encoder, emb.clone())
 
     def _find(self, identity: str | None, encoder: Any, prompts: Sequence[str], options: TextOptions,
               length: int) -> dict[str, torch.Tensor | None]:

@@ -71,8 +71,8 @@ class KleinModelLoader(io.ComfyNode):
                                        "for GPUs without bf16; fp32 doubles memory; fp8 stores the block "
                                        "weights in float8 (half the memory of bf16; fp8 matmuls on GPUs "
                                        "with fp8 tensor cores); q8 / q4 store them as GGUF Q8_0 / Q4_0 "
-                                       "blocks (4B: 4.0 / 2.3 GB; dequantised one layer at a time). fp8 and "
-                                       "GGUF files keep their own format with any choice."),
+                                       "blocks (4B: 4.0 / 2.3 GB; dequantised one layer at a time). fp8, "
+                                       "NVFP4 and GGUF files keep their own format with any choice."),
                 io.Combo.Input("model_kind", options=list(KINDS), default="auto", tooltip=(
                     "Sets the sampler defaults: distilled = 4 steps without CFG, base = 50 steps with CFG 4, "
                     "kv = Klein 9B-KV (distilled; references' keys/values computed once per edit). auto = "

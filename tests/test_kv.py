@@ -9,6 +9,7 @@ import time
 import pytest
 import torch
 from test_pipeline_parity import CTX, LATENT_CH, _embeds, _image, components  # noqa: F401 (fixture)
+from test_pipeline_parity import _run_reference as _reference
 
 import klein_core as kc
 from klein_core.kv import ReferenceKVCache
@@ -24,18 +25,6 @@ def _kv_pipe(tr, vae):
     )
     return diffusers.Flux2KleinKVPipeline(scheduler=sched, vae=vae, text_encoder=None, tokenizer=None,
                                           transformer=tr, is_distilled=True)
-
-
-def _reference(pipe, **kw) -> torch.Tensor:
-    captured = {}
-
-    def grab(p, i, t, kwargs):
-        captured["latents"] = kwargs["latents"].clone()
-        return {}
-
-    with torch.no_grad():
-        pipe(output_type="latent", callback_on_step_end=grab, **kw)
-    return captured["latents"]
 
 
 @pytest.mark.parametrize("n_refs,size,batch", [(1, (96, 64), 1), (3, (64, 80), 2)])
