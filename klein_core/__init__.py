@@ -79,12 +79,13 @@ from .request import (
     Resolved,
     Settings,
     guess_model_kind,
+    reference_mode,
     resolve_size,
 )
 from .request import resolve as resolve_settings
 from .sampling import (
-    REFERENCE_MODES,
     MAX_SEED,
+    REFERENCE_MODES,
     compute_empirical_mu,
     denoise,
     get_schedule,
@@ -213,6 +214,7 @@ __all__ = [
     "processing_size",
     "quantize_model_",
     "quantize_state_dict",
+    "reference_mode",
     "reference_size",
     "reference_tokens",
     "resolve_settings",

@@ -331,7 +331,6 @@ def run_generate(args: argparse.Namespace) -> int:
         names = {"transformer": tr_path.name, "text_encoder": te_path.name, "vae": vae_path.name}
     if args.lora:
         from .lora import apply_loras, load_lora
-
         from .quant.ggml import ggml_layers
 
         # GGUF blocks cannot take a merged LoRA exactly: branches then (a small cost per step)

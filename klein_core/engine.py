@@ -29,7 +29,16 @@ from PIL import Image
 from .checks import check_output, require_finite
 from .errors import KleinOutOfMemory
 from .images import PUBLISHED_REFERENCE_LIMIT, oriented_size, prepare_reference_image, reference_size, to_pil
-from .inpaint import InitImage, InpaintInputs, check_strength, latent_mask, prepare_inpaint, steps_to_run, stitch
+from .inpaint import (
+    InitImage,
+    InpaintInputs,
+    check_strength,
+    latent_mask,
+    prepare_inpaint,
+    steps_to_run,
+    stitch,
+)
+from .kv import ReferenceKVCache, default_kv_cache
 from .memory.placement import StagePlacer
 from .memory.planner import MODES, MemoryPlan, MemoryRequest, plan_for
 from .memory.tiling import TILE_SIDES, decode_in_tiles, encode_in_tiles
@@ -48,10 +57,10 @@ from .request import (
     as_reference,
     check_tensor,
     guess_model_kind,
+    reference_mode,
     resolve,
 )
-from .kv import ReferenceKVCache, default_kv_cache
-from .sampling import REFERENCE_MODES, StepCallback, denoise, get_schedule, make_noise, reference_tokens
+from .sampling import StepCallback, denoise, get_schedule, make_noise, reference_tokens
 from .variants import check_text_width
 
 logger = logging.getLogger(__name__)
@@ -277,10 +286,7 @@ class Engine:
         if not isinstance(text, TextOptions):
             raise TypeError(f"text must be a TextOptions, got {type(text).__name__}")
         self.text = text
-        if ref_mode is not None and ref_mode not in REFERENCE_MODES:
-            raise ValueError(f"ref_mode must be one of {REFERENCE_MODES} or None, got {ref_mode!r}")
-        # The explicit mode wins; else KV models (kind "kv", from the file name) use KV mode.
-        self.ref_mode = ref_mode or ("kv" if self.kind == "kv" else "joint")
+        self.ref_mode = reference_mode(self.kind, ref_mode)  # the explicit mode wins; else from the kind
         self.kv_cache = kv_cache
 
     # -- memory ---------------------------------------------------------------------------------

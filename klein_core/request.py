@@ -20,7 +20,7 @@ import torch
 from PIL import Image
 
 from .inpaint import InitImage
-from .sampling import MAX_SEED
+from .sampling import MAX_SEED, REFERENCE_MODES
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +47,14 @@ def guess_model_kind(name: str) -> ModelKind:
     if _KV_NAME.search(stem):
         return "kv"
     return "base" if "base" in stem.lower() else "distilled"
+
+
+def reference_mode(kind: str, ref_mode: str | None = None) -> str:
+    """How references take part (``sampling.REFERENCE_MODES``): ``ref_mode`` when given, else "kv" for
+    Klein 9B-KV (kind "kv") and "joint" for the others."""
+    if ref_mode is not None and ref_mode not in REFERENCE_MODES:
+        raise ValueError(f"ref_mode must be one of {REFERENCE_MODES} or None, got {ref_mode!r}")
+    return ref_mode or ("kv" if kind == "kv" else "joint")
 
 
 def check_size(width: int, height: int, *, multiple: int = 16) -> tuple[int, int]:

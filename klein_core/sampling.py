@@ -175,7 +175,7 @@ def denoise(
     b, _, h, w = noise.shape
     n = h * w
     latents = pack(noise).to(device=device, dtype=dtype)
-    clean = keep = noise_f = None
+    clean = keep = known = noise_f = None
     if image is not None:
         if image.ndim != 4 or image.shape[1:] != noise.shape[1:] or image.shape[0] not in (1, b):
             raise ValueError(f"image latents {list(image.shape)} do not match the noise {list(noise.shape)}")
@@ -189,6 +189,7 @@ def denoise(
         if mask.ndim != 4 or mask.shape[1] != 1 or mask.shape[2:] != noise.shape[2:] or mask.shape[0] not in (1, b):
             raise ValueError(f"mask {list(mask.shape)} must be [1 or {b}, 1, {h}, {w}] (the latent grid)")
         keep = pack(mask).to(device=device, dtype=torch.float32)  # [B or 1, n, 1]: 1 = repaint
+        known = 1 - keep  # once, not every step
     img_ids = position_ids(h, w)
     cfg = neg_txt is not None
     txt = txt.to(device=device, dtype=dtype)
@@ -241,9 +242,9 @@ def denoise(
         latents = (latents.float() + dts[i] * v).to(dtype)
         if keep is not None:  # the known region follows the image, noised to the next sigma
             proper = clean if i == total - 1 else sig[i + 1] * noise_f + (1 - sig[i + 1]) * clean
-            latents = ((1 - keep) * proper + keep * latents.float()).to(dtype)
+            latents = (known * proper + keep * latents.float()).to(dtype)
             if denoised is not None:
-                denoised = (1 - keep) * clean + keep * denoised
+                denoised = known * clean + keep * denoised
         if callback is not None:
             kwargs = {"denoised": unpack(denoised, h, w)} if denoised is not None else {}
             if callback(i + 1, total, unpack(latents, h, w), **kwargs) is False:

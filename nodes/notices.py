@@ -71,7 +71,7 @@ class _Collector(logging.Handler):
             return
         try:
             text = scrub_paths(record.getMessage())
-        except Exception:  # a bad log call must not fail the node
+        except (TypeError, ValueError):  # a log call whose arguments do not fit its format
             return
         if text not in self.messages:
             self.messages.append(text)
@@ -100,7 +100,7 @@ def _without_paths(exc: BaseException) -> BaseException | None:
         return None
     try:
         return type(exc)(clean)
-    except Exception:
+    except (TypeError, ValueError):  # an exception type that needs other arguments: keep the original
         return None
 
 
@@ -122,7 +122,8 @@ def _show_on_node(messages: list[str]) -> None:
             return
         text = "\n".join(f"\u26a0 {m}" for m in messages)
         server.send_progress_text(text, context.node_id, getattr(server, "client_id", None))
-    except Exception:  # showing a warning must never fail a node
+    except (ImportError, AttributeError, OSError, RuntimeError, TypeError, ValueError):
+        # an older or headless host: the warnings are still in ui["warnings"] and the log
         logger.debug("could not send the node's warnings to the frontend", exc_info=True)
 
 

@@ -174,16 +174,15 @@ class KleinSampler(io.ComfyNode):
         except ValueError as exc:
             raise ValueError(f"{NODE}: width/height: {exc} Set both to 0 to use the first reference's size "
                              f"(1024x1024 without references).") from exc
-        engine = kc.Engine(kind=model.kind, ref_mode=REFERENCE_MODES[reference_mode], kv_cache=cache.kv,
-                           prompt_cache=None)  # resolves the mode; the transformer is given below
+        ref_mode = kc.reference_mode(model.kind, REFERENCE_MODES[reference_mode])
         request = kc.MemoryRequest(run.width, run.height, references=tuple((r.shape[-1] * 16, r.shape[-2] * 16)
                                                                             for r in refs),
                                    batch=run.batch_size, cfg=run.cfg, encode_text=False, decode=False,
-                                   reference_kv=engine.ref_mode == "kv")
+                                   reference_kv=ref_mode == "kv")
         with errors_named(NODE, "model", model.name):  # ComfyUI frees what the run needs first
             transformer = model.ref.get(activation_bytes("denoise", request, transformer=model.config))
         engine = kc.Engine(transformer, kind=model.kind, device=host.torch_device(), memory=model.memory,
-                           prompt_cache=None, ref_mode=engine.ref_mode, kv_cache=cache.kv)
+                           prompt_cache=None, ref_mode=ref_mode, kv_cache=cache.kv)
         logger.info("%s: %s %dx%d, %d steps, guidance %.2f, seed %d, batch %d, %d reference(s) (%s)", NODE,
                     model.kind, run.width, run.height, run.steps, run.guidance, run.seed, run.batch_size, len(refs),
                     engine.ref_mode)

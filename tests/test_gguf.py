@@ -107,7 +107,8 @@ def test_transformer_gguf_loads_exactly_and_per_type_quality(tmp_path, float_tra
         ref = _run(float_transformer)
         rel = ((_run(model) - ref).norm() / ref.norm()).item()
         parity(f"GGUF transformer {block} blocks vs the float model (relative L2, not a diff)", rel)
-        assert rel < {"Q4_0": 0.2, "Q4_1": 0.2, "Q5_0": 0.1, "Q5_1": 0.1, "Q8_0": 0.02, "F16": 1e-3}[block]
+        # about twice what was measured (Q4_0 1.9e-2, Q4_1 1.7e-2, Q5 8-9e-3, Q8_0 1.2e-3, F16 3.1e-4)
+        assert rel < {"Q4_0": 0.04, "Q4_1": 0.035, "Q5_0": 0.02, "Q5_1": 0.02, "Q8_0": 0.003, "F16": 7e-4}[block]
 
 
 def test_prefixed_names_and_weightless_size(tmp_path, float_transformer):
@@ -144,7 +145,7 @@ def test_qwen3_gguf_in_llama_cpp_names(tmp_path, block, parity):
     assert diff <= 1e-5
 
 
-@pytest.mark.parametrize("mode,qtype,max_rel", [("q8", "Q8_0", 0.02), ("q4", "Q4_0", 0.2)])
+@pytest.mark.parametrize("mode,qtype,max_rel", [("q8", "Q8_0", 0.003), ("q4", "Q4_0", 0.04)])
 def test_quantize_on_load(tmp_path, float_transformer, mode, qtype, max_rel, parity):
     path = tmp_path / "bf16.safetensors"
     save_file({k: v.to(torch.bfloat16).contiguous() for k, v in float_transformer.state_dict().items()}, path)

@@ -52,8 +52,9 @@ def test_rms_rope_and_adaln_against_the_plain_ops(dtype, parity):
     name = str(dtype).removeprefix("torch.")
     parity(f"comfy-kitchen rms_rope vs klein qk_norm_rope ({name}, CPU eager)", d_rope)
     parity(f"comfy-kitchen adaln vs klein modulate ({name}, CPU eager)", d_mod.item())
-    tol = 1e-5 if dtype == torch.float32 else 0.07  # bf16: one rounding of the normalised values apart
-    assert d_rope <= tol and d_mod <= tol
+    # bf16: one rounding of the normalised values apart (measured 1.6e-2); adaln measured equal
+    assert d_rope <= (1e-5 if dtype == torch.float32 else 0.03)
+    assert d_mod <= (1e-6 if dtype == torch.float32 else 2**-7)
 
 
 def test_whole_transformer_through_comfy_kitchen(parity):
@@ -67,7 +68,7 @@ def test_whole_transformer_through_comfy_kitchen(parity):
         kitchen = model(**args)
     model.ops = PLAIN_OPS
     diff = parity("tiny transformer fp32: comfy-kitchen ops vs plain (CPU eager)", (kitchen - plain).abs().max().item())
-    assert diff <= 1e-4
+    assert diff <= 1e-5
 
 
 def test_fp8_per_tensor_against_ours(parity):

@@ -134,7 +134,7 @@ def test_errors_name_files_but_never_server_paths(comfy, tmp_path):  # noqa: F81
             comfy.pack.KleinModelLoader.execute("broken-klein.safetensors", VAE, "bf16", "auto", "auto")
         msg = str(err.value)
         assert "broken-klein.safetensors" in msg
-        assert str(folder) not in msg and str(tmp_path.anchor + "tmp") not in msg.replace("tmp_path", "")
+        assert str(folder) not in msg and "/tmp" not in msg
         assert err.value.__cause__ is not None and str(folder) in str(err.value.__cause__)  # the log keeps it
         with pytest.raises(ValueError) as err, torch.inference_mode():
             comfy.pack.KleinModelLoader.execute("missing.safetensors", VAE, "bf16", "auto", "auto")

@@ -95,7 +95,7 @@ def test_nvfp4_files_load_and_stay_nvfp4(tmp_path, marker, parity):
     ref = _run(model)
     rel = ((_run(loaded) - ref).norm() / ref.norm()).item()
     parity(f"NVFP4 tiny transformer vs the bf16 model (relative L2, not a diff; {marker})", rel)
-    assert 0 < rel < 0.3
+    assert 0 < rel < 0.005  # measured 1.8e-3
     weightless = kc.weightless(path, "transformer", dtype=torch.bfloat16)
     assert kc.module_bytes(weightless) == kc.module_bytes(kc.load_transformer(path, dtype=torch.bfloat16))
 

@@ -41,10 +41,16 @@ from torch import nn
 
 from ..errors import WeightFormatError
 from ..quant.fp8 import (
-    FP8_DTYPES, FP8_FORMAT_OF, FP8Linear, block_linear_names, dequantize, is_fp8, quantize_fp8,
+    FP8_DTYPES,
+    FP8_FORMAT_OF,
+    FP8Linear,
+    block_linear_names,
+    dequantize,
+    is_fp8,
+    quantize_fp8,
 )
 from . import nvfp4 as nvfp4_files
-from .plan import Cat, Op, SwapHalves, Take
+from .plan import Cat, DecodingView, Op, SwapHalves, Take
 from .source import TensorInfo, WeightSource
 
 logger = logging.getLogger(__name__)
@@ -420,27 +426,17 @@ class _RowScales:
         return (self._src.shape(key)[0],)
 
 
-class _Dequantized:
-    """A stand-in source that reads float8 tensors dequantised to float32."""
-
-    def __init__(self, src: WeightSource) -> None:
-        self._src = src
-
-    def get(self, key: str) -> torch.Tensor:
-        t = self._src.get(key)
-        if not is_fp8(t.dtype):
-            return t
-        info = self._src.info(key)
-        scale = info.scale if isinstance(info, QuantTensorInfo) and info.scale is not None else torch.ones(())
-        return dequantize(t, scale)
-
-    def shape(self, key: str) -> tuple[int, ...]:
-        return self._src.shape(key)
+def _decode(info: TensorInfo, t: torch.Tensor) -> torch.Tensor:
+    """A float8 tensor dequantised to float32 (others as read)."""
+    if not is_fp8(t.dtype):
+        return t
+    scale = info.scale if isinstance(info, QuantTensorInfo) and info.scale is not None else torch.ones(())
+    return dequantize(t, scale)
 
 
 def dequantize_op(op: Op, src: WeightSource) -> torch.Tensor:
     """``op`` evaluated on dequantised (float32) sources."""
-    return op.load(_Dequantized(src))  # type: ignore[arg-type]
+    return op.load(DecodingView(src, _decode))  # type: ignore[arg-type]
 
 
 def load_fp8(

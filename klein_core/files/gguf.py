@@ -33,7 +33,7 @@ from torch import nn
 from ..errors import WeightFormatError
 from ..quant.fp8 import block_linear_names
 from ..quant.ggml import BLOCKS, FLOAT_TYPES, QUANTIZE_TYPES, GGMLLinear, GGMLType, dequantize, quantize
-from .plan import Op, Take
+from .plan import DecodingView, Op, Take, quantizable_linears
 from .source import TensorInfo, WeightSource
 
 logger = logging.getLogger(__name__)
@@ -188,34 +188,20 @@ def reads_ggml(op: Op, src: WeightSource) -> bool:
     return any(is_quantized(src, k) for k in op.sources())
 
 
-class _Dequantized:
-    """A view of a source in which GGML tensors read dequantised (float32, exact)."""
-
-    def __init__(self, src: WeightSource) -> None:
-        self._src = src
-
-    def get(self, key: str) -> torch.Tensor:
-        info = self._src.info(key)
-        raw = self._src.get(key)
-        if isinstance(info, GGMLTensorInfo):
-            return dequantize(raw, info.qtype, info.shape)
-        return raw
-
-    def shape(self, key: str) -> tuple[int, ...]:
-        return self._src.shape(key)
+def _decode(info: TensorInfo, raw: torch.Tensor) -> torch.Tensor:
+    return dequantize(raw, info.qtype, info.shape) if isinstance(info, GGMLTensorInfo) else raw
 
 
 def dequantize_op(op: Op, src: WeightSource) -> torch.Tensor:
     """An op whose sources include GGML tensors, computed on their exact float32 values."""
-    return op.load(_Dequantized(src))  # type: ignore[arg-type]
+    return op.load(DecodingView(src, _decode))  # type: ignore[arg-type]
 
 
 def plan_ggml(module: nn.Module, ops: Mapping[str, Op], src: WeightSource, quantize_mode: str | None) -> dict[str, GGMLType]:
     """Which ``<layer>.weight`` stay (or become) GGML blocks: every Linear whose weight is one
     quantised GGUF tensor (unless ``quantize_mode == "dequantize"``), and with ``"q8"`` / ``"q4"`` the
     model's repeated-block Linears (as fp8 quantises them) whose rows are whole blocks."""
-    # img_in stays a plain Linear: the model's dtype and device are read from it (and it is tiny)
-    linears = {n for n, m in module.named_modules() if isinstance(m, nn.Linear) and n != "img_in"}
+    linears = quantizable_linears(module)
     out: dict[str, GGMLType] = {}
     if quantize_mode != "dequantize":
         for name, op in ops.items():

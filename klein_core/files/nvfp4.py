@@ -19,7 +19,7 @@ from torch import nn
 
 from ..errors import WeightFormatError
 from ..quant.nvfp4 import BLOCK, NVFP4Linear, dequantize, scale_shape
-from .plan import Op, Take
+from .plan import DecodingView, Op, Take, quantizable_linears
 from .source import TensorInfo, WeightSource
 
 logger = logging.getLogger(__name__)
@@ -93,23 +93,15 @@ def reads_nvfp4(op: Op, src: WeightSource) -> bool:
     return any(isinstance(src.info(k), NVFP4TensorInfo) for k in op.sources())
 
 
-class _Dequantized:
-    def __init__(self, src: WeightSource) -> None:
-        self._src = src
-
-    def get(self, key: str) -> torch.Tensor:
-        info = self._src.info(key)
-        if isinstance(info, NVFP4TensorInfo):
-            return dequantize(self._src.get(key), info.read_block_scale(), info.tensor_scale, info.shape)  # type: ignore[misc, arg-type]
-        return self._src.get(key)
-
-    def shape(self, key: str) -> tuple[int, ...]:
-        return self._src.shape(key)
+def _decode(info: TensorInfo, raw: torch.Tensor) -> torch.Tensor:
+    if isinstance(info, NVFP4TensorInfo):
+        return dequantize(raw, info.read_block_scale(), info.tensor_scale, info.shape)  # type: ignore[misc, arg-type]
+    return raw
 
 
 def dequantize_op(op: Op, src: WeightSource) -> torch.Tensor:
     """An op whose sources include NVFP4 weights, on their exact float32 values."""
-    return op.load(_Dequantized(src))  # type: ignore[arg-type]
+    return op.load(DecodingView(src, _decode))  # type: ignore[arg-type]
 
 
 def plan_nvfp4(module: nn.Module, ops: Mapping[str, Op], src: WeightSource, quantize: str | None) -> dict[str, str]:
@@ -117,7 +109,7 @@ def plan_nvfp4(module: nn.Module, ops: Mapping[str, Op], src: WeightSource, quan
     ``quantize="dequantize"``). Values: the layer name."""
     if quantize == "dequantize":
         return {}
-    linears = {n for n, m in module.named_modules() if isinstance(m, nn.Linear) and n != "img_in"}
+    linears = quantizable_linears(module)
     return {name: name.rsplit(".", 1)[0] for name, op in ops.items()
             if name.endswith(".weight") and name.rsplit(".", 1)[0] in linears and isinstance(op, Take)
             and isinstance(src.info(op.key), NVFP4TensorInfo) and src.info(op.key).shape[1] % BLOCK == 0}

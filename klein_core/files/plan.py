@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .source import WeightSource
+from .source import TensorInfo, WeightSource
 
 
 class Op:
@@ -107,6 +107,28 @@ class Reshape(Op):
 
     def load(self, src: WeightSource) -> torch.Tensor:
         return src.get(self.key).reshape(self.new_shape)
+
+
+def quantizable_linears(module: nn.Module) -> set[str]:
+    """Names of the ``nn.Linear`` layers a quantised file may keep quantised: all but those the
+    model reads its dtype and device from (``module.plain_layers``)."""
+    keep = set(getattr(module, "plain_layers", ()))
+    return {n for n, m in module.named_modules() if isinstance(m, nn.Linear) and n not in keep}
+
+
+class DecodingView:
+    """A stand-in source whose tensors read through ``decode(info, raw)``, so an Op computes on the
+    decoded values (quantised formats use it to evaluate an op on dequantised float32 sources)."""
+
+    def __init__(self, src: WeightSource, decode: Callable[[TensorInfo, torch.Tensor], torch.Tensor]) -> None:
+        self._src = src
+        self._decode = decode
+
+    def get(self, key: str) -> torch.Tensor:
+        return self._decode(self._src.info(key), self._src.get(key))
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return self._src.shape(key)
 
 
 @dataclass

@@ -30,7 +30,14 @@ import torch
 
 from ..files.safetensors import open_safetensors
 from .formats import (
-    TEXT_ENCODER, TRANSFORMER, UNSUPPORTED_SUFFIXES, Target, resolve_module, split_key, strip_prefixes, suffix_role,
+    TEXT_ENCODER,
+    TRANSFORMER,
+    UNSUPPORTED_SUFFIXES,
+    Target,
+    resolve_module,
+    split_key,
+    strip_prefixes,
+    suffix_role,
 )
 from .patches import LoRA, LoRAPatch, as_matrix, log_skipped
 

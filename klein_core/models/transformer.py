@@ -311,6 +311,10 @@ class Flux2Transformer(nn.Module):
     every image token passed in.
     """
 
+    # The model reads its dtype and device from these layers: loaders keep them plain nn.Linear
+    # (never a quantised layer), whatever the file stores.
+    plain_layers: tuple[str, ...] = ("img_in",)
+
     def __init__(self, config: TransformerConfig) -> None:
         super().__init__()
         self.config = config

@@ -22,8 +22,6 @@ include both steps, so they speak the transformer's ``[B, 128, H/16, W/16]`` lat
 
 from __future__ import annotations
 
-from __future__ import annotations
-
 from dataclasses import dataclass
 
 import torch

@@ -72,6 +72,22 @@ def row_bytes(qtype: GGMLType, n: int) -> int:
 # ----- dequantisation (float32, numpy's operation order) -------------------------------------------
 
 
+_CONSTS: dict[tuple, torch.Tensor] = {}
+
+
+def const(values: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small constant tensor, made once per device: dequantisation runs for every layer at every
+    step, and building it anew would copy it from the host each time."""
+    key = (values, dtype, device)
+    t = _CONSTS.get(key)
+    if t is None:
+        t = _CONSTS[key] = torch.tensor(values, dtype=dtype, device=device)
+    return t
+
+
+_BIT_SHIFTS = tuple(range(8))
+
+
 def _f16(b: torch.Tensor) -> torch.Tensor:
     """Two bytes per row -> the fp16 value widened to float32, ``[n, 1]``."""
     return b.contiguous().view(torch.float16).float()
@@ -84,13 +100,13 @@ def _nibbles(qs: torch.Tensor) -> torch.Tensor:
 
 def _bits32(b: torch.Tensor) -> torch.Tensor:
     """4 bytes (a little-endian uint32) -> its 32 bits, bit j for element j, as uint8 ``[n, 32]``."""
-    shifts = torch.arange(8, dtype=torch.uint8, device=b.device)
+    shifts = const(_BIT_SHIFTS, torch.uint8, b.device)
     return ((b[:, :, None] >> shifts) & 1).reshape(b.shape[0], 32)
 
 
 def _shifted(b: torch.Tensor, groups: int, width: int, shifts: list[int], mask: int) -> torch.Tensor:
     """Bytes ``[n, groups * width]`` -> ``[n, groups, len(shifts), width]`` of ``(byte >> s) & mask``."""
-    s = torch.tensor(shifts, dtype=torch.uint8, device=b.device).view(1, 1, -1, 1)
+    s = const(tuple(shifts), torch.uint8, b.device).view(1, 1, -1, 1)
     return (b.reshape(b.shape[0], groups, 1, width) >> s) & mask
 
 
@@ -133,7 +149,7 @@ def _q3_k(b: torch.Tensor) -> torch.Tensor:
     s = (low | (high << 4)).to(torch.int8) - 32
     dl = (_f16(b[:, 108:110]) * s.float())[:, :, None]
     q2 = _shifted(b[:, 32:96], 2, 32, [0, 2, 4, 6], 3).reshape(n, 16, 16).to(torch.int8)
-    hbit = ((b[:, None, :32] >> torch.arange(8, dtype=torch.uint8, device=b.device)[None, :, None]) & 1)
+    hbit = (b[:, None, :32] >> const(_BIT_SHIFTS, torch.uint8, b.device)[None, :, None]) & 1
     q = q2 - ((hbit.reshape(n, 16, 16) ^ 1) << 2).to(torch.int8)  # minus 4 where the high bit is clear
     return (dl * q.float()).reshape(n, 256)
 
@@ -161,7 +177,7 @@ def _q5_k(b: torch.Tensor) -> torch.Tensor:
     dd = (_f16(b[:, :2]) * sc.float())[:, :, None]
     dm = (_f16(b[:, 2:4]) * mn.float())[:, :, None]
     low = _shifted(b[:, 48:176], 4, 32, [0, 4], 0xF).reshape(n, 8, 32)
-    high = (b[:, None, 16:48] >> torch.arange(8, dtype=torch.uint8, device=b.device)[None, :, None]) & 1
+    high = (b[:, None, 16:48] >> const(_BIT_SHIFTS, torch.uint8, b.device)[None, :, None]) & 1
     return (dd * (low | (high << 4)).float() - dm).reshape(n, 256)
 
 

@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .ggml import const
+
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 BLOCK = 16
 
@@ -61,7 +63,7 @@ def dequantize(packed: torch.Tensor, block_scale: torch.Tensor, tensor_scale: to
         raise ValueError(f"packed NVFP4 weight {packed.dtype} {list(packed.shape)} does not hold {list(shape)}")
     codes = torch.stack([packed >> 4, packed & 0x0F], dim=-1).reshape(packed.shape[0], -1)  # high nibble first
     codes = codes[:out_features, :in_features].long()
-    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=packed.device)
+    table = const(E2M1_VALUES, torch.float32, packed.device)  # made once per device
     scales = unswizzle(block_scale, out_features, in_features // BLOCK).float()
     total = tensor_scale.float().to(packed.device) * scales  # [out, in/16], as comfy-kitchen: global * block
     w = table[codes].reshape(out_features, -1, BLOCK) * total[:, :, None]
