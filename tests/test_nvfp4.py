@@ -155,3 +155,163 @@ def test_model_to_dtype_never_rounds_the_scales(tmp_path):
     before = _run(loaded)
     loaded.to(torch.bfloat16).to(torch.float32)  # a round trip through bf16 would round float scales
     assert torch.equal(_run(loaded), before)
+
+
+# ---- native fp4 matmul (Blackwell through comfy-kitchen) --------------------------------------------------------
+# No Blackwell GPU here: comfy-kitchen's cuBLAS kernel cannot run, so these tests give our code the real
+# comfy-kitchen activation quantiser (its eager backend) and a stand-in for ``scaled_mm_nvfp4`` that computes
+# what the kernel is documented to compute, ``dequant(a) @ dequant(b).T + bias``. They check what is ours:
+# which tensors go where, padding, shapes, scales, the gate and the fallback.
+
+
+class _EmulatedKitchen:
+    """comfy-kitchen with its fp4 GEMM emulated in float32 (the CPU eager backend refuses swizzled scales)."""
+
+    def __init__(self, fail: Exception | None = None) -> None:
+        self.calls: list[tuple[list[int], list[int]]] = []
+        self.fail = fail
+
+    @staticmethod
+    def quantize_nvfp4(x, per_tensor_scale, pad_16x=False):
+        return ck.quantize_nvfp4(x, per_tensor_scale, pad_16x=pad_16x)
+
+    def scaled_mm_nvfp4(self, a, b, tensor_scale_a, tensor_scale_b, block_scale_a, block_scale_b, bias=None,
+                        out_dtype=None):
+        if self.fail is not None:
+            raise self.fail
+        # the CUDA backend's own shape rules (comfy_kitchen/backends/cuda scaled_mm_nvfp4)
+        m, n, k = a.shape[0], b.shape[0], a.shape[1] * 2
+        assert a.dtype == b.dtype == torch.uint8 and a.shape[1] == b.shape[1] and n % 8 == 0 and k % 32 == 0
+        assert tuple(block_scale_a.shape) == (-(-m // 128) * 128, -(-(k // 16) // 4) * 4)
+        assert tuple(block_scale_b.shape) == (-(-n // 128) * 128, -(-(k // 16) // 4) * 4)
+        assert block_scale_a.dtype == block_scale_b.dtype == torch.float8_e4m3fn
+        assert tensor_scale_a.dtype == tensor_scale_b.dtype == torch.float32
+        self.calls.append((list(a.shape), list(b.shape)))
+        y = ck.dequantize_nvfp4(a, tensor_scale_a, block_scale_a, torch.float32) @ \
+            ck.dequantize_nvfp4(b, tensor_scale_b, block_scale_b, torch.float32).T
+        if bias is not None:
+            y = y + bias.float()
+        return y.to(out_dtype)
+
+
+def _nvfp4_linear(in_f=256, out_f=96, bias=True, input_scale=None) -> tuple[nvfp4.NVFP4Linear, torch.Tensor]:
+    torch.manual_seed(3)
+    w = torch.randn(out_f, in_f) * 0.05
+    q, bs, pts = _ck_quantize(w)
+    layer = nvfp4.NVFP4Linear(in_f, out_f, bias=bias, input_scale=input_scale is not None)
+    layer.qweight.copy_(q)
+    layer.block_scale.copy_(bs.view(torch.uint8))
+    layer.tensor_scale.copy_(pts.view(torch.int32))
+    if input_scale is not None:
+        layer.input_scale.copy_(torch.tensor(input_scale, dtype=torch.float32).view(torch.int32))
+    if bias:
+        layer.bias.data.copy_(torch.randn(out_f) * 0.1)
+    return layer, w
+
+
+@pytest.fixture
+def native_here(monkeypatch):
+    """Let the native path run on this CPU, through the emulated kitchen it returns."""
+    kitchen = _EmulatedKitchen()
+    monkeypatch.setattr(nvfp4, "native_unavailable", lambda device: None)
+    monkeypatch.setattr(nvfp4, "_kitchen", lambda: kitchen)
+    return kitchen
+
+
+@pytest.mark.parametrize("input_scale", [None, 0.004])
+def test_native_linear_quantises_the_input_and_multiplies_in_fp4(native_here, input_scale, parity):
+    layer, _ = _nvfp4_linear(input_scale=input_scale)
+    x = (torch.randn(2, 37, 256) * 2).to(torch.bfloat16)  # 74 rows: padded to 80 by comfy-kitchen, cut back
+    y = layer(x)
+    assert native_here.calls == [([80, 128], [96, 128])]
+    assert y.shape == (2, 37, 96) and y.dtype == torch.bfloat16
+    # by hand: the same input quantisation, then float maths
+    x2 = x.reshape(-1, 256)
+    sx = torch.tensor(input_scale) if input_scale is not None else x2.abs().amax().float() / (448 * 6)
+    qx, bx = ck.quantize_nvfp4(x2, sx.float(), pad_16x=True)
+    xq = ck.dequantize_nvfp4(qx, sx.float(), bx, torch.float32)[:74]
+    ref = xq @ layer.dequantized(torch.float32).T + layer.bias.float()
+    diff = (y.float().reshape(-1, 96) - ref).abs().max().item()
+    parity(f"NVFP4 native path (emulated GEMM, input_scale={input_scale}) vs by-hand fp4 maths, bf16 out", diff)
+    assert diff <= 2e-2 * ref.abs().max().item()  # one bf16 rounding of the output
+    plain = x.float().reshape(-1, 256) @ layer.dequantized(torch.float32).T + layer.bias.float()
+    rel = ((y.float().reshape(-1, 96) - plain).norm() / plain.norm()).item()
+    parity(f"NVFP4 native path vs dequantised weight with bf16-exact input (relative L2; input_scale={input_scale})", rel)
+    assert 0 < rel < 0.25  # fp4 activations: about 0.1 measured
+
+
+def test_native_path_on_a_whole_tiny_transformer(tmp_path, native_here, parity):
+    model = tiny_transformer().float()
+    path = tmp_path / "flux-2-klein-4b-nvfp4.safetensors"
+    _nvfp4_file(path, model, "metadata", input_scale=False)
+    loaded = kc.load_transformer(path, dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(1)
+    img, txt = torch.randn(2, 12, 128, generator=g), torch.randn(2, 5, 96, generator=g)
+    kw = {"img_ids": kc.position_ids(3, 4), "txt": txt.bfloat16(), "txt_ids": kc.text_position_ids(5),
+          "timesteps": torch.tensor([0.9, 0.4])}
+    with torch.no_grad():
+        native = loaded(img=img.bfloat16(), **kw).float()
+        calls = len(native_here.calls)
+        assert nvfp4.set_native_matmul(loaded, False) == len(nvfp4.nvfp4_layers(loaded))
+        dequant = loaded(img=img.bfloat16(), **kw).float()
+    assert calls > 0 and len(native_here.calls) == calls  # switched off: no further fp4 GEMMs
+    rel = ((native - dequant).norm() / dequant.norm()).item()
+    parity("NVFP4 tiny transformer: fp4 activations (emulated GEMM) vs dequantised weights (relative L2)", rel)
+    assert 0 < rel < 0.2
+    assert torch.isfinite(native).all()
+
+
+def test_native_failure_falls_back_to_dequantising_once(monkeypatch, caplog):
+    monkeypatch.setattr(nvfp4, "_FAILURES", set())
+    kitchen = _EmulatedKitchen(fail=RuntimeError("CUBLAS_STATUS_NOT_SUPPORTED"))
+    monkeypatch.setattr(nvfp4, "native_unavailable", lambda device: None)
+    monkeypatch.setattr(nvfp4, "_kitchen", lambda: kitchen)
+    layer, _ = _nvfp4_linear()
+    x = torch.randn(4, 256).to(torch.bfloat16)
+    other, _ = _nvfp4_linear()
+    with caplog.at_level("WARNING", logger="klein_core.quant.nvfp4"):
+        y1, y2 = layer(x), layer(x)
+        other(x)  # the same failure in another layer is not warned again
+    expected = torch.nn.functional.linear(x, layer.dequantized(torch.bfloat16), layer.bias.bfloat16())
+    assert torch.equal(y1, expected) and torch.equal(y2, expected)
+    assert not layer.native_matmul and not other.native_matmul
+    assert sum("CUBLAS_STATUS_NOT_SUPPORTED" in r.message for r in caplog.records) == 1
+    monkeypatch.setattr(nvfp4, "_kitchen", lambda: _EmulatedKitchen(fail=torch.cuda.OutOfMemoryError("out of memory")))
+    layer2, _ = _nvfp4_linear()
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        layer2(x)  # running out of memory is the caller's to handle, never hidden by a fallback
+    assert layer2.native_matmul  # not switched off: the next step may fit
+
+
+def test_native_gate(monkeypatch):
+    monkeypatch.setattr(nvfp4, "_NATIVE", {})
+    assert "cpu" in nvfp4.native_unavailable(torch.device("cpu"))
+    assert nvfp4.NVFP4Linear(256, 96).native_matmul
+    assert not nvfp4.NVFP4Linear(48, 96).native_matmul  # cuBLAS needs K % 32
+    assert not nvfp4.NVFP4Linear(256, 100).native_matmul  # and N % 8
+    monkeypatch.setenv("KLEIN_NVFP4_MATMUL", "dequantize")
+    assert not nvfp4.NVFP4Linear(256, 96).native_matmul
+    cuda = torch.device("cuda", 1)
+    backends = {"cuda": {"available": True, "capabilities": ["scaled_mm_nvfp4"]}}
+    monkeypatch.setattr(ck, "list_backends", lambda: backends)
+    for capability, expect in [((9, 0), "compute capability 9.0"), ((8, 9), "8.9"), ((10, 0), None), ((12, 0), None)]:
+        seen = []
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d, c=capability, s=seen: s.append(d) or c)
+        reason = nvfp4._native_reason(cuda)
+        assert seen == [cuda]  # asks the layer's own GPU, not the current one
+        assert reason is None if expect is None else expect in reason
+    backends["cuda"] = {"available": False, "capabilities": [], "unavailable_reason": "CUDA not available"}
+    assert "CUDA not available" in nvfp4._native_reason(cuda)
+    # asked once per device, then remembered
+    asked = []
+    monkeypatch.setattr(nvfp4, "_native_reason", lambda d: asked.append(d) or "no")
+    nvfp4.native_unavailable(cuda), nvfp4.native_unavailable(cuda)
+    assert asked == [cuda]
+
+
+def test_dequantising_path_is_untouched_on_the_cpu(monkeypatch):
+    monkeypatch.setattr(nvfp4, "_NATIVE", {})
+    monkeypatch.setattr(nvfp4, "_kitchen", lambda: pytest.fail("the CPU must never call the fp4 GEMM"))
+    layer, _ = _nvfp4_linear()
+    x = torch.randn(3, 256).to(torch.bfloat16)
+    assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.dequantized(torch.bfloat16), layer.bias.bfloat16()))

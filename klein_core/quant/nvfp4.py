@@ -13,9 +13,24 @@ A quantised Linear stores, for a weight ``[out, in]``:
 order: bit for bit what comfy-kitchen's ``dequantize_nvfp4(..., output_type=torch.float32)`` gives.
 :class:`NVFP4Linear` keeps the packed weight and dequantises it for each call (one layer's weight
 alive at a time), on any device.
+
+**Native fp4 matmul.** On a Blackwell GPU (compute capability 10.0 or newer) with comfy-kitchen
+installed (it ships inside ComfyUI), the layer instead quantises its input to NVFP4 (per-tensor scale
+``input_scale`` from the file, else the input's amax / (448 * 6), as ComfyUI does) and multiplies in
+fp4 with comfy-kitchen's ``scaled_mm_nvfp4`` (cuBLAS). Activations then carry fp4 rounding too, so the
+output differs from the dequantising path by the format's error; :func:`set_native_matmul` turns it
+off (``KLEIN_NVFP4_MATMUL=dequantize`` does the same for every model). A call that fails there (an
+unexpected shape, a library mismatch) is logged once and the layer dequantises from then on: never a
+wrong result, never an error a user cannot act on.
 """
 
 from __future__ import annotations
+
+import contextlib
+import importlib.util
+import logging
+import os
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -23,8 +38,13 @@ from torch import nn
 
 from .ggml import const
 
+logger = logging.getLogger(__name__)
+
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 BLOCK = 16
+FP4_MAX, FP8_E4M3_MAX = 6.0, 448.0
+NATIVE_MIN_CAPABILITY = (10, 0)  # cuBLAS block-scaled fp4 GEMM: Blackwell
+_NATIVE_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def _roundup(n: int, m: int) -> int:
@@ -92,6 +112,10 @@ class NVFP4Linear(nn.Module):
         self.register_buffer("input_scale", torch.empty((), dtype=torch.int32, device=device) if input_scale else None)
         self.bias = nn.Parameter(torch.empty(out_features, device=device), requires_grad=False) if bias else None
         self.compute_dtype = torch.bfloat16
+        # fp4 x fp4 on Blackwell where comfy-kitchen can (see the module doc); needs whole 32-input
+        # groups (cuBLAS: K % 32) and 8-aligned outputs (N % 8)
+        self.native_matmul = (in_features % 32 == 0 and out_features % 8 == 0
+                              and os.environ.get("KLEIN_NVFP4_MATMUL", "auto").lower() != "dequantize")
 
     @property
     def scales(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,14 +128,95 @@ class NVFP4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias.to(x.dtype) if self.bias is not None else None
+        if self.native_matmul and x.dtype in _NATIVE_DTYPES and native_unavailable(x.device) is None:
+            try:
+                # comfy-kitchen launches on the current device's stream: make it the layer's GPU
+                with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+                    return native_linear(self, x, bias, _kitchen())
+            except (RuntimeError, ValueError, AssertionError, TypeError) as exc:
+                if isinstance(exc, torch.cuda.OutOfMemoryError):
+                    raise
+                self.native_matmul = False
+                why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                if why not in _FAILURES:  # one warning per distinct failure, not one per layer
+                    _FAILURES.add(why)
+                    logger.warning("NVFP4 layer [%d -> %d]: comfy-kitchen's fp4 matmul failed (%s); such layers "
+                                   "dequantise their weight from now on", self.in_features, self.out_features, why)
         return F.linear(x, self.dequantized(x.dtype), bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, nvfp4"
 
 
+def _kitchen() -> ModuleType:
+    import comfy_kitchen
+
+    return comfy_kitchen
+
+
+_NATIVE: dict[tuple[str, int | None], str | None] = {}
+_FAILURES: set[str] = set()
+
+
+def native_unavailable(device: torch.device) -> str | None:
+    """Why the native fp4 matmul cannot run on ``device`` (``None`` when it can). Asked once per
+    device, at the first call on it (never at import: no CUDA query before a model runs)."""
+    key = (device.type, device.index)
+    if key not in _NATIVE:
+        _NATIVE[key] = _native_reason(device)
+        if _NATIVE[key] is None:
+            logger.info("NVFP4 layers on %s multiply in fp4 (comfy-kitchen scaled_mm_nvfp4)", device)
+        else:
+            logger.info("NVFP4 layers on %s dequantise per call: %s", device, _NATIVE[key])
+    return _NATIVE[key]
+
+
+def _native_reason(device: torch.device) -> str | None:
+    if device.type != "cuda":
+        return f"{device.type} has no fp4 matmul"
+    capability = torch.cuda.get_device_capability(device)
+    if capability < NATIVE_MIN_CAPABILITY:
+        return (f"compute capability {capability[0]}.{capability[1]} (fp4 tensor cores need "
+                f"{NATIVE_MIN_CAPABILITY[0]}.{NATIVE_MIN_CAPABILITY[1]}, Blackwell)")
+    if importlib.util.find_spec("comfy_kitchen") is None:
+        return "comfy-kitchen is not installed (pip install comfy-kitchen)"
+    cuda = _kitchen().list_backends().get("cuda", {})
+    if not cuda.get("available") or "scaled_mm_nvfp4" not in cuda.get("capabilities", ()):
+        return f"comfy-kitchen's CUDA backend cannot run scaled_mm_nvfp4 ({cuda.get('unavailable_reason') or 'not listed'})"
+    return None
+
+
+def native_linear(layer: NVFP4Linear, x: torch.Tensor, bias: torch.Tensor | None, kitchen: ModuleType) -> torch.Tensor:
+    """``layer(x)`` with fp4 activations: ``x`` ``[..., in]`` is quantised to NVFP4 per call (the
+    file's ``input_scale``, else amax / (448 * 6)) and multiplied with the packed weight by
+    ``kitchen.scaled_mm_nvfp4``; returns ``[..., out]`` in ``x.dtype``."""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, layer.in_features)
+    rows = x2.shape[0]
+    if layer.input_scale is not None:
+        scale_x = layer.input_scale.view(torch.float32).to(x.device)
+    else:  # stays on the device: no host sync
+        scale_x = (x2.abs().amax().float() / (FP8_E4M3_MAX * FP4_MAX)).clamp_min(torch.finfo(torch.float32).tiny)
+    # comfy-kitchen pads rows to 16 (and its scales to 128 rows) itself; the padding rows are cut below
+    qx, block_x = kitchen.quantize_nvfp4(x2.contiguous(), scale_x, pad_16x=rows % 16 != 0)
+    block_w, scale_w = layer.scales
+    y = kitchen.scaled_mm_nvfp4(qx, layer.qweight, scale_x, scale_w, block_x, block_w, bias=bias, out_dtype=x.dtype)
+    return y[:rows].reshape(*lead, layer.out_features)
+
+
+def set_native_matmul(model: nn.Module, enabled: bool) -> int:
+    """Allow (``True``, the default where it can run) or forbid (``False``: every layer dequantises
+    its weight, the exact reference path) the native fp4 matmul in ``model``'s NVFP4 layers; returns
+    how many layers it set."""
+    layers = [m for m in model.modules() if isinstance(m, NVFP4Linear)]
+    for m in layers:
+        m.native_matmul = bool(enabled) and m.in_features % 32 == 0 and m.out_features % 8 == 0
+    return len(layers)
+
+
 def nvfp4_layers(model: nn.Module) -> list[str]:
     return [name for name, m in model.named_modules() if isinstance(m, NVFP4Linear)]
 
 
-__all__ = ["E2M1_VALUES", "NVFP4Linear", "dequantize", "nvfp4_layers", "scale_shape", "swizzle", "unswizzle"]
+__all__ = ["E2M1_VALUES", "NVFP4Linear", "dequantize", "native_linear", "native_unavailable", "nvfp4_layers",
+           "scale_shape", "set_native_matmul", "swizzle", "unswizzle"]
