@@ -71,7 +71,8 @@ from .prompts import (
     encoder_identity,
     identity_of,
 )
-from .quant.fp8 import FP8Linear, fp8_layers, quantize_model_
+from .quant.formats import describe_formats, kept_from_file, stored_formats
+from .quant.fp8 import FP8Linear, fp8_layers, quantize_model_, scaled_mm_available
 from .request import (
     BASE_DEFAULTS,
     DISTILLED_DEFAULTS,
@@ -178,6 +179,7 @@ __all__ = [
     "default_kv_cache",
     "default_prompt_cache",
     "denoise",
+    "describe_formats",
     "encode_prompts",
     "encode_references",
     "encode_tiled",
@@ -192,6 +194,7 @@ __all__ = [
     "guess_model_kind",
     "has_loras",
     "identity_of",
+    "kept_from_file",
     "load_lora",
     "load_text_encoder",
     "load_transformer",
@@ -219,8 +222,10 @@ __all__ = [
     "reference_tokens",
     "resolve_settings",
     "resolve_size",
+    "scaled_mm_available",
     "steps_to_run",
     "stitch",
+    "stored_formats",
     "text_position_ids",
     "to_pil",
     "tokenize_prompts",

@@ -36,6 +36,24 @@ def weight_dtype_for(name: str, device: torch.device) -> torch.dtype:
     return dtype
 
 
+def report_weight_choice(weight_dtype: str, model_name: str, transformer: torch.nn.Module,
+                         device: torch.device) -> None:
+    """Say (as node warnings) where ``weight_dtype`` does not do what its name says for this file on
+    this GPU: a storage choice (fp8 / q8 / q4) that leaves a quantised file's layers as stored, or
+    fp8 on a GPU without fp8 matmuls (memory saved, but every layer upcast when it runs)."""
+    kept = kc.kept_from_file(transformer, QUANTIZE.get(weight_dtype))
+    if kept:
+        logger.warning("%s: %s stores %s; weight_dtype %s re-quantises only float weights, so those stay as "
+                       "stored (choose bf16 to silence this)", NODE, model_name, kc.describe_formats(kept),
+                       weight_dtype)
+    if weight_dtype == "fp8" and device.type == "cuda" and not kc.scaled_mm_available(device):
+        major, minor = torch.cuda.get_device_capability(device)
+        logger.warning("%s: weight_dtype fp8 on %s (compute capability %d.%d, fp8 matmuls need 8.9): the block "
+                       "weights take half the memory of bf16 but are upcast to bf16 layer by layer when they "
+                       "run, which is slower than bf16 where bf16 fits", NODE, torch.cuda.get_device_name(device),
+                       major, minor)
+
+
 def transformer_home(memory_mode: str, device: torch.device, path: str, dtype: torch.dtype,
                      quantize: str | None) -> torch.device:
     """Where the transformer's weights live between runs, as klein_core's planner decides it: the
@@ -72,7 +90,9 @@ class KleinModelLoader(io.ComfyNode):
                                        "weights in float8 (half the memory of bf16; fp8 matmuls on GPUs "
                                        "with fp8 tensor cores); q8 / q4 store them as GGUF Q8_0 / Q4_0 "
                                        "blocks (4B: 4.0 / 2.3 GB; dequantised one layer at a time). fp8, "
-                                       "NVFP4 and GGUF files keep their own format with any choice."),
+                                       "NVFP4 and GGUF files keep their own format with any choice (the "
+                                       "node says so when fp8 / q8 / q4 is chosen for one, and when fp8 "
+                                       "is chosen on a GPU without fp8 matmuls)."),
                 io.Combo.Input("model_kind", options=list(KINDS), default="auto", tooltip=(
                     "Sets the sampler defaults: distilled = 4 steps without CFG, base = 50 steps with CFG 4, "
                     "kv = Klein 9B-KV (distilled; references' keys/values computed once per edit). auto = "
@@ -115,6 +135,7 @@ class KleinModelLoader(io.ComfyNode):
         vref = cache.model_ref("vae", vae_path, vae_name, vae_device, host.vae_dtype(vae_device))
         with errors_named(NODE, "model_name", model_name):
             transformer = tref.get()
+        report_weight_choice(weight_dtype, model_name, transformer, device)
         with errors_named(NODE, "vae_name", vae_name):
             vae = vref.get()
             kc.check_compatible(transformer, None, vae)

@@ -579,6 +579,43 @@ def test_memory_modes_give_the_same_latents_and_log_the_plan(comfy, mode, caplog
         assert "Block offload" in caplog.text  # the transformer's blocks were really streamed
 
 
+def test_storage_choices_that_a_quantised_file_overrides_are_said(comfy, monkeypatch, caplog):
+    from safetensors.torch import load_file, save_file
+
+    from klein_core.quant.fp8 import block_linear_names
+
+    sd = load_file(str(comfy.paths["klein_4b"]))
+    layers = block_linear_names(kc.load_transformer(comfy.paths["klein_4b"]))
+    name = "flux-2-klein-4b-fp8.safetensors"
+    save_file(kc.quantize_state_dict(sd, layers, style="comfy_quant"), str(comfy.models / "diffusion_models" / name))
+    comfy.folder_paths.filename_list_cache.clear()
+    try:
+        out = comfy.pack.KleinModelLoader.execute(name, VAE, "q4", "auto")
+        warnings = out.ui["warnings"]
+        assert any(f"{name} stores {len(layers)} layers in fp8 e4m3fn; weight_dtype q4" in w for w in warnings), warnings
+        assert kc.stored_formats(out.args[0].ref.get()) == {"fp8 e4m3fn": len(layers)}
+        assert not getattr(comfy.pack.KleinModelLoader.execute(name, VAE, "bf16", "auto"), "ui", None)  # as stored: nothing to say
+        q4 = comfy.pack.KleinModelLoader.execute(M4B, VAE, "q4", "auto")
+        assert kc.stored_formats(q4.args[0].ref.get()) == {"GGUF Q4_0": len(layers)}
+        assert not getattr(q4, "ui", None)  # a bf16 file quantised as asked: nothing to say
+    finally:
+        comfy.cache.release_all("test done")
+        (comfy.models / "diffusion_models" / name).unlink()
+        comfy.folder_paths.filename_list_cache.clear()
+    # fp8 on a GPU without fp8 matmuls (an RTX 3090 here, by its answers): said with the GPU's name
+    monkeypatch.setattr(kc, "scaled_mm_available", lambda device: False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (8, 6))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "NVIDIA GeForce RTX 3090")
+    with caplog.at_level(logging.WARNING):
+        comfy.loaders.report_weight_choice("fp8", M4B, torch.nn.Linear(2, 2), torch.device("cuda", 0))
+    assert "fp8 on NVIDIA GeForce RTX 3090 (compute capability 8.6, fp8 matmuls need 8.9)" in caplog.text
+    monkeypatch.setattr(kc, "scaled_mm_available", lambda device: True)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        comfy.loaders.report_weight_choice("fp8", M4B, torch.nn.Linear(2, 2), torch.device("cuda", 0))
+    assert not caplog.text
+
+
 def test_fp8_weight_option_keeps_block_weights_in_fp8(comfy):
     from klein_core.quant.fp8 import fp8_layers
 

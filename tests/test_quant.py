@@ -341,3 +341,22 @@ def test_fp8_matmul_fallback_is_per_call_and_never_swallows_out_of_memory(monkey
         assert torch.equal(layer(x), expected)
     assert tries == ["OutOfMemoryError", "RuntimeError", "RuntimeError"]  # ...and the next one tries again
     assert caplog.text.count("fp8 matmul failed") == 1 and not layer.full_precision_mm
+
+
+def test_stored_formats_are_counted_and_named():
+    from torch import nn
+
+    from klein_core.quant.formats import describe_formats, kept_from_file, stored_formats
+    from klein_core.quant.ggml import GGMLLinear
+    from klein_core.quant.nvfp4 import NVFP4Linear
+
+    n = 256  # one Q4_K block
+    model = nn.Sequential(FP8Linear(n, n), FP8Linear(n, n, fmt="float8_e5m2"), GGMLLinear(n, n, 12),
+                          GGMLLinear(n, n, 8), GGMLLinear(n, n, 8), NVFP4Linear(n, n), nn.Linear(n, n))
+    counts = stored_formats(model)
+    assert counts == {"GGUF Q8_0": 2, "fp8 e4m3fn": 1, "fp8 e5m2": 1, "GGUF Q4_K": 1, "NVFP4": 1}
+    assert next(iter(counts)) == "GGUF Q8_0"  # most common first
+    assert describe_formats({"fp8 e4m3fn": 80}) == "80 layers in fp8 e4m3fn"
+    assert describe_formats({"fp8 e4m3fn": 1, "NVFP4": 2}) == "1 layer in fp8 e4m3fn and 2 in NVFP4"
+    assert kept_from_file(model, "q8") == {"fp8 e4m3fn": 1, "fp8 e5m2": 1, "GGUF Q4_K": 1, "NVFP4": 1}
+    assert kept_from_file(model, None) == {} and kept_from_file(nn.Linear(2, 2), "fp8") == {}
