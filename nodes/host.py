@@ -54,8 +54,15 @@ def offload_device() -> torch.device:
 
 
 def bf16_supported(device: torch.device) -> bool:
+    """Whether ``device`` runs bf16 natively: CUDA GPUs from Ampere (sm_80) on, ROCm, other devices.
+
+    Not ``torch.cuda.is_bf16_supported()``: that asks about the current device rather than
+    ``device`` (``cuda:1`` may be another GPU), and by default it also says yes on older GPUs,
+    where bf16 only runs emulated (slowly); those compute in fp16 instead."""
     if device.type == "cuda":
-        return torch.cuda.is_bf16_supported()
+        if torch.version.hip is not None:
+            return True  # what torch answers for ROCm devices
+        return torch.cuda.get_device_properties(device).major >= 8
     return True
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -29,6 +30,11 @@ import torch
 from torch import nn
 
 logger = logging.getLogger(__name__)
+
+# Methods of a block, besides ``forward``, that a model calls directly: forward hooks never see those
+# calls, so the offloader wraps them too. ``Flux2Transformer.reference_kv`` (KV mode) runs each block's
+# ``reference`` pass; unwrapped, it would compute with the blocks' CPU home weights on device inputs.
+STREAMED_METHODS: tuple[str, ...] = ("reference",)
 
 
 @dataclass
@@ -175,6 +181,7 @@ class BlockOffloader:
         self._slots = [_slots(b) for b in self.blocks]
         self._loaded: dict[int, torch.cuda.Event | None] = {}
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
+        self._wrapped: list[tuple[nn.Module, str]] = []  # (block, method) wrapped as STREAMED_METHODS says
         self._stream: torch.cuda.Stream | None = None
         self._resident: list[_Slot] = []
         # Events marking the end of released blocks' compute: their memory may still be in use.
@@ -205,6 +212,11 @@ class BlockOffloader:
         for i, block in enumerate(self.blocks):
             self._hooks.append(block.register_forward_pre_hook(self._make_pre_hook(i)))
             self._hooks.append(block.register_forward_hook(self._make_post_hook(i)))
+            for name in STREAMED_METHODS:
+                if callable(getattr(block, name, None)):
+                    # An instance attribute shadows the class's method until detach removes it.
+                    block.__dict__[name] = self._streamed(i, block, getattr(block, name))
+                    self._wrapped.append((block, name))
         n = sum(module_bytes(b) for b in self.blocks)
         logger.info("Block offload: %d blocks (%.2f GB) stream to %s, %d ahead", len(self.blocks), n / 1e9,
                     self.device, self.prefetch)
@@ -215,6 +227,9 @@ class BlockOffloader:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+        for block, name in self._wrapped:
+            block.__dict__.pop(name, None)
+        self._wrapped.clear()
         for i in list(self._loaded):
             self._release(i)
         self._freeing.clear()  # the allocator itself keeps freed memory until the GPU is done with it
@@ -248,6 +263,19 @@ class BlockOffloader:
             self._release(i)
 
         return hook
+
+    def _streamed(self, i: int, block: nn.Module, method):
+        """``method`` of block ``i`` with the block's forward hooks around it."""
+        pre, post = self._make_pre_hook(i), self._make_post_hook(i)
+
+        @functools.wraps(method)
+        def call(*args, **kwargs):
+            pre(block, args)
+            out = method(*args, **kwargs)
+            post(block, args, out)
+            return out
+
+        return call
 
     def _load(self, i: int) -> None:
         """Issue the copy of block ``i`` to the device (asynchronously on CUDA)."""

@@ -64,3 +64,35 @@ def computing_in(module: nn.Module, dtype: torch.dtype) -> Iterator[nn.Module]:
     finally:
         for owner, name, is_param, t in swapped:
             (owner._parameters if is_param else owner._buffers)[name] = t
+
+
+@contextlib.contextmanager
+def computing_in_calls(module: nn.Module, dtype: torch.dtype) -> Iterator[nn.Module]:
+    """:func:`computing_in` around each call of ``module`` while inside, entered by forward hooks:
+    after the hooks already on the module (a :class:`~klein_core.memory.placement.BlockOffloader`'s,
+    which put the block's weights on the device) and left before their post hooks run.
+
+    Casting outside the call instead would cast the block's CPU home copies (which the offloader's
+    pre-hook then replaces with device weights in the file dtype) or, on CUDA, read the device copies
+    before the compute stream has waited for their transfer; its restore would then put the device
+    copies back after the offloader released them, leaving them on the device.
+    """
+    active: list[contextlib.ExitStack] = []
+
+    def pre(mod: nn.Module, args: object) -> None:
+        stack = contextlib.ExitStack()
+        stack.enter_context(computing_in(mod, dtype))
+        active.append(stack)
+
+    def post(mod: nn.Module, args: object, output: object) -> None:
+        if active:
+            active.pop().close()
+
+    handles = [module.register_forward_pre_hook(pre), module.register_forward_hook(post, prepend=True)]
+    try:
+        yield module
+    finally:
+        for h in handles:
+            h.remove()
+        while active:  # the call raised: its post hook never ran
+            active.pop().close()

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..variants import encoder_name
-from .layers import RMSNorm, attention, computing_in
+from .layers import RMSNorm, attention, computing_in_calls
 
 logger = logging.getLogger(__name__)
 
@@ -312,8 +312,9 @@ class Qwen3TextEncoder(nn.Module):
         for i, layer in enumerate(self.layers, start=1):
             if activations is None:
                 x = layer(x, cos, sin, mask, blind_rows)
-            else:  # weights cast one layer at a time, as ComfyUI's manual cast
-                with computing_in(layer, activations):
+            else:  # weights cast one layer at a time, as ComfyUI's manual cast (inside the layer's
+                # hooks, so a streamed layer casts its device weights)
+                with computing_in_calls(layer, activations):
                     x = layer(x, cos, sin, mask, blind_rows)
             if i in OUTPUT_LAYERS:
                 states.append(x)

@@ -202,11 +202,15 @@ class FP8Linear(nn.Module):
         if self.input_scale is not None:
             xs = self.input_scale.float()
         else:
-            xs = (x2.abs().amax().float() / E4M3_MAX).clamp(min=1e-12)
+            # The floor must survive the rounding to x's dtype below: 1e-12 is 0 in fp16, and an
+            # all-zero (or tiny) fp16 input would then be divided by 0 (NaN / inf outputs).
+            xs = (x2.abs().amax().float() / E4M3_MAX).clamp(min=max(1e-12, torch.finfo(x.dtype).tiny))
         # Round the activation scale to x's dtype first so the division below and the scale given
         # to the kernel are the same number.
         xs = xs.to(x.dtype).float().reshape(())
-        xq = (x2 / xs.to(x.dtype)).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+        # contiguous(): CUDA's fp8 matmul takes a row-major mat1 only, and the division keeps x's
+        # memory layout (a transposed view of x gives a column-major xq). No copy in the usual case.
+        xq = (x2 / xs.to(x.dtype)).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).contiguous()
         per_row = self.weight_scale.ndim == 1
         ws = torch.ones((), device=x.device) if per_row else self.weight_scale.float().reshape(())
         out_dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.float32

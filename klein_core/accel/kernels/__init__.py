@@ -13,6 +13,7 @@ Use them through :mod:`klein_core.accel.fast`, which falls back to the plain pat
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import sys
@@ -47,6 +48,13 @@ def available(device: torch.device | str) -> tuple[bool, str]:
     if device.type == "cpu" and qk.is_interpreted():
         return True, ""
     return False, f"Triton kernels need a CUDA device, not {device.type}"
+
+
+def _device_guard(device: torch.device) -> contextlib.AbstractContextManager:
+    """Make ``device`` current for a launch. Triton launches on the current CUDA device and its
+    current stream, not on the tensors' device: with tensors on ``cuda:1`` while ``cuda:0`` is current,
+    a launch fails ("cannot be accessed from Triton") or reads another GPU's memory."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def _check_rows(name: str, t: torch.Tensor, ndim: int) -> None:
@@ -113,7 +121,8 @@ def qk_norm_rope_into(
     # A batch-1 table serves every batch item: stride 0 over the batch.
     if cos.shape[0] == 1 and b > 1:
         cos, sin = cos.expand(b, -1, -1), sin.expand(b, -1, -1)
-    _module(_QK).launch(q, k, q_weight, k_weight, cos, sin, out_q, out_k, offset, eps)
+    with _device_guard(q.device):
+        _module(_QK).launch(q, k, q_weight, k_weight, cos, sin, out_q, out_k, offset, eps)
 
 
 def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -143,7 +152,8 @@ def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: flo
         shift = shift.expand(b, -1, -1)
     if scale.shape[0] == 1 and b > 1:
         scale = scale.expand(b, -1, -1)
-    _module(_MOD).launch(x, shift, scale, out, eps)
+    with _device_guard(x.device):
+        _module(_MOD).launch(x, shift, scale, out, eps)
     return out
 
 

@@ -1,0 +1,190 @@
+"""CUDA-only code paths checked on the CPU: what reaches torch._scaled_mm, streamed blocks called
+outside their forward, streamed text-encoder layers computing in fp32, Triton launches on the tensors'
+device, and bf16 support asked of the right GPU. Each test fails on the code before its fix."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from script_module import load_script
+from torch import nn
+
+from klein_core.accel import kernels
+from klein_core.memory.placement import BlockOffloader
+from klein_core.models.transformer import DoubleStreamBlock, SingleStreamBlock
+from klein_core.quant.fp8 import FLOAT8_DTYPES, FP8Linear
+from klein_core.testing.tiny import tiny_text_encoder, tiny_transformer
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# ----- torch._scaled_mm gets what CUDA takes ----------------------------------------------------------
+
+
+def _cuda_scaled_mm(calls: list):
+    """A stand-in for torch._scaled_mm that enforces CUDA's documented requirements (those of
+    torch's own meta function for CUDA) and computes the reference result in float32."""
+
+    def fake(a, b, *, scale_a, scale_b, bias=None, scale_result=None, out_dtype=None, use_fast_accum=False):
+        assert a.ndim == 2 and b.ndim == 2
+        assert a.dtype in FLOAT8_DTYPES and b.dtype in FLOAT8_DTYPES
+        assert not (a.dtype == torch.float8_e5m2 and b.dtype == torch.float8_e5m2)
+        assert a.stride(1) == 1 and a.stride(0) > a.stride(1), f"mat1 must be row-major, got {a.stride()}"
+        assert b.stride(0) == 1 and b.stride(1) > 1, f"mat2 must be column-major, got {b.stride()}"
+        assert a.shape[1] % 16 == 0 and b.shape[0] % 16 == 0 and b.shape[1] % 16 == 0
+        for s in (scale_a, scale_b):  # tensorwise scaling
+            assert s.numel() == 1 and s.dtype == torch.float32 and s.device == a.device
+        assert out_dtype in (torch.bfloat16, torch.float16, torch.float32)
+        assert bias is None or out_dtype != torch.float32
+        calls.append((tuple(a.shape), tuple(b.shape)))
+        return ((a.float() * scale_a) @ (b.float() * scale_b)).to(out_dtype)
+
+    return fake
+
+
+def _fp8_layer(per_row: bool = False, bias: bool = False) -> FP8Linear:
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 32, bias=bias)
+    layer = FP8Linear.from_linear(lin)
+    if per_row:
+        layer.weight_scale = layer.weight_scale.expand(32).clone() * torch.linspace(0.5, 1.5, 32)
+    layer.matmul = "scaled_mm"
+    return layer
+
+
+@pytest.mark.parametrize("per_row,bias", [(False, False), (True, True)])
+def test_scaled_mm_gets_row_major_activations_for_any_input_layout(monkeypatch, per_row, bias):
+    layer = _fp8_layer(per_row, bias)
+    torch.manual_seed(1)
+    inputs = {
+        "batched": torch.randn(2, 5, 64).to(torch.bfloat16),
+        "transposed view": torch.randn(64, 7).to(torch.bfloat16).t(),  # strides (1, 7): column-major
+        "sliced rows": torch.randn(3, 9, 64).to(torch.bfloat16)[:, 2:6],
+    }
+    expected = {k: layer(x) for k, x in inputs.items()}  # torch's CPU kernel, which takes any layout
+    calls: list = []
+    monkeypatch.setattr(torch, "_scaled_mm", _cuda_scaled_mm(calls))
+    for name, x in inputs.items():
+        y = layer(x)
+        assert y.shape == (*x.shape[:-1], 32) and y.dtype == x.dtype, name
+        torch.testing.assert_close(y.float(), expected[name].float(), rtol=2e-2, atol=2e-2, msg=name)
+    assert len(calls) == len(inputs)
+
+
+def test_fp16_all_zero_input_gives_zeros_not_nan():
+    # The dynamic activation scale's floor (1e-12) rounds to 0 in fp16: 0 / 0 before the fix.
+    layer = _fp8_layer()
+    for dtype in (torch.float16, torch.bfloat16):
+        y = layer(torch.zeros(4, 64, dtype=dtype))
+        assert torch.equal(y, torch.zeros(4, 32, dtype=dtype)), dtype
+
+
+# ----- block streaming ----------------------------------------------------------------------------------
+
+
+def test_offloader_streams_the_reference_pass(monkeypatch):
+    """KV mode runs ``block.reference`` directly, past the forward hooks: before the fix the blocks
+    computed with their CPU home weights (on a GPU: device inputs against CPU weights)."""
+    model = tiny_transformer()
+    torch.manual_seed(2)
+    tokens, ids = torch.randn(1, 16, 128), torch.randint(0, 4, (16, 4))
+    expected = model.reference_kv(tokens, ids)
+    blocks = [*model.double_blocks, *model.single_blocks]
+    homes = {id(b): {n: p.data_ptr() for n, p in b.named_parameters()} for b in blocks}
+    used_home = []
+
+    def watch(original):
+        def reference(self, *args, **kwargs):
+            used_home.append(any(p.data_ptr() == homes[id(self)][n] for n, p in self.named_parameters()))
+            return original(self, *args, **kwargs)
+        return reference
+
+    for cls in (DoubleStreamBlock, SingleStreamBlock):
+        monkeypatch.setattr(cls, "reference", watch(cls.reference))
+    with BlockOffloader(model, "cpu") as off:
+        got = model.reference_kv(tokens, ids)
+        assert off.stats.loads == len(blocks) + off.prefetch
+    assert used_home == [False] * len(blocks)
+    for (k0, v0), (k1, v1) in zip((*expected.double, *expected.single), (*got.double, *got.single)):
+        assert torch.equal(k0, k1) and torch.equal(v0, v1)
+    assert all("reference" not in b.__dict__ for b in blocks)  # detach unwrapped them
+    assert all(p.data_ptr() == homes[id(b)][n] for b in blocks for n, p in b.named_parameters())
+
+
+def test_streamed_text_encoder_computes_in_fp32():
+    """ComfyUI's "fp32 activations" with streamed layers: the cast must see the offloader's device
+    weights (before the fix: bf16 weights against fp32 activations, and on CUDA a read before the
+    copy was waited for), and afterwards every layer holds its home weights again."""
+    encoder = tiny_text_encoder().to(torch.bfloat16)
+    ids, mask = torch.randint(0, 1000, (2, 9)), torch.ones(2, 9, dtype=torch.long)
+    expected = encoder.encode(ids, mask, activations=torch.float32)
+    homes = {n: p.data_ptr() for n, p in encoder.named_parameters()}
+    with BlockOffloader(encoder, "cpu") as off:
+        got = encoder.encode(ids, mask, activations=torch.float32)
+        assert off.stats.loads >= len(encoder.layers)
+    assert got.dtype == torch.float32
+    assert torch.equal(got, expected)
+    assert {n: p.data_ptr() for n, p in encoder.named_parameters()} == homes
+    assert all(p.dtype == torch.bfloat16 for p in encoder.parameters())
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in encoder.modules())
+
+
+# ----- Triton launches ----------------------------------------------------------------------------------
+
+
+def test_triton_launch_guard_names_the_tensors_device():
+    guard = kernels._device_guard(torch.device("cuda", 1))
+    assert isinstance(guard, torch.cuda.device) and guard.idx == 1
+    assert isinstance(kernels._device_guard(torch.device("cpu")), contextlib.nullcontext)
+
+
+def test_triton_launches_run_inside_the_device_guard(monkeypatch):
+    state = {"inside": None, "launched": []}
+
+    @contextlib.contextmanager
+    def guard(device):
+        state["inside"] = device
+        try:
+            yield
+        finally:
+            state["inside"] = None
+
+    def launch(*args):
+        assert state["inside"] == args[0].device, "launched outside the tensors' device guard"
+        state["launched"].append(args[0].shape)
+
+    monkeypatch.setattr(kernels, "_device_guard", guard)
+    monkeypatch.setattr(kernels, "_module", lambda name: SimpleNamespace(launch=launch))
+    x = torch.randn(2, 3, 8)
+    kernels.modulate(x, torch.zeros(1, 1, 8), torch.zeros(1, 1, 8))
+    q = torch.randn(2, 3, 2, 8)
+    cos = torch.ones(1, 3, 8)
+    out_q, out_k = torch.empty(2, 3, 2, 8), torch.empty(2, 3, 2, 8)
+    kernels.qk_norm_rope_into(q, q.clone(), torch.ones(8), torch.ones(8), cos, cos.clone(), out_q, out_k)
+    assert len(state["launched"]) == 2
+
+
+# ----- the ComfyUI host ---------------------------------------------------------------------------------
+
+
+def test_bf16_support_is_asked_of_the_given_gpu(monkeypatch):
+    host = load_script("klein_nodes_host_for_cuda_tests", REPO / "nodes" / "host.py")
+    majors = {0: 8, 1: 7}  # an Ampere card and a Turing card (bf16 only emulated there)
+
+    def properties(device):
+        return SimpleNamespace(major=majors[torch.device(device).index])
+
+    def no_current_device():
+        raise AssertionError("asked the current device instead of the given one")
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", properties)
+    monkeypatch.setattr(torch.cuda, "current_device", no_current_device)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)  # what torch says on Turing
+    monkeypatch.setattr(torch.version, "hip", None)
+    assert host.bf16_supported(torch.device("cuda", 0)) is True
+    assert host.bf16_supported(torch.device("cuda", 1)) is False
+    assert host.bf16_supported(torch.device("cpu")) is True
