@@ -19,6 +19,7 @@ import contextlib
 import gc
 import logging
 import time
+import traceback
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
@@ -136,6 +137,19 @@ def is_out_of_memory(exc: BaseException) -> bool:
         s in text for s in ("can't allocate memory", "not enough memory", "MPS backend out of memory"))
 
 
+def release_failed_attempt(exc: BaseException, device: torch.device) -> None:
+    """Free what a computation that raised ``exc`` still holds, then return the cached blocks.
+
+    While ``exc`` is being handled, its traceback keeps every failed frame alive, and with them
+    their local tensors (the activations that filled the memory): ``del exc`` alone frees nothing.
+    Clearing the finished frames' locals does; the frames still running (the handler's own and its
+    callers') are left as they are."""
+    traceback.clear_frames(exc.__traceback__)
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 @contextlib.contextmanager
 def explain_oom(stage: str, device: torch.device, w: int, h: int, batch: int, n_refs: int) -> Iterator[None]:
     """Turn an out-of-memory error in ``stage`` into :class:`KleinOutOfMemory` naming what to lower,
@@ -143,13 +157,10 @@ def explain_oom(stage: str, device: torch.device, w: int, h: int, batch: int, n_
     try:
         yield
     except RuntimeError as exc:
-        if not is_out_of_memory(exc):
+        if not is_out_of_memory(exc) or isinstance(exc, KleinOutOfMemory):  # already explained (a refusal)
             raise
-        # Drop the traceback's frames (they pin activations) before emptying the cache.
+        release_failed_attempt(exc, device)
         del exc
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
         hints = [f"a lower resolution than {w}x{h}"]
         if batch > 1:
             hints.append(f"a smaller batch (now {batch} images per step including CFG)")
@@ -532,10 +543,8 @@ class Engine:
                 except RuntimeError as exc:
                     if not is_out_of_memory(exc) or i == len(tiles) - 1:
                         raise
+                    release_failed_attempt(exc, self.device)
                     del exc
-                    gc.collect()
-                    if self.device.type == "cuda":
-                        torch.cuda.empty_cache()
                     logger.warning("out of GPU memory decoding %s; retrying in tiles of %d latents",
                                    "whole" if tile is None else f"in tiles of {tile}", tiles[i + 1])
         raise AssertionError("unreachable")
@@ -740,5 +749,5 @@ def generate(
 
 __all__ = [
     "Conditioning", "Engine", "GenerationResult", "check_compatible", "decode_to_pixels", "encode_references",
-    "explain_oom", "generate", "reference_pixel_sizes",
+    "explain_oom", "generate", "reference_pixel_sizes", "release_failed_attempt",
 ]

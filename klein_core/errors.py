@@ -6,6 +6,8 @@ Every one is a subclass of a built-in type a caller may already catch (``ValueEr
 
 from __future__ import annotations
 
+import torch
+
 
 class WeightFormatError(ValueError):
     """A weight file that cannot be read or is in a format the core does not run.
@@ -19,9 +21,12 @@ class NonFiniteWeights(WeightFormatError, FloatingPointError):
     failure it causes; the message names the tensor and the file."""
 
 
-class KleinOutOfMemory(RuntimeError):
+class KleinOutOfMemory(torch.OutOfMemoryError):
     """The device ran out of memory (or a request was refused because it would); the message says
-    which setting to lower. Memory was released before raising."""
+    which setting to lower. Memory was released before raising.
+
+    A ``torch.OutOfMemoryError`` (so a ``RuntimeError``): hosts that handle running out of memory
+    handle it too (ComfyUI unloads its models and shows its memory tips)."""
 
 
 class GenerationCancelled(RuntimeError):

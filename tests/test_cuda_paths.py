@@ -188,3 +188,36 @@ def test_bf16_support_is_asked_of_the_given_gpu(monkeypatch):
     assert host.bf16_supported(torch.device("cuda", 0)) is True
     assert host.bf16_supported(torch.device("cuda", 1)) is False
     assert host.bf16_supported(torch.device("cpu")) is True
+
+
+# ----- running out of memory frees the failed attempt -------------------------------------------------
+
+
+def test_out_of_memory_frees_the_failed_frames_before_emptying_the_cache(monkeypatch):
+    """While an OOM is being handled its traceback keeps the failed frames, and their activations,
+    alive: emptying the CUDA cache then frees nothing. The handler must clear those frames first."""
+    import gc
+    import weakref
+
+    import klein_core as kc
+    from klein_core import engine
+
+    refs, alive_at_collect = [], []
+
+    def failing_forward():
+        activations = torch.empty(1024)
+        refs.append(weakref.ref(activations))
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    real_collect = gc.collect
+    monkeypatch.setattr(gc, "collect", lambda *a: (real_collect(*a), alive_at_collect.append(refs[0]() is not None))[0])
+    with pytest.raises(kc.KleinOutOfMemory, match="while denoising; the memory was released") as err:
+        with engine.explain_oom("denoising", torch.device("cpu"), 1024, 1024, 1, 0):
+            failing_forward()
+    assert alive_at_collect == [False]
+    # a torch OutOfMemoryError, so hosts treat it as one (ComfyUI unloads its models on those)
+    assert isinstance(err.value, torch.OutOfMemoryError) and isinstance(err.value, RuntimeError)
+    # a refusal (already a KleinOutOfMemory with its own advice) passes through unchanged
+    with pytest.raises(kc.KleinOutOfMemory, match="^refused before running: too big$"):
+        with engine.explain_oom("denoising", torch.device("cpu"), 1024, 1024, 1, 0):
+            raise kc.KleinOutOfMemory("refused before running: too big")
