@@ -221,3 +221,22 @@ def test_out_of_memory_frees_the_failed_frames_before_emptying_the_cache(monkeyp
     with pytest.raises(kc.KleinOutOfMemory, match="^refused before running: too big$"):
         with engine.explain_oom("denoising", torch.device("cpu"), 1024, 1024, 1, 0):
             raise kc.KleinOutOfMemory("refused before running: too big")
+
+
+# ----- a component already on the GPU is not streamed ---------------------------------------------------
+
+
+def test_blocks_placement_of_a_component_already_on_the_device_runs_it_in_place(caplog):
+    """Streaming makes pinned CPU copies of the blocks their home; for a model already on the GPU
+    that would leave it in CPU memory after the stage (moved for good). ``meta`` stands in for the
+    GPU here: a device other than the CPU that the weights are already on."""
+    from klein_core.memory.placement import StagePlacer
+
+    with torch.device("meta"):
+        model = tiny_transformer()
+    placer = StagePlacer("meta", {"transformer": model}, {"transformer": "blocks"})
+    with caplog.at_level("WARNING"), placer.stage("transformer") as m:
+        assert m is model
+        assert not model.double_blocks[0]._forward_pre_hooks  # no offloader attached
+    assert all(t.device.type == "meta" for t in model.state_dict().values())
+    assert "transformer is already on meta, so it runs there as it is" in caplog.text

@@ -364,6 +364,13 @@ class StagePlacer:
             # good: the caller's module keeps its own tensors and device.
             with on_device(module, self.device):
                 yield module
+        elif self.device.type != "cpu" and all(_same_device(s.home.device, self.device) for s in _slots(module)):
+            # Already on the device: streaming would copy every block to CPU memory, and the
+            # detach leave them there (the model moved for good) or copy them back: neither helps.
+            logger.warning("%s is already on %s, so it runs there as it is: streaming its blocks saves GPU "
+                           "memory only for a %s held in CPU memory (load it on the CPU for that)",
+                           component, self.device, component)
+            yield module
         else:
             with BlockOffloader(module, self.device, prefetch=self.prefetch):
                 yield module
