@@ -1,0 +1,1 @@
+"""GPU test suite (see conftest.py)."""

@@ -1,0 +1,166 @@
+"""Each fast path against the plain path on the device: every attention backend, the fused Triton
+kernels (QK-RMSNorm + RoPE, modulation), torch.compile of the blocks, the fast VAE decode, and a
+whole generation with all of them.
+
+Tolerances (bf16 on CUDA). Attention kernels and fused kernels change the order of the float32
+accumulations and where bf16 rounding happens; the library's own self-check accepts 2% relative
+max error per op (klein_core.accel.fast._compare). Through the blocks the output of one forward
+must stay within 2% relative L2 of the plain path, the latents of a 4-step generation within 3% and
+the bf16 fast VAE decode within 5% (fp32: 1e-5, 1e-5 and the same 5% for the bf16 decoder). On the
+CPU every backend falls back to the plain path, so the results are identical there.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+
+import pytest
+import torch
+
+import klein_core as kc
+from klein_core.accel import fast, kernels
+
+from .helpers import forward, load_small, rel_l2, tag, transformer_inputs
+
+
+def _tol(gpu) -> float:
+    return 2e-2 if gpu.half else 1e-5
+
+
+def _expected_attention(gpu, requested: str) -> set[str]:
+    """The backend names ``requested`` may resolve to on this device."""
+    if gpu.cpu or requested == "plain":
+        return {"plain"}
+    if requested in ("sdpa", "sdpa_cudnn"):
+        return {requested}
+    if requested == "auto":
+        return {"flash3", "sdpa"}
+    return {requested, "sdpa"}  # flash3 / flash2 fall back to sdpa when not installed or not this GPU
+
+
+@pytest.fixture(scope="module")
+def model(small):
+    return small[0]
+
+
+@pytest.mark.parametrize("attention", fast.ATTENTION_BACKENDS)
+def test_attention_backends_match_plain(gpu, model, attention, parity, caplog):
+    inputs = transformer_inputs(model, gpu, 16, 16, txt_len=64, ref=(8, 12), batch=2)
+    plain = forward(model, inputs)
+    try:
+        with caplog.at_level(logging.INFO, logger="klein_core.accel.fast"):
+            ops = fast.enable_fast_paths(model, attention=attention, fused_rope=False, fused_modulation=False)
+            out = forward(model, inputs)
+    finally:
+        fast.disable_fast_paths(model)
+    (described,) = ops.resolved().values()
+    ran = described.split(",")[0].split("=")[1]
+    assert ran in _expected_attention(gpu, attention), described
+    assert "self-check" not in caplog.text, caplog.text  # a backend that fails its check is a bug here
+    rel = parity(tag(gpu, f"attention={attention} (ran {ran}) vs plain, relative L2"), rel_l2(out, plain))
+    assert rel < _tol(gpu), rel
+
+
+def _kernels_runnable(gpu) -> str | None:
+    ok, why = kernels.available(gpu.device)
+    if ok:
+        return None
+    return why + ("" if not gpu.cpu else " (set TRITON_INTERPRET=1 to run them in Triton's interpreter)")
+
+
+@pytest.mark.parametrize("which", ["qk-norm+rope", "modulation", "both"])
+def test_fused_kernels_match_plain(gpu, model, which, parity):
+    why = _kernels_runnable(gpu)
+    if why is not None:
+        pytest.skip(why)
+    rope, mod = which in ("qk-norm+rope", "both"), which in ("modulation", "both")
+    inputs = transformer_inputs(model, gpu, 16, 16, txt_len=64, ref=(8, 12), batch=2)
+    plain = forward(model, inputs)
+    try:
+        ops = fast.enable_fast_paths(model, attention="plain", fused_rope=rope, fused_modulation=mod)
+        out = forward(model, inputs)
+    finally:
+        fast.disable_fast_paths(model)
+    (described,) = ops.resolved().values()
+    if rope:
+        assert "qk-norm+rope=triton" in described, described  # the kernel passed its self-check and ran
+    if mod:
+        assert "modulation=triton" in described, described
+    rel = parity(tag(gpu, f"fused {which} vs plain, relative L2"), rel_l2(out, plain))
+    assert rel < _tol(gpu), rel
+
+
+@pytest.mark.cuda("torch.compile with inductor needs minutes on 2 CPU cores; tests/test_fast.py covers the "
+                  "wiring with the eager backend")
+def test_compile_matches_plain(gpu, model, parity, caplog):
+    inputs = transformer_inputs(model, gpu, 16, 16, txt_len=64, ref=(8, 12), batch=2)
+    plain = forward(model, inputs)
+    try:
+        with caplog.at_level(logging.INFO, logger="klein_core.accel.fast"):
+            ops = fast.enable_fast_paths(model, compile=True)
+            first = forward(model, inputs)
+            second = forward(model, inputs)
+    finally:
+        fast.disable_fast_paths(model)
+        torch._dynamo.reset()
+    assert torch.equal(first, second)
+    (described,) = ops.resolved().values()
+    assert "compile=True" in described and "qk-norm+rope=inductor" in described, described
+    assert any("first forward" in r.getMessage() for r in caplog.records)
+    rel = parity(tag(gpu, "torch.compile (inductor) vs plain, relative L2"), rel_l2(first, plain))
+    assert rel < _tol(gpu), rel
+
+
+def test_fast_vae_decode(gpu, parity):
+    vae = load_small(gpu)[2]
+    lat = torch.randn(1, 128, 12, 16, generator=torch.Generator().manual_seed(0)).to(gpu.device, gpu.dtype)
+    with torch.no_grad():
+        plain = vae.decode(lat)
+        fast.enable_fast_vae(vae)  # bf16 decoder, channels-last
+        try:
+            quick = vae.decode(lat)
+        finally:
+            fast.disable_fast_vae(vae)
+    assert quick.dtype == torch.bfloat16
+    rel = parity(tag(gpu, "fast VAE decode (bf16, channels-last) vs plain, relative L2"), rel_l2(quick, plain))
+    assert rel < 0.05, rel
+
+
+def test_generate_with_every_fast_path(gpu, parity):
+    tr, te, vae = load_small(gpu)
+    kw = {"prompt": "a fox", "width": gpu.size, "height": gpu.size, "steps": 4, "seed": 3, "cache": None}
+    plain = kc.generate(tr, te, vae, **kw)
+    fast.enable_fast_paths(tr)
+    fast.enable_fast_vae(vae, dtype=None)  # channels-last in the model dtype
+    quick = kc.generate(tr, te, vae, **kw)
+    rel = parity(tag(gpu, "generate with fast paths vs plain: latents, relative L2"), rel_l2(quick.latents, plain.latents))
+    assert rel < (3e-2 if gpu.half else 1e-5), rel
+    parity(tag(gpu, "generate with fast paths vs plain: pixels max abs"), float((quick.pixels - plain.pixels).abs().max()))
+
+
+# ---------------------------------------------------------------------------------------------
+# Full size
+
+
+@pytest.mark.full_size(40)
+@pytest.mark.parametrize("attention,fused", [("sdpa", False), ("sdpa_cudnn", False), ("auto", True)])
+def test_full_4b_fast_forward_matches_plain(gpu, full4b, attention, fused, parity):
+    """One full-size 4B forward at 1024x1024 with a 1024x1024 reference and 512 text tokens."""
+    tr = full4b[0]
+    inputs = transformer_inputs(tr, gpu, 64, 64, txt_len=512, ref=(64, 64))
+    plain = forward(tr, inputs)
+    try:
+        ops = fast.enable_fast_paths(tr, attention=attention, fused_rope=fused, fused_modulation=fused)
+        out = forward(tr, inputs)
+    finally:
+        fast.disable_fast_paths(tr)
+    (described,) = ops.resolved().values()
+    rel = parity(tag(gpu, f"full 4B {described} vs plain, relative L2"), rel_l2(out, plain))
+    assert rel < _tol(gpu), rel
+
+
+def test_flash_packages_reported():
+    """Not a check: records which optional attention packages this machine has (in the skip reason)."""
+    have = {m: importlib.util.find_spec(m) is not None for m in ("flash_attn", "flash_attn_interface", "triton")}
+    pytest.skip(f"optional packages: {have}")
