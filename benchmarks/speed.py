@@ -47,7 +47,6 @@ import argparse
 import contextlib
 import json
 import logging
-import math
 import platform
 import statistics
 import sys
@@ -71,6 +70,7 @@ from klein_core.accel import fast  # noqa: E402
 from klein_core.files.transformer_layout import bfl_to_diffusers  # noqa: E402
 from klein_core.models import Flux2Transformer, Flux2VAE, Qwen3Config, Qwen3TextEncoder, TransformerConfig, VAEConfig  # noqa: E402
 from klein_core.sampling import make_noise, pack  # noqa: E402
+from klein_core.testing.fill import random_fill_  # noqa: E402
 
 logger = logging.getLogger("speed")
 
@@ -139,28 +139,6 @@ def _cases(tiny: bool) -> dict[str, Case]:
 # Random weights on the device
 
 
-def _random_init_(module: torch.nn.Module, generator: torch.Generator) -> None:
-    """Fill every parameter and buffer in place on its device.
-
-    Matrices get N(0, 1/fan_in) so activations keep their scale through deep stacks; 1-D weights
-    (norm scales) 1 + N(0, 0.1^2), biases N(0, 0.02^2); latent BatchNorm statistics a random
-    mean and a variance in [0.5, 1.5].
-    """
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            if p.ndim >= 2:
-                p.normal_(0.0, 1.0 / math.sqrt(p[0].numel()), generator=generator)
-            elif name.endswith("bias"):
-                p.normal_(0.0, 0.02, generator=generator)
-            else:
-                p.normal_(1.0, 0.1, generator=generator)
-        for name, b in module.named_buffers():
-            if name.endswith("running_mean"):
-                b.normal_(0.0, 0.3, generator=generator)
-            elif name.endswith("running_var"):
-                b.uniform_(0.5, 1.5, generator=generator)
-            elif b.is_floating_point():
-                b.zero_()
 
 
 def _on_device(factory: Callable[[], torch.nn.Module], device: torch.device, dtype: torch.dtype,
@@ -171,7 +149,7 @@ def _on_device(factory: Callable[[], torch.nn.Module], device: torch.device, dty
     if fp32 is not None:
         fp32(module)
     module.to_empty(device=device)
-    _random_init_(module, generator)
+    random_fill_(module, generator)
     return module.eval().requires_grad_(False)
 
 
@@ -307,7 +285,7 @@ def build_diffusers(spec: ModelSpec, tr: Flux2Transformer, te: Qwen3TextEncoder,
             extra[k] = torch.empty(p.shape, dtype=dtype, device=device)
     holder = torch.nn.ParameterDict({k.replace(".", "_"): torch.nn.Parameter(x, requires_grad=False)
                                      for k, x in extra.items()})
-    _random_init_(holder, g)
+    random_fill_(holder, g)
     hf.load_state_dict({**ours, **extra}, strict=False, assign=True)
     hf.lm_head.weight = hf.model.embed_tokens.weight  # never used; tied so it costs no memory
     with torch.device(device):  # inv_freq is a non-persistent buffer: rebuild it on the device

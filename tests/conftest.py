@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import sys
@@ -10,6 +9,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from script_module import load_script
 
 _RESULTS: dict[str, float] = {}
 
@@ -45,13 +45,7 @@ PACK = "klein_pack_nodes"  # never the top-level name ``nodes``: ComfyUI has its
 _REPO = Path(__file__).resolve().parents[1]
 
 
-def _load_by_path(name: str, path: Path, package_dir: Path | None = None):
-    spec = importlib.util.spec_from_file_location(
-        name, path, submodule_search_locations=[str(package_dir)] if package_dir else None)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+_load_by_path = load_script  # tests/script_module.py
 
 
 def _in_ci() -> bool:

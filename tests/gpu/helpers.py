@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
+
+from klein_core.testing.fill import random_fill_ as fill_
 
 GIB = 1024**3
 
@@ -195,27 +196,9 @@ def full_4b_configs():
 
 
 def random_fill_(module: torch.nn.Module, seed: int) -> torch.nn.Module:
-    """Fill a ``to_empty``-ed module in place on its device: matrices N(0, 1/fan_in) (activations keep
-    their scale through deep stacks), norm scales 1 + N(0, 0.1^2), biases N(0, 0.02^2), latent
-    BatchNorm statistics a random mean and a variance in [0.5, 1.5]."""
+    """:func:`klein_core.testing.fill.random_fill_` with a generator on the module's device seeded ``seed``."""
     device = next(module.parameters()).device
-    g = torch.Generator(device=device).manual_seed(seed)
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            if p.ndim >= 2:
-                p.normal_(0.0, 1.0 / math.sqrt(p[0].numel()), generator=g)
-            elif name.endswith("bias"):
-                p.normal_(0.0, 0.02, generator=g)
-            else:
-                p.normal_(1.0, 0.1, generator=g)
-        for name, b in module.named_buffers():
-            if name.endswith("running_mean"):
-                b.normal_(0.0, 0.3, generator=g)
-            elif name.endswith("running_var"):
-                b.uniform_(0.5, 1.5, generator=g)
-            elif b.is_floating_point():
-                b.zero_()
-    return module.eval().requires_grad_(False)
+    return fill_(module, torch.Generator(device=device).manual_seed(seed))
 
 
 def build_full_4b(device: torch.device, dtype: torch.dtype, seed: int = 0):

@@ -22,6 +22,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from script_module import load_script
 
 import klein_core as kc
 
@@ -33,13 +34,7 @@ M4B, Q4B, VAE = "flux-2-klein-4b.safetensors", "qwen_3_4b.safetensors", "flux2-v
 FOLDERS = ("diffusion_models", "text_encoders", "vae")
 
 
-def _load_by_path(name: str, path: Path, package_dir: Path | None = None):
-    spec = importlib.util.spec_from_file_location(
-        name, path, submodule_search_locations=[str(package_dir)] if package_dir else None)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+_load_by_path = load_script  # tests/script_module.py
 
 
 class _Stand(types.ModuleType):
