@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import platform
 import statistics
 import sys
@@ -38,13 +39,17 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import klein_core as kc
 from klein_core.accel import kernels
 from klein_core.accel.fast import FastOps, FastSettings
 from klein_core.accel.kitchen import KitchenOps, kitchen_available
 from klein_core.models.block_ops import PLAIN_OPS
+from klein_core.models.transformer import TransformerConfig
+from klein_core.models.transformer_math import rope_cos_sin
 from klein_core.quant.fp8 import FP8Linear, quantize_fp8
+from klein_core.testing.fill import full_size_configs
 
-MODELS = {"4b": {"hidden": 3072, "heads": 24, "mlp": 9216}, "9b": {"hidden": 4096, "heads": 32, "mlp": 12288}}
+MODELS = {"4b": kc.KLEIN_4B, "9b": kc.KLEIN_9B}
 TEXT_TOKENS = 512
 
 
@@ -74,12 +79,12 @@ def max_diff(a: Any, b: Any) -> float:
     return (a.float() - b.float()).abs().max().item()
 
 
-def rope_tables(length: int, head_dim: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Interleaved RoPE tables ``[1, 1, L, D]`` float32 (angles repeated per pair), as the model's."""
-    pos = torch.arange(length, device=device, dtype=torch.float32)[:, None]
-    freqs = 1.0 / (2000.0 ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
-    ang = (pos * freqs).repeat_interleave(2, dim=-1)
-    return ang.cos()[None, None], ang.sin()[None, None]
+def rope_tables(tokens: int, cfg: TransformerConfig, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The model's RoPE tables ``[1, 1, 512 + tokens, D]`` for 512 text tokens and a square image grid."""
+    side = math.isqrt(tokens)
+    ids = torch.cat([kc.text_position_ids(TEXT_TOKENS), kc.position_ids(side, tokens // side)]).to(device)
+    cos, sin = rope_cos_sin(ids, cfg.axes_dim, cfg.theta)
+    return cos[None, None], sin[None, None]
 
 
 def op_variants(device: torch.device, dtype: torch.dtype, head_dim: int, hidden: int) -> dict[str, Any]:
@@ -99,9 +104,8 @@ def op_variants(device: torch.device, dtype: torch.dtype, head_dim: int, hidden:
 
 def bench_block_ops(model: str, tokens: int, device: torch.device, dtype: torch.dtype, args: argparse.Namespace,
                     ) -> list[dict[str, Any]]:
-    cfg = MODELS[model]
-    hidden, heads = cfg["hidden"], cfg["heads"]
-    head_dim = hidden // heads
+    cfg = full_size_configs(MODELS[model])[0]
+    hidden, heads, head_dim = cfg.hidden_size, cfg.num_heads, cfg.head_dim
     length = TEXT_TOKENS + tokens
     g = torch.Generator(device=device).manual_seed(0)
     rows: list[dict[str, Any]] = []
@@ -115,7 +119,7 @@ def bench_block_ops(model: str, tokens: int, device: torch.device, dtype: torch.
     scales = [torch.rand(head_dim, device=device, dtype=dtype, generator=g) + 0.5 for _ in range(4)]
     parts = [(qkv_t[:, :, 0], qkv_t[:, :, 1], scales[0], scales[1]),  # views of the projection, as in a block
              (qkv_i[:, :, 0], qkv_i[:, :, 1], scales[2], scales[3])]
-    cos, sin = rope_tables(length, head_dim, device)
+    cos, sin = rope_tables(tokens, cfg, device)
 
     cases = {
         "modulate": lambda ops: ops.modulate(x, shift, scale),
@@ -140,8 +144,8 @@ def bench_block_ops(model: str, tokens: int, device: torch.device, dtype: torch.
 
 def bench_fp8_linear(model: str, tokens: int, device: torch.device, dtype: torch.dtype, args: argparse.Namespace,
                      ) -> list[dict[str, Any]]:
-    cfg = MODELS[model]
-    hidden, mlp = cfg["hidden"], cfg["mlp"]
+    cfg = full_size_configs(MODELS[model])[0]
+    hidden, mlp = cfg.hidden_size, cfg.mlp_hidden
     length = TEXT_TOKENS + tokens
     g = torch.Generator(device=device).manual_seed(1)
     rows: list[dict[str, Any]] = []
@@ -194,7 +198,7 @@ def bench_fp8_linear(model: str, tokens: int, device: torch.device, dtype: torch
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="4b,9b")
-    ap.add_argument("--tokens", type=int, default=4096, help="image tokens (4096 = 1024x1024)")
+    ap.add_argument("--tokens", type=int, default=4096, help="image tokens, a square number (4096 = 1024x1024)")
     ap.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--iters", type=int, default=50)

@@ -65,12 +65,19 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # run as a script from a checkout
     sys.path.insert(0, str(REPO))
 
-import klein_core  # noqa: E402
-from klein_core.accel import fast  # noqa: E402
-from klein_core.files.transformer_layout import bfl_to_diffusers  # noqa: E402
-from klein_core.models import Flux2Transformer, Flux2VAE, Qwen3Config, Qwen3TextEncoder, TransformerConfig, VAEConfig  # noqa: E402
-from klein_core.sampling import make_noise, pack  # noqa: E402
-from klein_core.testing.fill import random_fill_  # noqa: E402
+import klein_core
+from klein_core.accel import fast
+from klein_core.files.transformer_layout import bfl_to_diffusers
+from klein_core.models import (
+    Flux2Transformer,
+    Flux2VAE,
+    Qwen3Config,
+    Qwen3TextEncoder,
+    TransformerConfig,
+    VAEConfig,
+)
+from klein_core.sampling import make_noise, pack
+from klein_core.testing.fill import full_size_configs, random_fill_
 
 logger = logging.getLogger("speed")
 
@@ -92,18 +99,10 @@ class ModelSpec:
 
 
 def _spec(name: str) -> ModelSpec:
-    if name == "4b":
-        tr = TransformerConfig(hidden_size=3072, num_heads=24, depth=5, depth_single=20, context_dim=7680,
-                               mlp_hidden=9216)
-        te = Qwen3Config(hidden_size=2560, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                         intermediate_size=9728, vocab_size=151936, num_layers_in_file=36)
-        return ModelSpec("Klein 4B", tr, te, 36, VAEConfig())
-    if name == "9b":
-        tr = TransformerConfig(hidden_size=4096, num_heads=32, depth=8, depth_single=24, context_dim=12288,
-                               mlp_hidden=12288)
-        te = Qwen3Config(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                         intermediate_size=12288, vocab_size=151936, num_layers_in_file=36)
-        return ModelSpec("Klein 9B", tr, te, 36, VAEConfig())
+    if name in ("4b", "9b"):
+        variant = klein_core.KLEIN_4B if name == "4b" else klein_core.KLEIN_9B
+        tr, te, vae = full_size_configs(variant)
+        return ModelSpec(variant.name, tr, te, 36, vae)
     if name == "tiny":
         tr = TransformerConfig(hidden_size=64, num_heads=2, depth=1, depth_single=2, context_dim=96,
                                mlp_hidden=192, axes_dim=(8, 8, 8, 8))

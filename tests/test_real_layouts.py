@@ -251,3 +251,21 @@ def test_header_bytes_match_the_writer(tmp_path):
     write_safetensors(tmp_path / "ours.safetensors", {k: [list(v.shape), dtypes[v.dtype]] for k, v in state.items()},
                       {"format": "pt"})
     assert (tmp_path / "ours.safetensors").stat().st_size == len(raw)
+
+
+@pytest.mark.parametrize("variant, transformer, encoder", [
+    (kc.KLEIN_4B, "bfl_flux-2-klein-4b", "comfy_qwen_3_4b"), (kc.KLEIN_9B, "bfl_flux-2-klein-9b", "comfy_qwen_3_8b")])
+def test_full_size_configs_are_the_published_shapes(variant, transformer, encoder):
+    """The benchmarks and the GPU tests build their full-size random models from these configs."""
+    from klein_core.testing.fill import full_size_configs
+
+    class Shapes(dict):  # the ShapeSource protocol over a manifest: names and shapes, no data
+        name = encoder
+
+        def shape(self, key: str) -> tuple[int, ...]:
+            return self[key]
+
+    tr, te, _ = full_size_configs(variant)
+    shapes = {k: tuple(v[0]) for k, v in MANIFESTS[transformer]["tensors"].items()}
+    assert tr == kc.TransformerConfig.from_shapes(shapes)
+    assert te == kc.Qwen3Config.from_source(Shapes({k: tuple(v[0]) for k, v in MANIFESTS[encoder]["tensors"].items()}))

@@ -357,14 +357,15 @@ class StagePlacer:
     def stage(self, component: str) -> Iterator[nn.Module]:
         module = self.components[component]
         placement = self.placements.get(component, "resident")
-        if placement == "resident" and all(_same_device(s.home.device, self.device) for s in _slots(module)):
+        here = all(_same_device(s.home.device, self.device) for s in _slots(module))
+        if placement == "resident" and here:
             yield module
         elif placement in ("resident", "staged"):
             # A resident component that lives elsewhere is copied in for the stage, never moved for
             # good: the caller's module keeps its own tensors and device.
             with on_device(module, self.device):
                 yield module
-        elif self.device.type != "cpu" and all(_same_device(s.home.device, self.device) for s in _slots(module)):
+        elif here and self.device.type != "cpu":
             # Already on the device: streaming would copy every block to CPU memory, and the
             # detach leave them there (the model moved for good) or copy them back: neither helps.
             logger.warning("%s is already on %s, so it runs there as it is: streaming its blocks saves GPU "

@@ -112,10 +112,17 @@ class NVFP4Linear(nn.Module):
         self.register_buffer("input_scale", torch.empty((), dtype=torch.int32, device=device) if input_scale else None)
         self.bias = nn.Parameter(torch.empty(out_features, device=device), requires_grad=False) if bias else None
         self.compute_dtype = torch.bfloat16
-        # fp4 x fp4 on Blackwell where comfy-kitchen can (see the module doc); needs whole 32-input
-        # groups (cuBLAS: K % 32) and 8-aligned outputs (N % 8)
-        self.native_matmul = (in_features % 32 == 0 and out_features % 8 == 0
-                              and os.environ.get("KLEIN_NVFP4_MATMUL", "auto").lower() != "dequantize")
+        # fp4 x fp4 on Blackwell where comfy-kitchen can (see the module doc and the setter)
+        self.native_matmul = os.environ.get("KLEIN_NVFP4_MATMUL", "auto").lower() != "dequantize"
+
+    @property
+    def native_matmul(self) -> bool:
+        return self._native_matmul
+
+    @native_matmul.setter
+    def native_matmul(self, enabled: bool) -> None:
+        # cuBLAS's fp4 GEMM needs whole 32-input groups (K % 32) and 8-aligned outputs (N % 8)
+        self._native_matmul = bool(enabled) and self.in_features % 32 == 0 and self.out_features % 8 == 0
 
     @property
     def scales(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -210,7 +217,7 @@ def set_native_matmul(model: nn.Module, enabled: bool) -> int:
     how many layers it set."""
     layers = [m for m in model.modules() if isinstance(m, NVFP4Linear)]
     for m in layers:
-        m.native_matmul = bool(enabled) and m.in_features % 32 == 0 and m.out_features % 8 == 0
+        m.native_matmul = enabled  # the layer keeps it off where its shape cannot run natively
     return len(layers)
 
 

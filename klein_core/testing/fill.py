@@ -1,4 +1,4 @@
-"""Random weights for full-size models built on the device (benchmarks and the GPU tests)."""
+"""Full-size Klein models with random weights, built on the device (benchmarks and the GPU tests)."""
 
 from __future__ import annotations
 
@@ -6,6 +6,26 @@ import math
 
 import torch
 from torch import nn
+
+from ..models.qwen3 import Qwen3Config
+from ..models.transformer import TransformerConfig
+from ..models.vae import VAEConfig
+from ..variants import Variant
+
+# Qwen3-4B / Qwen3-8B MLP widths (by hidden size): the one size the Variant table does not give
+_ENCODER_MLP = {2560: 9728, 4096: 12288}
+
+
+def full_size_configs(variant: Variant) -> tuple[TransformerConfig, Qwen3Config, VAEConfig]:
+    """The published shapes of ``variant`` (``klein_core.KLEIN_4B`` / ``KLEIN_9B``): its transformer,
+    its Qwen3 encoder as the file holds it (36 layers, 27 of them loaded) and the FLUX.2 VAE."""
+    transformer = TransformerConfig(hidden_size=variant.hidden, num_heads=variant.heads, depth=variant.depth,
+                                    depth_single=variant.depth_single, context_dim=variant.text_width,
+                                    mlp_hidden=3 * variant.hidden)
+    encoder = Qwen3Config(hidden_size=variant.encoder_hidden, num_attention_heads=32, num_key_value_heads=8,
+                          head_dim=128, intermediate_size=_ENCODER_MLP[variant.encoder_hidden],
+                          vocab_size=151936, num_layers_in_file=36)
+    return transformer, encoder, VAEConfig()
 
 
 def random_fill_(module: nn.Module, generator: torch.Generator) -> nn.Module:
@@ -34,4 +54,4 @@ def random_fill_(module: nn.Module, generator: torch.Generator) -> nn.Module:
     return module.eval().requires_grad_(False)
 
 
-__all__ = ["random_fill_"]
+__all__ = ["full_size_configs", "random_fill_"]

@@ -183,16 +183,11 @@ def peak_bytes(device: torch.device, fn):
 
 
 def full_4b_configs():
-    """The Klein 4B transformer, its 27-layer Qwen3-4B encoder and the FLUX.2 VAE configs."""
-    from klein_core.models.qwen3 import Qwen3Config
-    from klein_core.models.transformer import TransformerConfig
-    from klein_core.models.vae import VAEConfig
+    """The Klein 4B transformer, its Qwen3-4B encoder (as the file holds it) and the FLUX.2 VAE configs."""
+    import klein_core as kc
+    from klein_core.testing.fill import full_size_configs
 
-    tr = TransformerConfig(hidden_size=3072, num_heads=24, depth=5, depth_single=20, context_dim=7680,
-                           mlp_hidden=9216)
-    te = Qwen3Config(hidden_size=2560, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                     intermediate_size=9728, vocab_size=151936, num_layers_in_file=36)
-    return tr, te, VAEConfig()
+    return full_size_configs(kc.KLEIN_4B)
 
 
 def random_fill_(module: torch.nn.Module, seed: int) -> torch.nn.Module:
