@@ -5,15 +5,16 @@
 #
 # Phases (default: tests). Each fits one device call (at most 10 minutes); run them as separate calls:
 #   tests    pytest tests/gpu (bf16 on CUDA, small and full-size Klein 4B), then
-#            benchmarks/kernels.py (Triton vs comfy-kitchen per op)                   ~5-6 min
+#            benchmarks/kernels.py (plain vs comfy-kitchen per op, fp8 Linear)       ~5-6 min
 #   bench4b  benchmarks/speed.py 4B: cases a,b (plain, fast auto, fast sdpa_cudnn, compile, diffusers)
 #            then case c (base, 50 steps, CFG)                                        ~7-8 min
 #   bench9b  benchmarks/speed.py 9B: cases a,b with compile                           ~6-8 min
-#   memory   benchmarks/memory.py 4B edit1024 under --cap-gb 8 and 9B under 12 (bf16 and fp8),
-#            benchmarks/kv_reuse.py on CUDA in bf16 at 9B width                        ~5-7 min
+#   memory   tests/gpu/test_gpu_nodes.py (needs the ComfyUI host folders carried), then
+#            benchmarks/memory.py 4B edit1024 under --cap-gb 8 and 9B under 12 (bf16 and fp8),
+#            benchmarks/kv_reuse.py on CUDA in bf16 at 9B width                        ~6-8 min
 #   all      every phase in turn (only with --dry-run: on a GPU it cannot fit one call)
 #
-# Always: $OUT/env.json (GPU, driver, torch, triton, date) and $OUT/summary.txt (exit code and
+# Always: $OUT/env.json (GPU, driver, torch, comfy-kitchen, date) and $OUT/summary.txt (exit code and
 # seconds of every step). Each step has its own timeout and the script stops starting steps once
 # KLEIN_SESSION_BUDGET seconds (default 540) have passed, so a call ends inside the 10-minute limit;
 # a failing step never stops the others. Every phase writes at most 7 files to $OUT (the device tool
@@ -23,8 +24,8 @@
 # memory.py --tiny, small kv_reuse sizes, the test suite with KLEIN_GPU_TESTS_DEVICE=cpu), to
 # catch argument errors before a GPU session.
 #
-# Wheels: if .whl/ holds *.whl they are installed with pip --no-index into /tmp/site, which goes on
-# PYTHONPATH (see benchmarks/GPU_SESSION.md for preparing them).
+# Wheels: the *.whl in .whl/ and .whl_ck/ are installed with pip --no-index into /tmp/site, which goes
+# on PYTHONPATH (see benchmarks/GPU_SESSION.md for preparing them and which call carries which).
 
 set -u -o pipefail
 
@@ -39,7 +40,7 @@ for arg in "$@"; do
     case "$arg" in
         --dry-run) DRY=1 ;;
         tests|bench4b|bench9b|memory|all) PHASES+=("$arg") ;;
-        -h|--help) sed -n '2,27p' "${BASH_SOURCE[0]}"; exit 0 ;;
+        -h|--help) sed -n '2,/^$/p' "${BASH_SOURCE[0]}"; exit 0 ;;
         *) echo "unknown argument '$arg' (phases: tests bench4b bench9b memory all; option --dry-run)" >&2; exit 2 ;;
     esac
 done
@@ -89,8 +90,8 @@ try:
     info["nvidia_smi"] = q.stdout.strip() or q.stderr.strip()
 except (OSError, subprocess.SubprocessError) as exc:
     info["nvidia_smi"] = f"unavailable: {exc}"
-for mod in ("torch", "triton", "transformers", "diffusers", "safetensors", "numpy", "flash_attn",
-            "flash_attn_interface", "psutil", "av"):
+for mod in ("torch", "triton", "comfy_kitchen", "transformers", "diffusers", "safetensors", "numpy",
+            "flash_attn", "flash_attn_interface", "psutil", "av"):
     try:
         m = __import__(mod)
         info[mod] = getattr(m, "__version__", "installed")
@@ -113,43 +114,24 @@ EOF
     echo "env rc=$? seconds=$SECONDS" >> "$SUMMARY"
 }
 
-# A wheel over the 64 MiB carry limit (comfy-kitchen's is 68 MB) travels in parts over consecutive
-# calls, named NAME.whl.part-K-of-N: each call keeps its parts in /tmp/whl_parts (a warm machine
-# keeps /tmp between calls), and once all N are there they are joined into NAME.whl and installed.
-join_wheel_parts() {
-    mkdir -p /tmp/whl_parts/joined
-    cp "$REPO"/.whl/*.whl.part-*-of-* /tmp/whl_parts/ 2> /dev/null || true
-    local first base n k
-    for first in /tmp/whl_parts/*.whl.part-1-of-*; do
-        [ -e "$first" ] || continue
-        base="${first%.part-1-of-*}"
-        n="${first##*-of-}"
-        for k in $(seq 1 "$n"); do
-            [ -e "$base.part-$k-of-$n" ] || { echo "wheel parts: $(basename "$base") has not all $n parts yet" >> "$SUMMARY"; continue 2; }
-        done
-        for k in $(seq 1 "$n"); do cat "$base.part-$k-of-$n"; done > "/tmp/whl_parts/joined/$(basename "$base")"
-        echo "wheel parts: joined $(basename "$base") from $n parts" >> "$SUMMARY"
-    done
-}
-
+# Wheels travel in .whl/ (diffusers and friends) and .whl_ck/ (comfy-kitchen, 56 MB: kept apart so a
+# call can carry it without the ComfyUI host folders; .whl/ and .whl_ck/ together stay under 64 MiB).
 install_wheels() {
-    join_wheel_parts
-    if compgen -G "$REPO/.whl/*.whl" > /dev/null || compgen -G "/tmp/whl_parts/joined/*.whl" > /dev/null; then
+    local -a wheels=()
+    mapfile -t wheels < <(compgen -G "$REPO/.whl/*.whl"; compgen -G "$REPO/.whl_ck/*.whl")
+    if [ ${#wheels[@]} -gt 0 ]; then
         if "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-            $(compgen -G "$REPO/.whl/*.whl") $(compgen -G "/tmp/whl_parts/joined/*.whl"); then
-            echo "wheels rc=0 ($(ls "$REPO"/.whl | tr '\n' ' '))" >> "$SUMMARY"
+            "${wheels[@]}"; then
+            echo "wheels rc=0 ($(for w in "${wheels[@]}"; do basename "$w"; done | tr '\n' ' '))" >> "$SUMMARY"
         else
             echo "wheels rc=$?" >> "$SUMMARY"
         fi
-        export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
     else
-        echo "wheels: none carried (.whl/ empty or absent)" >> "$SUMMARY"
+        echo "wheels: none carried (.whl/ and .whl_ck/ empty or absent)" >> "$SUMMARY"
     fi
+    # /tmp/site also holds what an earlier call on this machine installed, while it stays warm
+    if [ -d /tmp/site ]; then export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"; fi
     export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
-}
-
-has_diffusers() {
-    "$PY" -c "import diffusers" > /dev/null 2>&1
 }
 
 phase_tests() {
@@ -161,7 +143,7 @@ phase_tests() {
     fi
     step tests "$limit" "$log" env "${env_vars[@]}" "$PY" -m pytest -q -p no:cacheprovider -rs --durations=15 \
         --junitxml="$OUT/tests_junit.xml" tests/gpu
-    # issue #19: klein_core's Triton kernels vs comfy-kitchen's (when its wheel was carried) per op
+    # issue #19: comfy-kitchen (the fast paths' fused kernels, when its wheel was carried) vs plain per op
     local -a kargs=()
     [ "$DRY" -eq 1 ] && kargs=(--tiny --device cpu --models 4b)
     step kernels 80 "$log" "$PY" benchmarks/kernels.py "${kargs[@]}" --out "$OUT/kernels.json"
@@ -208,8 +190,10 @@ phase_bench9b() {
 
 phase_memory() {
     local log="$OUT/memory.log"
-    local -a dev=()
-    [ "$DRY" -eq 1 ] && dev=(--tiny --device cpu)
+    local -a dev=() env_vars=()
+    [ "$DRY" -eq 1 ] && dev=(--tiny --device cpu) && env_vars=("KLEIN_GPU_TESTS_DEVICE=cpu")
+    # the nodes' sampler (memory_mode auto) inside ComfyUI: this call carries the host folders
+    step nodes 100 "$log" env "${env_vars[@]}" "$PY" -m pytest -q -p no:cacheprovider -rs tests/gpu/test_gpu_nodes.py
     step memory_4b_cap8 170 "$log" "$PY" benchmarks/memory.py --models 4b --precision bf16,fp8 --cases edit1024 \
         --cap-gb 8 "${dev[@]}" --out "$OUT/memory_4b_cap8.json"
     step memory_9b_cap12 200 "$log" "$PY" benchmarks/memory.py --models 9b --precision bf16,fp8 --cases edit1024 \

@@ -1,13 +1,13 @@
-"""Per-op speed and agreement: klein_core's plain PyTorch path, its Triton kernels, and comfy-kitchen.
+"""Per-op speed and agreement: klein_core's plain PyTorch path against comfy-kitchen, its fused-kernel backend.
 
-Issue #19 asks to keep the faster of klein_core's hand-written kernels and comfy-kitchen's (ComfyUI's
-kernel library) and delete the other. This script measures the three block steps they both
-provide, at Klein's real shapes, on one device:
+Issue #19 replaced klein_core's own Triton kernels with comfy-kitchen's (ComfyUI's kernel library);
+this script measures, at Klein's real shapes on one device, what the fast paths gain from it per
+block step and how its fp8 matmul compares with klein_core's ``FP8Linear``:
 
-* ``modulate``: LayerNorm then ``(1 + scale) * x + shift`` (klein Triton ``modulation`` vs
-  comfy-kitchen ``adaln``), x ``[B, L, hidden]``;
-* ``qk_norm_rope``: per-head RMSNorm of q and k, joined [txt, img], then interleaved RoPE (klein
-  Triton ``qk-norm+rope`` vs comfy-kitchen ``rms_rope``), q/k ``[B, L_i, H, 128]``;
+* ``modulate``: LayerNorm then ``(1 + scale) * x + shift`` (plain vs comfy-kitchen ``adaln``),
+  x ``[B, L, hidden]``;
+* ``qk_norm_rope``: per-head RMSNorm of q and k, joined [txt, img], then interleaved RoPE (plain vs
+  comfy-kitchen ``rms_rope``), q/k ``[B, L_i, H, 128]`` views of the projection, as in a block;
 * ``fp8_linear``: a Linear with e4m3 weights and a per-tensor scale, activations quantised per
   call (klein ``FP8Linear`` with ``torch._scaled_mm`` vs comfy-kitchen's ``TensorCoreFP8Layout``
   tensors through ``F.linear``, as ComfyUI runs fp8 files), shapes of the 4B / 9B block Linears.
@@ -40,8 +40,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import klein_core as kc
-from klein_core.accel import kernels
-from klein_core.accel.fast import FastOps, FastSettings
 from klein_core.accel.kitchen import KitchenOps, kitchen_available
 from klein_core.models.block_ops import PLAIN_OPS
 from klein_core.models.transformer import TransformerConfig
@@ -87,14 +85,9 @@ def rope_tables(tokens: int, cfg: TransformerConfig, device: torch.device) -> tu
     return cos[None, None], sin[None, None]
 
 
-def op_variants(device: torch.device, dtype: torch.dtype, head_dim: int, hidden: int) -> dict[str, Any]:
-    """The BlockOps to compare: plain always; Triton where klein_core's kernels run; kitchen if installed."""
+def op_variants() -> dict[str, Any]:
+    """The BlockOps to compare: plain always; comfy-kitchen if installed."""
     out: dict[str, Any] = {"plain": PLAIN_OPS}
-    ok, why = kernels.available(device)
-    if ok:
-        out["triton"] = FastOps(FastSettings(attention="sdpa"), head_dim, hidden).bind(device, dtype)
-    else:
-        print(f"  klein Triton kernels: skipped ({why})")
     if kitchen_available():
         out["kitchen"] = KitchenOps()
     else:
@@ -109,7 +102,7 @@ def bench_block_ops(model: str, tokens: int, device: torch.device, dtype: torch.
     length = TEXT_TOKENS + tokens
     g = torch.Generator(device=device).manual_seed(0)
     rows: list[dict[str, Any]] = []
-    variants = op_variants(device, dtype, head_dim, hidden)
+    variants = op_variants()
 
     x = torch.randn(1, length, hidden, device=device, dtype=dtype, generator=g)
     shift = torch.randn(1, 1, hidden, device=device, dtype=dtype, generator=g) * 0.1

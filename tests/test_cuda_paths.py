@@ -1,10 +1,9 @@
 """CUDA-only code paths checked on the CPU: what reaches torch._scaled_mm, streamed blocks called
-outside their forward, streamed text-encoder layers computing in fp32, Triton launches on the tensors'
-device, and bf16 support asked of the right GPU. Each test fails on the code before its fix."""
+outside their forward, streamed text-encoder layers computing in fp32, and bf16 support asked of the right
+GPU (kernel launches on the tensors' device: tests/test_kitchen.py). Each test fails on the code before its fix."""
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -13,7 +12,6 @@ import torch
 from script_module import load_script
 from torch import nn
 
-from klein_core.accel import kernels
 from klein_core.memory.placement import BlockOffloader
 from klein_core.models.transformer import DoubleStreamBlock, SingleStreamBlock
 from klein_core.quant.fp8 import FLOAT8_DTYPES, FP8Linear
@@ -131,41 +129,6 @@ def test_streamed_text_encoder_computes_in_fp32():
     assert {n: p.data_ptr() for n, p in encoder.named_parameters()} == homes
     assert all(p.dtype == torch.bfloat16 for p in encoder.parameters())
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in encoder.modules())
-
-
-# ----- Triton launches ----------------------------------------------------------------------------------
-
-
-def test_triton_launch_guard_names_the_tensors_device():
-    guard = kernels._device_guard(torch.device("cuda", 1))
-    assert isinstance(guard, torch.cuda.device) and guard.idx == 1
-    assert isinstance(kernels._device_guard(torch.device("cpu")), contextlib.nullcontext)
-
-
-def test_triton_launches_run_inside_the_device_guard(monkeypatch):
-    state = {"inside": None, "launched": []}
-
-    @contextlib.contextmanager
-    def guard(device):
-        state["inside"] = device
-        try:
-            yield
-        finally:
-            state["inside"] = None
-
-    def launch(*args):
-        assert state["inside"] == args[0].device, "launched outside the tensors' device guard"
-        state["launched"].append(args[0].shape)
-
-    monkeypatch.setattr(kernels, "_device_guard", guard)
-    monkeypatch.setattr(kernels, "_module", lambda name: SimpleNamespace(launch=launch))
-    x = torch.randn(2, 3, 8)
-    kernels.modulate(x, torch.zeros(1, 1, 8), torch.zeros(1, 1, 8))
-    q = torch.randn(2, 3, 2, 8)
-    cos = torch.ones(1, 3, 8)
-    out_q, out_k = torch.empty(2, 3, 2, 8), torch.empty(2, 3, 2, 8)
-    kernels.qk_norm_rope_into(q, q.clone(), torch.ones(8), torch.ones(8), cos, cos.clone(), out_q, out_k)
-    assert len(state["launched"]) == 2
 
 
 # ----- the ComfyUI host ---------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """klein_core.fast (the switchboard for optional fast paths) and benchmarks/speed.py, on the CPU.
 
 Without a GPU every fast path must fall back to the plain PyTorch path, say so once, and give
-the plain result. The fused Triton kernels themselves are tested in tests/test_kernels.py.
+the plain result. The fused kernels (comfy-kitchen) are tested in tests/test_kitchen.py.
 """
 
 from __future__ import annotations
@@ -38,6 +38,24 @@ def model():
     return demo.tiny_transformer()
 
 
+def _plain_then_fast(model, kw, caplog, level=logging.INFO, calls=1, **settings):
+    """The plain output, then enable_fast_paths(model, **settings) and ``calls`` forwards with the
+    fast paths' log captured; returns (plain, first fast output, the installed FastOps)."""
+    with torch.no_grad():
+        ref = model(**kw)
+        ops = fast.enable_fast_paths(model, **settings)
+        with caplog.at_level(level, logger="klein_core.accel.fast"):
+            outs = [model(**kw) for _ in range(calls)]
+    return ref, outs[0], ops
+
+
+@pytest.fixture
+def kitchen_on_cpu(monkeypatch):
+    """comfy-kitchen's fused steps through the fast paths on the CPU (they use it on CUDA only)."""
+    pytest.importorskip("comfy_kitchen")
+    monkeypatch.setattr(fast, "KITCHEN_DEVICES", ("cuda", "cpu"))
+
+
 @pytest.mark.parametrize("attention", fast.ATTENTION_BACKENDS)
 def test_fast_paths_match_plain_on_cpu(model, attention):
     kw = _inputs(model)
@@ -70,22 +88,6 @@ def test_fallback_is_logged_once_and_disable_restores_plain(model, caplog):
     assert torch.equal(again, ref)
 
 
-def test_missing_triton_or_device_falls_back(model, monkeypatch, caplog):
-    monkeypatch.setattr(fast.kernels, "available", lambda device: (False, "Triton is not installed (test)"))
-    kw = _inputs(model, batch=1)
-    with torch.no_grad():
-        ref = model(**kw)
-        ops = fast.enable_fast_paths(model, attention="plain")
-        with caplog.at_level(logging.INFO, logger="klein_core.accel.fast"):
-            out = model(**kw)
-            model(**kw)
-    msgs = [r.getMessage() for r in caplog.records if "unavailable" in r.getMessage()]
-    # one line each for the rope and modulation kernels, on the first call only
-    assert len(msgs) == 2 and all("Triton is not installed" in m for m in msgs)
-    assert "qk-norm+rope=plain" in ops.resolved()["cpu torch.float32"]
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-
-
 def _fake_flash(q, k, v):
     """A flash-attn stand-in: [B, L, H, D] in and out, returning (out, lse) like some FA3 releases."""
     sdpa = torch.nn.functional.scaled_dot_product_attention
@@ -112,14 +114,43 @@ def test_attention_backend_failing_its_self_check_falls_back(model, monkeypatch,
         raise RuntimeError("No available kernel for this layout")
 
     monkeypatch.setattr(fast, "_resolve_attention", lambda *a: (broken, "flash3"))
-    kw = _inputs(model)
-    with torch.no_grad():
-        ref = model(**kw)
-        ops = fast.enable_fast_paths(model)
-        with caplog.at_level(logging.WARNING, logger="klein_core.accel.fast"):
-            out = model(**kw)
+    ref, out, ops = _plain_then_fast(model, _inputs(model), caplog, logging.WARNING)
     assert "attention=flash3 on cpu: its self-check raised RuntimeError: No available kernel" in caplog.text
     assert "attention=plain," in ops.resolved()["cpu torch.float32"]
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_kernels_through_comfy_kitchen_match_plain(kitchen_on_cpu, model, dtype, caplog, parity):
+    model = model.to(dtype)
+    ref, out, ops = _plain_then_fast(model, _inputs(model), caplog)
+    fast.disable_fast_paths(model)
+    assert "qk-norm+rope=comfy-kitchen, modulation=comfy-kitchen" in ops.resolved()[f"cpu {dtype}"]
+    assert "unavailable" not in caplog.text
+    rel = ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+    parity(f"tiny transformer {str(dtype).removeprefix('torch.')}: fast paths (comfy-kitchen) vs plain, "
+           "relative L2", rel)
+    assert rel < (1e-6 if dtype == torch.float32 else 1e-2), rel
+
+
+def test_fused_step_failing_its_self_check_is_switched_off(kitchen_on_cpu, model, monkeypatch, caplog):
+    """A kernel that computes wrong on this device is caught at first use, not trusted."""
+    import comfy_kitchen
+
+    monkeypatch.setattr(comfy_kitchen, "adaln", lambda x, scale, shift, eps=1e-6: torch.zeros_like(x))
+    ref, out, ops = _plain_then_fast(model, _inputs(model, batch=1), caplog)
+    assert "fused modulation unavailable on cpu (its self-check is off by" in caplog.text
+    assert "qk-norm+rope=comfy-kitchen, modulation=plain" in ops.resolved()["cpu torch.float32"]
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_missing_comfy_kitchen_falls_back_naming_the_install(kitchen_on_cpu, model, monkeypatch, caplog):
+    monkeypatch.setattr(fast, "kitchen_available", lambda: False)
+    ref, out, ops = _plain_then_fast(model, _inputs(model, batch=1), caplog, calls=2, attention="plain")
+    msgs = [r.getMessage() for r in caplog.records if "unavailable" in r.getMessage()]
+    # one line each for the two steps, on the first call only
+    assert len(msgs) == 2 and all("comfy-kitchen is not installed; pip install" in m for m in msgs), msgs
+    assert ops.resolved()["cpu torch.float32"].startswith("attention=plain, qk-norm+rope=plain, modulation=plain")
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 

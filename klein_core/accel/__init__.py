@@ -1,4 +1,4 @@
-"""Optional fast paths: attention backends, fused Triton kernels, torch.compile, a faster VAE decode.
+"""Optional fast paths: attention backends, fused kernels (comfy-kitchen), torch.compile, a faster VAE decode.
 
 Everything is off until turned on (:func:`enable_fast_paths`, :func:`enable_fast_vae`); the plain
 PyTorch path stays the default and the reference every fast path is checked against.

@@ -4,14 +4,14 @@
 
     from klein_core.fast import enable_fast_paths, enable_fast_vae, disable_fast_paths  # or klein_core.accel
 
-    enable_fast_paths(transformer)                # best attention + fused Triton kernels
+    enable_fast_paths(transformer)                # best attention + fused kernels (comfy-kitchen)
     enable_fast_paths(transformer, compile=True)  # + torch.compile of every block
     enable_fast_vae(vae)                          # decoder in bf16, channels-last (cuDNN)
     disable_fast_paths(transformer)               # back to the plain reference path
 
 The plain PyTorch path (``klein_core.models.block_ops.BlockOps``) stays the default and the reference.
 Choices are made when the model first runs on a device and dtype, never at import: CUDA
-capabilities and optional packages (triton, flash_attn, flash_attn_interface) are probed then,
+capabilities and optional packages (comfy_kitchen, flash_attn, flash_attn_interface) are probed then,
 the result is logged in one info line, and anything that cannot run there falls back to the
 plain path with one warning. Nothing here changes global torch settings.
 
@@ -43,9 +43,9 @@ import torch.nn.functional as F
 
 from ..models.block_ops import PLAIN_OPS, BlockOps, QKPart
 from ..models.transformer import Flux2Transformer
-from ..models.transformer_math import NORM_EPS, rope_cos_sin
+from ..models.transformer_math import rope_cos_sin
 from ..models.vae import Flux2VAE
-from . import kernels
+from .kitchen import INSTALL_HINT, KitchenOps, kitchen_available
 
 logger = logging.getLogger(__name__)
 
@@ -60,8 +60,8 @@ class FastSettings:
     """What :func:`enable_fast_paths` was asked for (what actually runs: :meth:`FastOps.resolved`)."""
 
     attention: str = "auto"
-    fused_rope: bool = True  # Triton QK-RMSNorm + RoPE
-    fused_modulation: bool = True  # Triton LayerNorm + (1 + scale) * x + shift
+    fused_rope: bool = True  # comfy-kitchen rms_rope: QK-RMSNorm + RoPE in one pass
+    fused_modulation: bool = True  # comfy-kitchen adaln: LayerNorm + (1 + scale) * x + shift
     compile: bool = False  # torch.compile each block (Inductor then fuses norms and RoPE itself)
 
     def __post_init__(self) -> None:
@@ -170,37 +170,27 @@ def _resolve_attention(
 
 
 class _BoundOps(BlockOps):
-    """The fast ops resolved for one device and dtype; each step falls back to the plain one."""
+    """The fast ops resolved for one device and dtype; each step falls back to the plain one.
 
-    def __init__(self, attention_fn: AttentionFn | None, fused_rope: bool, fused_modulation: bool) -> None:
+    ``fused``: comfy-kitchen's steps (:class:`~klein_core.accel.kitchen.KitchenOps`, with only the
+    ones that passed their checks switched on), or None for the plain norms and RoPE.
+    """
+
+    def __init__(self, attention_fn: AttentionFn | None, fused: KitchenOps | None) -> None:
         self._attention_fn = attention_fn
-        self.fused_rope = fused_rope
-        self.fused_modulation = fused_modulation
+        self._fused = fused
 
     def modulate(self, x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        if self.fused_modulation and shift.shape[1] == 1:  # the kernel takes one vector per sequence
-            return kernels.modulate(x, shift, scale, NORM_EPS)
-        return super().modulate(x, shift, scale)
+        if self._fused is None:
+            return super().modulate(x, shift, scale)
+        return self._fused.modulate(x, shift, scale)
 
     def qk_norm_rope(
         self, parts: Sequence[QKPart], cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self.fused_rope:
+        if self._fused is None:
             return super().qk_norm_rope(parts, cos, sin)
-        q0 = parts[0][0]
-        b, _, heads, dim = q0.shape
-        n = sum(p[0].shape[1] for p in parts)
-        # Written in [B, L, H, D] order: the attention kernels read that layout without a copy.
-        out_q = q0.new_empty((b, n, heads, dim))
-        out_k = q0.new_empty((b, n, heads, dim))
-        table_cos, table_sin = cos[:, 0], sin[:, 0]  # [1 or B, 1, N, D] -> [1 or B, N, D]
-        offset = 0
-        for q, k, q_scale, k_scale in parts:
-            kernels.qk_norm_rope_into(
-                q, k, q_scale, k_scale, table_cos, table_sin, out_q, out_k, offset, NORM_EPS
-            )
-            offset += q.shape[1]
-        return out_q.transpose(1, 2), out_k.transpose(1, 2)
+        return self._fused.qk_norm_rope(parts, cos, sin)
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if self._attention_fn is None:
@@ -236,14 +226,12 @@ def _attention_self_check(
         return f"its self-check raised {_first_line(exc)}"
 
 
-def _self_check(
-    name: str, device: torch.device, dtype: torch.dtype, head_dim: int, hidden: int
-) -> str | None:
-    """Run a fused kernel once on small random data against the plain path.
+def _self_check(name: str, device: torch.device, dtype: torch.dtype, head_dim: int, hidden: int) -> str | None:
+    """Run one fused step once on small random data against the plain path.
 
     Returns why it cannot be trusted (it raised, or its result is off), or None. This guards
-    against a GPU / Triton combination the kernels were never run on: such a kernel is switched
-    off with a warning instead of producing wrong images. Once per device and dtype (one sync).
+    against a GPU / comfy-kitchen combination it was never run on: such a step is switched off
+    with a warning instead of producing wrong images. Once per device and dtype (one sync).
     """
     g = torch.Generator(device=device).manual_seed(0)
     try:
@@ -257,17 +245,23 @@ def _self_check(
             ids = torch.randint(0, 64, (sum(lengths), 1), generator=g, device=device)
             cos, sin = rope_cos_sin(ids, (head_dim,), 2000.0)
             cos, sin = cos[None, None], sin[None, None]
-            fused = _BoundOps(None, True, False).qk_norm_rope(parts, cos, sin)
+            fused = KitchenOps(rope=True, modulation=False).qk_norm_rope(parts, cos, sin)
             plain = PLAIN_OPS.qk_norm_rope(parts, cos, sin)
         else:
             x = (torch.randn(2, 7, hidden, generator=g, device=device) * 3).to(dtype)
             mod = torch.randn(2, 1, 3 * hidden, generator=g, device=device).to(dtype)
             shift, scale, _ = mod.chunk(3, dim=-1)
-            fused = (kernels.modulate(x, shift, scale, NORM_EPS),)
+            fused = (KitchenOps(rope=False, modulation=True).modulate(x, shift, scale),)
             plain = (PLAIN_OPS.modulate(x, shift, scale),)
         return _compare(fused, plain, dtype)
-    except Exception as exc:  # a compile or launch failure must not take the model down
+    except Exception as exc:  # a launch failure must not take the model down
         return f"its self-check raised {_first_line(exc)}"
+
+
+# Devices whose fused steps go through comfy-kitchen. Not the CPU: there it runs its eager PyTorch
+# code (measured on 2 cores at 4B shapes: adaln 1.1-1.9x slower than the plain path, rms_rope up to
+# 2x faster) and the fast paths are for GPUs; the tests add "cpu" to run the wiring through it.
+KITCHEN_DEVICES: tuple[str, ...] = ("cuda",)
 
 
 class FastOps(BlockOps):
@@ -296,20 +290,20 @@ class FastOps(BlockOps):
             return False
         if self.settings.compile:  # Inductor fuses these itself; opaque kernels would only split graphs
             return False
-        ok, why = kernels.available(device)
-        if ok and dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            ok, why = False, f"dtype {dtype} is not supported"
-        if ok and name == "qk-norm+rope" and (self.head_dim % 2 or self.head_dim & (self.head_dim - 1)):
-            ok, why = False, f"head dim {self.head_dim} is not a power of two"
-        if ok:
-            failure = _self_check(name, device, dtype, self.head_dim, self.hidden)
-            if failure is not None:
-                ok, why = False, failure
-        if not ok:
+        why = None
+        if device.type not in KITCHEN_DEVICES:
+            why = f"fused kernels are used on {'/'.join(KITCHEN_DEVICES)}, not {device.type}"
+        elif not kitchen_available():
+            why = f"comfy-kitchen is not installed; {INSTALL_HINT}"
+        elif dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            why = f"dtype {dtype} is not supported"
+        else:
+            why = _self_check(name, device, dtype, self.head_dim, self.hidden)
+        if why is not None:
             # Expected on CPU, so only an info line there; a warning where a GPU user asked for it.
             log = logger.warning if device.type == "cuda" else logger.info
-            log("fused %s kernel unavailable on %s (%s); using the plain PyTorch path", name, device, why)
-        return ok
+            log("fused %s unavailable on %s (%s); using the plain PyTorch path", name, device, why)
+        return why is None
 
     def _resolve(self, device: torch.device, dtype: torch.dtype) -> _BoundOps:
         s = self.settings
@@ -322,12 +316,12 @@ class FastOps(BlockOps):
                 attention_fn, attention_name = None, "plain"
         rope = self._kernel_choice(s.fused_rope, "qk-norm+rope", device, dtype)
         mod = self._kernel_choice(s.fused_modulation, "modulation", device, dtype)
-        fused = "inductor" if s.compile else "triton"
+        fused = "inductor" if s.compile else "comfy-kitchen"
         text = (f"attention={attention_name}, qk-norm+rope={fused if rope or s.compile else 'plain'}, "
                 f"modulation={fused if mod or s.compile else 'plain'}, compile={s.compile}")
         self._described[f"{device} {dtype}"] = text
         logger.info("klein fast paths on %s %s: %s", device, dtype, text)
-        return _BoundOps(attention_fn, rope, mod)
+        return _BoundOps(attention_fn, KitchenOps(rope=rope, modulation=mod) if rope or mod else None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -397,12 +391,13 @@ def enable_fast_paths(
 
     Args:
         attention: one of :data:`ATTENTION_BACKENDS` (see the module docstring).
-        fused_rope: fused Triton QK-RMSNorm + RoPE (needs Triton and CUDA).
-        fused_modulation: fused Triton modulated LayerNorm (needs Triton and CUDA).
+        fused_rope: comfy-kitchen's fused QK-RMSNorm + RoPE (``rms_rope``; needs CUDA and
+            comfy-kitchen, else the plain path with one line saying why).
+        fused_modulation: comfy-kitchen's fused modulated LayerNorm (``adaln``; same needs).
         compile: ``torch.compile`` each double and single block (regional compilation: one graph
             per block type, reused by every block). The first forward at each new input shape
-            pays the compilation, logged with its duration. The Triton kernels are then left to
-            Inductor, which generates its own fusions for the norms and RoPE.
+            pays the compilation, logged with its duration. The norms and RoPE are then left to
+            Inductor, which generates its own fusions for them.
         compile_mode, compile_dynamic, compile_backend: passed to ``torch.compile`` as ``mode``,
             ``dynamic`` and ``backend``.
 

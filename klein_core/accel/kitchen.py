@@ -1,31 +1,49 @@
-"""comfy-kitchen (ComfyUI's own kernel library) as a block-ops backend: its fused ``rms_rope``
-(per-head RMSNorm of q and k, then interleaved RoPE) and ``adaln`` (LayerNorm, then ``(1 + scale)
-* x + shift``). Optional: ``pip install "klein-nodes[kernels]"`` (inside ComfyUI it is already
-installed); without it :func:`enable_kitchen_ops` raises naming the package.
+"""comfy-kitchen (ComfyUI's own kernel library) as the fused-kernel backend of the fast paths.
 
-comfy-kitchen picks its backend per call (CUDA, Triton, or its eager PyTorch code on the CPU).
-Attention stays klein_core's (:mod:`klein_core.accel.fast`). Measured against the plain path on the
-CPU (eager backend) by ``tests/test_kitchen.py``; GPU speed was not measured (no GPU in the session
-that added this), so the Triton kernels of :mod:`klein_core.accel.fast` stay the default fast path.
+Two steps of every block run through it when :func:`klein_core.accel.enable_fast_paths` asks for
+fused kernels: ``rms_rope`` (per-head RMSNorm of q and k, then interleaved RoPE, one pass) and
+``adaln`` (LayerNorm, then ``(1 + scale) * x + shift``, one pass). comfy-kitchen picks its backend
+per call (its CUDA kernels on NVIDIA GPUs, Triton, or its eager PyTorch code on the CPU).
+
+Optional: ``pip install "klein-nodes[kernels]"``; inside ComfyUI it is already installed (ComfyUI
+requires it). Without it the fast paths run these steps on the plain PyTorch path.
+
+Why comfy-kitchen and not klein_core's own Triton kernels (issue #19, which removed those): on the
+CPU, comfy-kitchen's ``adaln`` is bit-identical to the plain path and its ``rms_rope`` is closer to
+the float64 result than the plain path (it rounds once, the plain path and the references twice);
+GPU speed was not measured when the choice was made (no GPU in that session), and the project's
+rule is to use the field's maintained kernels unless our own are measurably better.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 from collections.abc import Sequence
+from types import ModuleType
 
 import torch
 
 from ..models.block_ops import PLAIN_OPS, BlockOps, QKPart
-from ..models.transformer import Flux2Transformer
 from ..models.transformer_math import NORM_EPS
 
 logger = logging.getLogger(__name__)
 
+INSTALL_HINT = "pip install comfy-kitchen (or pip install 'klein-nodes[kernels]')"
+
 
 def kitchen_available() -> bool:
+    """Whether comfy-kitchen can be imported (checked without importing it)."""
     return importlib.util.find_spec("comfy_kitchen") is not None
+
+
+def _kitchen() -> ModuleType:
+    try:
+        import comfy_kitchen
+    except ImportError as exc:
+        raise ImportError(f"comfy-kitchen is not installed: {INSTALL_HINT}") from exc
+    return comfy_kitchen
 
 
 def freqs_cis(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -35,43 +53,63 @@ def freqs_cis(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return torch.stack([torch.stack([c, -s], dim=-1), torch.stack([s, c], dim=-1)], dim=-2)
 
 
+def _device_guard(device: torch.device) -> contextlib.AbstractContextManager:
+    """Make ``device`` current for a launch: a kernel library launching on the current CUDA device
+    rather than the tensors' one fails (or reads another GPU's memory) when ``cuda:1`` holds the
+    model while ``cuda:0`` is current."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
 class KitchenOps(BlockOps):
-    """Block steps through comfy-kitchen; modulation with per-token vectors (the timestep-zero
-    reference mode) stays on the plain path."""
+    """Block steps through comfy-kitchen (see the module doc).
 
-    def __init__(self) -> None:
-        import comfy_kitchen
+    ``rope`` / ``modulation`` choose which of the two steps it runs; the other stays plain, and so
+    do modulations with per-token vectors (the timestep-zero reference mode). Attention is plain
+    here; :class:`klein_core.accel.fast.FastOps` combines these steps with an attention backend.
+    """
 
-        self._ck = comfy_kitchen
+    def __init__(self, rope: bool = True, modulation: bool = True) -> None:
+        self._ck = _kitchen()
+        self.rope = rope
+        self.modulation = modulation
+        # The rotation matrices of the last RoPE tables: every block of a forward gets the same
+        # cos/sin tensors. Strong references, so an identity match can never be a reused address.
+        self._tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def modulate(self, x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        if shift.shape[1] != 1:
+        if not self.modulation or shift.shape[1] != 1:
             return PLAIN_OPS.modulate(x, shift, scale)
-        return self._ck.adaln(x, scale, shift, NORM_EPS)
+        with _device_guard(x.device):
+            return self._ck.adaln(x, scale, shift, NORM_EPS)
+
+    def _freqs(self, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """``[1 or B, N, 1, D/2, 2, 2]`` float32: the layout comfy-kitchen reads as [B, N, H, D] q/k."""
+        cached = self._tables
+        if cached is not None and cached[0] is cos and cached[1] is sin:
+            return cached[2]
+        freqs = freqs_cis(cos[:, 0], sin[:, 0]).unsqueeze(2).contiguous()
+        self._tables = (cos, sin, freqs)
+        return freqs
 
     def qk_norm_rope(
         self, parts: Sequence[QKPart], cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = freqs_cis(cos, sin)  # [1|B, 1, N, D/2, 2, 2]
+        if not self.rope:
+            return PLAIN_OPS.qk_norm_rope(parts, cos, sin)
+        freqs = self._freqs(cos, sin)
         qs, ks, offset = [], [], 0
-        for q, k, q_scale, k_scale in parts:
-            n = q.shape[1]
-            qq, kk = self._ck.rms_rope(q.transpose(1, 2), k.transpose(1, 2), freqs[:, :, offset : offset + n],
-                                       q_scale, k_scale, NORM_EPS)
-            qs.append(qq)
-            ks.append(kk)
-            offset += n
-        return (qs[0], ks[0]) if len(qs) == 1 else (torch.cat(qs, dim=2), torch.cat(ks, dim=2))
+        with _device_guard(parts[0][0].device):
+            for q, k, q_scale, k_scale in parts:
+                n = q.shape[1]
+                # q/k [B, L_i, H, D] views of the projection in, new contiguous [B, L_i, H, D] out:
+                # the attention kernels read that layout (as [B, H, L, D] views) without a copy.
+                qq, kk = self._ck.rms_rope(q, k, freqs[:, offset : offset + n], q_scale, k_scale, NORM_EPS)
+                qs.append(qq)
+                ks.append(kk)
+                offset += n
+        q_all = qs[0] if len(qs) == 1 else torch.cat(qs, dim=1)
+        k_all = ks[0] if len(ks) == 1 else torch.cat(ks, dim=1)
+        return q_all.transpose(1, 2), k_all.transpose(1, 2)
 
 
-def enable_kitchen_ops(model: Flux2Transformer) -> Flux2Transformer:
-    """Run ``model``'s blocks through comfy-kitchen (see the module doc); returns the model."""
-    if not kitchen_available():
-        raise ImportError("comfy-kitchen is not installed: pip install comfy-kitchen (or "
-                          "pip install 'klein-nodes[kernels]')")
-    model.ops = KitchenOps()
-    logger.info("klein block ops: comfy-kitchen rms_rope + adaln (attention: plain)")
-    return model
-
-
-__all__ = ["KitchenOps", "enable_kitchen_ops", "freqs_cis", "kitchen_available"]
+__all__ = ["INSTALL_HINT", "KitchenOps", "freqs_cis", "kitchen_available"]

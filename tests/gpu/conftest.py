@@ -10,7 +10,7 @@ Where it runs:
 * Without CUDA every test in this folder is skipped (the normal CPU run collects it too).
 * ``KLEIN_GPU_TESTS_DEVICE=cpu pytest tests/gpu`` runs the same test logic on the CPU in float32 with
   the tiny models of :mod:`klein_core.testing`, so the assertions themselves are exercised without a
-  GPU. Tests that need CUDA by nature (fp8 tensor cores, CUDA streams, Triton on CUDA, cuDNN
+  GPU. Tests that need CUDA by nature (fp8 tensor cores, CUDA streams, cuDNN
   attention, inductor compilation, full-size models) skip there, naming why.
 * ``KLEIN_GPU_TESTS_FULL=0`` skips the full-size tests on a GPU too (a quick pass).
 * ``KLEIN_GPU_TESTS_DTYPE=bf16|fp32`` overrides the dtype (``cpu`` + ``bf16`` shows on the CPU what the
