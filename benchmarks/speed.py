@@ -758,7 +758,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if device.type == "cuda":
         env["gpu"] = torch.cuda.get_device_name(device)
         env["capability"] = ".".join(map(str, torch.cuda.get_device_capability(device)))
-    for mod in ("triton", "diffusers", "transformers", "flash_attn", "flash_attn_interface"):
+    for mod in ("triton", "comfy_kitchen", "diffusers", "transformers", "flash_attn", "flash_attn_interface"):
         try:
             env[mod] = getattr(__import__(mod), "__version__", "installed")
         except ImportError:
