@@ -224,6 +224,24 @@ def test_generate_with_fast_paths_matches_plain():
     torch.testing.assert_close(quick.pixels, plain.pixels, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("ref_mode", ["joint", "timestep_zero", "kv"])
+def test_edit_through_comfy_kitchen_matches_plain(kitchen_on_cpu, ref_mode):
+    """Every reference mode (joint tokens, timestep-zero modulation, the KV reference pass) with
+    comfy-kitchen's fused steps, fp32: the same latents as the plain path."""
+    import numpy as np
+    from PIL import Image
+
+    tr, te, vae = demo.build_tiny_components()
+    pixels = np.random.default_rng(0).integers(0, 256, (64, 96, 3), dtype=np.uint8)
+    kw = {"prompt": "a fox", "references": [Image.fromarray(pixels)], "width": 64, "height": 80, "seed": 3,
+          "cache": None, "ref_mode": ref_mode, "kv_cache": None, "output": "latent"}
+    plain = klein_core.generate(tr, te, vae, **kw)
+    ops = fast.enable_fast_paths(tr)
+    quick = klein_core.generate(tr, te, vae, **kw)
+    assert "qk-norm+rope=comfy-kitchen, modulation=comfy-kitchen" in ops.resolved()["cpu torch.float32"]
+    torch.testing.assert_close(quick.latents, plain.latents, rtol=1e-5, atol=1e-5)
+
+
 # ---------------------------------------------------------------------------------------------
 # benchmarks/speed.py
 
