@@ -111,6 +111,19 @@ def test_transformer_gguf_loads_exactly_and_per_type_quality(tmp_path, float_tra
         assert rel < {"Q4_0": 0.04, "Q4_1": 0.035, "Q5_0": 0.02, "Q5_1": 0.02, "Q8_0": 0.003, "F16": 7e-4}[block]
 
 
+@pytest.mark.parametrize("mode", ["fp8", "q8", "q4"])
+def test_quantize_choice_leaves_a_gguf_files_blocks_as_stored(tmp_path, float_transformer, mode):
+    """weight_dtype fp8 / q8 / q4 on a GGUF file: its quantised blocks stay as stored (they once were
+    read as raw bytes for fp8 and failed to load), and the model computes what quantize=None gives."""
+    sd = {k: v.numpy() for k, v in float_transformer.state_dict().items()}
+    path = tmp_path / "flux-2-klein-tiny-Q8_0.gguf"
+    _write_gguf(path, {k: (v, _kind(k, v, "Q8_0")) for k, v in sd.items()}, "flux")
+    stored = kc.load_transformer(path, dtype=torch.float32)
+    chosen = kc.load_transformer(path, dtype=torch.float32, quantize=mode)
+    assert ggml_layers(chosen) == ggml_layers(stored) and set(ggml_layers(stored).values()) == {"Q8_0"}
+    assert torch.equal(_run(chosen), _run(stored))
+
+
 def test_prefixed_names_and_weightless_size(tmp_path, float_transformer):
     sd = {k: v.numpy() for k, v in float_transformer.state_dict().items()}
     path = tmp_path / "prefixed.gguf"

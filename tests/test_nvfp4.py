@@ -100,6 +100,18 @@ def test_nvfp4_files_load_and_stay_nvfp4(tmp_path, marker, parity):
     assert kc.module_bytes(weightless) == kc.module_bytes(kc.load_transformer(path, dtype=torch.bfloat16))
 
 
+@pytest.mark.parametrize("mode", ["fp8", "q8", "q4"])
+def test_quantize_choice_leaves_nvfp4_layers_as_stored(tmp_path, mode):
+    """weight_dtype fp8 / q8 / q4 on an NVFP4 file: its NVFP4 layers stay NVFP4 (they once were read
+    as raw bytes and failed to load); only float block weights would be converted."""
+    path = tmp_path / "flux-2-klein-4b-nvfp4.safetensors"
+    layers = _nvfp4_file(path, tiny_transformer().float(), "comfy_quant")
+    stored = kc.load_transformer(path, dtype=torch.float32)
+    chosen = kc.load_transformer(path, dtype=torch.float32, quantize=mode)
+    assert sorted(nvfp4.nvfp4_layers(chosen)) == sorted(layers)
+    assert torch.equal(_run(chosen), _run(stored))
+
+
 def test_dequantize_option_and_bad_scales(tmp_path):
     model = tiny_transformer().float()
     path = tmp_path / "m.safetensors"

@@ -59,9 +59,13 @@ def materialize(
     with torch.device("meta"):
         module = factory()
     check_plan(module, plan, src, component)
-    fp8 = fp8_files.plan_fp8(module, plan.ops, src, quantize)
+    # Packed layers (GGML blocks, NVFP4) stay as stored or are dequantised: quantise="fp8" / "q8" /
+    # "q4" converts float weights only (a packed tensor read as float would be its raw bytes).
+    packed = {k for k, op in plan.ops.items() if gguf_files.reads_ggml(op, src) or nvfp4_files.reads_nvfp4(op, src)}
+    fp8 = fp8_files.plan_fp8(module, {k: v for k, v in plan.ops.items() if k not in packed}, src, quantize)
     fp8_files.swap_to_fp8_(module, fp8.values())  # free: the module is still on the meta device
-    ggml = gguf_files.plan_ggml(module, {k: v for k, v in plan.ops.items() if k not in fp8}, src, quantize)
+    ggml = gguf_files.plan_ggml(module, {k: v for k, v in plan.ops.items() if k not in fp8
+                                         and not nvfp4_files.reads_nvfp4(v, src)}, src, quantize)
     gguf_files.swap_to_ggml_(module, ggml, dtype)
     nv = nvfp4_files.plan_nvfp4(module, plan.ops, src, quantize)
     nvfp4_files.swap_to_nvfp4_(module, nv, src, plan.ops, dtype)
