@@ -72,6 +72,18 @@ def _run(model) -> torch.Tensor:
                      timesteps=torch.tensor([0.9, 0.4]))
 
 
+def _file_values(model, layers):
+    """Exactly an NVFP4 file's values as a float model: ``model`` with comfy-kitchen's dequantised
+    weights in ``layers``."""
+    exact = tiny_transformer().float()
+    exact.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        for layer in layers:
+            q, bs, pts = _ck_quantize(model.get_submodule(layer).weight)
+            exact.get_submodule(layer).weight.copy_(ck.dequantize_nvfp4(q, pts, bs, torch.float32))
+    return exact
+
+
 @pytest.mark.parametrize("marker", ["metadata", "comfy_quant", "weight_scale_2 only"])
 def test_nvfp4_files_load_and_stay_nvfp4(tmp_path, marker, parity):
     model = tiny_transformer().float()
@@ -82,13 +94,7 @@ def test_nvfp4_files_load_and_stay_nvfp4(tmp_path, marker, parity):
     layers = _nvfp4_file(path, model, marker)
     loaded = kc.load_transformer(path, dtype=torch.float32)
     assert sorted(nvfp4.nvfp4_layers(loaded)) == sorted(layers)
-    # exactly the file's values: the same model with comfy-kitchen's dequantised weights
-    exact = tiny_transformer().float()
-    exact.load_state_dict(model.state_dict())
-    with torch.no_grad():
-        for layer in layers:
-            q, bs, pts = _ck_quantize(model.get_submodule(layer).weight)
-            exact.get_submodule(layer).weight.copy_(ck.dequantize_nvfp4(q, pts, bs, torch.float32))
+    exact = _file_values(model, layers)
     diff = (_run(loaded) - _run(exact)).abs().max().item()
     parity(f"NVFP4 file ({marker}): output vs a float model of comfy-kitchen's dequantised weights", diff)
     assert diff <= 1e-5
@@ -110,6 +116,28 @@ def test_quantize_choice_leaves_nvfp4_layers_as_stored(tmp_path, mode):
     chosen = kc.load_transformer(path, dtype=torch.float32, quantize=mode)
     assert sorted(nvfp4.nvfp4_layers(chosen)) == sorted(layers)
     assert torch.equal(_run(chosen), _run(stored))
+
+
+def test_loras_run_as_branches_on_nvfp4_layers_and_refuse_to_merge(tmp_path):
+    model = tiny_transformer().float()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.to(torch.bfloat16).float())  # the bf16 file's values
+    path = tmp_path / "flux-2-klein-4b-nvfp4.safetensors"
+    layers = _nvfp4_file(path, model, "comfy_quant")
+    loaded = kc.load_transformer(path, dtype=torch.float32)
+    name = "double_blocks.0.img_attn.qkv"
+    mod = loaded.get_submodule(name)
+    g = torch.Generator().manual_seed(0)
+    lora = kc.load_lora({f"diffusion_model.{name}.lora_A.weight": torch.randn(4, mod.in_features, generator=g) * 0.1,
+                         f"diffusion_model.{name}.lora_B.weight": torch.randn(mod.out_features, 4, generator=g) * 0.1})
+    with pytest.raises(NotImplementedError, match="holds NVFP4 blocks.*as a branch"):
+        kc.apply_loras(loaded, lora)
+    patched = kc.with_loras(loaded, lora)
+    assert not torch.equal(_run(patched), _run(loaded))
+    # the same LoRA as a branch on the float model of the file's values gives the same output
+    diff = (_run(kc.with_loras(_file_values(model, layers), lora)) - _run(patched)).abs().max().item()
+    assert diff < 1e-5, diff
 
 
 def test_dequantize_option_and_bad_scales(tmp_path):

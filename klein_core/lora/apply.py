@@ -23,6 +23,7 @@ from ..models.qwen3 import Qwen3TextEncoder
 from ..models.transformer import Flux2Transformer
 from ..quant.fp8 import FLOAT8_DTYPES
 from ..quant.ggml import GGMLLinear
+from ..quant.nvfp4 import NVFP4Linear
 from ..variants import encoder_model, model_for_hidden
 from .formats import TEXT_ENCODER, TRANSFORMER, module_hidden
 from .patches import MODES, LoRA, LoRAPatch, log_skipped
@@ -156,10 +157,14 @@ def _plan(
     return plans, skipped
 
 
+# Linears that keep packed blocks (no float weight to merge into): LoRAs apply to them as branches.
+_PACKED = (GGMLLinear, NVFP4Linear)
+
+
 def _weight_of(module: nn.Module | None) -> torch.Tensor | None:
-    """A module's weight, or for a GGML-block Linear a weightless stand-in with its shape and
-    compute dtype (on the meta device: branches work, merging is refused)."""
-    if isinstance(module, GGMLLinear):
+    """A module's weight, or for a packed Linear (GGML blocks, NVFP4) a weightless stand-in with
+    its shape and compute dtype (on the meta device: branches work, merging is refused)."""
+    if isinstance(module, _PACKED):
         return torch.empty((module.out_features, module.in_features), dtype=module.compute_dtype, device="meta")
     return getattr(module, "weight", None)
 
@@ -379,9 +384,10 @@ def apply_loras(
     handle._models = list(components.values())
     for (comp, name), plan in plans.items():
         weight = _weight_of(plan.module)
-        if mode == "merge" and isinstance(plan.module, GGMLLinear):
+        if mode == "merge" and isinstance(plan.module, _PACKED):
+            blocks = f"GGUF {plan.module.qtype.name}" if isinstance(plan.module, GGMLLinear) else "NVFP4"
             raise NotImplementedError(
-                f"{comp} module {name} holds GGUF {plan.module.qtype.name} blocks, which a LoRA cannot be merged "
+                f"{comp} module {name} holds {blocks} blocks, which a LoRA cannot be merged "
                 "into exactly; apply the LoRA as a branch (mode='branch', what the LoRA node does).")
         if mode == "merge":
             original = weight.detach()
