@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .ggml import const
+from .ggml import _CHUNK, const
 
 logger = logging.getLogger(__name__)
 
@@ -81,13 +81,19 @@ def dequantize(packed: torch.Tensor, block_scale: torch.Tensor, tensor_scale: to
     out_features, in_features = shape
     if packed.dtype != torch.uint8 or packed.shape[0] < out_features or packed.shape[1] * 2 < in_features:
         raise ValueError(f"packed NVFP4 weight {packed.dtype} {list(packed.shape)} does not hold {list(shape)}")
-    codes = torch.stack([packed >> 4, packed & 0x0F], dim=-1).reshape(packed.shape[0], -1)  # high nibble first
-    codes = codes[:out_features, :in_features].long()
     table = const(E2M1_VALUES, torch.float32, packed.device)  # made once per device
     scales = unswizzle(block_scale, out_features, in_features // BLOCK).float()
     total = tensor_scale.float().to(packed.device) * scales  # [out, in/16], as comfy-kitchen: global * block
-    w = table[codes].reshape(out_features, -1, BLOCK) * total[:, :, None]
-    return w.reshape(out_features, in_features).to(dtype)
+    out = torch.empty((out_features, in_features), dtype=dtype, device=packed.device)
+    # In row chunks: the int64 codes and float32 products of a whole 9B layer would be ~2.5 GB of
+    # temporaries per call; a chunk is ~16 MiB of float32 (same values, each row computed alike).
+    step = max(1, _CHUNK // in_features)
+    for r in range(0, out_features, step):
+        rows = packed[r : min(r + step, out_features), : in_features // 2]
+        codes = torch.stack([rows >> 4, rows & 0x0F], dim=-1).reshape(rows.shape[0], in_features)  # high first
+        w = table[codes.long()].reshape(rows.shape[0], -1, BLOCK) * total[r : r + rows.shape[0], :, None]
+        out[r : r + rows.shape[0]] = w.reshape(rows.shape[0], in_features)
+    return out
 
 
 class NVFP4Linear(nn.Module):
