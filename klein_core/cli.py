@@ -231,7 +231,7 @@ def _save_images(result: GenerationResult, out: Path, params: dict) -> list[Path
 
 def _check_request(args: argparse.Namespace, refs: list[Image.Image]) -> None:
     """Every number checked before anything loads (a wrong size must not wait for 16 GB of weights)."""
-    if args.demo and not refs:  # the demo's tiny models are quick at 256 px; a side given is kept
+    if args.demo and not refs and args.image is None:  # the tiny models are quick at 256 px; a side given is kept
         args.width = 256 if args.width is None else args.width
         args.height = 256 if args.height is None else args.height
     first = reference_size(*oriented_size(refs[0])) if refs else None

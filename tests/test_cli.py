@@ -126,6 +126,15 @@ def test_demo_keeps_a_given_side(tmp_path):
     assert Image.open(out).size == (320, 256)
 
 
+def test_demo_image_to_image_takes_the_pictures_size(tmp_path):
+    """--demo with --image: the demo's 256 px default must not count as a size the user gave."""
+    Image.new("RGB", (96, 80), (20, 140, 60)).save(tmp_path / "photo.png")
+    out = tmp_path / "i2i.png"
+    assert cli.main(["--demo", "--image", str(tmp_path / "photo.png"), "--strength", "0.5", "--out", str(out),
+                     "-q"]) == 0
+    assert Image.open(out).size == (96, 80)
+
+
 def test_empty_models_folder_and_unrelated_file_say_what_to_do(tmp_path, models, capsys):
     (tmp_path / "diffusion_models").mkdir()
     assert cli.main(["--models-dir", str(tmp_path)]) == 2
