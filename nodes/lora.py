@@ -60,7 +60,8 @@ class LoRAModelRef:
         patched = self._patched.get(model)
         if patched is None:
             patched = kc.with_loras(model, self.loras)
-            self._patched[model] = patched
+            if patched is not model:  # (nothing for this model: caching it as its own value would pin it)
+                self._patched[model] = patched
         return patched
 
 

@@ -693,6 +693,24 @@ def test_lora_loader_node(base, two_loras, pack_lora, tmp_path, monkeypatch, par
     assert os.path.isfile(folder_paths.get_full_path("loras", "a.safetensors"))
 
 
+def test_lora_ref_does_not_pin_a_model_it_leaves_unchanged(pack_lora):
+    """A LoRA with nothing for the transformer (text encoder only): get() gives the model itself,
+    and the handle's per-model cache must not keep it alive once its owner lets go (POST /free)."""
+    import gc
+    import weakref
+
+    node_mod, _ = pack_lora
+    te_only = load_lora({"text_encoder.model.layers.0.self_attn.q_proj.lora_A.weight": torch.randn(4, 96),
+                         "text_encoder.model.layers.0.self_attn.q_proj.lora_B.weight": torch.randn(96, 4)})
+    holder = _Ref(tiny_transformer())
+    handle = node_mod.LoRAModelRef(holder, [(te_only, 1.0)])
+    assert handle.get() is holder.model
+    alive = weakref.ref(holder.model)
+    holder.model = None  # the pack's cache releases the transformer
+    gc.collect()
+    assert alive() is None, "the LoRA handle pins a model it did not patch"
+
+
 def test_merge_into_fp8_weights_recomputes_the_scale(tmp_path, parity):
     from klein_core.testing import tiny_transformer
     from klein_core.quant.fp8 import FP8Linear, dequantize
