@@ -4,6 +4,7 @@ own blocks. Tiny random components, fp32, written to files and loaded through kl
 
 from __future__ import annotations
 
+import gc
 import time
 
 import pytest
@@ -109,6 +110,46 @@ def test_reference_kv_reuse_gives_the_same_latents_and_saves_the_pass(components
     kc.generate(ours_tr, None, ours_vae, prompt_embeds=_embeds(31), seed=2, kv_cache=cache,
                 **{**kw, "references": refs[:1]})
     assert cache.misses == 2 and len(cache) == 1
+
+
+def test_kv_cache_lets_a_freed_models_entries_go():
+    """A model released by its owner takes its cached reference keys/values with it (they live on
+    the GPU: gigabytes at 9B), at once, not at the next store."""
+    from klein_core.testing import tiny_transformer
+
+    cache = ReferenceKVCache()
+    model = tiny_transformer()
+    refs = kc.reference_tokens([torch.randn(1, 128, 4, 4, generator=torch.Generator().manual_seed(0))])
+    cache.get(model, refs)
+    assert len(cache) == 1 and cache.nbytes() > 0
+    del model
+    gc.collect()
+    assert len(cache) == 0 and cache.nbytes() == 0
+
+
+def test_bounded_cache_order_and_owners():
+    from klein_core.bounded import BoundedCache
+
+    class Owner:
+        pass
+
+    cache: BoundedCache[int] = BoundedCache(2, 1 << 30, lambda v: 1)
+    first, second = Owner(), Owner()
+    with cache._lock:
+        cache._store("a", None, 1)
+        cache._store("b", None, 2)
+        cache._store("a", None, 3)  # written again: now the newest
+        cache._store("c", None, 4)  # so "b" is the one dropped
+        assert list(cache._data) == ["a", "c"]
+        cache._store("k", first, 5)
+        cache._store("k", second, 6)  # the same key for a new owner
+    del first
+    gc.collect()
+    with cache._lock:  # the old owner's death must not remove the newer entry under its key
+        assert cache._lookup("k", second) == 6
+    del second
+    gc.collect()
+    assert "k" not in cache._data
 
 
 def test_loras_on_the_model_bypass_the_kv_cache(components):
