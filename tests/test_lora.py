@@ -755,6 +755,10 @@ def test_merge_into_fp8_weights_recomputes_the_scale(tmp_path, parity):
     with torch.no_grad():
         branch_out = q(img=x, img_ids=ids, txt=txt, txt_ids=tids, timesteps=torch.tensor([0.5]))
     branch.remove()
+    with torch.no_grad():
+        base_out = q(img=x, img_ids=ids, txt=txt, txt_ids=tids, timesteps=torch.tensor([0.5]))
+    effect = ((merged_out - base_out).norm() / base_out.norm()).item()
     rel = ((branch_out - merged_out).norm() / merged_out.norm()).item()
     parity("LoRA fp8: branch vs merge output, relative L2", rel)
-    assert rel < 0.05
+    # measured 1.6e-3, with a LoRA that moves the output 4.7%: a LoRA that did nothing would fail
+    assert rel < min(4e-3, effect / 4), (rel, effect)

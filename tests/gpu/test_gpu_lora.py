@@ -6,7 +6,9 @@ independent expectation does the same sum on the CPU, so weights agree to one bf
 outputs within 1% relative L2 on CUDA (exact in fp32: 1e-5). A branch computes ``x @ A^T @ B^T``
 in the weight dtype beside the unchanged layer: against merge, bf16 rounding of both, within 2% (fp32:
 1e-4). On fp8 weights the merge re-quantises the merged weight (e4m3, 3 mantissa bits) while the
-branch keeps the LoRA in bf16: within 5% (tests/test_lora.py uses the same bound on the CPU).
+branch keeps the LoRA in bf16: within 2.5% (CPU: 0.86% fp32, 1.0% bf16). The LoRAs move the output
+by 22-28% (CPU), and every bound is also held under a quarter of that effect, so a LoRA that did
+nothing could not pass.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from klein_core.quant.fp8 import FP8Linear, block_linear_names, quantize_model_
 from .helpers import _cpu_states, forward, rel_l2, tag, transformer_inputs
 
 
-def _lora(shapes: dict[str, tuple[int, int]], rank: int, seed: int, scale: float = 0.3):
+def _lora(shapes: dict[str, tuple[int, int]], rank: int, seed: int, scale: float = 1.0):
     """A BFL-named LoRA state dict over ``shapes`` (module -> (out, in)) and its float32 deltas."""
     g = torch.Generator().manual_seed(seed)
     sd, deltas = {}, {}
@@ -66,21 +68,23 @@ def test_merge_and_branch_on_the_device(gpu, parity):
     for name, d in deltas.items():
         expected_sd[name + ".weight"] += strength * d
     expected = forward(_load(gpu, expected_sd), inputs)
-    assert rel_l2(expected, base) > 1e-3, "the LoRA must change the output for the test to mean anything"
+    # The LoRA must move the output far more than the bounds below, or a no-op would pass them.
+    effect = parity(tag(gpu, "LoRA effect: merged weights vs base, relative L2"), rel_l2(expected, base))
+    assert effect > 0.03, effect
 
     handle = kc.apply_loras(model, [(lora, strength)])
     assert len(handle.modules) == len(deltas) and kc.has_loras(model)
     assert all(p.device.type == gpu.device.type for p in model.parameters())
     merged = forward(model, inputs)
     rel = parity(tag(gpu, "LoRA merge vs independent merged weights, relative L2"), rel_l2(merged, expected))
-    assert rel < (1e-2 if gpu.half else 1e-5), rel
+    assert rel < min(1e-2 if gpu.half else 1e-5, effect / 4), rel
     handle.remove()
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items()), "merge removal must be exact"
 
     branch = kc.apply_loras(model, [(lora, strength)], mode="branch")
     branched = forward(model, inputs)
     rel = parity(tag(gpu, "LoRA branch vs merge, relative L2"), rel_l2(branched, merged))
-    assert rel < (2e-2 if gpu.half else 1e-4), rel
+    assert rel < min(2e-2 if gpu.half else 1e-4, effect / 4), rel
     branch.remove()
     assert torch.equal(forward(model, inputs), base)
 
@@ -101,7 +105,8 @@ def test_merge_and_branch_on_fp8_weights(gpu, parity):
     saved = {n: (m.weight.detach().clone(), m.weight_scale.clone()) for n, m in fp8.items()}
     handle = kc.apply_loras(model, [(lora, 0.7)])
     merged = forward(model, inputs)
-    assert rel_l2(merged, base) > 1e-3
+    effect = parity(tag(gpu, "LoRA on fp8: merged vs base, relative L2"), rel_l2(merged, base))
+    assert effect > 0.03, effect
     assert all(m.weight.dtype == torch.float8_e4m3fn for m in fp8.values())
     handle.remove()
     for n, m in fp8.items():  # the fp8 bytes and the scale come back exactly
@@ -111,7 +116,7 @@ def test_merge_and_branch_on_fp8_weights(gpu, parity):
     branched = forward(model, inputs)
     branch.remove()
     rel = parity(tag(gpu, "LoRA on fp8: branch vs merge, relative L2"), rel_l2(branched, merged))
-    assert rel < 0.05, rel
+    assert rel < min(0.025, effect / 4), rel
     assert torch.equal(forward(model, inputs), base)
 
 
@@ -142,4 +147,4 @@ def test_full_4b_lora_merge_and_branch(gpu, full4b, parity):
     changed = parity(tag(gpu, "full 4B LoRA: merged vs base, relative L2"), rel_l2(merged, base))
     assert changed > 1e-3
     rel = parity(tag(gpu, "full 4B LoRA branch vs merge, relative L2"), rel_l2(branched, merged))
-    assert rel < 0.05, rel
+    assert rel < min(0.05, changed / 4), rel
