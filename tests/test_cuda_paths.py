@@ -66,10 +66,16 @@ def test_scaled_mm_gets_row_major_activations_for_any_input_layout(monkeypatch, 
     expected = {k: layer(x) for k, x in inputs.items()}  # torch's CPU kernel, which takes any layout
     calls: list = []
     monkeypatch.setattr(torch, "_scaled_mm", _cuda_scaled_mm(calls))
+    bias_f = layer.bias.float() if bias else None
     for name, x in inputs.items():
         y = layer(x)
         assert y.shape == (*x.shape[:-1], 32) and y.dtype == x.dtype, name
         torch.testing.assert_close(y.float(), expected[name].float(), rtol=2e-2, atol=2e-2, msg=name)
+        # and independently of FP8Linear's own maths: the float32 product with the dequantised
+        # weight, off only by the activations' fp8 rounding (measured 2.4-2.6% relative L2)
+        exact = torch.nn.functional.linear(x.float(), layer.dequantized_weight(torch.float32), bias_f)
+        rel = ((y.float() - exact).norm() / exact.norm()).item()
+        assert rel < 0.06, (name, rel)
     assert len(calls) == len(inputs)
 
 

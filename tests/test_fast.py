@@ -130,7 +130,7 @@ def test_fused_kernels_through_comfy_kitchen_match_plain(kitchen_on_cpu, model, 
     rel = ((out.double() - ref.double()).norm() / ref.double().norm()).item()
     parity(f"tiny transformer {str(dtype).removeprefix('torch.')}: fast paths (comfy-kitchen) vs plain, "
            "relative L2", rel)
-    assert rel < (1e-6 if dtype == torch.float32 else 1e-2), rel
+    assert rel < (1e-7 if dtype == torch.float32 else 2.5e-3), rel  # measured 4.2e-8 / 1.1e-3
 
 
 def test_fused_step_failing_its_self_check_is_switched_off(kitchen_on_cpu, model, monkeypatch, caplog):
@@ -213,13 +213,14 @@ def test_fast_vae_decode_and_restore():
     assert vae.decoder_dtype == torch.float32 and vae.decode(lat).dtype == torch.float32
 
 
-def test_generate_with_fast_paths_matches_plain():
+def test_generate_with_fast_paths_matches_plain(kitchen_on_cpu):
     tr, te, vae = demo.build_tiny_components()
     kw = dict(prompt="a fox", width=64, height=80, seed=3, cache=None)
     plain = klein_core.generate(tr, te, vae, **kw)
-    fast.enable_fast_paths(tr)
+    ops = fast.enable_fast_paths(tr)
     fast.enable_fast_vae(vae, dtype=None)
     quick = klein_core.generate(tr, te, vae, **kw)
+    assert "qk-norm+rope=comfy-kitchen, modulation=comfy-kitchen" in ops.resolved()["cpu torch.float32"]
     torch.testing.assert_close(quick.latents, plain.latents, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(quick.pixels, plain.pixels, rtol=1e-4, atol=1e-4)
 
@@ -239,7 +240,7 @@ def test_edit_through_comfy_kitchen_matches_plain(kitchen_on_cpu, ref_mode):
     ops = fast.enable_fast_paths(tr)
     quick = klein_core.generate(tr, te, vae, **kw)
     assert "qk-norm+rope=comfy-kitchen, modulation=comfy-kitchen" in ops.resolved()["cpu torch.float32"]
-    torch.testing.assert_close(quick.latents, plain.latents, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(quick.latents, plain.latents, rtol=0, atol=1e-6)  # measured 4.8e-7
 
 
 # ---------------------------------------------------------------------------------------------

@@ -52,9 +52,14 @@ def test_fill_resize_equals_diffusers(size, target):
 
 @pytest.mark.parametrize("steps,strength", [(4, 1.0), (4, 0.6), (5, 0.6), (50, 0.35), (4, 0.01), (28, 0.999)])
 def test_steps_to_run_equals_diffusers_get_timesteps(steps, strength):
-    init = min(steps * strength, steps)
-    t_start = int(max(steps - init, 0))
-    assert inpaint.steps_to_run(steps, strength) == steps - t_start >= 1
+    from types import SimpleNamespace
+
+    from diffusers.pipelines.flux2.pipeline_flux2_klein_inpaint import Flux2KleinInpaintPipeline
+
+    scheduler = diffusers.FlowMatchEulerDiscreteScheduler()
+    scheduler.set_timesteps(steps)
+    _, theirs = Flux2KleinInpaintPipeline.get_timesteps(SimpleNamespace(scheduler=scheduler), steps, strength, "cpu")
+    assert inpaint.steps_to_run(steps, strength) == theirs >= 1
 
 
 def test_processing_size():

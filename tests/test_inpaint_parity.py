@@ -16,7 +16,7 @@ from test_pipeline_parity import CTX, LATENT_CH, _embeds, _image, components  # 
 import klein_core as kc
 
 diffusers = pytest.importorskip("diffusers")
-TOL = 1e-4
+TOL = 2e-5  # about twice the largest measured (1.0e-5, base CFG inpaint)
 
 
 def _pipe(tr, vae, distilled: bool):

@@ -16,7 +16,7 @@ import klein_core as kc
 from klein_core.kv import ReferenceKVCache
 
 diffusers = pytest.importorskip("diffusers")
-TOL = 1e-4
+TOL = 2e-5  # about twice the largest measured (5.4e-6 KV, 4.6e-6 timestep zero)
 
 
 def _kv_pipe(tr, vae):

@@ -17,8 +17,11 @@ def test_generate_memory_modes_equal():
         assert torch.equal(got.pixels, base.pixels), mode
     plan = MemoryPlan({"text_encoder": "staged", "transformer": "blocks", "vae": "staged"}, vae_tile=4, name="test")
     tiled = klein_core.generate(tr, te, vae, memory=plan, device="cpu", **kw)
-    assert (tiled.latents - base.latents).abs().mean() < 0.1  # the reference was encoded in tiles too
-    assert (tiled.pixels - base.pixels).abs().mean() < 0.15
+    # The tiles really ran (the reference was encoded in tiles too, so the latents move a little)
+    # and stay close: measured mean |d| 1.2e-4 (latents) and 0.083 (pixels; another seed: 0.17).
+    assert not torch.equal(tiled.latents, base.latents) and not torch.equal(tiled.pixels, base.pixels)
+    assert (tiled.latents - base.latents).abs().mean() < 3e-4
+    assert (tiled.pixels - base.pixels).abs().mean() < 0.12
 
 def test_loaders_quantize(tmp_path):
     paths = demo.write_tiny_model_files(tmp_path)

@@ -88,7 +88,8 @@ def test_fused_kernels_match_plain(gpu, model, which, parity, fused_here):
     if mod:
         assert "modulation=comfy-kitchen" in described, described
     rel = parity(tag(gpu, f"fused {which} vs plain, relative L2"), rel_l2(out, plain))
-    assert rel < _tol(gpu), rel
+    # fp32: 1e-6 (CPU measured 3.1e-8; a wrong RMSNorm epsilon, 1e-4 for 1e-6, gives 3.3e-6)
+    assert rel < (_tol(gpu) if gpu.half else 1e-6), rel
 
 
 @pytest.mark.cuda("torch.compile with inductor needs minutes on 2 CPU cores; tests/test_fast.py covers the "
@@ -136,7 +137,8 @@ def test_generate_with_every_fast_path(gpu, parity):
     quick = kc.generate(tr, te, vae, **kw)
     rel = parity(tag(gpu, "generate with fast paths vs plain: latents, relative L2"), rel_l2(quick.latents, plain.latents))
     assert rel < (3e-2 if gpu.half else 1e-5), rel
-    parity(tag(gpu, "generate with fast paths vs plain: pixels max abs"), float((quick.pixels - plain.pixels).abs().max()))
+    d = parity(tag(gpu, "generate with fast paths vs plain: pixels max abs"), float((quick.pixels - plain.pixels).abs().max()))
+    assert d < (0.15 if gpu.half else 1e-5), d  # CPU: 3.3e-2 in bf16 (the VAE in bf16), 2.9e-6 in fp32
 
 
 # ---------------------------------------------------------------------------------------------

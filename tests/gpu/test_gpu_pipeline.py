@@ -45,7 +45,8 @@ def test_text_to_image(gpu, small, parity):
     ref = kc.generate(*cpu_reference(gpu), **kw)
     rel = parity(tag(gpu, "t2i latents vs fp32 CPU, relative L2"), rel_l2(res.latents, ref.latents))
     assert rel < _tol(gpu), rel
-    parity(tag(gpu, "t2i pixels vs fp32 CPU, max abs"), max_abs(res.pixels, ref.pixels))
+    d = parity(tag(gpu, "t2i pixels vs fp32 CPU, max abs"), max_abs(res.pixels, ref.pixels))
+    assert d < (0.15 if gpu.half else 1e-5), d  # CPU bf16: 3.2e-2 (pixels in [0, 1])
 
 
 def test_edit_with_two_references(gpu, small, parity):
