@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image, ImageOps
 
-from .images import MAX_REFERENCE_AREA, MIN_REFERENCE_SIDE, _to_rgb_array
+from .images import MAX_REFERENCE_AREA, MIN_REFERENCE_SIDE, _to_rgb_array, reference_size
 
 MaskInput = Image.Image | torch.Tensor | np.ndarray
 
@@ -29,11 +29,9 @@ DEFAULT_STRENGTH_INPAINT = 1.0
 def processing_size(width: int, height: int, multiple: int = 16) -> tuple[int, int]:
     """The size an init image is generated at: scaled to at most 1 megapixel (``int`` of each side,
     as diffusers), then each side rounded down to a multiple of ``multiple`` (by resizing, not
-    cropping: the image keeps its content edge to edge)."""
-    if width * height > MAX_REFERENCE_AREA:
-        s = math.sqrt(MAX_REFERENCE_AREA / (width * height))
-        width, height = int(width * s), int(height * s)
-    return width // multiple * multiple, height // multiple * multiple
+    cropping: the image keeps its content edge to edge). The numbers are a reference's
+    (:func:`~klein_core.images.reference_size`)."""
+    return reference_size(width, height, multiple)
 
 
 def steps_to_run(steps: int, strength: float) -> int:
@@ -235,8 +233,7 @@ def prepare_inpaint(image: Image.Image, mask: MaskInput | None = None, *, crop_p
     box = None
     original, work = image, image
     if crop_padding is None and w * h > MAX_REFERENCE_AREA:  # diffusers' 1-megapixel step, sides int()
-        s = math.sqrt(MAX_REFERENCE_AREA / (w * h))
-        work = image.resize((int(w * s), int(h * s)), Image.Resampling.LANCZOS)
+        work = image.resize(reference_size(w, h, 1), Image.Resampling.LANCZOS)
     if m_img is not None:
         if crop_padding is not None:
             if m_img.size != image.size:

@@ -357,7 +357,8 @@ def test_wrong_shape_names_key_and_file(files: dict[str, object], tmp_path: Path
 def test_duplicate_quant_conv_refused(files: dict[str, object]) -> None:
     sd = dict(files["bfl-dict"])  # type: ignore[call-overload]
     sd["quant_conv.weight"] = sd["encoder.quant_conv.weight"]
-    with pytest.raises(ValueError, match="same VAE tensor"):
+    with pytest.raises(ValueError, match=r"'(encoder\.)?quant_conv\.weight' and '(encoder\.)?quant_conv\.weight' "
+                                         r"both provide 'encoder\.quant_conv\.weight'"):
         load_vae(sd)
 
 

@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from ..errors import WeightFormatError
+from ..models.layers import replace_module
 from ..quant.fp8 import (
     FP8_DTYPES,
     FP8_FORMAT_OF,
@@ -399,15 +400,12 @@ def plan_fp8(
 def swap_to_fp8_(module: nn.Module, layers: Iterable[Fp8Layer]) -> None:
     """Replace the ``nn.Linear`` modules named in ``layers`` by empty :class:`FP8Linear` (meta)."""
     for spec in layers:
-        parent_name, _, child = spec.name.rpartition(".")
-        parent = module.get_submodule(parent_name) if parent_name else module
-        old = getattr(parent, child)
-        new = FP8Linear(
+        old = module.get_submodule(spec.name)
+        replace_module(module, spec.name, FP8Linear(
             old.in_features, old.out_features, bias=old.bias is not None, fmt=spec.fmt,
             per_row_scale=spec.per_row_scale, input_scale=spec.input_scale,
             full_precision_mm=spec.full_precision_mm, device="meta",
-        )
-        setattr(parent, child, new)
+        ))
 
 
 class _RowScales:

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from ..errors import WeightFormatError
+from ..models.layers import replace_module
 from ..quant.fp8 import block_linear_names
 from ..quant.ggml import BLOCKS, FLOAT_TYPES, QUANTIZE_TYPES, GGMLLinear, GGMLType, dequantize, quantize
 from .plan import DecodingView, Op, Take, quantizable_linears
@@ -228,12 +229,10 @@ def swap_to_ggml_(module: nn.Module, layers: Mapping[str, GGMLType], dtype: torc
     computing in ``dtype``."""
     for name, qtype in layers.items():
         path = name.rsplit(".", 1)[0]
-        parent_name, _, child = path.rpartition(".")
-        parent = module.get_submodule(parent_name) if parent_name else module
-        lin = getattr(parent, child)
+        lin = module.get_submodule(path)
         new = GGMLLinear(lin.in_features, lin.out_features, qtype, lin.bias is not None, device="meta")
         new.compute_dtype = dtype
-        setattr(parent, child, new)
+        replace_module(module, path, new)
 
 
 def load_ggml(name: str, qtype: GGMLType, op: Op, src: WeightSource, device: torch.device,

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from ..errors import WeightFormatError
+from ..models.layers import replace_module
 from ..quant.nvfp4 import BLOCK, NVFP4Linear, dequantize, scale_shape
 from .plan import DecodingView, Op, Take, quantizable_linears
 from .source import TensorInfo, WeightSource
@@ -118,14 +119,12 @@ def plan_nvfp4(module: nn.Module, ops: Mapping[str, Op], src: WeightSource, quan
 def swap_to_nvfp4_(module: nn.Module, layers: Mapping[str, str], src: WeightSource, ops: Mapping[str, Op],
                    dtype: torch.dtype) -> None:
     for name, path in layers.items():
-        parent_name, _, child = path.rpartition(".")
-        parent = module.get_submodule(parent_name) if parent_name else module
-        lin = getattr(parent, child)
+        lin = module.get_submodule(path)
         info = src.info(ops[name].sources()[0])
         new = NVFP4Linear(lin.in_features, lin.out_features, lin.bias is not None,
                           input_scale=getattr(info, "input_scale", None) is not None, device="meta")
         new.compute_dtype = dtype
-        setattr(parent, child, new)
+        replace_module(module, path, new)
 
 
 def load_nvfp4(name: str, op: Op, src: WeightSource, device: torch.device) -> dict[str, torch.Tensor]:

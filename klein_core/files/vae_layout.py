@@ -166,16 +166,8 @@ def prepare_vae(src: WeightSource) -> tuple[WeightSource, LoadPlan, VAEConfig, s
     layout = _layout(src)
     rename = _diffusers_rename(src) if layout == _DIFFUSERS else _bfl_rename(src)
     ignore = lambda k: k == "bn.num_batches_tracked"  # noqa: E731
-    owner: dict[str, str] = {}
-    for key in src.keys():
-        target = None if ignore(key) else rename(key)
-        name = target if isinstance(target, str) else (target[0] if target else None)
-        if name is not None and name in owner:
-            # e.g. both 'quant_conv.weight' and 'encoder.quant_conv.weight': refuse to guess.
-            raise ValueError(f"{src.name}: '{owner[name]}' and '{key}' are the same VAE tensor; "
-                             "keep only one of them.")
-        if name is not None:
-            owner[name] = key
+    # two names for one tensor (e.g. 'quant_conv.weight' and 'encoder.quant_conv.weight') are
+    # refused by build_plan, naming both
     plan = build_plan(src, rename, ignore=ignore)
     shapes = {name: op.shape(src) for name, op in plan.ops.items()}
     cfg = _infer_config(src, layout, shapes)

@@ -96,3 +96,12 @@ def computing_in_calls(module: nn.Module, dtype: torch.dtype) -> Iterator[nn.Mod
             h.remove()
         while active:  # the call raised: its post hook never ran
             active.pop().close()
+
+
+def replace_module(root: nn.Module, path: str, new: nn.Module) -> nn.Module:
+    """Put ``new`` where ``root.get_submodule(path)`` is (dotted path); returns the module replaced."""
+    parent_name, _, child = path.rpartition(".")
+    parent = root.get_submodule(parent_name) if parent_name else root
+    old = getattr(parent, child)
+    setattr(parent, child, new)
+    return old

@@ -16,6 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..models.layers import replace_module
+from .ggml import const
+
 logger = logging.getLogger(__name__)
 
 # The float8 formats klein_core stores and runs, by ComfyUI's format name.
@@ -212,7 +215,7 @@ class FP8Linear(nn.Module):
         # memory layout (a transposed view of x gives a column-major xq). No copy in the usual case.
         xq = (x2 / xs.to(x.dtype)).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).contiguous()
         per_row = self.weight_scale.ndim == 1
-        ws = torch.ones((), device=x.device) if per_row else self.weight_scale.float().reshape(())
+        ws = const((1.0,), torch.float32, x.device).reshape(()) if per_row else self.weight_scale.float().reshape(())
         out_dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.float32
         y = torch._scaled_mm(xq, self.weight.t(), scale_a=xs, scale_b=ws, out_dtype=out_dtype)
         if per_row:  # per-row weight scales factor out of the dot products: scale the columns
@@ -264,14 +267,12 @@ def quantize_model_(
         candidates = [n for n in all_linears if layers(n)]
     done = []
     for name in candidates:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        old = getattr(parent, child)
+        old = model.get_submodule(name)
         if isinstance(old, FP8Linear):
             continue
         if not isinstance(old, nn.Linear):
             raise TypeError(f"quantize_model_: '{name}' is a {type(old).__name__}, not an nn.Linear")
-        setattr(parent, child, FP8Linear.from_linear(old, fmt))
+        replace_module(model, name, FP8Linear.from_linear(old, fmt))
         done.append(name)
     logger.info("Quantised %d Linear layers to %s", len(done), fmt)
     return done
