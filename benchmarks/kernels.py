@@ -43,7 +43,7 @@ import klein_core as kc
 from klein_core.accel.kitchen import KitchenOps, kitchen_available
 from klein_core.models.block_ops import PLAIN_OPS
 from klein_core.models.transformer import TransformerConfig
-from klein_core.models.transformer_math import rope_cos_sin
+from klein_core.models.transformer_math import rope_tables
 from klein_core.quant.fp8 import FP8Linear, quantize_fp8
 from klein_core.testing.fill import full_size_configs
 
@@ -77,12 +77,11 @@ def max_diff(a: Any, b: Any) -> float:
     return (a.float() - b.float()).abs().max().item()
 
 
-def rope_tables(tokens: int, cfg: TransformerConfig, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def joint_rope(tokens: int, cfg: TransformerConfig, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """The model's RoPE tables ``[1, 1, 512 + tokens, D]`` for 512 text tokens and a square image grid."""
     side = math.isqrt(tokens)
     ids = torch.cat([kc.text_position_ids(TEXT_TOKENS), kc.position_ids(side, tokens // side)]).to(device)
-    cos, sin = rope_cos_sin(ids, cfg.axes_dim, cfg.theta)
-    return cos[None, None], sin[None, None]
+    return rope_tables(ids, cfg.axes_dim, cfg.theta)
 
 
 def op_variants() -> dict[str, Any]:
@@ -112,7 +111,7 @@ def bench_block_ops(model: str, tokens: int, device: torch.device, dtype: torch.
     scales = [torch.rand(head_dim, device=device, dtype=dtype, generator=g) + 0.5 for _ in range(4)]
     parts = [(qkv_t[:, :, 0], qkv_t[:, :, 1], scales[0], scales[1]),  # views of the projection, as in a block
              (qkv_i[:, :, 0], qkv_i[:, :, 1], scales[2], scales[3])]
-    cos, sin = rope_tables(tokens, cfg, device)
+    cos, sin = joint_rope(tokens, cfg, device)
 
     cases = {
         "modulate": lambda ops: ops.modulate(x, shift, scale),

@@ -126,15 +126,22 @@ def test_per_token_modulation_and_switched_off_steps_stay_plain(monkeypatch):
     assert calls == []
 
 
-def test_rotation_tables_are_built_once_per_forward():
+def test_rotation_tables_are_built_once_per_table_set(monkeypatch):
+    built = []
+    monkeypatch.setattr(kitchen, "freqs_cis", lambda c, s: built.append(1) or freqs_cis(c, s))
     ops = KitchenOps()
-    parts, (cos, sin) = _parts(torch.float32), _tables(14, 32)
-    ops.qk_norm_rope(parts, cos, sin)
-    first = ops._tables[2]
-    ops.qk_norm_rope(parts, cos, sin)
-    assert ops._tables[2] is first  # the same cos/sin objects (every block of one forward)
-    ops.qk_norm_rope(parts, cos.clone(), sin.clone())
-    assert ops._tables[2] is not first and torch.equal(ops._tables[2], first)
+    parts = _parts(torch.float32)
+    cond, uncond = _tables(14, 32, seed=1), _tables(14, 32, seed=2)  # CFG with prompts of two lengths
+    for _ in range(4):  # steps: each forward's blocks all get the same tables
+        for cos, sin in (cond, uncond):
+            ops.qk_norm_rope(parts, cos, sin)
+            ops.qk_norm_rope(parts, cos, sin)
+    assert len(built) == 2
+    ops.qk_norm_rope(parts, cond[0].clone(), cond[1].clone())  # equal values, other tensors: built anew
+    assert len(built) == 3
+    for seed in range(3, 9):
+        ops.qk_norm_rope(parts, *_tables(14, 32, seed=seed))
+    assert len(ops._tables) == kitchen._TABLES  # bounded
 
 
 def test_kitchen_ops_without_comfy_kitchen_names_the_package(monkeypatch):

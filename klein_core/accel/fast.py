@@ -43,7 +43,7 @@ import torch.nn.functional as F
 
 from ..models.block_ops import PLAIN_OPS, BlockOps, QKPart
 from ..models.transformer import Flux2Transformer
-from ..models.transformer_math import rope_cos_sin
+from ..models.transformer_math import rope_tables
 from ..models.vae import Flux2VAE
 from .kitchen import INSTALL_HINT, KitchenOps, kitchen_available
 
@@ -243,8 +243,7 @@ def _self_check(name: str, device: torch.device, dtype: torch.dtype, head_dim: i
             parts = [(st[:, :, 0], st[:, :, 1], scales[2 * i], scales[2 * i + 1])
                      for i, st in enumerate(streams)]
             ids = torch.randint(0, 64, (sum(lengths), 1), generator=g, device=device)
-            cos, sin = rope_cos_sin(ids, (head_dim,), 2000.0)
-            cos, sin = cos[None, None], sin[None, None]
+            cos, sin = rope_tables(ids, (head_dim,), 2000.0)
             fused = KitchenOps(rope=True, modulation=False).qk_norm_rope(parts, cos, sin)
             plain = PLAIN_OPS.qk_norm_rope(parts, cos, sin)
         else:

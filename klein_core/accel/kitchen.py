@@ -31,6 +31,7 @@ from ..models.transformer_math import NORM_EPS
 logger = logging.getLogger(__name__)
 
 INSTALL_HINT = "pip install comfy-kitchen (or pip install 'klein-nodes[kernels]')"
+_TABLES = 4  # RoPE table sets whose rotation matrices are kept (see KitchenOps._freqs)
 
 
 def kitchen_available() -> bool:
@@ -72,9 +73,10 @@ class KitchenOps(BlockOps):
         self._ck = _kitchen()
         self.rope = rope
         self.modulation = modulation
-        # The rotation matrices of the last RoPE tables: every block of a forward gets the same
-        # cos/sin tensors. Strong references, so an identity match can never be a reused address.
-        self._tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        # Rotation matrices of the last few RoPE tables: every block of a forward gets the same
+        # cos/sin tensors, and a run reuses its tables every step (two sets with CFG and prompts of
+        # other lengths). Strong references, so an identity match can never be a reused address.
+        self._tables: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
 
     def modulate(self, x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         if not self.modulation or shift.shape[1] != 1:
@@ -84,11 +86,11 @@ class KitchenOps(BlockOps):
 
     def _freqs(self, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """``[1 or B, N, 1, D/2, 2, 2]`` float32: the layout comfy-kitchen reads as [B, N, H, D] q/k."""
-        cached = self._tables
-        if cached is not None and cached[0] is cos and cached[1] is sin:
-            return cached[2]
+        for c, s, freqs in self._tables:
+            if c is cos and s is sin:
+                return freqs
         freqs = freqs_cis(cos[:, 0], sin[:, 0]).unsqueeze(2).contiguous()
-        self._tables = (cos, sin, freqs)
+        self._tables = [*self._tables[-(_TABLES - 1):], (cos, sin, freqs)]
         return freqs
 
     def qk_norm_rope(

@@ -20,7 +20,7 @@ from torch import nn
 from ..variants import check_text_width, transformer_name
 from .block_ops import PLAIN_OPS, BlockOps, QKPart
 from .layers import rms_norm
-from .transformer_math import NORM_EPS, ROPE_THETA, TIME_CHANNELS, modulate, rope_cos_sin, timestep_embedding
+from .transformer_math import NORM_EPS, ROPE_THETA, TIME_CHANNELS, modulate, rope_tables, timestep_embedding
 
 
 @dataclass(frozen=True)
@@ -352,9 +352,7 @@ class Flux2Transformer(nn.Module):
             else:
                 img_ids = img_ids.expand(txt_ids.shape[0], -1, -1)
         ids = torch.cat([txt_ids, img_ids], dim=-2).to(self.device)
-        cos, sin = rope_cos_sin(ids, self.config.axes_dim, self.config.theta)
-        # [N, D] -> [1, 1, N, D]; [B, N, D] -> [B, 1, N, D]
-        return (cos[None, None], sin[None, None]) if cos.ndim == 2 else (cos[:, None], sin[:, None])
+        return rope_tables(ids, self.config.axes_dim, self.config.theta)
 
     def _check_inputs(
         self, img: torch.Tensor, img_ids: torch.Tensor, txt: torch.Tensor, txt_ids: torch.Tensor, t: torch.Tensor
@@ -448,8 +446,7 @@ class Flux2Transformer(nn.Module):
         vec = self._time_vector(torch.full((1,), float(timestep)), ref.shape[0], ref.device)
         mod_img = self.double_stream_modulation_img(vec)
         mod_single = self.single_stream_modulation(vec)
-        cos, sin = rope_cos_sin(ref_ids.to(self.device), self.config.axes_dim, self.config.theta)
-        cos, sin = (cos[None, None], sin[None, None]) if cos.ndim == 2 else (cos[:, None], sin[:, None])
+        cos, sin = rope_tables(ref_ids.to(self.device), self.config.axes_dim, self.config.theta)
         ops = self.ops.bind(ref.device, dtype)
         x = self.img_in(ref)
         double, single = [], []

@@ -43,6 +43,13 @@ def rope_cos_sin(ids: torch.Tensor, axes_dim: tuple[int, ...], theta: float) -> 
     return torch.cat(cos, dim=-1), torch.cat(sin, dim=-1)
 
 
+def rope_tables(ids: torch.Tensor, axes_dim: tuple[int, ...], theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`rope_cos_sin` shaped for the blocks: ``[1, 1, N, D]`` for ids ``[N, A]``, ``[B, 1, N, D]``
+    for ids ``[B, N, A]`` (broadcast over the heads)."""
+    cos, sin = rope_cos_sin(ids, axes_dim, theta)
+    return (cos[None, None], sin[None, None]) if cos.ndim == 2 else (cos[:, None], sin[:, None])
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate adjacent pairs of ``x`` ``[B, H, L, D]`` by the angles in ``cos``/``sin`` (fp32 maths)."""
     xf = x.float()
