@@ -6,6 +6,8 @@ import contextlib
 import logging
 from collections.abc import Iterator
 
+import torch
+
 import klein_core as kc
 
 from . import host
@@ -73,6 +75,17 @@ def check_widget(node: str, input_name: str, value: object, choices: object) -> 
     when a prompt is queued), naming the node, the input and the choices."""
     if value not in choices:  # type: ignore[operator]
         raise ValueError(f"{node}: {input_name} '{value}' is not one of {', '.join(map(str, choices))}.")  # type: ignore[call-overload]
+
+
+def flux2_samples(latent: object, channels: int, node: str, input_name: str, hint: str) -> torch.Tensor:
+    """``latent["samples"]``, checked to be FLUX.2 latents ``[B, channels, h, w]``; the error names
+    ``node`` and ``input_name`` and ends with ``hint`` (where such latents come from)."""
+    samples = latent.get("samples") if isinstance(latent, dict) else None
+    if not isinstance(samples, torch.Tensor) or samples.ndim != 4 or samples.shape[1] != channels:
+        shape = list(samples.shape) if isinstance(samples, torch.Tensor) else type(samples).__name__
+        raise ValueError(f"{node}: {input_name} must be FLUX.2 latents [batch, {channels}, height/16, width/16]"
+                         f"{hint}, got {shape}.")
+    return samples
 
 
 def activation_bytes(stage: str, request: kc.MemoryRequest, **configs: object) -> int:

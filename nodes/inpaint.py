@@ -51,6 +51,11 @@ def _one_mask(mask: torch.Tensor, image: torch.Tensor, node: str) -> torch.Tenso
     m = mask if mask.ndim == 2 else mask[0]
     if mask.ndim == 3 and mask.shape[0] > 1:
         logger.warning("%s: the mask has %d frames; the first is used", node, mask.shape[0])
+    if m.shape == (64, 64) and not m.any():
+        # LoadImage's MASK output for a picture without alpha: an empty 64x64 placeholder
+        raise ValueError(f"{node}: the mask is empty (the picture has no mask: LoadImage gives a blank 64x64 one); "
+                         f"paint the area in ComfyUI's mask editor (right-click the Load Image node) or "
+                         f"connect a mask of the image's size.")
     if m.shape != image.shape[1:3]:
         raise ValueError(f"{node}: the mask is {m.shape[1]}x{m.shape[0]} but the image is {image.shape[2]}x"
                          f"{image.shape[1]}; use a mask of the image's size (LoadImage's own mask, or Upscale "
@@ -71,7 +76,7 @@ class KleinInpaintCrop(io.ComfyNode):
             inputs=[
                 io.Image.Input("image", tooltip="The full image (one frame)."),
                 io.Mask.Input("mask", tooltip="White = repaint: LoadImage's mask (transparent pixels), the "
-                                              "mask editor, Image Pad for Outpaint, or any mask node."),
+                                              "mask editor, Pad Image for Outpainting, or any mask node."),
                 io.Int.Input("padding", default=32, min=0, max=4096, tooltip=(
                     "Pixels of context kept around the mask (the model sees them to match the scene).")),
                 io.Float.Input("megapixels", default=1.0, min=0.0625, max=4.0, step=0.0625, tooltip=(

@@ -32,7 +32,8 @@ def weight_dtype_for(name: str, device: torch.device) -> torch.dtype:
         logger.warning("%s: %s does not support bf16; using fp16 instead", NODE, device)
         return torch.float16
     if device.type == "cpu" and dtype != torch.float32:
-        logger.info("%s: computing on the CPU in %s as chosen (fp32 is often faster on CPUs)", NODE, name)
+        logger.info("%s: computing on the CPU in %s as chosen (fp32 is often faster on CPUs)", NODE,
+                    str(dtype).removeprefix("torch."))
     return dtype
 
 

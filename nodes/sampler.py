@@ -12,7 +12,7 @@ from comfy_api.latest import io
 import klein_core as kc
 
 from . import cache, host, notices
-from .common import activation_bytes, check_widget, errors_named
+from .common import activation_bytes, check_widget, errors_named, flux2_samples
 from .encode import NODE as ENCODER_NODE
 from .preview import StepReporter
 from .types import (
@@ -58,11 +58,7 @@ def start_from(latent: dict | None, mask: torch.Tensor | None, denoise: float,
         if denoise < 1:
             logger.warning("%s: denoise %.2f is used only with a latent input; sampling from noise", NODE, denoise)
         return None
-    samples = latent.get("samples") if isinstance(latent, dict) else None
-    if not isinstance(samples, torch.Tensor) or samples.ndim != 4 or samples.shape[1] != channels:
-        shape = list(samples.shape) if isinstance(samples, torch.Tensor) else type(samples).__name__
-        raise ValueError(f"{NODE}: latent must be FLUX.2 latents [batch, {channels}, height/16, width/16] (Flux2 "
-                         f"VAE Encode), got {shape}.")
+    samples = flux2_samples(latent, channels, NODE, "latent", " (Flux2 VAE Encode)")
     lat_mask = None
     if mask is not None:
         try:
@@ -117,8 +113,8 @@ class KleinSampler(io.ComfyNode):
                     "Image-to-image / inpainting: the image to start from (Flux2 VAE Encode). The output "
                     "takes its size (leave width and height at 0).")),
                 io.Mask.Input("mask", optional=True, tooltip=(
-                    "Inpainting: white = repaint, black = keep (LoadImage's mask, the mask editor, Image "
-                    "Pad for Outpaint, Klein Inpaint Crop). Needs latent.")),
+                    "Inpainting: white = repaint, black = keep (LoadImage's mask, the mask editor, Pad "
+                    "Image for Outpainting, Klein Inpaint Crop). Needs latent.")),
                 io.Float.Input("denoise", default=1.0, min=0.01, max=1.0, step=0.01, optional=True, tooltip=(
                     "With latent: how much of the schedule runs. 1 = repaint fully (inpainting); 0.5-0.8 = "
                     "keep the composition (image-to-image). Ignored without latent.")),

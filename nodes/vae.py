@@ -11,7 +11,7 @@ from comfy_api.latest import io
 import klein_core as kc
 
 from . import host, notices
-from .common import activation_bytes, check_widget
+from .common import activation_bytes, check_widget, flux2_samples
 from .types import KleinVAE, KleinVAEType
 
 logger = logging.getLogger(__name__)
@@ -19,17 +19,6 @@ logger = logging.getLogger(__name__)
 DECODE_NODE = "Flux2 VAE Decode"
 ENCODE_NODE = "Flux2 VAE Encode"
 SIZES = ("crop to 16", "fit 1 megapixel")
-
-
-def flux2_samples(latent: dict, channels: int) -> torch.Tensor:
-    """``latent["samples"]``, checked to be FLUX.2 latents ``[B, 128, h, w]``."""
-    samples = latent.get("samples") if isinstance(latent, dict) else None
-    if not isinstance(samples, torch.Tensor) or samples.ndim != 4 or samples.shape[1] != channels:
-        shape = list(samples.shape) if isinstance(samples, torch.Tensor) else type(samples).__name__
-        raise ValueError(f"{DECODE_NODE}: samples must be FLUX.2 latents [batch, {channels}, height/16, "
-                         f"width/16], got {shape}. Connect Klein Sampler (or another FLUX.2 latent); SD, "
-                         f"SDXL and FLUX.1 latents need their own VAE and VAE Decode.")
-    return samples
 
 
 def center_crop(pixels: torch.Tensor, multiple: int) -> torch.Tensor:
@@ -58,7 +47,9 @@ class KleinVAEDecode(io.ComfyNode):
     @classmethod
     @notices.reported
     def execute(cls, samples: dict, vae: KleinVAE) -> io.NodeOutput:
-        latents = flux2_samples(samples, vae.config.latent_channels)
+        latents = flux2_samples(samples, vae.config.latent_channels, DECODE_NODE, "samples",
+                                " (connect Klein Sampler or another FLUX.2 latent; SD, SDXL and FLUX.1 latents "
+                                "need their own VAE and VAE Decode)")
         down = vae.config.downscale
         request = kc.MemoryRequest(latents.shape[-1] * down, latents.shape[-2] * down, encode_text=False,
                                    denoise=False)

@@ -361,6 +361,9 @@ def test_inpaint_crop_and_stitch_nodes(comfy):  # noqa: F811
         mod.KleinInpaintCrop.execute(image, torch.ones(1, 30, 40), 16, 1.0)
     with pytest.raises(ValueError, match="empty"):
         mod.KleinInpaintCrop.execute(image, torch.zeros(1, 300, 400), 16, 1.0)
+    # a picture without alpha: LoadImage's blank 64x64 mask is named as such, not as a size mismatch
+    with pytest.raises(ValueError, match="the picture has no mask.*mask editor"):
+        mod.KleinInpaintCrop.execute(image, torch.zeros(1, 64, 64), 16, 1.0)
 
 
 # ----- GGUF files in the model folders --------------------------------------------------------------
