@@ -162,6 +162,22 @@ def progress_bar(total: int):
     return comfy.utils.ProgressBar(total)
 
 
+def show_node_text(text: str) -> None:
+    """``text`` on the executing node in the frontend (``PromptServer.send_progress_text``, which both
+    host versions have); nothing on an older or headless host (the caller logs the text anyway)."""
+    try:
+        from comfy_execution.utils import get_executing_context
+        from server import PromptServer
+
+        context = get_executing_context()
+        server = getattr(PromptServer, "instance", None)
+        if context is None or server is None:
+            return
+        server.send_progress_text(text, context.node_id, getattr(server, "client_id", None))
+    except (ImportError, AttributeError, OSError, RuntimeError, TypeError, ValueError):
+        logger.debug("could not send a node's text to the frontend", exc_info=True)
+
+
 def previews_enabled() -> bool:
     """True when a progress hook is installed and the host's --preview-method is not "none"."""
     import comfy.utils

@@ -20,6 +20,8 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from . import host
+
 logger = logging.getLogger(__name__)
 
 UI_KEY = "warnings"
@@ -111,20 +113,8 @@ def _ui_dict(ui: Any) -> dict:
 
 
 def _show_on_node(messages: list[str]) -> None:
-    """The warnings as the node's text in the ComfyUI frontend (both host versions have this)."""
-    try:
-        from comfy_execution.utils import get_executing_context
-        from server import PromptServer
-
-        context = get_executing_context()
-        server = getattr(PromptServer, "instance", None)
-        if context is None or server is None:
-            return
-        text = "\n".join(f"\u26a0 {m}" for m in messages)
-        server.send_progress_text(text, context.node_id, getattr(server, "client_id", None))
-    except (ImportError, AttributeError, OSError, RuntimeError, TypeError, ValueError):
-        # an older or headless host: the warnings are still in ui["warnings"] and the log
-        logger.debug("could not send the node's warnings to the frontend", exc_info=True)
+    """The warnings as the node's text in the ComfyUI frontend (else still in ui["warnings"] and the log)."""
+    host.show_node_text("\n".join(f"\u26a0 {m}" for m in messages))
 
 
 def reported(execute: Callable[..., Any]) -> Callable[..., Any]:
