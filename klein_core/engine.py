@@ -231,13 +231,16 @@ def reference_pixel_sizes(images: Sequence[Image.Image | torch.Tensor], latents:
     return sizes
 
 
-def memory_request(width: int, height: int, references: Sequence[tuple[int, int]] = (), **kw: Any) -> MemoryRequest:
-    """A :class:`MemoryRequest` with sizes rounded up to the planner's 16-pixel grid (test VAEs with
-    fewer levels give other multiples; the estimate only needs the token counts)."""
-    def up(v: int) -> int:
-        return max(16, -(-v // 16) * 16)
+def _on_grid(sizes: Sequence[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    """Sizes rounded up to the planner's 16-pixel grid (test VAEs with fewer levels give other
+    multiples; the estimate only needs the token counts)."""
+    return tuple((max(16, -(-w // 16) * 16), max(16, -(-h // 16) * 16)) for w, h in sizes)
 
-    return MemoryRequest(up(width), up(height), references=tuple((up(w), up(h)) for w, h in references), **kw)
+
+def memory_request(width: int, height: int, references: Sequence[tuple[int, int]] = (), **kw: Any) -> MemoryRequest:
+    """A :class:`MemoryRequest` with every size on the planner's 16-pixel grid."""
+    (width, height), *refs = _on_grid([(width, height), *references])
+    return MemoryRequest(width, height, references=tuple(refs), **kw)
 
 
 class Engine:
@@ -504,7 +507,8 @@ class Engine:
         if plan is None:
             sizes = reference_pixel_sizes((), references, down)
             plan = self.plan(memory_request(width, height, sizes, batch=txt.shape[0], cfg=run.cfg,
-                                            encode_text=False, decode=False, reference_kv=self.ref_mode == "kv"))
+                                            encode_text=False, decode=False, reference_kv=self.ref_mode == "kv",
+                                            text_length=txt.shape[1]))
         sigmas = get_schedule(run.steps, noise.shape[-1] * noise.shape[-2])  # = self.schedule(run) for seeded noise
         image = mask = None
         if init is not None:
@@ -552,17 +556,22 @@ class Engine:
     # -- composition ----------------------------------------------------------------------------
 
     def memory_request(self, request: GenerationRequest, *, encode_text: bool = True,
-                       init: InpaintInputs | None = None) -> MemoryRequest:
-        """What the planner needs to know about ``request``, worked out before anything runs."""
+                       init: InpaintInputs | None = None, text_length: int | None = None) -> MemoryRequest:
+        """What the planner needs to know about ``request``, worked out before anything runs.
+        ``text_length``: the prompt embeddings' length when they are given; else the length the
+        prompts are encoded at (512, or longer with ``TextOptions(max_tokens=None)``)."""
         sizes = reference_pixel_sizes(request.references, (), self.downscale)
         first = sizes[0] if sizes else None
         if init is not None:  # the image sets the size, and (as a reference) joins the sequence
             first = init.size
             sizes = ([init.size] if request.init.as_reference else []) + sizes  # type: ignore[union-attr]
         run = resolve(request.settings, self.kind, first, multiple=self.downscale, warn=False)
+        if text_length is None:
+            texts = [*request.prompts, *([request.negative_prompt] if run.cfg else [])]
+            text_length = self.text.length(texts)
         return memory_request(run.width, run.height, sizes, batch=len(request.prompts) * run.batch_size,
                               cfg=run.cfg, encode_text=encode_text, decode=request.output != "latent",
-                              reference_kv=self.ref_mode == "kv")
+                              reference_kv=self.ref_mode == "kv", text_length=text_length)
 
     def generate(self, request: GenerationRequest, *, callback: StepCallback | None = None) -> GenerationResult:
         """Run the four stages for ``request``; one memory plan covers them all."""
@@ -590,12 +599,12 @@ class Engine:
             if self.vae is None:
                 raise ValueError("an init image needs a vae to encode it")
             prepared = prepare_inpaint(init.image, init.mask, crop_padding=init.crop_padding, multiple=self.downscale)
-        memory = self.memory_request(request, encode_text=conditioning is None, init=prepared)
+        given = None if conditioning is None else max(
+            e.shape[1] for e in (conditioning.positive, conditioning.negative) if e is not None)
+        memory = self.memory_request(request, encode_text=conditioning is None, init=prepared, text_length=given)
         if reference_latents:
             extra = tuple(reference_pixel_sizes((), reference_latents, self.downscale))
-            memory = memory_request(memory.width, memory.height, extra + memory.references, batch=memory.batch,
-                                    cfg=memory.cfg, encode_text=memory.encode_text, decode=memory.decode,
-                                    reference_kv=memory.reference_kv)
+            memory = replace(memory, references=_on_grid(extra) + memory.references)
         plan = self.plan(memory)
         if self.kind != "base" and request.negative_prompt and conditioning is None:
             logger.warning("the negative prompt is ignored: distilled Klein models run without CFG")

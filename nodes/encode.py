@@ -83,7 +83,9 @@ class KleinTextEncode(io.ComfyNode):
             path = model_file(NODE, "text_encoder", "text_encoders", text_encoder, expect="text_encoder")
             ref = cache.model_ref("text_encoder", path, text_encoder, device, dtype)
             with errors_named(NODE, "text_encoder", text_encoder):
-                encoder = ref.get(activation_bytes("text", kc.MemoryRequest(batch=2, denoise=False, decode=False),
+                request = kc.MemoryRequest(batch=2, denoise=False, decode=False,
+                                           text_length=options.length([prompt, negative_prompt]))
+                encoder = ref.get(activation_bytes("text", request,
                                                    text_encoder=kc.weightless(path, "text_encoder").config))
             engine = kc.Engine(text_encoder=encoder, device=device, prompt_cache=prompts, text=options)
             with notices.ignoring("klein_core.tokenizer"):  # cut prompts were reported above, by input name

@@ -174,7 +174,9 @@ class KleinSampler(io.ComfyNode):
         request = kc.MemoryRequest(run.width, run.height, references=tuple((r.shape[-1] * 16, r.shape[-2] * 16)
                                                                             for r in refs),
                                    batch=run.batch_size, cfg=run.cfg, encode_text=False, decode=False,
-                                   reference_kv=ref_mode == "kv")
+                                   reference_kv=ref_mode == "kv", text_length=max(
+                                       e.shape[1] for e in (conditioning.positive, conditioning.negative)
+                                       if e is not None))
         with errors_named(NODE, "model", model.name):  # ComfyUI frees what the run needs first
             transformer = model.ref.get(activation_bytes("denoise", request, transformer=model.config))
         engine = kc.Engine(transformer, kind=model.kind, device=host.torch_device(), memory=model.memory,

@@ -284,3 +284,28 @@ def test_plan_for_loaded_components_on_cpu():
     assert plan.name == "resident" and plan.fits and "no memory planning" in plan.reason
     tight = plan_for(req, tr, te, vae, device="cpu", free_bytes=plan.peak_bytes + DEFAULT_RESERVE_BYTES - 1)
     assert tight.name != "resident" and tight.fits  # one byte short of resident + reserve
+
+
+def test_engine_tells_the_planner_the_prompt_length():
+    """Long prompts (whole-prompt option) and given embeddings make the text part of the sequence
+    longer than 512: the planner must count it, or it under-estimates and plans runs that do not fit."""
+    import klein_core as kc
+    from klein_core.memory.planner import ModelSizes, estimate
+
+    tr, te, vae = demo.build_tiny_components()
+    long_prompt = " ".join(["a small red fox in the snow"] * 120)  # about 840 tokens
+    default = kc.Engine(tr, te, vae, prompt_cache=None)
+    whole = kc.Engine(tr, te, vae, prompt_cache=None, text=kc.COMFYUI_TEXT)
+    req = kc.GenerationRequest(prompt=long_prompt)
+    assert default.memory_request(req).text_length == 512
+    n = whole.memory_request(req).text_length
+    assert n == kc.COMFYUI_TEXT.length([long_prompt]) > 800
+    base = kc.Engine(tr, te, vae, kind="base", prompt_cache=None, text=kc.COMFYUI_TEXT)
+    cfg = kc.GenerationRequest(prompt="a fox", negative_prompt=long_prompt)  # the negative is the longer one
+    assert base.memory_request(cfg).text_length == n
+    assert default.memory_request(req, text_length=700).text_length == 700  # given embeddings
+    sizes = ModelSizes.from_modules(tr, te, vae)
+    longer = estimate(whole.memory_request(req), sizes).stages
+    shorter = estimate(default.memory_request(req), sizes).stages
+    assert longer["text"].activations > shorter["text"].activations
+    assert longer["denoise"].activations > shorter["denoise"].activations
