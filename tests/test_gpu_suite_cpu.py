@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_gpu_suite_passes_in_cpu_mode():
     env = {**os.environ, "KLEIN_GPU_TESTS_DEVICE": "cpu", "KLEIN_GPU_TESTS_FULL": "0"}
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", "tests/gpu"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False)
     tail = proc.stdout[-4000:] + proc.stderr[-2000:]
     assert proc.returncode == 0, tail  # no test failed or errored
     passed = re.search(r"(\d+) passed", proc.stdout)
