@@ -116,7 +116,7 @@ class Workflow:
     nodes: list[Node]
 
 
-# ----- the three workflows ----------------------------------------------------------------------------
+# ----- the workflows ----------------------------------------------------------------------------------
 
 def _loader(nid: int, model: str) -> Node:
     return Node(nid, "KleinModelLoader", (40, 80), {"model_name": model, "vae_name": "flux2-vae.safetensors",
@@ -404,7 +404,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--check", action="store_true", help="only compare the committed files")
     args = ap.parse_args(argv)
-    stale = [p for p, text in rendered().items() if not p.is_file() or p.read_text() != text]
+    texts = rendered()
+    stale = [p for p, text in texts.items() if not p.is_file() or p.read_text() != text]
     # Thumbnails (same name, .jpg: what ComfyUI's template browser shows) are pictures: checked to
     # exist, rewritten whenever the workflows are.
     thumbs = {HERE / f"{wf.name}.jpg": wf for wf in WORKFLOWS}
@@ -414,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1 if stale or not all(t.is_file() for t in thumbs) else 0
     API_DIR.mkdir(exist_ok=True)
     for p in stale:
-        p.write_text(rendered()[p])
+        p.write_text(texts[p])
         sys.stdout.write(f"wrote {p.relative_to(HERE.parent)}\n")
     for p, wf in thumbs.items():
         if stale or not p.is_file():
