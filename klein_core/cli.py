@@ -20,6 +20,7 @@ from .errors import GenerationCancelled, WeightFormatError
 from .files.identify import matching_text_encoders, probe
 from .images import oriented_size, reference_size
 from .inpaint import outpaint
+from .loading import as_dtype
 from .prompts import DiskPromptCache, PromptCache, TextOptions, default_prompt_cache, encoder_identity
 from .request import MAX_STEPS, as_device, guess_model_kind, resolve_size
 from .sampling import MAX_SEED
@@ -27,7 +28,7 @@ from .variants import check_text_width
 
 logger = logging.getLogger("klein_core.cli")
 
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+_DTYPES = ("bf16", "fp16", "fp32")  # --dtype choices; loading.as_dtype reads them
 
 
 class CLIError(Exception):
@@ -91,7 +92,7 @@ def _add_generate_args(g: argparse.ArgumentParser) -> None:
     g.add_argument("--out", type=Path, default=Path("klein.png"),
                    help="output PNG; with --batch, _00, _01... are added before the suffix")
     g.add_argument("--device", default=None, help="cuda, cuda:1, cpu, mps (default: cuda if available, else cpu)")
-    g.add_argument("--dtype", choices=sorted(_DTYPES), default=None,
+    g.add_argument("--dtype", choices=_DTYPES, default=None,
                    help="weights dtype (default: bf16 on GPU, fp32 on CPU)")
     g.add_argument("--quantize", choices=("fp8", "q8", "q4"), default=None,
                    help="store the transformer's block weights as fp8, or as GGUF Q8_0 / Q4_0 blocks (Klein 4B: "
@@ -283,7 +284,7 @@ def _init_image(args: argparse.Namespace) -> tuple[Image.Image, Image.Image | No
 
 def run_generate(args: argparse.Namespace) -> int:
     device = as_device(args.device) or torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = _DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    dtype = as_dtype(args.dtype, "--dtype") or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     refs = []
     for r in args.ref:
         try:
@@ -314,8 +315,9 @@ def run_generate(args: argparse.Namespace) -> int:
         from .loading import load_text_encoder, load_transformer, load_vae
 
         tr_path, te_path, vae_path = resolve_files(args)
-        distilled = not args.base and (args.distilled or guess_model_kind(tr_path.name) != "base")
-        if args.ref_mode is None and guess_model_kind(tr_path.name) == "kv":
+        kind = guess_model_kind(tr_path.name)
+        distilled = not args.base and (args.distilled or kind != "base")
+        if args.ref_mode is None and kind == "kv":
             args.ref_mode = "kv"
         transformer = load_transformer(tr_path, device=device, dtype=dtype, quantize=args.quantize)
         if args.prompt_cache is not None and not args.lora:  # LoRAs may change the encoder: encode anew
@@ -386,10 +388,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     _log_to_stderr()
     try:
         return run_generate(args)
-    except CLIError as exc:
-        _write(sys.stderr, f"error: {exc}\n")
-        return 2
-    except (ValueError, TypeError, FileNotFoundError, WeightFormatError) as exc:
+    except (CLIError, ValueError, TypeError, FileNotFoundError, WeightFormatError) as exc:
         _write(sys.stderr, f"error: {exc}\n")
         return 2
     except GenerationCancelled as exc:
