@@ -7,6 +7,7 @@ import logging
 from collections.abc import Iterator
 
 import torch
+import torch.nn.functional as F
 
 import klein_core as kc
 
@@ -86,6 +87,15 @@ def flux2_samples(latent: object, channels: int, node: str, input_name: str, hin
         raise ValueError(f"{node}: {input_name} must be FLUX.2 latents [batch, {channels}, height/16, width/16]"
                          f"{hint}, got {shape}.")
     return samples
+
+
+def resize_image(images: torch.Tensor, width: int, height: int) -> torch.Tensor:
+    """IMAGE ``[B, H, W, C]`` resized (antialiased bicubic), kept in 0..1; as given at its size."""
+    if images.shape[1:3] == (height, width):
+        return images
+    x = images.movedim(-1, 1).float()
+    x = F.interpolate(x, size=(height, width), mode="bicubic", antialias=True, align_corners=False)
+    return x.clamp(0, 1).movedim(1, -1).to(images.dtype)
 
 
 def activation_bytes(stage: str, request: kc.MemoryRequest, **configs: object) -> int:

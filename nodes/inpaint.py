@@ -17,6 +17,7 @@ from comfy_api.latest import io
 import klein_core as kc
 
 from . import host, notices
+from .common import resize_image
 
 logger = logging.getLogger(__name__)
 
@@ -36,15 +37,6 @@ class StitchInfo:
     def __str__(self) -> str:
         x1, y1, x2, y2 = self.box
         return f"crop {x2 - x1}x{y2 - y1} at ({x1}, {y1}) of a {self.original.shape[2]}x{self.original.shape[1]} image"
-
-
-def _resize(images: torch.Tensor, width: int, height: int) -> torch.Tensor:
-    """IMAGE ``[B, H, W, C]`` resized (antialiased bicubic), kept in 0..1."""
-    if images.shape[1:3] == (height, width):
-        return images
-    x = images.movedim(-1, 1).float()
-    x = F.interpolate(x, size=(height, width), mode="bicubic", antialias=True, align_corners=False)
-    return x.clamp(0, 1).movedim(1, -1).to(images.dtype)
 
 
 def _one_mask(mask: torch.Tensor, image: torch.Tensor, node: str) -> torch.Tensor:
@@ -108,7 +100,7 @@ class KleinInpaintCrop(io.ComfyNode):
         except ValueError as exc:
             raise ValueError(f"{CROP_NODE}: {exc}.") from exc
         x1, y1, x2, y2 = box
-        crop = _resize(image[:, y1:y2, x1:x2, :3], tw, th)
+        crop = resize_image(image[:, y1:y2, x1:x2, :3], tw, th)
         crop_mask = F.interpolate(m[None, None, y1:y2, x1:x2], size=(th, tw), mode="bilinear")[0].clamp(0, 1)
         logger.info("%s: %dx%d region at (%d, %d) painted at %dx%d", CROP_NODE, x2 - x1, y2 - y1, x1, y1, tw, th)
         info = StitchInfo(image[:1].to(host.intermediate_device()), m.to(host.intermediate_device()), box)
@@ -145,7 +137,7 @@ class KleinInpaintStitch(io.ComfyNode):
                              f"{list(image.shape)}.")
         x1, y1, x2, y2 = stitch.box
         original = stitch.original[..., :3].float()
-        patch = _resize(image[..., :3].float().cpu(), x2 - x1, y2 - y1)
+        patch = resize_image(image[..., :3].float().cpu(), x2 - x1, y2 - y1)
         canvas = original.expand(image.shape[0], -1, -1, -1).clone()
         canvas[:, y1:y2, x1:x2] = patch
         if composite:

@@ -5,13 +5,12 @@ from __future__ import annotations
 import logging
 
 import torch
-import torch.nn.functional as F
 from comfy_api.latest import io
 
 import klein_core as kc
 
 from . import host, notices
-from .common import activation_bytes, check_widget, flux2_samples
+from .common import activation_bytes, check_widget, flux2_samples, resize_image
 from .types import KleinVAE, KleinVAEType
 
 logger = logging.getLogger(__name__)
@@ -93,8 +92,7 @@ class KleinVAEEncode(io.ComfyNode):
         check_widget(ENCODE_NODE, "size", size, SIZES)
         if size == SIZES[1]:
             w, h = kc.processing_size(pixels.shape[2], pixels.shape[1], down)
-            px = pixels if (w, h) == (pixels.shape[2], pixels.shape[1]) else F.interpolate(
-                pixels.movedim(-1, 1).float(), size=(h, w), mode="bicubic", antialias=True).clamp(0, 1).movedim(1, -1)
+            px = resize_image(pixels, w, h)
         else:
             px = center_crop(pixels, down)
         rgb = px[..., :3] if px.shape[-1] >= 3 else px[..., :1].expand(*px.shape[:-1], 3)  # gray -> RGB
