@@ -53,7 +53,7 @@ from klein_core.memory.planner import (  # noqa: E402
 )
 from klein_core.models import Flux2Transformer, Flux2VAE, Qwen3Config, Qwen3TextEncoder, TransformerConfig, VAEConfig  # noqa: E402
 from klein_core.quant.fp8 import quantize_model_  # noqa: E402
-from klein_core.request import Settings  # noqa: E402
+from klein_core.request import Settings, indexed_device  # noqa: E402
 
 GB = 1e9
 QWEN_VOCAB = 151936
@@ -226,6 +226,7 @@ def main(argv: list[str] | None = None) -> dict:
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda but CUDA is not available; use --tiny --device cpu for a smoke test")
+    device = indexed_device(device)  # "cuda" -> "cuda:N": set_per_process_memory_fraction needs the index
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     env = {"torch": torch.__version__, "python": platform.python_version(), "device": device.type}
     if device.type == "cuda":

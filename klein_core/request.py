@@ -185,7 +185,8 @@ class GenerationRequest:
 
 def as_device(device: torch.device | str | int | None) -> torch.device | None:
     """A torch device from a device, its name ("cuda", "cuda:1", "cpu", "mps") or a CUDA index,
-    checked to exist here (a CPU-only torch refuses "cuda" with the fix, not an assertion)."""
+    checked to exist here (a CPU-only torch refuses "cuda" with the fix, not an assertion). A bare "cuda"
+    comes back with the current device's index (:func:`indexed_device`)."""
     if device is None:
         return None
     if isinstance(device, torch.device):
@@ -207,6 +208,17 @@ def as_device(device: torch.device | str | int | None) -> torch.device | None:
                          "or use device 'cpu'.")
     if d.type == "mps" and not torch.backends.mps.is_available():
         raise ValueError("device 'mps' needs Apple silicon and a torch built with MPS; use 'cpu'.")
+    return indexed_device(d)
+
+
+def indexed_device(device: torch.device | str) -> torch.device:
+    """``device`` with its CUDA index named: "cuda" alone is the current CUDA device (asked now), so it
+    becomes e.g. "cuda:0". Calls that need an index (``torch.cuda.set_device``,
+    ``set_per_process_memory_fraction``) refuse a bare "cuda", and caches keyed by device would hold
+    "cuda" and "cuda:0" apart. Other devices are returned as they are."""
+    d = torch.device(device)
+    if d.type == "cuda" and d.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
     return d
 
 
@@ -254,6 +266,6 @@ def as_prompts(prompt: str | Sequence[str]) -> tuple[str, ...]:
 __all__ = [
     "BASE_DEFAULTS", "DEFAULT_SIZE", "DISTILLED_DEFAULTS", "MAX_PIXELS", "MIN_SIDE", "MODEL_KINDS", "OUTPUTS",
     "GenerationRequest", "ModelKind", "Resolved", "Settings", "as_device", "as_list", "as_prompts", "as_reference",
-    "check_size", "check_tensor", "guess_model_kind",
+    "check_size", "check_tensor", "guess_model_kind", "indexed_device",
     "resolve", "resolve_size",
 ]

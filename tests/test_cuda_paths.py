@@ -1,9 +1,12 @@
 """CUDA-only code paths checked on the CPU: what reaches torch._scaled_mm, streamed blocks called
-outside their forward, streamed text-encoder layers computing in fp32, and bf16 support asked of the right
-GPU (kernel launches on the tensors' device: tests/test_kitchen.py). Each test fails on the code before its fix."""
+outside their forward, streamed text-encoder layers computing in fp32, bf16 support asked of the right
+GPU (kernel launches on the tensors' device: tests/test_kitchen.py), a bare "cuda" device where torch
+wants an index, and quantisation giving the CPU's bytes under CUDA's division. Each test fails on the
+code before its fix."""
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -12,9 +15,12 @@ import torch
 from script_module import load_script
 from torch import nn
 
+from klein_core.files.fp8 import quantize_state_dict
 from klein_core.memory.placement import BlockOffloader
 from klein_core.models.transformer import DoubleStreamBlock, SingleStreamBlock
-from klein_core.quant.fp8 import FLOAT8_DTYPES, FP8Linear
+from klein_core.quant import ggml
+from klein_core.quant.fp8 import FLOAT8_DTYPES, FP8Linear, quantize_fp8
+from klein_core.request import as_device, indexed_device
 from klein_core.testing.tiny import tiny_text_encoder, tiny_transformer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -209,3 +215,154 @@ def test_blocks_placement_of_a_component_already_on_the_device_runs_it_in_place(
         assert not model.double_blocks[0]._forward_pre_hooks  # no offloader attached
     assert all(t.device.type == "meta" for t in model.state_dict().values())
     assert "transformer is already on meta, so it runs there as it is" in caplog.text
+
+
+# ----- a bare "cuda" device -------------------------------------------------------------------------------
+# torch.device("cuda") is the current GPU. torch.cuda.set_device and set_per_process_memory_fraction refuse
+# it ("Expected a torch.device with a specified index": 41 errors at setup of the GPU suite on torch 2.11,
+# and benchmarks/memory.py without --device cuda:0), and caches keyed by device held "cuda" and "cuda:0"
+# apart. Public entry points give it the current index once, so every later call sees one device.
+
+
+def _cuda_machine(monkeypatch, current: int) -> None:
+    """CUDA as torch reports it on a machine whose current GPU is ``current`` (nothing reaches a driver)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current)
+
+
+def test_a_bare_cuda_device_gets_the_current_index(monkeypatch):
+    _cuda_machine(monkeypatch, 1)
+    for given in ("cuda", torch.device("cuda")):
+        assert as_device(given) == torch.device("cuda", 1)
+    assert as_device("cuda:0") == as_device(0) == torch.device("cuda", 0)
+    assert as_device("cpu") == indexed_device("cpu") == torch.device("cpu")
+    assert indexed_device("meta") == torch.device("meta")
+    # torch's own set_device, up to the driver call
+    selected: list[int] = []
+    monkeypatch.setattr(torch._C, "_cuda_setDevice", selected.append, raising=False)
+    with pytest.raises(ValueError, match="specified index"):
+        torch.cuda.set_device(torch.device("cuda"))
+    torch.cuda.set_device(as_device("cuda"))
+    assert selected == [1]
+
+
+def test_gpu_suite_without_a_device_variable_sets_an_indexed_device(monkeypatch):
+    """``pytest tests/gpu`` with no KLEIN_GPU_TESTS_DEVICE: the ``gpu`` fixture calls
+    ``torch.cuda.set_device(DEVICE)`` with what ``_target`` chose."""
+    suite = importlib.import_module("gpu.conftest")  # tests/gpu/conftest.py
+    _cuda_machine(monkeypatch, 0)
+    monkeypatch.delenv(suite.ENV_DEVICE, raising=False)
+    device, why = suite._target()
+    assert why is None and device == torch.device("cuda", 0)
+    selected: list[int] = []
+    monkeypatch.setattr(torch._C, "_cuda_setDevice", selected.append, raising=False)
+    torch.cuda.set_device(device)
+    assert selected == [0]
+    monkeypatch.setenv(suite.ENV_DEVICE, "cuda:x")
+    device, why = suite._target()
+    assert device is None and "'cuda:x'" in why  # a reason to skip with, not an error at collection
+
+
+def test_memory_benchmark_caps_the_allocator_of_a_bare_cuda_device(monkeypatch, tmp_path):
+    memory = load_script("klein_memory_benchmark_for_cuda_tests", REPO / "benchmarks" / "memory.py")
+    _cuda_machine(monkeypatch, 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device=None: SimpleNamespace(name="stand-in GPU", total_memory=80 * 2**30))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda.memory, "_lazy_init", lambda: None)
+    capped: list[tuple[float, int]] = []
+
+    class Capped(Exception):
+        pass
+
+    def set_fraction(fraction, index):  # torch's own set_per_process_memory_fraction calls this last
+        capped.append((fraction, index))
+        raise Capped  # stop before any model is built
+
+    monkeypatch.setattr(torch._C, "_cuda_setMemoryFraction", set_fraction, raising=False)
+    with pytest.raises(Capped):
+        memory.main(["--out", str(tmp_path / "memory.json"), "--tiny", "--device", "cuda"])
+    assert capped == [(1.0, 0)]
+
+
+def test_placement_takes_a_bare_cuda_device_as_the_current_one(monkeypatch):
+    from klein_core.memory import placement
+
+    _cuda_machine(monkeypatch, 1)
+    assert placement.StagePlacer("cuda", {}, {}).device == torch.device("cuda", 1)
+    assert BlockOffloader(tiny_transformer(), "cuda").device == torch.device("cuda", 1)
+    # weights on cuda:0 are not on "cuda" while cuda:1 is current (before: any index matched "cuda",
+    # and a stage would have run a module on the wrong GPU instead of copying it in)
+    assert not placement._same_device(torch.device("cuda", 0), torch.device("cuda"))
+    assert placement._same_device(torch.device("cuda", 1), torch.device("cuda"))
+
+
+def test_device_keyed_caches_hold_cuda_and_its_index_as_one_device(monkeypatch):
+    from klein_core.quant import fp8, nvfp4
+
+    current = [0]
+    capabilities = {0: (9, 0), 1: (8, 6)}  # a Hopper card and an Ampere one (no fp8 tensor cores)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current[0])
+    # as torch answers: a device without an index is the current one
+    monkeypatch.setattr(torch.cuda, "get_device_capability",
+                        lambda d=None: capabilities[torch.cuda._utils._get_device_index(d, optional=True)])
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(fp8, "_scaled_mm_support", {})
+    assert fp8.scaled_mm_available(torch.device("cuda")) and fp8.scaled_mm_available(torch.device("cuda", 0))
+    assert list(fp8._scaled_mm_support) == [("cuda", 0)]
+    current[0] = 1
+    assert not fp8.scaled_mm_available(torch.device("cuda"))  # before: cuda:0's answer, cached under "cuda"
+    monkeypatch.setattr(nvfp4, "_NATIVE", {})
+    asked = []
+    monkeypatch.setattr(nvfp4, "_native_reason", lambda d: asked.append(d) or "asked")
+    nvfp4.native_unavailable(torch.device("cuda")), nvfp4.native_unavailable(torch.device("cuda", 1))
+    assert asked == [torch.device("cuda", 1)]
+
+
+# ----- quantising on a GPU gives the CPU's bytes --------------------------------------------------------
+
+
+def _cuda_division(monkeypatch) -> None:
+    """``tensor / number`` as CUDA computes it: ATen's div_true_kernel_cuda turns a divisor that is a host
+    scalar into a multiplication by its reciprocal, rounded to float32 first ("this may lose one bit of
+    precision"); dividing by a tensor is a true division there as here."""
+    real = torch.Tensor.__truediv__
+
+    def divide(self, other):
+        if isinstance(other, (int, float)) and not isinstance(other, bool) and self.dtype == torch.float32:
+            return self * real(torch.tensor(1.0), torch.tensor(float(other)))
+        return real(self, other)
+
+    monkeypatch.setattr(torch.Tensor, "__truediv__", divide)
+
+
+def test_fp8_file_and_quantise_on_load_on_a_gpu_give_the_same_scale(monkeypatch):
+    """tests/gpu/test_gpu_fp8.py on the H100: ``double_blocks.0.img_mlp.2.weight_scale`` of the fp8 file
+    (quantised on the CPU) and of ``quantize="fp8"`` (on the GPU) differed by one ulp; that layer's amax is
+    0.0361328125, and 0.0361328125 * float32(1 / 448) is 8.0653605e-05, not 8.0653597e-05."""
+    torch.manual_seed(0)
+    w = (torch.randn(64, 96) * 0.005).to(torch.bfloat16)
+    w[3, 5] = 0.0361328125
+    exact = torch.tensor(0.0361328125 / 448, dtype=torch.float32)  # the float64 quotient, rounded once
+    written = quantize_state_dict({"layer.weight": w}, ["layer"], style="comfy_quant")  # the file, on the CPU
+    assert torch.equal(written["layer.weight_scale"], exact)
+    _cuda_division(monkeypatch)
+    assert not torch.equal(torch.tensor(0.0361328125) / 448.0, exact)  # the stand-in is CUDA's rounding
+    q, scale = quantize_fp8(w)  # what load_fp8 runs on the GPU
+    assert torch.equal(scale, exact)
+    assert torch.equal(q.view(torch.uint8), written["layer.weight"].view(torch.uint8))
+
+
+def test_ggml_quantisation_on_a_gpu_gives_the_cpus_bytes(monkeypatch):
+    """GGML blocks quantised while loading (``quantize="q8"``/``"q4"``) or by the converter must be the
+    bytes gguf-py writes (tests/test_gguf.py); Q4_1 differed in 4 of 655360 bytes here before the fix."""
+    torch.manual_seed(0)
+    w = torch.randn(256, 4096)
+    T = ggml.GGMLType
+    types = (T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1)
+    expected = {t: ggml.quantize(w, t) for t in types}
+    _cuda_division(monkeypatch)
+    for t in types:
+        assert torch.equal(ggml.quantize(w, t), expected[t]), t.name

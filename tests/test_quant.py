@@ -319,8 +319,8 @@ def test_no_cuda_query_at_import():
 def test_fp8_matmul_fallback_is_per_call_and_never_swallows_out_of_memory(monkeypatch, caplog):
     import klein_core.quant.fp8 as q
 
-    layer = FP8Linear.from_linear(torch.nn.Linear(32, 16, bias=False))
-    x = torch.randn(3, 32, dtype=torch.bfloat16)
+    layer = FP8Linear.from_linear(torch.nn.Linear(16, 48, bias=False))  # widening: auto takes scaled_mm
+    x = torch.randn(3, 16, dtype=torch.bfloat16)
     expected = torch.nn.functional.linear(x, layer.dequantized_weight(torch.bfloat16))
     monkeypatch.setattr(q, "scaled_mm_available", lambda device: True)  # pretend a GPU with fp8 matmul
     tries = []
@@ -341,6 +341,21 @@ def test_fp8_matmul_fallback_is_per_call_and_never_swallows_out_of_memory(monkey
         assert torch.equal(layer(x), expected)
     assert tries == ["OutOfMemoryError", "RuntimeError", "RuntimeError"]  # ...and the next one tries again
     assert caplog.text.count("fp8 matmul failed") == 1 and not layer.full_precision_mm
+
+
+@pytest.mark.parametrize("shape, pays", [((3072, 9216), True), ((3072, 18432), True), ((4096, 12288), True),
+                                         ((3072, 3072), False), ((4096, 4096), False), ((9216, 3072), False)])
+def test_fp8_auto_matmul_only_on_the_shapes_where_it_measured_faster(monkeypatch, shape, pays):
+    """matmul="auto" on an fp8-capable GPU: scaled_mm for the widening layers (faster on the H100),
+    the upcast for square and narrowing ones (faster there, and the more exact path)."""
+    import klein_core.quant.fp8 as q
+
+    monkeypatch.setattr(q, "scaled_mm_available", lambda device: True)
+    layer = FP8Linear(*shape, device="meta")
+    x = torch.empty(2, shape[0], dtype=torch.bfloat16, device="meta")
+    assert layer.scaled_mm_pays is pays and layer._use_scaled_mm(x) is pays
+    layer.matmul = "scaled_mm"  # forcing still works on any shape
+    assert layer._use_scaled_mm(x)
 
 
 def test_stored_formats_are_counted_and_named():

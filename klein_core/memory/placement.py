@@ -29,6 +29,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..request import indexed_device
+
 logger = logging.getLogger(__name__)
 
 # Methods of a block, besides ``forward``, that a model calls directly: forward hooks never see those
@@ -105,7 +107,7 @@ def on_device(
     modified by inference, so nothing is copied back). A module already on ``device`` is left
     alone. Keep offloaded modules in pinned CPU memory (:func:`pin_memory_`) for fast copies.
     """
-    device = torch.device(device)
+    device = indexed_device(device)
     slots = _slots(module)
     if all(_same_device(s.home.device, device) for s in slots):
         yield module
@@ -124,8 +126,9 @@ def _same_device(a: torch.device, b: torch.device) -> bool:
         return False
     if a.type != "cuda":
         return True
-    # "cuda" means the current device; compare indices only when both are explicit.
-    return a.index is None or b.index is None or a.index == b.index
+    # "cuda" means the current device: the tensors of a module on cuda:1 are not on "cuda" while
+    # cuda:0 is current.
+    return indexed_device(a) == indexed_device(b)
 
 
 def find_block_lists(model: nn.Module) -> list[nn.ModuleList]:
@@ -171,7 +174,7 @@ class BlockOffloader:
         if prefetch < 0:
             raise ValueError(f"prefetch must be >= 0, got {prefetch}")
         self.model = model
-        self.device = torch.device(device)
+        self.device = indexed_device(device)
         lists = list(blocks) if blocks is not None else find_block_lists(model)
         self.blocks: list[nn.Module] = [b for lst in lists for b in lst]
         if not self.blocks:
@@ -348,7 +351,7 @@ class StagePlacer:
         unknown = {p for p in placements.values()} - {"resident", "staged", "blocks"}
         if unknown:
             raise ValueError(f"unknown placements {sorted(unknown)}; use resident, staged or blocks")
-        self.device = torch.device(device)
+        self.device = indexed_device(device)
         self.components = components
         self.placements = placements
         self.prefetch = prefetch

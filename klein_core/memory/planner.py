@@ -40,6 +40,7 @@ from ..models.qwen3 import Qwen3TextEncoder
 from ..models.transformer import Flux2Transformer
 from ..models.vae import Flux2VAE
 from ..quant.fp8 import block_linear_names
+from ..request import indexed_device
 from .placement import find_block_lists, module_bytes
 from .tiling import TILE_SIDES, tile_overlap
 
@@ -501,17 +502,16 @@ def free_device_bytes(device: torch.device | str, modules: Sequence[nn.Module] =
     """Memory a plan may use on ``device``: free memory reported by the driver, plus what
     PyTorch's allocator holds cached, plus what ``modules`` already occupy there (the estimate
     counts their weights itself). Queried now; CUDA only."""
-    device = torch.device(device)
+    device = indexed_device(device)  # "cuda" is the current device; its modules' tensors say "cuda:N"
     if device.type != "cuda":
         raise ValueError(f"free_device_bytes needs a CUDA device, got {device}")
     free, _ = torch.cuda.mem_get_info(device)
     cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    idx = device.index if device.index is not None else torch.cuda.current_device()
     mine = 0
     seen: set[int] = set()
     for m in modules:
         for t in [*m.parameters(), *m.buffers()]:
-            if t.device.type == "cuda" and t.device.index == idx and id(t) not in seen:
+            if t.device == device and id(t) not in seen:
                 seen.add(id(t))
                 mine += t.numel() * t.element_size()
     return int(free + cached + mine)

@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..models.layers import replace_module
-from .ggml import const
+from ..request import indexed_device
+from .ggml import const, divide
 
 logger = logging.getLogger(__name__)
 
@@ -46,14 +47,17 @@ def quantize_fp8(weight: torch.Tensor, fmt: str = "float8_e4m3fn") -> tuple[torc
     """Per-tensor absmax quantisation: ``weight ~ q.float() * scale``.
 
     Returns ``(q, scale)``: ``q`` has ``weight``'s shape in the float8 dtype of ``fmt``; ``scale``
-    is a 0-dim float32 ``absmax / fp8_max`` (1 for an all-zero tensor). Computed in float32, so
-    a bf16 and an fp32 copy of the same values give the same bytes.
+    is a 0-dim float32 ``absmax / fp8_max`` (1 for an all-zero tensor). Computed in float32 with
+    true divisions, so a bf16 and an fp32 copy of the same values give the same bytes, on the CPU
+    and on a GPU alike.
     """
     dtype = FP8_DTYPES[fmt]
     fmax = float(torch.finfo(dtype).max)
     w = weight.float()
     amax = w.abs().amax()
-    scale = torch.where(amax > 0, amax / fmax, torch.ones_like(amax)).to(torch.float32)
+    # ``divide``, not ``amax / fmax``: on CUDA that is ``amax * (1 / 448)``, one ulp off for some amax
+    # (0.0361328125), and a file quantised on the CPU then differed from quantise-on-load on a GPU.
+    scale = torch.where(amax > 0, divide(amax, fmax).reshape(()), torch.ones_like(amax)).to(torch.float32)
     q = (w / scale).clamp(-fmax, fmax).to(dtype)
     return q, scale.reshape(())
 
@@ -80,6 +84,7 @@ def scaled_mm_available(device: torch.device) -> bool:
     """
     if device.type != "cuda":
         return False
+    device = indexed_device(device)  # "cuda" and "cuda:N" share an entry; "cuda" is the current device
     key = (device.type, device.index)
     if key not in _scaled_mm_support:
         cap = torch.cuda.get_device_capability(device)
@@ -102,8 +107,8 @@ class FP8Linear(nn.Module):
     activation scale; without it activations are scaled dynamically), ``bias [out]`` or None.
 
     ``matmul``: ``"auto"`` uses ``torch._scaled_mm`` on CUDA GPUs with compute capability >= 8.9
-    (e4m3 weights, sizes multiple of 16, half-precision activations, no full-precision hint) and
-    otherwise upcasts the weight to the activation dtype for this one layer; ``"upcast"`` and
+    (e4m3 weights, sizes multiple of 16, half-precision activations, no full-precision hint) for
+    the widening layers where it measured faster (:attr:`scaled_mm_pays`), and otherwise upcasts the weight to the activation dtype for this one layer; ``"upcast"`` and
     ``"scaled_mm"`` force a path (``torch._scaled_mm`` also runs on CPU, which the tests use).
     Input ``x [..., in]`` in any float dtype; output ``[..., out]`` in ``x.dtype``.
     """
@@ -175,9 +180,23 @@ class FP8Linear(nn.Module):
         if self.matmul == "scaled_mm":
             return shape_ok
         return (
-            not self.full_precision_mm and shape_ok and self.fmt == "float8_e4m3fn"
+            not self.full_precision_mm and shape_ok and self.fmt == "float8_e4m3fn" and self.scaled_mm_pays
             and x.dtype in (torch.bfloat16, torch.float16) and scaled_mm_available(x.device)
         )
+
+    @property
+    def scaled_mm_pays(self) -> bool:
+        """Whether ``matmul="auto"`` takes the fp8 matmul for this layer's shape.
+
+        Quantising the activations costs passes over ``x [tokens, in]``; the fp8 matmul saves time
+        in proportion to ``in * out``. Measured on an H100 (2026-11-26, 4608 tokens, torch 2.11,
+        ``benchmarks/kernels.py``; shared/gpu-results/2026-11-26_h100/kernels.json), ms scaled_mm /
+        upcast: 3072->9216 0.37 / 0.51, 3072->18432 0.57 / 1.05, 4096->12288 0.59 / 0.93,
+        4096->24576 0.95 / 1.85 (widening layers: scaled_mm); 3072->3072 0.24 / 0.18, 4096->4096
+        0.32 / 0.31, 9216->3072 0.55 / 0.51 (square and narrowing: upcast, which is also the more
+        exact path); 12288->4096 0.80 / 0.91 is the one narrowing layer where scaled_mm won.
+        """
+        return self.out_features >= 2 * self.in_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._use_scaled_mm(x):

@@ -85,6 +85,14 @@ def const(values: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tens
     return t
 
 
+def divide(x: torch.Tensor, n: float) -> torch.Tensor:
+    """``x / n`` rounded as the CPU (and numpy) round it, on every device. CUDA computes ``tensor /
+    number`` as ``tensor * (1 / number)`` (a divisor that is a host scalar becomes a multiplication by
+    its reciprocal), which is one ulp off for some ``x`` when ``n`` is not a power of two; dividing
+    by a tensor on ``x``'s device is a true division there too. ``n`` becomes a ``[1]`` tensor."""
+    return x / const((float(n),), x.dtype, x.device)
+
+
 _BIT_SHIFTS = tuple(range(8))
 
 
@@ -257,33 +265,33 @@ def _pack_bits32(bits: torch.Tensor) -> torch.Tensor:
 
 
 def _quant_q8_0(x: torch.Tensor) -> torch.Tensor:
-    d = x.abs().amax(dim=1, keepdim=True) / 127
+    d = divide(x.abs().amax(dim=1, keepdim=True), 127)
     q = _round_half_away(x * _inverse(d)).to(torch.int8).view(torch.uint8)
     return torch.cat([_f16_bytes(d), q], dim=1)
 
 
 def _quant_q4_0(x: torch.Tensor) -> torch.Tensor:
-    d = _signed_absmax(x) / -8
+    d = divide(_signed_absmax(x), -8)
     q = torch.trunc(x * _inverse(d) + 8.5).to(torch.uint8).clamp(0, 15)  # (x*id + 8.5 >= 0 always)
     return torch.cat([_f16_bytes(d), _pack_nibbles(q)], dim=1)
 
 
 def _quant_q4_1(x: torch.Tensor) -> torch.Tensor:
     hi, lo = x.amax(dim=1, keepdim=True), x.amin(dim=1, keepdim=True)
-    d = (hi - lo) / 15
+    d = divide(hi - lo, 15)
     q = torch.trunc((x - lo) * _inverse(d) + 0.5).to(torch.uint8).clamp(0, 15)
     return torch.cat([_f16_bytes(d), _f16_bytes(lo), _pack_nibbles(q)], dim=1)
 
 
 def _quant_q5_0(x: torch.Tensor) -> torch.Tensor:
-    d = _signed_absmax(x) / -16
+    d = divide(_signed_absmax(x), -16)
     q = torch.trunc(x * _inverse(d) + 16.5).to(torch.uint8).clamp(0, 31)
     return torch.cat([_f16_bytes(d), _pack_bits32(q >> 4), _pack_nibbles(q & 0xF)], dim=1)
 
 
 def _quant_q5_1(x: torch.Tensor) -> torch.Tensor:
     hi, lo = x.amax(dim=1, keepdim=True), x.amin(dim=1, keepdim=True)
-    d = (hi - lo) / 31
+    d = divide(hi - lo, 31)
     q = torch.trunc((x - lo) * _inverse(d) + 0.5).to(torch.uint8).clamp(0, 31)
     return torch.cat([_f16_bytes(d), _f16_bytes(lo), _pack_bits32(q >> 4), _pack_nibbles(q & 0xF)], dim=1)
 

@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..request import indexed_device
 from .ggml import _CHUNK, const
 
 logger = logging.getLogger(__name__)
@@ -174,6 +175,7 @@ _FAILURES: set[str] = set()
 def native_unavailable(device: torch.device) -> str | None:
     """Why the native fp4 matmul cannot run on ``device`` (``None`` when it can). Asked once per
     device, at the first call on it (never at import: no CUDA query before a model runs)."""
+    device = indexed_device(device)  # "cuda" is the current device: one entry with "cuda:N"
     key = (device.type, device.index)
     if key not in _NATIVE:
         _NATIVE[key] = _native_reason(device)

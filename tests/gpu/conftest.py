@@ -28,6 +28,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from klein_core.request import as_device
+
 from .helpers import GIB, Target, build_full_4b, load_small, make_target
 
 ENV_DEVICE = "KLEIN_GPU_TESTS_DEVICE"
@@ -46,7 +48,11 @@ def _target() -> tuple[torch.device | None, str | None]:
     if not torch.cuda.is_available():
         return None, (f"CUDA is not available (run with {ENV_DEVICE}=cpu to exercise the suite's logic on "
                       "the CPU)")
-    return torch.device(want or "cuda"), None
+    try:
+        # with its index: "cuda" alone is the current device, and torch.cuda.set_device refuses it
+        return as_device(want or "cuda"), None
+    except ValueError as exc:
+        return None, f"{ENV_DEVICE}={want!r}: {exc}"
 
 
 DEVICE, UNAVAILABLE = _target()

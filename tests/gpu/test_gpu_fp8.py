@@ -59,6 +59,8 @@ def test_fp8_file_and_quantize_on_load_on_the_device(gpu, fp8_pair, parity):
     assert a.keys() == b.keys()
     for k in a:
         assert a[k].device.type == gpu.device.type, k
+        # bit for bit: the file's scales were computed on the CPU, these on the device, both by true
+        # division (CUDA's ``t / 448.0`` is ``t * (1 / 448)``: tests/test_cuda_paths.py)
         assert a[k].dtype == b[k].dtype and torch.equal(_bytes(a[k]), _bytes(b[k])), k
     inputs = transformer_inputs(ref, gpu, 8, 8, ref=(4, 4), batch=2)
     out = forward(from_file, inputs)

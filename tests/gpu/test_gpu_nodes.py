@@ -2,11 +2,13 @@
 ``memory_mode`` auto, against the resident mode and against klein_core called directly.
 
 Needs the ComfyUI host that ``python tests/e2e/setup_host.py`` prepares in ``.comfy_host/`` (carry
-``.comfy_host/ComfyUI`` and ``.comfy_host/torchvision_stub`` to a GPU machine) and ComfyUI's import-time
-dependencies; without them the test skips naming what is missing. ComfyUI's model management is
-imported without ``--cpu`` on CUDA, so the sampler computes on the GPU. ``av`` (PyAV, only used by
-ComfyUI's video types) is replaced by an empty stand-in when it is not installed, as the host's
-torchvision stub does for torchvision.
+``.comfy_host/ComfyUI`` and ``.comfy_host/torchvision_stub``, or all of ``.comfy_host``, to a GPU machine)
+and the modules ComfyUI imports on the way to the nodes (:data:`COMFY_MODULES`); without them the
+test skips naming what is missing. The GPU image has them all but ``av`` (PyAV, only used by
+ComfyUI's video types), which is replaced by an empty stand-in when it is not installed, as the host's
+torchvision stub does for torchvision (checked on the CPU with every module the image lacks hidden:
+torchsde, av, pydantic, kornia, sqlalchemy, alembic, diffusers, gguf, comfy-kitchen). ComfyUI's model
+management is imported without ``--cpu`` on CUDA, so the sampler computes on the GPU.
 """
 
 from __future__ import annotations
@@ -32,6 +34,10 @@ REPO = Path(__file__).resolve().parents[2]
 PACK = "klein_pack_nodes"
 M4B, Q4B, VAE = "flux-2-klein-4b.safetensors", "qwen_3_4b.safetensors", "flux2-vae.safetensors"
 FOLDERS = ("diffusion_models", "text_encoders", "vae")
+# What ComfyUI 0.3.75 (comfy.model_management, comfy.utils, folder_paths, comfy_api) and the pack import
+# besides torch and klein_core's own requirements, traced on the CPU; import name -> pip name.
+COMFY_MODULES = {"psutil": "psutil", "einops": "einops", "safetensors": "safetensors", "numpy": "numpy",
+                 "PIL": "pillow", "tqdm": "tqdm", "packaging": "packaging"}
 
 
 _load_by_path = load_script  # tests/script_module.py
@@ -59,20 +65,26 @@ def _stand_in_for_av() -> None:
 def comfy_on_device(gpu, tmp_path_factory):
     """``nodes/`` as ``klein_pack_nodes`` inside ComfyUI 0.3.75 whose torch device is the suite's."""
     setup = _load_by_path("klein_gpu_setup_host", REPO / "tests" / "e2e" / "setup_host.py")
-    problem = setup.host_problem(setup.HOST_DIR)
-    if problem is not None and not (setup.HOST_DIR / "ComfyUI" / "comfy").is_dir():
-        pytest.skip(f"ComfyUI host not ready: {problem} (python tests/e2e/setup_host.py, then carry .comfy_host)")
     paths = setup.host_paths(setup.HOST_DIR)
+    # The ComfyUI folder is what counts: READY.json and the host's pip installs stay on the machine that
+    # ran setup_host.py when only the folders travel (the modules are checked below).
+    if not (paths["comfyui"] / "comfy").is_dir():
+        pytest.skip(f"ComfyUI host not here: {paths['comfyui'] / 'comfy'} is missing (python tests/e2e/"
+                    "setup_host.py, then carry .comfy_host/ComfyUI and .comfy_host/torchvision_stub)")
     already = sys.modules.get("comfy.model_management")
     if already is not None and already.get_torch_device().type != gpu.device.type:
         pytest.skip("ComfyUI was already imported in this process for another device")
-    missing = [m for m in ("psutil", "tqdm", "einops") if importlib.util.find_spec(m) is None]
+    missing = [pip for name, pip in COMFY_MODULES.items() if importlib.util.find_spec(name) is None]
     if missing:
-        pytest.skip(f"ComfyUI needs {missing}: carry their wheels in .whl/ (benchmarks/GPU_SESSION.md)")
+        pytest.skip(f"ComfyUI needs {', '.join(missing)}, not installed here: carry their wheels in .whl/ "
+                    "(benchmarks/GPU_SESSION.md)")
     _stand_in_for_av()
     for p in (str(REPO), str(paths["comfyui"]), str(paths["stub"])):
         if p not in sys.path:
             sys.path.append(p)
+    # ComfyUI's import switches a process-wide flag (fp16/bf16 reductions in math SDPA): put it back
+    # for the suite's later modules.
+    reduced_math_sdp = torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed()
     argv = sys.argv
     try:
         sys.argv = [argv[0]] + (["--cpu"] if gpu.cpu else [])
@@ -83,11 +95,14 @@ def comfy_on_device(gpu, tmp_path_factory):
         import comfy.model_management
         import comfy.utils
         import folder_paths
+
+        pack = sys.modules.get(PACK) or _load_by_path(PACK, REPO / "nodes" / "__init__.py", REPO / "nodes")
     except ImportError as exc:
-        pytest.skip(f"ComfyUI does not import here: {exc}")
+        torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(reduced_math_sdp)
+        pytest.skip(f"ComfyUI or the pack does not import here: {exc} (missing module: {exc.name}; carry "
+                    "its wheel in .whl/)")
     finally:
         sys.argv = argv
-    pack = sys.modules.get(PACK) or _load_by_path(PACK, REPO / "nodes" / "__init__.py", REPO / "nodes")
     models = tmp_path_factory.mktemp("gpu_node_models")
     from klein_core.testing import write_tiny_model_files
 
@@ -105,6 +120,7 @@ def comfy_on_device(gpu, tmp_path_factory):
         for f in FOLDERS:
             folder_paths.folder_names_and_paths[f] = saved[f]
         folder_paths.filename_list_cache.clear()
+        torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(reduced_math_sdp)
 
 
 def _sample(comfy, mode: str, cond, **kw):
