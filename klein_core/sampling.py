@@ -223,6 +223,9 @@ def denoise(
     total = len(sigmas) - 1
     dts = sig[1:] - sig[:-1]  # one launch for the whole run; dts[i] is a 0-dim fp32 tensor below
     wants_denoised = bool(getattr(callback, "wants_denoised", False))
+    step_cache = getattr(model, "step_cache", None)
+    if step_cache is not None:  # opt-in (klein_core.accel.step_cache): no state from an earlier run
+        step_cache.start_run(total, n)
     for i in range(total):
         outs = []
         for text, txt_ids, rope, copies in passes:

@@ -1,27 +1,30 @@
-"""Switchboard for klein_core's optional fast paths. Everything is off until you turn it on.
+"""Switchboard for klein_core's fast paths.
 
 ::
 
-    from klein_core.fast import enable_fast_paths, enable_fast_vae, disable_fast_paths  # or klein_core.accel
+    from klein_core.accel import enable_fast_paths, enable_fast_vae, disable_fast_paths
 
     enable_fast_paths(transformer)                # best attention + fused kernels (comfy-kitchen)
-    enable_fast_paths(transformer, compile=True)  # + torch.compile of every block
-    enable_fast_vae(vae)                          # decoder in bf16, channels-last (cuDNN)
+    enable_fast_paths(transformer, compile=True)  # + torch.compile of each block kind
+    enable_fast_vae(vae, compile=True)            # compiled VAE encoder and decoder
     disable_fast_paths(transformer)               # back to the plain reference path
 
-The plain PyTorch path (``klein_core.models.block_ops.BlockOps``) stays the default and the reference.
+The nodes and the CLI choose through :mod:`klein_core.accel.speed` (``fast`` by default, ``plain``,
+``compile``); for library users the models run the plain path until one of these is called (or
+``Engine(speed=...)`` / ``generate(speed=...)`` asks). The plain PyTorch path
+(``klein_core.models.block_ops.BlockOps``) stays the reference every fast path is checked against.
 Choices are made when the model first runs on a device and dtype, never at import: CUDA
 capabilities and optional packages (comfy_kitchen, flash_attn, flash_attn_interface) are probed then,
-the result is logged in one info line, and anything that cannot run there falls back to the
-plain path with one warning. Nothing here changes global torch settings.
+the result is logged in one info line, and anything that cannot run on a GPU falls back to the
+plain path with one warning that names why. On the CPU the plain path runs, silently. Nothing here
+changes global torch settings.
 
 Attention backends (``attention=``):
 
 =========== ==================================================================================
-auto        flash3 on Hopper when installed, else ``sdpa``; the plain path off CUDA
+auto        by GPU, from :data:`AUTO_ATTENTION` (sm_90: ``sdpa_cudnn``; else ``sdpa``); plain off CUDA
 sdpa        PyTorch SDPA pinned to its flash kernels, then memory-efficient, then math
-sdpa_cudnn  PyTorch SDPA preferring cuDNN attention (then flash, efficient, math); measure it
-            against ``sdpa`` on your GPU, cuDNN's speed depends on its version
+sdpa_cudnn  PyTorch SDPA preferring cuDNN attention (then flash, efficient, math)
 flash3      ``flash_attn_interface.flash_attn_func`` (FlashAttention-3, Hopper, bf16/fp16)
 flash2      ``flash_attn.flash_attn_func`` (FlashAttention-2 package, Ampere+, bf16/fp16)
 plain       ``klein_core.models.layers.attention`` (torch's default SDPA dispatch)
@@ -49,6 +52,7 @@ from .kitchen import INSTALL_HINT, KitchenOps, kitchen_available
 
 logger = logging.getLogger(__name__)
 
+SPEED_ATTR = "_klein_speed"  # set by klein_core.accel.speed.apply_speed on the models it switched
 ATTENTION_BACKENDS = ("auto", "sdpa", "sdpa_cudnn", "flash3", "flash2", "plain")
 _HALF = (torch.bfloat16, torch.float16)
 
@@ -133,6 +137,23 @@ def _flash_unavailable(backend: str, device: torch.device, dtype: torch.dtype, h
     return None
 
 
+# What ``attention="auto"`` runs on each CUDA architecture (compute capability major version). Each
+# entry is there because it measured fastest on that GPU; architectures not listed get ``sdpa``.
+#   9 (Hopper): sdpa_cudnn. H100 80GB HBM3, torch 2.11 + CUDA 13.0, 2026-11-26, benchmarks/speed.py
+#     Klein 4B bf16 1024x1024 (shared/gpu-results/2026-11-26_h100): step 65.7 ms against 74.6 ms
+#     with sdpa (flash) for text-to-image, 232 against 302 ms for an edit with two references,
+#     133 against 187 ms (plain) for a base step with CFG. FlashAttention-3 was not installed
+#     there, so it is not in the table (ask for attention="flash3" to use it).
+AUTO_ATTENTION: dict[int, str] = {9: "sdpa_cudnn"}
+
+
+def auto_attention(device: torch.device) -> str:
+    """The backend ``attention="auto"`` picks on ``device`` (see :data:`AUTO_ATTENTION`)."""
+    if device.type != "cuda":
+        return "plain"
+    return AUTO_ATTENTION.get(torch.cuda.get_device_capability(device)[0], "sdpa")
+
+
 def _resolve_attention(
     requested: str, device: torch.device, dtype: torch.dtype, head_dim: int
 ) -> tuple[AttentionFn | None, str]:
@@ -141,16 +162,17 @@ def _resolve_attention(
     An explicitly requested backend that cannot run here gives one warning naming the reason and
     the replacement; ``auto`` picks silently (its choice is in the info line).
     """
+    if requested == "auto":
+        return _resolve_attention(auto_attention(device), device, dtype, head_dim)
     if requested == "plain":
         return None, "plain"
     why = None
-    if requested in ("auto", "flash3", "flash2"):
-        candidate = "flash3" if requested == "auto" else requested
-        why = _flash_unavailable(candidate, device, dtype, head_dim)
+    if requested in ("flash3", "flash2"):
+        why = _flash_unavailable(requested, device, dtype, head_dim)
         if why is None:
-            fn = _import_flash(candidate)
+            fn = _import_flash(requested)
             assert fn is not None
-            return _make_flash(fn), candidate
+            return _make_flash(fn), requested
     elif device.type != "cuda":
         why = f"it needs CUDA, not {device.type}"
     if device.type != "cuda":
@@ -160,7 +182,7 @@ def _resolve_attention(
         name = "sdpa_cudnn"
     else:
         fn, name = _make_sdpa(["FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH"]), "sdpa"
-    if requested != "auto" and why is not None:
+    if why is not None:
         logger.warning("attention=%r cannot run on %s (%s); using %s", requested, device, why, name)
     return fn, name
 
@@ -299,8 +321,10 @@ class FastOps(BlockOps):
         else:
             why = _self_check(name, device, dtype, self.head_dim, self.hidden)
         if why is not None:
-            # Expected on CPU, so only an info line there; a warning where a GPU user asked for it.
-            log = logger.warning if device.type == "cuda" else logger.info
+            # Off the kitchen's devices the plain path is simply what runs (no news); a failure on
+            # a GPU is a warning.
+            log = (logger.debug if device.type not in KITCHEN_DEVICES
+                   else logger.warning if device.type == "cuda" else logger.info)
             log("fused %s unavailable on %s (%s); using the plain PyTorch path", name, device, why)
         return why is None
 
@@ -371,6 +395,49 @@ def _uncompile(module: torch.nn.Module) -> None:
     module.__dict__.pop("forward", None)
 
 
+def _compile_group(modules: Sequence[torch.nn.Module], what: str, **options: Any) -> None:
+    """``torch.compile`` the bound ``forward`` of each of ``modules`` (in place), falling back to eager.
+
+    Only ``forward`` is replaced, not the module call, so hooks on the modules (klein_core's block
+    streaming, progress, profiling) stay eager. Modules of one class share one compiled graph:
+    their parameters are graph inputs (torch >= 2.5 inlines nn.Modules), so 20 single blocks
+    compile once. Compilation happens in the first call at each new input shape.
+
+    A compiler failure (no C++ compiler for CPU inductor, an op inductor cannot lower, a Triton
+    build problem) must not cost the user the image: the call is re-run eagerly, and if eager
+    succeeds the whole group goes back to eager with one warning naming the error. If eager fails
+    as well, that error is raised (the input was the problem, not the compiler) and compilation
+    stays on.
+    """
+    def on_failure(exc: Exception) -> None:
+        for m in modules:
+            _uncompile(m)
+        logger.warning("torch.compile failed for the %s (%s); running them eagerly (the fast path "
+                       "without compilation)", what, _first_line(exc))
+
+    for module in modules:
+        compiled = torch.compile(module.forward, **options)
+        eager = type(module).forward.__get__(module)
+
+        def forward(*args: Any, _compiled: Callable[..., Any] = compiled,
+                    _eager: Callable[..., Any] = eager, **kwargs: Any) -> Any:
+            try:
+                return _compiled(*args, **kwargs)
+            except torch.OutOfMemoryError:
+                raise  # eager would need the same memory; the caller explains it
+            except Exception as exc:
+                out = _eager(*args, **kwargs)  # raises itself when the input is at fault
+                on_failure(exc)
+                return out
+
+        module.forward = forward  # type: ignore[method-assign]
+
+
+def is_compiled(module: torch.nn.Module) -> bool:
+    """Whether :func:`enable_fast_paths` / :func:`enable_fast_vae` left ``module`` compiled."""
+    return "forward" in module.__dict__
+
+
 # ---------------------------------------------------------------------------------------------
 # Public API
 
@@ -410,12 +477,8 @@ def enable_fast_paths(
     ops = FastOps(settings, model.config.head_dim, model.config.hidden_size)
     model.ops = ops
     if compile:
-        for block in _blocks(model):
-            # The bound forward, not the module call, so block hooks (e.g. klein_core.memory.placement's
-            # weight streaming) stay eager. All blocks of a type share one compiled graph.
-            block.forward = torch.compile(  # type: ignore[method-assign]
-                block.forward, mode=compile_mode, dynamic=compile_dynamic, backend=compile_backend
-            )
+        _compile_group(_blocks(model), "transformer blocks", mode=compile_mode, dynamic=compile_dynamic,
+                       backend=compile_backend)
         timer = _CompileTimer()
         model._fast_hooks = [  # type: ignore[assignment]
             model.register_forward_pre_hook(timer.pre, with_kwargs=True),
@@ -428,6 +491,7 @@ def enable_fast_paths(
 
 def disable_fast_paths(model: Flux2Transformer) -> None:
     """Back to the plain PyTorch path: default ops, no compiled blocks, no hooks."""
+    model.__dict__.pop(SPEED_ATTR, None)  # switched by hand: klein_core.accel.speed sets it anew
     model.ops = PLAIN_OPS
     for block in _blocks(model):
         _uncompile(block)
@@ -439,28 +503,39 @@ def disable_fast_paths(model: Flux2Transformer) -> None:
 def enable_fast_vae(
     vae: Flux2VAE,
     *,
-    dtype: torch.dtype | None = torch.bfloat16,
-    channels_last: bool = True,
-    compile: bool = False,
+    compile: bool = True,
+    channels_last: bool | None = None,
+    dtype: torch.dtype | None = None,
+    compile_mode: str | None = None,
+    compile_backend: str = "inductor",
 ) -> None:
-    """Faster VAE decoding: the decoder in ``dtype`` with channels-last (NHWC) memory.
+    """The fast VAE: its encoder and decoder compiled with ``torch.compile`` (in place).
 
-    cuDNN's tensor-core convolutions work in NHWC, so channels-last saves a layout conversion
-    around every convolution. The decoder weights are converted in place (``dtype=None`` keeps
-    them); the encoder and the latent BatchNorm statistics are untouched.
-    ``compile`` wraps the decoder in ``torch.compile``. For the fastest cuDNN algorithms also set
-    ``torch.backends.cudnn.benchmark = True`` in your application (a process-wide setting this
-    library leaves to you).
+    Measured on an H100 (2026-11-26, 1024x1024 decode, bf16, ``benchmarks/vae_decode.py``,
+    benchmarks/results/2026-11-26_h100_fastdefault): plain NCHW 98.8 ms, of which the GroupNorm
+    kernels take 50.9 and the convolutions 32.3; eager channels-last 142.0 ms: its convolutions
+    take 17.1 ms, but 59.0 ms of layout copies are added around the GroupNorms (whose own time
+    stays 51.6); cuDNN autotuning changes neither. Compiled: 38.3 ms channels-last, 44.1 ms NCHW
+    (Inductor writes its own normalisation kernels for the layout). So the eager fast path keeps
+    the plain NCHW decode, and channels-last is used only under compilation (``channels_last=None``:
+    with ``compile``).
+
+    ``dtype``: convert the decoder to this dtype (None keeps the VAE's; e.g. bf16 for a VAE
+    loaded in fp32). ``compile=False`` with ``channels_last=True`` gives the eager channels-last
+    decode, for measuring it. ``compile_mode``, ``compile_backend``: ``torch.compile``'s ``mode``
+    and ``backend``. The first call at each image size compiles (tens of seconds,
+    logged); later calls, and later processes through torch's on-disk compile cache, reuse it.
     """
     if not isinstance(vae, Flux2VAE):
         raise TypeError(f"enable_fast_vae expects a Flux2VAE, got {type(vae).__name__}")
-    vae.set_decode_format(dtype=dtype, channels_last=channels_last)
-    _uncompile(vae.decoder)
+    disable_fast_vae(vae)
+    layout = compile if channels_last is None else channels_last
+    vae.set_decode_format(dtype=dtype or vae.decoder_dtype, channels_last=layout)
     if compile:
-        # Only forward, so hooks on the decoder (progress, profiling) stay outside the graph.
-        vae.decoder.forward = torch.compile(vae.decoder.forward)
-    logger.info("VAE decode: %s, %s%s", vae.decoder_dtype, "channels-last" if channels_last else "NCHW",
-                ", compiled" if compile else "")
+        _compile_group([vae.decoder], "VAE decoder", mode=compile_mode, backend=compile_backend)
+        _compile_group([vae.encoder], "VAE encoder", mode=compile_mode, backend=compile_backend)
+    logger.info("VAE: decoder in %s, %s%s", vae.decoder_dtype, "channels-last" if layout else "NCHW",
+                ", encoder and decoder compiled on first use" if compile else "")
 
 
 def disable_fast_vae(vae: Flux2VAE) -> None:
@@ -469,11 +544,13 @@ def disable_fast_vae(vae: Flux2VAE) -> None:
     Weights that :func:`enable_fast_vae` rounded to a lower precision stay rounded; reload the VAE
     for bit-exact decoding in the original precision.
     """
+    vae.__dict__.pop(SPEED_ATTR, None)
     _uncompile(vae.decoder)
+    _uncompile(vae.encoder)
     vae.set_decode_format(dtype=vae.dtype, channels_last=False)
 
 
 __all__ = [
-    "ATTENTION_BACKENDS", "FastOps", "FastSettings", "disable_fast_paths", "disable_fast_vae",
-    "enable_fast_paths", "enable_fast_vae",
+    "ATTENTION_BACKENDS", "AUTO_ATTENTION", "FastOps", "FastSettings", "auto_attention", "disable_fast_paths",
+    "disable_fast_vae", "enable_fast_paths", "enable_fast_vae", "is_compiled",
 ]

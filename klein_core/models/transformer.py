@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -302,6 +303,48 @@ class _FinalLayer(nn.Module):
         return self.linear(modulate(x, shift, scale))
 
 
+@dataclass(frozen=True)
+class BlockStack:
+    """The blocks of one forward and what they share (RoPE tables, modulation, ops, stored reference
+    keys/values), so a :class:`StepCacheHook` can run them piecewise. Image tokens are ``[B, N, D]``,
+    text tokens ``[B, L, D]``."""
+
+    model: Flux2Transformer
+    cos: torch.Tensor
+    sin: torch.Tensor
+    mod_img: tuple[torch.Tensor, ...]
+    mod_txt: tuple[torch.Tensor, ...]
+    mod_single: tuple[torch.Tensor, ...]
+    ops: BlockOps
+    kv: ReferenceKV | None
+
+    def double(self, i: int, x: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Double block ``i``: image and text tokens in, both updated out."""
+        kv = self.kv.double[i] if self.kv is not None else None
+        return self.model.double_blocks[i](x, c, self.cos, self.sin, self.mod_img, self.mod_txt, self.ops, kv)
+
+    def run(self, x: torch.Tensor, c: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """Double blocks ``start``.. then every single block: the image tokens after the last one."""
+        for i in range(start, len(self.model.double_blocks)):
+            x, c = self.double(i, x, c)
+        n_txt = c.shape[1]
+        h = torch.cat([c, x], dim=1)
+        for i, block in enumerate(self.model.single_blocks):
+            kv = self.kv.single[i] if self.kv is not None else None
+            h = block(h, self.cos, self.sin, self.mod_single, self.ops, kv)
+        return h[:, n_txt:]
+
+
+class StepCacheHook(Protocol):
+    """What :attr:`Flux2Transformer.step_cache` holds (:mod:`klein_core.accel.step_cache`)."""
+
+    def start_run(self, steps: int, noisy_tokens: int) -> None: ...
+
+    def run(
+        self, blocks: BlockStack, x: torch.Tensor, c: torch.Tensor, timesteps: torch.Tensor
+    ) -> torch.Tensor: ...
+
+
 class Flux2Transformer(nn.Module):
     """FLUX.2 Klein transformer. Build with :func:`load_transformer`; call with keyword arguments.
 
@@ -321,6 +364,9 @@ class Flux2Transformer(nn.Module):
         # Replaceable block steps (attention, QK-norm + RoPE, modulation); klein_core.accel swaps
         # in kernels. Not a submodule: it holds no weights and never enters the state dict.
         self.ops: BlockOps = PLAIN_OPS
+        # Opt-in step cache (klein_core.accel.step_cache): may reuse the later blocks' residual from
+        # an earlier step. None = every block runs every forward.
+        self.step_cache: StepCacheHook | None = None
         h = config.hidden_size
         self.img_in = nn.Linear(config.in_channels, h, bias=False)
         self.txt_in = nn.Linear(config.context_dim, h, bias=False)
@@ -410,15 +456,14 @@ class Flux2Transformer(nn.Module):
 
         cos, sin = rope if rope is not None else self.rope(txt_ids, img_ids)
         ops = self.ops.bind(img.device, dtype)
-        x = self.img_in(img)
-        c = self.txt_in(txt)
-        for i, block in enumerate(self.double_blocks):
-            x, c = block(x, c, cos, sin, mod_img, mod_txt, ops, kv.double[i] if kv is not None else None)
-        n_txt = c.shape[1]
-        h = torch.cat([c, x], dim=1)
-        for i, block in enumerate(self.single_blocks):
-            h = block(h, cos, sin, mod_single, ops, kv.single[i] if kv is not None else None)
-        return self.final_layer(h[:, n_txt:], vec)
+        blocks = BlockStack(self, cos, sin, mod_img, mod_txt, mod_single, ops, kv)
+        # The embeddings go straight in, never into locals here: a local would keep them alive while
+        # every block runs (the planner's activation formula, checked against a trace, counts on it).
+        if self.step_cache is None:
+            x = blocks.run(self.img_in(img), self.txt_in(txt))
+        else:
+            x = self.step_cache.run(blocks, self.img_in(img), self.txt_in(txt), timesteps)
+        return self.final_layer(x, vec)
 
     def _time_vector(self, timesteps: torch.Tensor, batch: int, device: torch.device) -> torch.Tensor:
         # The references feed sigma*1000 to the embedder after a round trip through the model

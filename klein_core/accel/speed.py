@@ -1,0 +1,82 @@
+"""One switch over the fast paths for a whole pipeline: what the nodes' ``speed`` input and the
+CLI's ``--speed`` choose.
+
+=========== ==================================================================================
+fast        (the nodes' and the CLI's default) :func:`~klein_core.accel.fast.enable_fast_paths`
+            with ``attention="auto"`` and comfy-kitchen's fused kernels; the VAE runs its plain
+            decode (the eager channels-last decode measured slower). No compilation. On the CPU
+            this is exactly the plain path.
+compile     ``fast`` plus ``torch.compile`` of each transformer block kind and of the VAE encoder
+            and decoder. The first run at each size compiles (logged). On an H100 (2026-11-26),
+            Klein 4B 1024x1024: the VAE decoder alone 21 s cold; the whole first run 12.2 s with
+            the blocks cold and the decoder in torch's on-disk compile cache, 3.5 s with all of
+            it there. The cache outlives the process (``TORCHINDUCTOR_CACHE_DIR``, by default
+            under the system's temp folder), so a ComfyUI restart pays seconds, not the cold cost.
+plain       the reference PyTorch path: what the parity tests check against diffusers and BFL.
+=========== ==================================================================================
+
+:func:`apply_speed` is idempotent: a model already at the requested speed is left as it is (no
+re-compilation, no repeated self-checks), so a caller may apply it before every run. Switching
+the fast paths by hand (:func:`~klein_core.accel.fast.enable_fast_paths` and friends) makes the
+next :func:`apply_speed` set them again.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from ..models.transformer import Flux2Transformer
+from ..models.vae import Flux2VAE
+from .fast import SPEED_ATTR, disable_fast_paths, disable_fast_vae, enable_fast_paths, enable_fast_vae
+
+logger = logging.getLogger(__name__)
+
+SPEEDS: tuple[str, ...] = ("fast", "compile", "plain")
+DEFAULT_SPEED = "fast"
+
+
+def check_speed(speed: str) -> str:
+    """``speed`` if it is one of :data:`SPEEDS`, else a ValueError naming the choices."""
+    if speed not in SPEEDS:
+        raise ValueError(f"speed must be one of {', '.join(SPEEDS)}; got {speed!r}")
+    return speed
+
+
+def speed_of(model: Flux2Transformer | Flux2VAE) -> str:
+    """The speed ``model`` was set to by :func:`apply_speed` ("plain" if never)."""
+    return getattr(model, SPEED_ATTR, "plain")
+
+
+def apply_speed(
+    transformer: Flux2Transformer | None = None, vae: Flux2VAE | None = None, speed: str = DEFAULT_SPEED
+) -> None:
+    """Put ``transformer`` and ``vae`` (either may be None) on ``speed`` (see the module doc), in place.
+
+    Models of other classes (a test double, a wrapped model) are left alone. The choice of kernels
+    happens on the first forward on each device and is logged there once.
+    """
+    check_speed(speed)
+    if isinstance(transformer, Flux2Transformer) and speed_of(transformer) != speed:
+        if speed == "plain":
+            disable_fast_paths(transformer)
+        else:
+            enable_fast_paths(transformer, compile=speed == "compile")
+        setattr(transformer, SPEED_ATTR, speed)
+    if isinstance(vae, Flux2VAE) and speed_of(vae) != speed:
+        if speed == "compile":
+            enable_fast_vae(vae, compile=True)
+        else:  # the eager fast decode is the plain one
+            disable_fast_vae(vae)
+        setattr(vae, SPEED_ATTR, speed)
+
+
+def describe_speed(transformer: Flux2Transformer) -> str:
+    """What ran, e.g. ``"fast (cuda:0 torch.bfloat16: attention=sdpa_cudnn, qk-norm+rope=comfy-kitchen,
+    modulation=comfy-kitchen, compile=False)"``; the kernels are known after the first forward."""
+    speed = speed_of(transformer)
+    resolved = getattr(transformer.ops, "resolved", None)
+    where = resolved() if callable(resolved) else {}
+    return speed + "".join(f" ({k}: {v})" for k, v in where.items())
+
+
+__all__ = ["DEFAULT_SPEED", "SPEEDS", "apply_speed", "check_speed", "describe_speed", "speed_of"]
