@@ -49,7 +49,7 @@ class Spec:
 
 SPECS = {
     "KleinModelLoader": Spec(
-        widgets=("model_name", "vae_name", "weight_dtype", "model_kind", "memory_mode"),
+        widgets=("model_name", "vae_name", "weight_dtype", "model_kind", "memory_mode", "speed"),
         outputs=(("model", "KLEIN_MODEL"), ("vae", "KLEIN_VAE")), size=(340, 150)),
     "KleinTextEncode": Spec(
         widgets=("text_encoder", "prompt", "negative_prompt", "precision", "max_tokens"),
@@ -121,7 +121,7 @@ class Workflow:
 def _loader(nid: int, model: str) -> Node:
     return Node(nid, "KleinModelLoader", (40, 80), {"model_name": model, "vae_name": "flux2-vae.safetensors",
                                                      "weight_dtype": "bf16", "model_kind": "auto",
-                                                     "memory_mode": "auto"})
+                                                     "memory_mode": "auto", "speed": "fast"})
 
 
 def _encoder(nid: int, prompt: str, negative: str = "", encoder: str = "qwen_3_4b.safetensors") -> Node:

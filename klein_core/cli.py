@@ -15,6 +15,7 @@ from PIL import Image
 from PIL.PngImagePlugin import PngInfo
 
 from . import __version__
+from .accel.speed import DEFAULT_SPEED, SPEEDS, describe_speed
 from .engine import Engine, GenerationResult, generate
 from .errors import GenerationCancelled, WeightFormatError
 from .files.identify import matching_text_encoders, probe
@@ -94,6 +95,10 @@ def _add_generate_args(g: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default=None, help="cuda, cuda:1, cpu, mps (default: cuda if available, else cpu)")
     g.add_argument("--dtype", choices=_DTYPES, default=None,
                    help="weights dtype (default: bf16 on GPU, fp32 on CPU)")
+    g.add_argument("--speed", choices=SPEEDS, default=DEFAULT_SPEED,
+                   help="fast: best attention and fused kernels on CUDA (the plain path on the CPU); compile: "
+                        "also torch.compile (the first run at a size compiles, tens of seconds); plain: the "
+                        "reference path")
     g.add_argument("--quantize", choices=("fp8", "q8", "q4"), default=None,
                    help="store the transformer's block weights as fp8, or as GGUF Q8_0 / Q4_0 blocks (Klein 4B: "
                         "about 4.0 / 2.3 GB); fp8 and GGUF files keep their own format")
@@ -283,7 +288,7 @@ def _init_image(args: argparse.Namespace) -> tuple[Image.Image, Image.Image | No
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    device = as_device(args.device) or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = as_device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = as_dtype(args.dtype, "--dtype") or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     refs = []
     for r in args.ref:
@@ -348,7 +353,7 @@ def run_generate(args: argparse.Namespace) -> int:
         image=init[0] if init else None, mask=init[1] if init else None, strength=args.strength,
         mask_crop_padding=args.crop_padding, composite=not args.no_composite, feather=args.feather,
         ref_mode=args.ref_mode,
-        negative_embeds=cond.negative if cond is not None else None,
+        negative_embeds=cond.negative if cond is not None else None, speed=args.speed,
     )
     total = time.perf_counter() - t0
     params = {
@@ -357,6 +362,7 @@ def run_generate(args: argparse.Namespace) -> int:
         "model_kind": "distilled" if distilled else "base", "references": [str(r) for r in args.ref],
         "demo": bool(args.demo), **names, "loras": [f"{p.name}:{s:g}" for p, s in args.lora],
         "text_precision": args.text_precision, "max_tokens": args.max_tokens, "ref_mode": args.ref_mode,
+        "speed": args.speed,
         **({"image": str(args.image), "mask": str(args.mask) if args.mask else None, "strength": args.strength,
             "outpaint": args.outpaint} if args.image else {}),
     }
@@ -364,6 +370,8 @@ def run_generate(args: argparse.Namespace) -> int:
     stages = ", ".join(f"{k} {v:.2f} s" for k, v in result.timings.items())
     _write(sys.stdout, f"{len(paths)} image(s) {result.width}x{result.height} in {total:.2f} s "
                        f"(load {t_load:.2f} s; {stages}) -> {', '.join(str(p) for p in paths)}\n")
+    if not args.quiet:
+        _write(sys.stderr, f"speed {describe_speed(transformer)}\n")
     if args.demo:
         _write(sys.stdout, "note: --demo uses random weights, so the image is noise; the install works.\n")
     return 0

@@ -27,6 +27,7 @@ from typing import Any, Literal
 import torch
 from PIL import Image
 
+from .accel.speed import apply_speed, check_speed
 from .checks import check_output, require_finite
 from .errors import KleinOutOfMemory
 from .images import PUBLISHED_REFERENCE_LIMIT, oriented_size, prepare_reference_image, reference_size, to_pil
@@ -264,6 +265,10 @@ class Engine:
             reference keys/values computed once); None: "kv" for kind "kv", else "joint".
         kv_cache: where KV-mode reference keys/values are kept across runs
             (:class:`~klein_core.kv.ReferenceKVCache`; None: computed anew every run).
+        speed: put the transformer and the VAE on one of :data:`klein_core.accel.SPEEDS`
+            ("fast": best attention and fused kernels; "compile": also ``torch.compile``;
+            "plain": the reference path) before anything runs; None (default) leaves them as
+            they are. The nodes and the CLI pass "fast" unless told otherwise.
     """
 
     def __init__(
@@ -279,8 +284,11 @@ class Engine:
         text: TextOptions = TextOptions(),
         ref_mode: str | None = None,
         kv_cache: ReferenceKVCache | None = default_kv_cache,
+        speed: str | None = None,
     ) -> None:
         memory = "auto" if memory is None else memory
+        if speed is not None:
+            check_speed(speed)
         if not isinstance(memory, MemoryPlan) and memory not in MODES:
             raise ValueError(f"memory must be one of {MODES} or a MemoryPlan, got {memory!r}")
         check_compatible(transformer, text_encoder, vae)
@@ -302,6 +310,8 @@ class Engine:
         self.text = text
         self.ref_mode = reference_mode(self.kind, ref_mode)  # the explicit mode wins; else from the kind
         self.kv_cache = kv_cache
+        if speed is not None:  # after every check: bad arguments leave the models untouched
+            apply_speed(transformer, vae, speed)
 
     # -- memory ---------------------------------------------------------------------------------
 
@@ -690,6 +700,7 @@ def generate(
     feather: int = 0,
     ref_mode: str | None = None,
     kv_cache: ReferenceKVCache | None = default_kv_cache,
+    speed: str | None = None,
 ) -> GenerationResult:
     """Generate images with FLUX.2 Klein (an :class:`Engine` run with keyword arguments).
 
@@ -723,6 +734,8 @@ def generate(
             repaint); see :class:`~klein_core.inpaint.InitImage`. The size comes from the image.
         ref_mode, kv_cache: how references take part ("joint", "timestep_zero", "kv"; default from
             the model kind) and where KV-mode reference keys/values are kept; see :class:`Engine`.
+        speed: "fast", "compile" or "plain" switches the transformer and VAE (in place) before the
+            run; None (default) runs them as they are. See :class:`Engine`.
     Returns:
         :class:`GenerationResult` with latents, images/pixels (if decoded) and per-stage timings.
     """
@@ -730,7 +743,7 @@ def generate(
         raise TypeError(f"distilled (the model kind) must be True, False or None, got {distilled!r}")
     kind = None if distilled is None else ("distilled" if distilled else "base")
     engine = Engine(transformer, text_encoder, vae, kind=kind, device=device, memory=memory, prompt_cache=cache,
-                    text=text, ref_mode=ref_mode, kv_cache=kv_cache)
+                    text=text, ref_mode=ref_mode, kv_cache=kv_cache, speed=speed)
     settings = Settings(width, height, steps, guidance, seed, batch_size)
     conditioning = None
     if prompt_embeds is not None:

@@ -22,6 +22,7 @@ QUANTIZE = {"fp8": "fp8", "q8": "q8", "q4": "q4"}  # weight_dtype -> klein_core 
 GGUF = (".gguf",)
 KINDS = ("auto", "distilled", "base", "kv")
 MEMORY_MODES = ("auto", "resident", "swap", "blocks", "minimum")
+SPEEDS = {"fast": "fast", "fast + compile": "compile", "plain": "plain"}  # widget -> klein_core speed
 
 
 def weight_dtype_for(name: str, device: torch.device) -> torch.dtype:
@@ -103,6 +104,12 @@ class KleinModelLoader(io.ComfyNode):
                     "sampler with its estimate); resident = everything stays on the GPU; swap = text "
                     "encoder and transformer take turns; blocks = transformer blocks stream from CPU "
                     "memory (for cards smaller than the model); minimum = everything streamed.")),
+                io.Combo.Input("speed", options=list(SPEEDS), default="fast", optional=True, tooltip=(
+                    "fast = the fastest eager path on the GPU (cuDNN attention on H100-class GPUs, fused "
+                    "norm/RoPE kernels from comfy-kitchen); the plain path on the CPU. fast + compile = "
+                    "also torch.compile the transformer blocks and the VAE (the first run at each size "
+                    "compiles for tens of seconds, logged; torch caches it on disk for later starts). "
+                    "plain = the reference PyTorch path.")),
             ],
             outputs=[
                 KleinModelType.Output(display_name="model",
@@ -122,11 +129,12 @@ class KleinModelLoader(io.ComfyNode):
     @classmethod
     @notices.reported
     def execute(cls, model_name: str, vae_name: str, weight_dtype: str = "bf16",
-                model_kind: str = "auto", memory_mode: str = "auto") -> io.NodeOutput:
+                model_kind: str = "auto", memory_mode: str = "auto", speed: str = "fast") -> io.NodeOutput:
         device = host.torch_device()
         check_widget(NODE, "weight_dtype", weight_dtype, DTYPES)
         check_widget(NODE, "model_kind", model_kind, KINDS)
         check_widget(NODE, "memory_mode", memory_mode, MEMORY_MODES)
+        check_widget(NODE, "speed", speed, SPEEDS)
         model_path = model_file(NODE, "model_name", "diffusion_models", model_name, expect="transformer")
         vae_path = model_file(NODE, "vae_name", "vae", vae_name, expect="vae")
         dtype, vae_device = weight_dtype_for(weight_dtype, device), host.vae_device()
@@ -143,4 +151,5 @@ class KleinModelLoader(io.ComfyNode):
         kind = kc.guess_model_kind(model_name) if model_kind == "auto" else model_kind
         logger.info("%s: %s (%s) as a %s model%s", NODE, model_name, transformer.config.variant, kind,
                     " (from the file name)" if model_kind == "auto" else "")
-        return io.NodeOutput(KleinModel(tref, kind, transformer.config, memory_mode), KleinVAE(vref, vae.config))
+        return io.NodeOutput(KleinModel(tref, kind, transformer.config, memory_mode, SPEEDS[speed]),
+                             KleinVAE(vref, vae.config, SPEEDS[speed]))

@@ -86,7 +86,7 @@ class KleinReferenceStacker(io.ComfyNode):
         request = kc.MemoryRequest(references=(size,) if min(size) >= 16 else (), encode_text=False, denoise=False,
                                    decode=False)
         vae_model = vae.ref.get(activation_bytes("references", request, vae=vae.config))
-        engine = kc.Engine(vae=vae_model, device=vae_model.device)
+        engine = kc.Engine(vae=vae_model, device=vae_model.device, speed=vae.speed)
         for pil in frames:
             host.check_interrupt()
             items.append(encode_frame(engine, pil, len(items) + 1))

@@ -180,7 +180,7 @@ class KleinSampler(io.ComfyNode):
         with errors_named(NODE, "model", model.name):  # ComfyUI frees what the run needs first
             transformer = model.ref.get(activation_bytes("denoise", request, transformer=model.config))
         engine = kc.Engine(transformer, kind=model.kind, device=host.torch_device(), memory=model.memory,
-                           prompt_cache=None, ref_mode=ref_mode, kv_cache=cache.kv)
+                           prompt_cache=None, ref_mode=ref_mode, kv_cache=cache.kv, speed=model.speed)
         logger.info("%s: %s %dx%d, %d steps, guidance %.2f, seed %d, batch %d, %d reference(s) (%s)", NODE,
                     model.kind, run.width, run.height, run.steps, run.guidance, run.seed, run.batch_size, len(refs),
                     engine.ref_mode)

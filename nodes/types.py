@@ -29,19 +29,21 @@ class KleinModel:
     kind: str
     config: kc.TransformerConfig
     memory: str = "auto"  # klein_core memory mode: auto, resident, swap, blocks, minimum
+    speed: str = "fast"  # klein_core.accel speed: fast, compile, plain
 
     @property
     def name(self) -> str:
         return self.ref.name
 
     def __str__(self) -> str:  # ComfyUI shows inputs to API clients with str(): file names only
-        return f"{self.ref} as a {self.kind} model, memory {self.memory}"
+        return f"{self.ref} as a {self.kind} model, memory {self.memory}, speed {self.speed}"
 
 
 @dataclass(frozen=True)
 class KleinVAE:
     ref: ModelRef
     config: kc.VAEConfig
+    speed: str = "fast"  # "compile" compiles its encoder and decoder; otherwise the plain decode
 
     @property
     def name(self) -> str:

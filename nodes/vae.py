@@ -53,7 +53,7 @@ class KleinVAEDecode(io.ComfyNode):
         request = kc.MemoryRequest(latents.shape[-1] * down, latents.shape[-2] * down, encode_text=False,
                                    denoise=False)
         model = vae.ref.get(activation_bytes("decode", request, vae=vae.config))  # one frame at a time
-        engine = kc.Engine(vae=model, device=model.device)
+        engine = kc.Engine(vae=model, device=model.device, speed=vae.speed)
         frames = []
         for i in range(latents.shape[0]):  # one at a time: decoding memory grows with the batch
             host.check_interrupt()
@@ -99,5 +99,5 @@ class KleinVAEEncode(io.ComfyNode):
         request = kc.MemoryRequest(references=((px.shape[2], px.shape[1]),), encode_text=False, denoise=False,
                                    decode=False)
         model = vae.ref.get(activation_bytes("references", request, vae=vae.config))
-        latents = kc.Engine(vae=model, device=model.device).encode_pixels(rgb.permute(0, 3, 1, 2).float() * 2 - 1)
+        latents = kc.Engine(vae=model, device=model.device, speed=vae.speed).encode_pixels(rgb.permute(0, 3, 1, 2).float() * 2 - 1)
         return io.NodeOutput({"samples": latents.to(host.intermediate_device(), torch.float32)})

@@ -184,7 +184,7 @@ def test_compile_wiring_logs_first_call_time(model, caplog):
             out = model(**kw)
             model(**kw)
         blocks = [*model.double_blocks, *model.single_blocks]
-        assert all("forward" in b.__dict__ for b in blocks)  # compiled bound forward
+        assert all(fast.is_compiled(b) for b in blocks)  # compiled bound forward
         fast.disable_fast_paths(model)
         assert not any("forward" in b.__dict__ for b in blocks)
         assert not model._forward_hooks and not model._forward_pre_hooks
@@ -198,19 +198,36 @@ def test_fast_vae_decode_and_restore():
     vae = demo.tiny_vae()
     lat = torch.randn(1, 128, 3, 4, generator=torch.Generator().manual_seed(0))
     ref = vae.decode(lat)
-    fast.enable_fast_vae(vae, dtype=None)  # channels-last, model dtype
+    fast.enable_fast_vae(vae, compile=False, channels_last=True)  # the eager NHWC decode, for measuring
     assert vae.decoder.conv_in.weight.is_contiguous(memory_format=torch.channels_last)
     torch.testing.assert_close(vae.decode(lat), ref, rtol=1e-4, atol=1e-4)
     fast.disable_fast_vae(vae)
     assert not vae.decode_channels_last and vae.decoder.conv_in.weight.is_contiguous()
     assert torch.equal(vae.decode(lat), ref)
-    fast.enable_fast_vae(vae)  # bf16 decoder; encoder and BatchNorm statistics untouched
+    fast.enable_fast_vae(vae, compile=False, dtype=torch.bfloat16)  # encoder and BatchNorm untouched
     out = vae.decode(lat)
     assert out.dtype == torch.bfloat16 and vae.dtype == torch.float32
     assert vae.bn.running_mean.dtype == torch.float32
     assert ((out.float() - ref).norm() / ref.norm()).item() < 5e-2  # bf16 through a random net
     fast.disable_fast_vae(vae)  # back to fp32 (the bf16-rounded weights stay rounded)
     assert vae.decoder_dtype == torch.float32 and vae.decode(lat).dtype == torch.float32
+
+
+def test_compiled_vae_encoder_and_decoder():
+    """enable_fast_vae() compiles both halves (eager backend here: dynamo traces, nothing generated),
+    channels-last under compilation; results equal the plain ones; disable restores eager NCHW."""
+    vae = demo.tiny_vae()
+    lat = torch.randn(1, 128, 3, 4, generator=torch.Generator().manual_seed(0))
+    px = torch.rand(1, 3, 48, 64, generator=torch.Generator().manual_seed(1)) * 2 - 1
+    ref_dec, ref_enc = vae.decode(lat), vae.encode(px)
+    fast.enable_fast_vae(vae, compile_backend="eager")
+    assert fast.is_compiled(vae.decoder) and fast.is_compiled(vae.encoder) and vae.decode_channels_last
+    torch.testing.assert_close(vae.decode(lat), ref_dec, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(vae.encode(px), ref_enc, rtol=1e-4, atol=1e-4)
+    fast.disable_fast_vae(vae)
+    assert not fast.is_compiled(vae.decoder) and not fast.is_compiled(vae.encoder)
+    assert not vae.decode_channels_last and torch.equal(vae.decode(lat), ref_dec)
+
 
 
 def test_generate_with_fast_paths_matches_plain(kitchen_on_cpu):
@@ -277,7 +294,7 @@ def test_speed_benchmark_tiny_cpu(tmp_path, capsys):
     assert set(cases) == {"a", "b", "c"}
     for key, case in cases.items():
         variants = case["variants"]
-        assert list(variants) == ["diffusers", "plain", "fast"]
+        assert list(variants) == ["diffusers", "plain", "default"]
         for name, v in variants.items():
             assert v["finite"], (key, name)
             assert v["e2e_ms"] > 0 and v["stages_ms"]["text"] > 0 and v["stages_ms"]["decode"] > 0
@@ -286,7 +303,46 @@ def test_speed_benchmark_tiny_cpu(tmp_path, capsys):
             assert v["diff_vs_diffusers"]["latents_max_abs"] < 1e-4, (key, name)
             assert v["diff_vs_diffusers"]["image_max_abs_255"] <= 2, (key, name)
         assert variants["diffusers"]["stages_ms"].get("references", 0) > 0 if key == "b" else True
-    assert "speed-up vs diffusers" in printed and "latents max|d|" in printed
+    assert "vs diffusers" in printed and "latents max|d|" in printed and "step TFLOP/s" in printed
+    assert cases["a"]["step_gflop"] > 0 and cases["a"]["variants"]["default"]["step_tflops"] > 0
+
+
+def test_step_flops_counts_every_matmul():
+    """Against an independent count: one forward's Linear FLOPs from the layers' own shapes (forward
+    hooks on every nn.Linear) plus 4 * L^2 * hidden per block for the attention products."""
+    speed = _speed_module()
+    model = demo.tiny_transformer()
+    counted = []
+
+    def hook(mod, args, out):
+        counted.append(2 * args[0].shape[:-1].numel() * mod.in_features * mod.out_features)
+
+    handles = [m.register_forward_hook(hook) for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    kw = _inputs(model, batch=2)
+    with torch.no_grad():
+        model(**kw)
+    for h in handles:
+        h.remove()
+    n, t, cfg = kw["img"].shape[1], kw["txt"].shape[1], model.config
+    # modulation and time embedding Linears run on [B, D] vectors: left out of step_flops as negligible
+    per_vector = sum(2 * 2 * m.in_features * m.out_features for name, m in model.named_modules()
+                     if isinstance(m, torch.nn.Linear) and ("modulation" in name or "time_in" in name))
+    attention = 2 * 4 * (n + t) ** 2 * cfg.hidden_size * (cfg.depth + cfg.depth_single)
+    assert speed.step_flops(cfg, n, t, batch=2) == sum(counted) - per_vector + attention
+
+
+def test_speed_benchmark_variant_selection(tmp_path):
+    speed = _speed_module()
+    report = speed.main(["--tiny", "--runs", "1", "--warmup", "0", "--cases", "c", "--no-diffusers",
+                         "--variants", "default+step_cache,plain,default", "--cache-threshold", "0.5",
+                         "--out", str(tmp_path / "s.json")])
+    case = report["results"][0]["cases"]["c"]
+    assert list(case["variants"]) == ["plain", "default", "default+step_cache"]  # the documented order
+    cached = case["variants"]["default+step_cache"]
+    assert "diff_vs_default" in cached and cached["finite"]
+    assert case["step_cache"]["default+step_cache"]["skipped"] >= 0
+    with pytest.raises(SystemExit):
+        speed.main(["--tiny", "--variants", "turbo", "--out", "/dev/null"])
 
 
 def test_speed_benchmark_says_clearly_when_diffusers_is_missing(monkeypatch):
