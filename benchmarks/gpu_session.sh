@@ -1,31 +1,34 @@
 #!/usr/bin/env bash
-# One GPU session in one command: environment record, carried wheels, the GPU test suite, benchmarks.
+# One GPU session in one device call: environment record, carried packages, the GPU test suite, benchmarks.
 #
 #   bash benchmarks/gpu_session.sh [--dry-run] [PHASE ...]
 #
-# Phases (default: tests). Each fits one device call (at most 10 minutes); run them as separate calls:
-#   tests    pytest tests/gpu (bf16 on CUDA, small and full-size Klein 4B), then
-#            benchmarks/kernels.py (plain vs comfy-kitchen per op, fp8 Linear)       ~5-6 min
-#   bench4b  benchmarks/speed.py 4B: cases a,b (plain, fast auto, fast sdpa_cudnn, compile, diffusers)
-#            then case c (base, 50 steps, CFG)                                        ~7-8 min
-#   bench9b  benchmarks/speed.py 9B: cases a,b with compile                           ~6-8 min
-#   memory   tests/gpu/test_gpu_nodes.py (needs the ComfyUI host folders carried), then
-#            benchmarks/memory.py 4B edit1024 under --cap-gb 8 and 9B under 12 (bf16 and fp8),
-#            benchmarks/kv_reuse.py on CUDA in bf16 at 9B width                        ~6-8 min
-#   all      every phase in turn (only with --dry-run: on a GPU it cannot fit one call)
+# A session is lent 15 minutes of device time in all, the machine's start (1-2 min) included, and
+# a command may run 10 minutes. So the default phase list is one call of at most
+# KLEIN_SESSION_BUDGET seconds (default 520), most important first:
+#   speed4b  benchmarks/speed.py 4B cases a,b (diffusers, diffusers+compile, plain, default, compile),
+#            then case c (base 50 steps CFG: diffusers, default, default+step_cache, compile)  ~4.5 min
+#   tests    pytest tests/gpu with no environment variable (nodes test included when the
+#            ComfyUI host was carried)                                                      ~1.5 min
+#   speed9b  benchmarks/speed.py 9B cases a,b (diffusers, default)                         ~1 min
+#   vae      benchmarks/vae_decode.py (every decode layout, profiled)                      ~0.5 min
+#   warm     benchmarks/speed.py 4B case a, compile only, in a new process: the first call
+#            with torch's on-disk compile cache warm from speed4b                          ~0.5 min
+# Optional phases: peer (benchmarks/comfy_peer.py, ComfyUI's own FLUX.2 per step, 4B), kernels
+# (benchmarks/kernels.py), memory (benchmarks/memory.py, kv_reuse.py). Pass phases to choose.
 #
-# Always: $OUT/env.json (GPU, driver, torch, comfy-kitchen, date) and $OUT/summary.txt (exit code and
-# seconds of every step). Each step has its own timeout and the script stops starting steps once
-# KLEIN_SESSION_BUDGET seconds (default 540) have passed, so a call ends inside the 10-minute limit;
-# a failing step never stops the others. Every phase writes at most 7 files to $OUT (the device tool
-# returns 8 at most).
+# Always: $OUT/env.json (GPU, driver, torch, packages, date) and $OUT/session.log (every step's
+# output, then the summary: exit code and seconds of each step; the summary is also printed last).
+# Each step has its own timeout and no step starts once the budget is spent; a failing step never
+# stops the others. At most 8 files land in $OUT (what the device tool returns).
 #
-# --dry-run runs the same steps on the CPU with the scripts' tiny options (speed.py --tiny,
-# memory.py --tiny, small kv_reuse sizes, the test suite with KLEIN_GPU_TESTS_DEVICE=cpu), to
-# catch argument errors before a GPU session.
+# --dry-run runs the same steps on the CPU with the scripts' tiny options, to catch argument errors
+# before spending device time (KLEIN_GPU_TESTS_DEVICE=cpu for the suite).
 #
-# Wheels: the *.whl in .whl/ and .whl_ck/ are installed with pip --no-index into /tmp/site, which goes
-# on PYTHONPATH (see benchmarks/GPU_SESSION.md for preparing them and which call carries which).
+# Carried packages (benchmarks/make_devpack.sh builds them, git-ignored, about 42 MB): .devpack/whl/*.whl
+# (diffusers and what it needs beyond the device image), .devpack/comfy_kitchen-*.tar.xz (comfy-kitchen
+# without its 117 MB ROCm library) go to /tmp/site on PYTHONPATH; .devpack/comfy_host.tar.xz unpacks
+# the ComfyUI host (.comfy_host/) for the nodes test and the peer.
 
 set -u -o pipefail
 
@@ -36,43 +39,41 @@ mkdir -p "$OUT"
 PY="${PYTHON:-python3}"
 DRY=0
 PHASES=()
+ALL=(speed4b speed9b vae tests warm)
 for arg in "$@"; do
     case "$arg" in
         --dry-run) DRY=1 ;;
-        tests|bench4b|bench9b|memory|all) PHASES+=("$arg") ;;
+        speed4b|tests|speed9b|vae|warm|peer|kernels|memory) PHASES+=("$arg") ;;
+        all) PHASES+=("${ALL[@]}") ;;
         -h|--help) sed -n '2,/^$/p' "${BASH_SOURCE[0]}"; exit 0 ;;
-        *) echo "unknown argument '$arg' (phases: tests bench4b bench9b memory all; option --dry-run)" >&2; exit 2 ;;
+        *) echo "unknown argument '$arg' (phases: ${ALL[*]} peer kernels memory all; option --dry-run)" >&2
+           exit 2 ;;
     esac
 done
-[ ${#PHASES[@]} -eq 0 ] && PHASES=(tests)
-# the 10-minute device limit does not apply to a CPU dry run (every phase takes about 6 minutes there)
-if [ "$DRY" -eq 1 ]; then BUDGET="${KLEIN_SESSION_BUDGET:-3600}"; else BUDGET="${KLEIN_SESSION_BUDGET:-540}"; fi
-if [ "${PHASES[*]}" = "all" ] || [[ " ${PHASES[*]} " == *" all "* ]]; then
-    if [ "$DRY" -eq 0 ]; then
-        echo "'all' does not fit one device call; pass the phases as separate calls (or use --dry-run)" >&2
-        exit 2
-    fi
-    PHASES=(tests bench4b bench9b memory)
-fi
+[ ${#PHASES[@]} -eq 0 ] && PHASES=("${ALL[@]}")
+# the device limit does not apply to a CPU dry run
+if [ "$DRY" -eq 1 ]; then BUDGET="${KLEIN_SESSION_BUDGET:-3600}"; else BUDGET="${KLEIN_SESSION_BUDGET:-520}"; fi
 
 export PYTHONUNBUFFERED=1
-SUMMARY="$OUT/summary.txt"
-: > "$SUMMARY"
-echo "gpu_session phases=${PHASES[*]} dry_run=$DRY start=$(date -u +%Y-%m-%dT%H:%M:%SZ)" >> "$SUMMARY"
+LOG="$OUT/session.log"
+SUMMARY="$(mktemp)"
+: > "$LOG"
+echo "gpu_session phases=${PHASES[*]} dry_run=$DRY budget=${BUDGET}s start=$(date -u +%Y-%m-%dT%H:%M:%SZ)" \
+    | tee -a "$SUMMARY"
 
-# step NAME TIMEOUT LOG COMMAND...: run with a timeout, output appended to LOG, rc to the summary.
+# step NAME TIMEOUT COMMAND...: run with a timeout (cut to what the budget has left), output to the log.
 step() {
-    local name="$1" limit="$2" log="$3"
-    shift 3
+    local name="$1" limit="$2"
+    shift 2
     local left=$((BUDGET - SECONDS))
-    if [ "$left" -lt 30 ]; then
+    if [ "$left" -lt 20 ]; then
         echo "$name rc=skipped (session budget of ${BUDGET}s used up)" | tee -a "$SUMMARY"
         return 0
     fi
     [ "$limit" -gt "$left" ] && limit="$left"
-    echo "=== $name (timeout ${limit}s): $*" | tee -a "$log"
+    echo "=== $name (timeout ${limit}s): $*" | tee -a "$LOG"
     local t0=$SECONDS
-    timeout --signal=INT --kill-after=20 "$limit" "$@" 2>&1 | tee -a "$log"
+    timeout --signal=INT --kill-after=15 "$limit" "$@" >> "$LOG" 2>&1
     local rc=$?
     [ "$rc" -eq 124 ] && rc="124(timeout)"
     echo "$name rc=$rc seconds=$((SECONDS - t0))" | tee -a "$SUMMARY"
@@ -80,7 +81,7 @@ step() {
 }
 
 record_env() {
-    "$PY" - "$OUT/env.json" <<'EOF'
+    "$PY" - "$OUT/env.json" <<'EOF2'
 import datetime, json, platform, subprocess, sys
 info = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "python": platform.python_version(), "platform": platform.platform()}
@@ -110,107 +111,110 @@ except Exception as exc:  # noqa: BLE001
     info["torch_error"] = repr(exc)
 json.dump(info, open(sys.argv[1], "w"), indent=1)
 print(json.dumps(info))
-EOF
-    echo "env rc=$? seconds=$SECONDS" >> "$SUMMARY"
+EOF2
+    echo "env rc=$?" >> "$SUMMARY"
 }
 
-# Wheels travel in .whl/ (diffusers and friends) and .whl_ck/ (comfy-kitchen, 56 MB: kept apart so a
-# call can carry it without the ComfyUI host folders; .whl/ and .whl_ck/ together stay under 64 MiB).
-install_wheels() {
+# .devpack/ (benchmarks/make_devpack.sh): wheels and comfy-kitchen into /tmp/site, the ComfyUI host into
+# .comfy_host/. Without them the steps still run: the diffusers variants drop out (speed.py says so),
+# the fused kernels fall back to plain with one warning, and the nodes test skips naming the host.
+install_pack() {
     local -a wheels=()
-    mapfile -t wheels < <(compgen -G "$REPO/.whl/*.whl"; compgen -G "$REPO/.whl_ck/*.whl")
+    mapfile -t wheels < <(compgen -G "$REPO/.devpack/whl/*.whl")
+    mkdir -p /tmp/site
     if [ ${#wheels[@]} -gt 0 ]; then
-        if "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-            "${wheels[@]}"; then
-            echo "wheels rc=0 ($(for w in "${wheels[@]}"; do basename "$w"; done | tr '\n' ' '))" >> "$SUMMARY"
-        else
-            echo "wheels rc=$?" >> "$SUMMARY"
-        fi
-    else
-        echo "wheels: none carried (.whl/ and .whl_ck/ empty or absent)" >> "$SUMMARY"
+        "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+            "${wheels[@]}" >> "$LOG" 2>&1
+        echo "wheels rc=$? ($(for w in "${wheels[@]}"; do basename "$w"; done | tr '\n' ' '))" >> "$SUMMARY"
     fi
-    # /tmp/site also holds what an earlier call on this machine installed, while it stays warm
-    if [ -d /tmp/site ]; then export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"; fi
-    export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+    for tarball in "$REPO"/.devpack/comfy_kitchen-*.tar.xz; do
+        [ -f "$tarball" ] || continue
+        tar xJf "$tarball" -C /tmp/site
+        echo "comfy-kitchen rc=$? ($(basename "$tarball"))" >> "$SUMMARY"
+    done
+    if [ -f "$REPO/.devpack/comfy_host.tar.xz" ] && [ ! -f "$REPO/.comfy_host/READY.json" ]; then
+        tar xJf "$REPO/.devpack/comfy_host.tar.xz" -C "$REPO"
+        echo "comfy host rc=$?" >> "$SUMMARY"
+    fi
+    export PYTHONPATH="/tmp/site:$REPO${PYTHONPATH:+:$PYTHONPATH}"
+}
+
+has_diffusers() { "$PY" -c "import diffusers" >/dev/null 2>&1; }
+
+runs() {  # timed runs and warm-ups of speed.py, or its tiny CPU form
+    if [ "$DRY" -eq 1 ]; then echo "--tiny --runs 1 --warmup 0"; else echo "--runs ${1:-3} --warmup 1"; fi
+}
+
+no_diffusers() { if has_diffusers; then echo ""; else echo "--no-diffusers"; fi; }
+
+phase_speed4b() {
+    # shellcheck disable=SC2046
+    step speed_4b_ab 230 "$PY" benchmarks/speed.py --models 4b --cases a,b $(runs 2) $(no_diffusers) \
+        --variants diffusers,diffusers+compile,plain,default,compile --out "$OUT/speed_4b_ab.json"
+    # shellcheck disable=SC2046
+    step speed_4b_c 120 "$PY" benchmarks/speed.py --models 4b --cases c $(runs 1) $(no_diffusers) \
+        --variants diffusers,default,default+step_cache --out "$OUT/speed_4b_c.json"
 }
 
 phase_tests() {
-    local log="$OUT/tests.log"
     local -a env_vars=("KLEIN_PARITY_JSON=$OUT/parity.json")
-    local limit=450
-    if [ "$DRY" -eq 1 ]; then
-        env_vars+=("KLEIN_GPU_TESTS_DEVICE=cpu")
-    fi
-    step tests "$limit" "$log" env "${env_vars[@]}" "$PY" -m pytest -q -p no:cacheprovider -rs --durations=15 \
-        --junitxml="$OUT/tests_junit.xml" tests/gpu
-    # issue #19: comfy-kitchen (the fast paths' fused kernels, when its wheel was carried) vs plain per op
+    [ "$DRY" -eq 1 ] && env_vars+=("KLEIN_GPU_TESTS_DEVICE=cpu")
+    step tests 150 env "${env_vars[@]}" "$PY" -m pytest -q -p no:cacheprovider -rs --durations=10 tests/gpu
+}
+
+phase_speed9b() {
+    # shellcheck disable=SC2046
+    step speed_9b_ab 110 "$PY" benchmarks/speed.py --models 9b --cases a,b $(runs 2) $(no_diffusers) \
+        --variants diffusers,default --out "$OUT/speed_9b_ab.json"
+}
+
+phase_vae() {
+    local -a tiny=()
+    [ "$DRY" -eq 1 ] && tiny=(--tiny --runs 1 --warmup 1 --no-compile)
+    step vae_decode 80 "$PY" benchmarks/vae_decode.py "${tiny[@]}" --out "$OUT/vae_decode.json"
+}
+
+phase_warm() {
+    # a new process: dynamo traces again, Inductor's compiled code comes from torch's on-disk cache
+    # shellcheck disable=SC2046
+    step compile_warm 80 "$PY" benchmarks/speed.py --models 4b --cases a $(runs 1) --no-diffusers \
+        --variants compile --out "$OUT/compile_warm.json"
+}
+
+phase_peer() {
+    local -a args=(--model 4b --size 1024 --refs 0,2 --runs 5)
+    [ "$DRY" -eq 1 ] && args=(--tiny)
+    step comfy_peer 90 "$PY" benchmarks/comfy_peer.py "${args[@]}" --out "$OUT/comfy_peer_4b.json"
+}
+
+phase_kernels() {
     local -a kargs=()
     [ "$DRY" -eq 1 ] && kargs=(--tiny --device cpu --models 4b)
-    step kernels 80 "$log" "$PY" benchmarks/kernels.py "${kargs[@]}" --out "$OUT/kernels.json"
-}
-
-speed_common() {
-    if [ "$DRY" -eq 1 ]; then
-        echo --tiny --runs 1 --warmup 0
-    else
-        echo --runs 3 --warmup 1
-    fi
-}
-
-diffusers_flag() {
-    if has_diffusers; then echo ""; else echo "--no-diffusers"; fi
-}
-
-phase_bench4b() {
-    local log="$OUT/bench4b.log"
-    # shellcheck disable=SC2046
-    step speed_4b_ab 300 "$log" "$PY" benchmarks/speed.py --models 4b --cases a,b $(speed_common) \
-        --attention auto,sdpa_cudnn --compile $(diffusers_flag) --out "$OUT/speed_4b_ab.json"
-    local runs="--runs 2 --warmup 1"
-    [ "$DRY" -eq 1 ] && runs="--tiny --runs 1 --warmup 0"
-    # shellcheck disable=SC2046,SC2086
-    step speed_4b_c 230 "$log" "$PY" benchmarks/speed.py --models 4b --cases c $runs --attention auto \
-        $(diffusers_flag) --out "$OUT/speed_4b_c.json"
-    if "$PY" benchmarks/speed.py --help 2>/dev/null | grep -q -- "--precision\|fp8"; then
-        # shellcheck disable=SC2046
-        step speed_4b_fp8 200 "$log" "$PY" benchmarks/speed.py --models 4b --cases a $(speed_common) \
-            --precision fp8 --no-diffusers --out "$OUT/speed_4b_fp8.json"
-    else
-        echo "speed_4b_fp8 rc=skipped (benchmarks/speed.py has no fp8 option; fp8 is timed by the tests phase" \
-             "and benchmarks/memory.py --precision fp8)" >> "$SUMMARY"
-    fi
-}
-
-phase_bench9b() {
-    local log="$OUT/bench9b.log"
-    # shellcheck disable=SC2046
-    step speed_9b_ab 500 "$log" "$PY" benchmarks/speed.py --models 9b --cases a,b $(speed_common) \
-        --attention auto --compile $(diffusers_flag) --out "$OUT/speed_9b_ab.json"
+    step kernels 80 "$PY" benchmarks/kernels.py "${kargs[@]}" --out "$OUT/kernels.json"
 }
 
 phase_memory() {
-    local log="$OUT/memory.log"
-    local -a dev=() env_vars=()
-    [ "$DRY" -eq 1 ] && dev=(--tiny --device cpu) && env_vars=("KLEIN_GPU_TESTS_DEVICE=cpu")
-    # the nodes' sampler (memory_mode auto) inside ComfyUI: this call carries the host folders
-    step nodes 100 "$log" env "${env_vars[@]}" "$PY" -m pytest -q -p no:cacheprovider -rs tests/gpu/test_gpu_nodes.py
-    step memory_4b_cap8 170 "$log" "$PY" benchmarks/memory.py --models 4b --precision bf16,fp8 --cases edit1024 \
+    local -a dev=()
+    [ "$DRY" -eq 1 ] && dev=(--tiny --device cpu)
+    step memory_4b_cap8 170 "$PY" benchmarks/memory.py --models 4b --precision bf16,fp8 --cases edit1024 \
         --cap-gb 8 "${dev[@]}" --out "$OUT/memory_4b_cap8.json"
-    step memory_9b_cap12 200 "$log" "$PY" benchmarks/memory.py --models 9b --precision bf16,fp8 --cases edit1024 \
-        --cap-gb 12 "${dev[@]}" --out "$OUT/memory_9b_cap12.json"
     if [ "$DRY" -eq 1 ]; then
-        step kv_reuse 120 "$log" "$PY" benchmarks/kv_reuse.py --device cpu --dtype fp32 --hidden 64 --heads 2 \
+        step kv_reuse 120 "$PY" benchmarks/kv_reuse.py --device cpu --dtype fp32 --hidden 64 --heads 2 \
             --depth 1 --single 2 --size 64 --refs 2 --steps 2 --out "$OUT/kv_reuse.json"
     else
-        step kv_reuse 150 "$log" "$PY" benchmarks/kv_reuse.py --device cuda --dtype bf16 --hidden 4096 --heads 32 \
+        step kv_reuse 150 "$PY" benchmarks/kv_reuse.py --device cuda --dtype bf16 --hidden 4096 --heads 32 \
             --depth 8 --single 24 --size 1024 --refs 2 --steps 4 --out "$OUT/kv_reuse.json"
     fi
 }
 
-record_env
-install_wheels
+install_pack
+record_env  # after the install, so it names the carried packages' versions
 for phase in "${PHASES[@]}"; do
     "phase_$phase"
 done
 echo "end=$(date -u +%Y-%m-%dT%H:%M:%SZ) total_seconds=$SECONDS" >> "$SUMMARY"
-cat "$SUMMARY"
+# the printed tables of every benchmark, then the summary: what the device tool's output tail shows
+grep -v -E '^20[0-9]{2}-[0-9]{2}-|^[[:space:]]*$|[Ww]arning|warnings\.warn|^  warn' "$LOG" | tail -c 9000
+echo "--- summary"
+cat "$SUMMARY" | tee -a "$LOG"
+rm -f "$SUMMARY"

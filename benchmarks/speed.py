@@ -17,27 +17,44 @@ Cases (``--cases``):
 For each case and model it times, warm, the median of ``--runs`` runs: text encoding, reference
 encoding, every denoising step, the VAE decode (CUDA events around the modules), end to end
 (host clock around the whole call, synchronised, prompt to PIL image), and the peak GPU memory.
-Variants: ``diffusers`` (unless ``--no-diffusers``), klein_core ``plain`` (the reference path),
-``fast`` (:func:`klein_core.accel.enable_fast_paths` + :func:`~klein_core.accel.enable_fast_vae`) and
-``fast+compile`` (``--compile``). It reports the max abs difference of the final latents and the
-decoded images between every variant and the first one, counts host-device synchronisations
-inside klein_core's denoising loop (CUDA only), prints a table and writes everything to ``--out``.
+Variants (``--variants``, in this order):
+
+* ``diffusers``: diffusers' Flux2KleinPipeline as it comes (native SDPA, eager);
+* ``diffusers+compile``: diffusers at its best: cuDNN attention (``set_attention_backend(
+  "_native_cudnn")``), ``compile_repeated_blocks()`` on the transformer and the VAE encoder and
+  decoder compiled;
+* ``plain``: klein_core's reference path;
+* ``default``: what the nodes and the CLI run by default (``speed="fast"``,
+  :mod:`klein_core.accel.speed`); the name stays ``default`` whatever that is, so results from
+  different commits compare;
+* ``compile``: ``speed="compile"`` (the nodes' "fast + compile");
+* ``default+step_cache``: ``default`` with the opt-in step cache
+  (:mod:`klein_core.accel.step_cache`, ``--cache-threshold``); approximate, so its latents' relative
+  L2 and pixel difference against ``default`` are reported beside its speed;
+* ``fast[<attention>]`` for each backend in ``--attention``: the fast path with that attention.
+
+It reports the max abs difference of the final latents and the decoded images between every
+variant and the first one, speed-ups against both diffusers variants, the transformer step's
+achieved TFLOP/s (matmul and attention FLOPs of one forward, :func:`step_flops`) against the bf16
+peak, counts host-device synchronisations inside klein_core's denoising loop (CUDA only), prints a
+table and writes everything to ``--out``.
 
 Peak memory: all pipelines share one copy of the weights, so for each run the script reports the
 activation peak (``max_memory_allocated`` minus what was allocated at the start of the run, after
 ``reset_peak_memory_stats``) and the pipeline peak = its own components' weight bytes + that
 activation peak (what the pipeline would peak at on its own).
 
-``--attention auto,sdpa_cudnn`` times one ``fast`` variant per attention backend. Warm-up runs
-(``--warmup``, default 1) come first and are reported as ``first_call_ms`` (torch.compile and
-Triton compile there). ``--tiny`` shrinks everything (64x64, 4 steps in every case, fp32 on the
+Warm-up runs (``--warmup``, default 1) come first and are reported as ``first_call_ms``
+(torch.compile compiles there). ``--tiny`` shrinks everything (64x64, 4 steps in every case, fp32 on the
 CPU) to test the script itself.
 
 Usage (GPU, from the repository root; diffusers is imported only when used)::
 
-    python benchmarks/speed.py --models 4b --cases a,b --runs 5 --attention auto,sdpa_cudnn --out s4.json
-    python benchmarks/speed.py --models 4b --cases c --runs 3 --out s4c.json
-    python benchmarks/speed.py --models 9b --cases a,b --runs 5 --compile --out s9.json
+    python benchmarks/speed.py --models 4b --cases a,b --runs 3 \
+        --variants diffusers,diffusers+compile,plain,default,compile --out s4.json
+    python benchmarks/speed.py --models 4b --cases c --runs 1 --variants diffusers,default,default+step_cache \
+        --out s4c.json
+    python benchmarks/speed.py --models 9b --cases a,b --runs 3 --out s9.json
     python benchmarks/speed.py --tiny --runs 1 --out /tmp/speed_tiny.json   # CPU self-test
 """
 
@@ -66,7 +83,7 @@ if str(REPO) not in sys.path:  # run as a script from a checkout
     sys.path.insert(0, str(REPO))
 
 import klein_core
-from klein_core.accel import fast
+from klein_core.accel import fast, speed
 from klein_core.files.transformer_layout import bfl_to_diffusers
 from klein_core.models import (
     Flux2Transformer,
@@ -133,6 +150,24 @@ def _cases(tiny: bool) -> dict[str, Case]:
         "c": Case("c", f"base {s}x{s}, {base_steps} steps, guidance 4 (CFG)", s, base_steps, 4.0, False, 0),
     }
 
+
+def step_flops(cfg: TransformerConfig, image_tokens: int, text_tokens: int, batch: int) -> float:
+    """Floating-point operations of one transformer forward: every Linear (2 x tokens x in x out)
+    and the attention products (QK^T and PV: 4 x L^2 x hidden per block, L the joint length).
+    ``image_tokens`` counts reference tokens too (they join the sequence); elementwise work (norms,
+    RoPE, modulation) is left out."""
+    h, m, ctx = cfg.hidden_size, cfg.mlp_hidden, cfg.context_dim
+    n, t = image_tokens, text_tokens
+    length = n + t
+    per_stream = lambda s: 2 * s * h * (3 * h + h + 2 * m) + 2 * s * m * h  # qkv, proj, mlp in, mlp out
+    double = per_stream(n) + per_stream(t) + 4 * length * length * h
+    single = 2 * length * h * (3 * h + 2 * m) + 2 * length * (h + m) * h + 4 * length * length * h
+    io = 2 * n * cfg.in_channels * h * 2 + 2 * t * ctx * h  # img_in, final linear, txt_in
+    return float(batch * (cfg.depth * double + cfg.depth_single * single + io))
+
+
+VARIANTS = ("diffusers", "diffusers+compile", "plain", "default", "compile", "default+step_cache")
+BF16_PEAK_TFLOPS = 790.0  # measured on an H100 (8192^3 bf16 matmul, 2026-11-13, device KINDS.md)
 
 # ---------------------------------------------------------------------------------------------
 # Random weights on the device
@@ -325,6 +360,43 @@ def diffusers_pipeline(parts: dict[str, Any], distilled: bool) -> Any:
     object.__setattr__(pipe, "tokenizer", _Tokenizer())  # not a registered component: skip the config
     pipe.set_progress_bar_config(disable=True)
     return pipe
+
+
+class DiffusersBest:
+    """diffusers at its best, switched on and off in place on the shared pipeline parts: cuDNN
+    attention through its attention dispatcher, regional compilation of the transformer's repeated
+    blocks (``compile_repeated_blocks``), and the VAE encoder and decoder compiled."""
+
+    def __init__(self, parts: dict[str, Any]) -> None:
+        self.parts = parts
+        self.backend = "_native_cudnn"
+
+    def _compiled(self) -> list[torch.nn.Module]:
+        tr, vae = self.parts["transformer"], self.parts["vae"]
+        blocks = [m for m in tr.modules() if type(m).__name__ in getattr(tr, "_repeated_blocks", ())]
+        return [*blocks, vae.encoder, vae.decoder]
+
+    def enable(self) -> None:
+        tr, vae = self.parts["transformer"], self.parts["vae"]
+        if next(tr.parameters()).is_cuda:  # cuDNN attention exists on CUDA only (--tiny runs on the CPU)
+            tr.set_attention_backend(self.backend)
+        tr.compile_repeated_blocks()
+        for m in (vae.encoder, vae.decoder):  # forward only: the timing hooks must stay eager
+            m.forward = torch.compile(m.forward)
+
+    def disable(self) -> None:
+        self.parts["transformer"].reset_attention_backend()
+        for m in self._compiled():
+            m._compiled_call_impl = None  # where nn.Module.compile() keeps the compiled call
+            m.__dict__.pop("forward", None)
+
+
+def _as_dict(stats: Any) -> dict[str, Any]:
+    if hasattr(stats, "__dataclass_fields__"):
+        from dataclasses import asdict
+
+        return asdict(stats)
+    return dict(stats) if isinstance(stats, dict) else {"value": str(stats)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -583,44 +655,62 @@ def bench_model(spec: ModelSpec, cases: list[Case], args: argparse.Namespace, de
         probe_diff.span("decode", parts["vae"].decoder)
         probe_diff.denoiser(parts["transformer"])
 
-    # The fast VAE decodes in bf16 on the GPU; on the CPU (--tiny) it keeps the model dtype.
-    fast_vae_dtype = torch.bfloat16 if device.type == "cuda" else dtype
-
     def plain() -> None:
-        fast.disable_fast_paths(tr)
-        fast.disable_fast_vae(vae)
+        speed.apply_speed(tr, vae, "plain")
 
-    def fast_variant(attention: str, compile: bool = False) -> Callable[[], None]:
+    def at_speed(name: str, attention: str | None = None) -> Callable[[], None]:
         def setup() -> None:
-            # static shapes when compiling: each case compiles once instead of going dynamic
-            fast.enable_fast_paths(tr, attention=attention, compile=compile,
-                                   compile_dynamic=False if compile else None)
-            fast.enable_fast_vae(vae, dtype=fast_vae_dtype, compile=compile)
+            if attention is None:
+                speed.apply_speed(tr, vae, name)
+            else:
+                speed.apply_speed(tr, vae, "plain")
+                fast.enable_fast_paths(tr, attention=attention)
         return setup
 
-    variants: list[tuple[str, Callable[[], None]]] = [("plain", plain)]
+    def with_step_cache() -> None:
+        from klein_core.accel import step_cache
+
+        speed.apply_speed(tr, vae, speed.DEFAULT_SPEED)
+        kw = {} if args.cache_threshold is None else {"threshold": args.cache_threshold}
+        step_cache.enable_step_cache(tr, **kw)
+
+    def without_step_cache() -> None:
+        from klein_core.accel import step_cache
+
+        step_cache.disable_step_cache(tr)
+
+    # name -> (setup, teardown); run in the order of --variants
+    ours_setups: dict[str, tuple[Callable[[], None], Callable[[], None] | None]] = {
+        "plain": (plain, None), "default": (at_speed(speed.DEFAULT_SPEED), None),
+        "compile": (at_speed("compile"), None), "default+step_cache": (with_step_cache, without_step_cache),
+    }
     for attn in args.attention:
-        variants.append(("fast" if len(args.attention) == 1 else f"fast[{attn}]", fast_variant(attn)))
-    if args.compile:
-        variants.append(("fast+compile", fast_variant(args.attention[0], compile=True)))
+        ours_setups[f"fast[{attn}]"] = (at_speed("fast", attn), None)
+    diff_best = DiffusersBest(parts) if parts is not None else None
 
     result: dict[str, Any] = {"model": spec.name, "build_s": build_s, "weights_gib": weights, "cases": {}}
     for case in cases:
         noise = make_noise(SEED, 1, spec.transformer.in_channels, case.size // 16, case.size // 16)
         refs = _images(case.size, case.n_refs)
-        # (name, setup before timing, probe, one run); all closures run within this iteration
-        plan: list[tuple[str, Callable[[], None] | None, Probe, Callable[[], RunOutput]]] = []
-        if parts is not None:
-            pipe = diffusers_pipeline(parts, case.distilled)
-            plan.append(("diffusers", None, probe_diff,
-                         lambda: run_diffusers(pipe, case, probe_diff, noise, refs, device)))
-        for name, setup in variants:
-            plan.append((name, setup, probe_ours,
-                         lambda: run_ours(ours, case, probe_ours, noise, refs, device)))
+        # (name, setup before timing, teardown after, probe, one run); closures run within this iteration
+        plan: list[tuple[str, Callable[[], None] | None, Callable[[], None] | None, Probe,
+                         Callable[[], RunOutput]]] = []
+        for name in args.variants:
+            if name.startswith("diffusers"):
+                if parts is None:
+                    continue
+                pipe = diffusers_pipeline(parts, case.distilled)
+                best = name == "diffusers+compile"
+                plan.append((name, diff_best.enable if best else None, diff_best.disable if best else None,
+                             probe_diff, lambda pipe=pipe: run_diffusers(pipe, case, probe_diff, noise, refs, device)))
+            else:
+                setup, teardown = ours_setups[name]
+                plan.append((name, setup, teardown, probe_ours,
+                             lambda: run_ours(ours, case, probe_ours, noise, refs, device)))
         runs: dict[str, list[RunOutput]] = {}
         warm_ms: dict[str, float] = {}
         notes: dict[str, Any] = {}
-        for name, setup, probe, go in plan:
+        for name, setup, teardown, probe, go in plan:
             if setup is not None:
                 setup()
             probe.active = True
@@ -629,18 +719,26 @@ def bench_model(spec: ModelSpec, cases: list[Case], args: argparse.Namespace, de
                 go()
             warm_ms[name] = (time.perf_counter() - t_warm) * 1000.0 / max(args.warmup, 1)
             runs[name] = [go() for _ in range(args.runs)]
-            if name != "diffusers" and isinstance(tr.ops, fast.FastOps):
+            is_ours = not name.startswith("diffusers")
+            if is_ours and isinstance(tr.ops, fast.FastOps):
                 resolved = tr.ops.resolved()
                 notes.setdefault("fast", {}).update({f"{name} on {k}": v for k, v in resolved.items()})
-            if name != "diffusers" and device.type == "cuda" and case is cases[0]:
+            stats = getattr(getattr(tr, "step_cache", None), "last_run", None)
+            if is_ours and stats is not None:
+                notes.setdefault("step_cache", {})[name] = _as_dict(stats)
+            if is_ours and device.type == "cuda" and case is cases[0]:
                 with _sync_audit(device, probe_ours, tr, case.steps) as found:
                     go()
                 notes.setdefault("sync_audit", {})[name] = {"syncs_inside_denoise": len(found),
                                                            "where": found[:20]}
             probe.active = False
+            if teardown is not None:
+                teardown()
             logger.info("%s case %s %s: e2e median %.1f ms", spec.name, case.key, name,
                         statistics.median(r.e2e_ms for r in runs[name]))
         plain()
+        n_img = (case.size // 16) ** 2 * (1 + case.n_refs)
+        flops = step_flops(spec.transformer, n_img, 512, 2 if case.guidance > 1 else 1)
         first = next(iter(runs))
         summary: dict[str, Any] = {}
         for name, rs in runs.items():
@@ -651,15 +749,19 @@ def bench_model(spec: ModelSpec, cases: list[Case], args: argparse.Namespace, de
                 "first_call_ms": warm_ms[name],
                 "peak_alloc_gib": max(r.peak_alloc_gib for r in rs),
                 "activation_gib": max(r.activation_gib for r in rs),
-                "pipeline_peak_gib": weights["diffusers" if name == "diffusers" else "klein_core"]
+                "pipeline_peak_gib": weights["diffusers" if name.startswith("diffusers") else "klein_core"]
                 + max(r.activation_gib for r in rs),
                 "diff_vs_" + first: _diff(rs[-1], runs[first][-1]),
             }
-            if name != "plain" and "plain" in runs:
-                summary[name]["diff_vs_plain"] = _diff(rs[-1], runs["plain"][-1])
+            step_ms = summary[name]["stages_ms"]["step_median"]
+            summary[name]["step_tflops"] = flops / (step_ms * 1e-3) / 1e12 if step_ms == step_ms else float("nan")
+            for other in ("plain", "default"):
+                if name != other and other in runs:
+                    summary[name]["diff_vs_" + other] = _diff(rs[-1], runs[other][-1])
             finite = bool(torch.isfinite(rs[-1].latents).all())
             summary[name]["finite"] = finite
-        result["cases"][case.key] = {"title": case.title, "variants": summary, **notes}
+        result["cases"][case.key] = {"title": case.title, "variants": summary, "step_gflop": flops / 1e9,
+                                     **notes}
     probe_ours.remove()
     probe_diff.remove()
     return result
@@ -676,9 +778,10 @@ def print_table(results: list[dict[str, Any]], out: Any = sys.stdout) -> None:
         for key, case in res["cases"].items():
             variants = case["variants"]
             names = list(variants)
+            W = max(15, *(len(n) + 2 for n in names))  # noqa: N806 - the column width
             base = variants.get("diffusers")
             print(f"\n{res['model']} - case {key}: {case['title']}  (ms, median of runs)", file=out)
-            print(f"{'':22}" + "".join(f"{n:>15}" for n in names), file=out)
+            print(f"{'':22}" + "".join(f"{n:>{W}}" for n in names), file=out)
             rows = [("text encoding", lambda v: v["stages_ms"].get("text", float("nan"))),
                     ("reference encoding", lambda v: v["stages_ms"].get("references", float("nan"))),
                     ("step (median)", lambda v: v["stages_ms"]["step_median"]),
@@ -686,19 +789,32 @@ def print_table(results: list[dict[str, Any]], out: Any = sys.stdout) -> None:
                     ("VAE decode", lambda v: v["stages_ms"].get("decode", float("nan"))),
                     ("end to end", lambda v: v["e2e_ms"])]
             for label, get in rows:
-                print(f"{label:22}" + "".join(f"{_fmt(get(variants[n])):>15}" for n in names), file=out)
-            if base is not None:
-                print(f"{'speed-up vs diffusers':22}" + "".join(
-                    f"{base['e2e_ms'] / variants[n]['e2e_ms']:>14.2f}x" for n in names), file=out)
+                print(f"{label:22}" + "".join(f"{_fmt(get(variants[n])):>{W}}" for n in names), file=out)
+            for ref_name in ("diffusers", "diffusers+compile"):
+                ref_v = variants.get(ref_name)
+                if ref_v is not None:
+                    print(f"{'vs ' + ref_name:22}" + "".join(
+                        f"{ref_v['e2e_ms'] / variants[n]['e2e_ms']:>{W - 1}.2f}x" for n in names), file=out)
+            print(f"{'step TFLOP/s':22}" + "".join(f"{_fmt(variants[n]['step_tflops']):>{W}}" for n in names),
+                  file=out)
+            print(f"{'% of bf16 peak':22}" + "".join(
+                f"{_fmt(100 * variants[n]['step_tflops'] / BF16_PEAK_TFLOPS):>{W}}" for n in names), file=out)
             print(f"{'activation peak GiB':22}" + "".join(
-                f"{_fmt(variants[n]['activation_gib']):>15}" for n in names), file=out)
+                f"{_fmt(variants[n]['activation_gib']):>{W}}" for n in names), file=out)
             print(f"{'pipeline peak GiB':22}" + "".join(
-                f"{_fmt(variants[n]['pipeline_peak_gib']):>15}" for n in names), file=out)
+                f"{_fmt(variants[n]['pipeline_peak_gib']):>{W}}" for n in names), file=out)
             ref = names[0]
             print(f"{'latents max|d| vs ' + ref:22}"[:22] + "".join(
-                f"{variants[n]['diff_vs_' + ref]['latents_max_abs']:>15.3g}" for n in names), file=out)
+                f"{variants[n]['diff_vs_' + ref]['latents_max_abs']:>{W}.3g}" for n in names), file=out)
             print(f"{'image max|d| (/255)':22}" + "".join(
-                f"{variants[n]['diff_vs_' + ref]['image_max_abs_255']:>15d}" for n in names), file=out)
+                f"{variants[n]['diff_vs_' + ref]['image_max_abs_255']:>{W}d}" for n in names), file=out)
+            for name, v in variants.items():
+                if name != "default" and "diff_vs_default" in v and "step_cache" in name:
+                    d = v["diff_vs_default"]
+                    print(f"{name} vs default: latents relative L2 {d['latents_rel_l2']:.3g}, image max "
+                          f"|d| {d['image_max_abs_255']}/255, mean {d['image_mean_abs_255']:.2f}/255", file=out)
+            for name, stats in case.get("step_cache", {}).items():
+                print(f"{name}: {stats}", file=out)
             for name, audit in case.get("sync_audit", {}).items():
                 print(f"host syncs inside klein_core's denoising loop ({name}): "
                       f"{audit['syncs_inside_denoise']}"
@@ -714,11 +830,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--cases", default="a,b,c", help="comma list of a, b, c (default all)")
     ap.add_argument("--runs", type=int, default=5, help="timed runs per variant and case (median reported)")
     ap.add_argument("--warmup", type=int, default=1, help="untimed runs first (compilation happens here)")
-    ap.add_argument("--attention", default="auto",
-                    help=f"comma list of klein_core.fast attention backends {fast.ATTENTION_BACKENDS}; "
-                         "each is a 'fast' variant")
-    ap.add_argument("--compile", action="store_true", help="also time fast paths + torch.compile")
-    ap.add_argument("--no-diffusers", action="store_true", help="skip the diffusers baseline")
+    ap.add_argument("--variants", default="diffusers,plain,default",
+                    help=f"comma list of {', '.join(VARIANTS)} (see the module doc)")
+    ap.add_argument("--attention", default="",
+                    help=f"comma list of klein_core.accel attention backends {fast.ATTENTION_BACKENDS}; each "
+                         "adds a fast[<backend>] variant")
+    ap.add_argument("--compile", action="store_true", help="add the compile and diffusers+compile variants")
+    ap.add_argument("--cache-threshold", type=float, default=None,
+                    help="threshold of the default+step_cache variant (default: the step cache's own)")
+    ap.add_argument("--no-diffusers", action="store_true", help="skip the diffusers variants")
     ap.add_argument("--tiny", action="store_true",
                     help="tiny random models (tests the script itself; CPU ok)")
     ap.add_argument("--device", default=None, help="default: cuda if available, else cpu")
@@ -738,6 +858,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for a in args.attention:
         if a not in fast.ATTENTION_BACKENDS:
             ap.error(f"--attention {a!r}: choose from {fast.ATTENTION_BACKENDS}")
+    args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    if args.compile:
+        args.variants += [v for v in ("diffusers+compile", "compile") if v not in args.variants]
+    if args.no_diffusers:
+        args.variants = [v for v in args.variants if not v.startswith("diffusers")]
+    for v in args.variants:
+        if v not in VARIANTS:
+            ap.error(f"--variants {v!r}: choose from {', '.join(VARIANTS)}")
+    args.variants = [v for v in VARIANTS if v in args.variants]  # the documented order
+    args.variants += [f"fast[{a}]" for a in args.attention]
+    if not any(v.startswith("diffusers") for v in args.variants):
+        args.no_diffusers = True
     all_cases = _cases(args.tiny)
     try:
         cases = [all_cases[c.strip()] for c in args.cases.split(",") if c.strip()]
@@ -767,7 +899,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     with torch.inference_mode(False), torch.no_grad():
         for m in models:
             results.append(bench_model(_spec(m), cases, args, device, dtype))
-            if args.compile:
+            if any("compile" in v for v in args.variants):
                 torch._dynamo.reset()  # compiled code must not keep this model's tensors alive
             if device.type == "cuda":
                 torch.cuda.empty_cache()

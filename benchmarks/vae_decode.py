@@ -1,0 +1,182 @@
+"""The FLUX.2 VAE decode in every layout klein_core can run it, timed and profiled (issue #26, item 3).
+
+Variants (full-size random-weight VAE built on the device, one 1024x1024 image by default):
+
+* ``plain``: NCHW, the model dtype (what ``speed="fast"`` runs);
+* ``channels_last``: the eager NHWC decode that ``enable_fast_vae`` used to run by default;
+* ``plain+cudnn_benchmark`` / ``channels_last+cudnn_benchmark``: the same under
+  ``torch.backends.cudnn.benchmark`` (set only around this script's calls);
+* ``compiled``: ``enable_fast_vae(compile=True)`` (channels-last under Inductor; ``speed="compile"``);
+* ``compiled_nchw``: the same with ``channels_last=False``.
+
+For the two eager layouts the CUDA time is split by kernel (torch.profiler, one decode): the five
+costliest kernels and the share of GroupNorm, SiLU, upsampling, convolutions and layout copies,
+which says where NHWC loses. Medians of ``--runs`` decodes (CUDA events) after ``--warmup``
+decodes; every variant's pixels are compared with ``plain``.
+
+    python benchmarks/vae_decode.py --out vae.json           # GPU
+    python benchmarks/vae_decode.py --tiny --out /tmp/v.json  # CPU self-test
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+import klein_core
+from klein_core.accel import fast
+from klein_core.models import Flux2VAE, VAEConfig
+from klein_core.testing.fill import full_size_configs, random_fill_
+
+KERNEL_GROUPS = {  # substrings of CUDA kernel names -> what they do
+    "group_norm": ("group_norm", "GroupNorm", "RowwiseMoments", "ComputeFusedParams", "group_norm_kernel"),
+    "convolution": ("conv", "implicit_gemm", "sm90_xmma", "cutlass", "cudnn", "gemm", "wgrad", "fprop"),
+    "silu": ("silu", "SiLU"),
+    "upsample": ("upsample", "nearest"),
+    "layout copy": ("nchwToNhwc", "nhwcToNchw", "copy_", "direct_copy", "transpose"),
+}
+
+
+def build_vae(tiny: bool, device: torch.device, dtype: torch.dtype) -> Flux2VAE:
+    if tiny:
+        cfg = VAEConfig(block_channels=(32,) * 4, decoder_block_channels=(32,) * 4, num_res_blocks=1)
+    else:
+        cfg = full_size_configs(klein_core.KLEIN_4B)[2]
+    with torch.device("meta"):
+        vae = Flux2VAE(cfg)
+    vae.to(dtype)
+    vae.bn.float()
+    vae.to_empty(device=device)
+    random_fill_(vae, torch.Generator(device=device).manual_seed(0))
+    return vae.eval().requires_grad_(False)
+
+
+@contextmanager
+def cudnn_benchmark(on: bool) -> Iterator[None]:
+    before = torch.backends.cudnn.benchmark
+    torch.backends.cudnn.benchmark = on
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.benchmark = before
+
+
+def time_decode(vae: Flux2VAE, lat: torch.Tensor, runs: int, warmup: int) -> tuple[list[float], torch.Tensor, float]:
+    """(per-run ms, the last pixels, the first call's ms)."""
+    cuda = lat.device.type == "cuda"
+    t0 = time.perf_counter()
+    out = vae.decode(lat)
+    if cuda:
+        torch.cuda.synchronize(lat.device)
+    first = (time.perf_counter() - t0) * 1000
+    for _ in range(max(warmup - 1, 0)):
+        vae.decode(lat)
+    times = []
+    for _ in range(runs):
+        if cuda:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            out = vae.decode(lat)
+            b.record()
+            torch.cuda.synchronize(lat.device)
+            times.append(a.elapsed_time(b))
+        else:
+            t = time.perf_counter()
+            out = vae.decode(lat)
+            times.append((time.perf_counter() - t) * 1000)
+    return times, out, first
+
+
+def kernel_profile(vae: Flux2VAE, lat: torch.Tensor) -> dict[str, Any]:
+    """One decode under torch.profiler: the costliest kernels and the share of each kind."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        vae.decode(lat)
+        torch.cuda.synchronize(lat.device)
+    rows = [(e.key, e.device_time_total / 1000.0) for e in prof.key_averages() if e.device_time_total > 0]
+    total = sum(ms for _, ms in rows) or float("nan")
+    groups: dict[str, float] = {g: 0.0 for g in KERNEL_GROUPS}
+    groups["other"] = 0.0
+    for name, ms in rows:
+        group = next((g for g, keys in KERNEL_GROUPS.items() if any(k.lower() in name.lower() for k in keys)), "other")
+        groups[group] += ms
+    top = sorted(rows, key=lambda r: -r[1])[:5]
+    return {"total_ms": total, "by_kind_ms": groups, "top_kernels": [{"name": n[:120], "ms": ms} for n, ms in top]}
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--size", type=int, default=1024, help="image side in pixels (multiple of 16)")
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--tiny", action="store_true", help="tiny VAE on the CPU (tests the script)")
+    ap.add_argument("--no-compile", action="store_true", help="skip the compiled variants")
+    ap.add_argument("--out", default="out/vae_decode.json")
+    args = ap.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    size = 64 if args.tiny else args.size
+    vae = build_vae(args.tiny, device, dtype)
+    g = torch.Generator(device="cpu").manual_seed(1)
+    lat = torch.randn(1, vae.config.latent_channels, size // 16, size // 16, generator=g).to(device)
+
+    def eager(channels_last: bool) -> Callable[[], None]:
+        return lambda: fast.enable_fast_vae(vae, compile=False, channels_last=channels_last)
+
+    def compiled(channels_last: bool) -> Callable[[], None]:
+        return lambda: fast.enable_fast_vae(vae, compile=True, channels_last=channels_last)
+
+    variants: list[tuple[str, Callable[[], None], bool]] = [
+        ("plain", lambda: fast.disable_fast_vae(vae), False),
+        ("channels_last", eager(True), False),
+        ("plain+cudnn_benchmark", lambda: fast.disable_fast_vae(vae), True),
+        ("channels_last+cudnn_benchmark", eager(True), True),
+    ]
+    if not args.no_compile:
+        variants += [("compiled", compiled(True), False), ("compiled_nchw", compiled(False), False)]
+    results: dict[str, Any] = {}
+    ref = None
+    with torch.no_grad():
+        for name, setup, bench in variants:
+            setup()
+            with cudnn_benchmark(bench):
+                times, out, first = time_decode(vae, lat, args.runs, args.warmup)
+                prof = kernel_profile(vae, lat) if device.type == "cuda" and "compiled" not in name else None
+            ref = out.float() if ref is None else ref
+            d = (out.float() - ref).abs()
+            results[name] = {"median_ms": statistics.median(times), "all_ms": times, "first_call_ms": first,
+                             "max_abs_vs_plain": float(d.max()), "finite": bool(torch.isfinite(out).all()),
+                             **({"profile": prof} if prof else {})}
+        fast.disable_fast_vae(vae)
+    env = {"torch": torch.__version__, "device": str(device), "dtype": str(dtype), "size": size,
+           "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+           "cudnn": torch.backends.cudnn.version() if device.type == "cuda" else None}
+    report = {"env": env, "results": results}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=1))
+    print(f"VAE decode {size}x{size} {str(dtype).removeprefix('torch.')} on {env['gpu'] or device} (ms, median)")
+    for name, r in results.items():
+        line = f"  {name:32} {r['median_ms']:8.1f}  first {r['first_call_ms']:8.0f}  max|d| {r['max_abs_vs_plain']:.3g}"
+        if "profile" in r:
+            kinds = ", ".join(f"{k} {v:.1f}" for k, v in r["profile"]["by_kind_ms"].items() if v)
+            line += f"\n      kernels: {kinds}"
+        print(line)
+    return report
+
+
+if __name__ == "__main__":
+    main()
