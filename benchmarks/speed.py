@@ -83,7 +83,7 @@ if str(REPO) not in sys.path:  # run as a script from a checkout
     sys.path.insert(0, str(REPO))
 
 import klein_core
-from klein_core.accel import fast, speed
+from klein_core.accel import fast, speed, step_cache
 from klein_core.files.transformer_layout import bfl_to_diffusers
 from klein_core.models import (
     Flux2Transformer,
@@ -655,37 +655,26 @@ def bench_model(spec: ModelSpec, cases: list[Case], args: argparse.Namespace, de
         probe_diff.span("decode", parts["vae"].decoder)
         probe_diff.denoiser(parts["transformer"])
 
-    def plain() -> None:
-        speed.apply_speed(tr, vae, "plain")
-
     def at_speed(name: str, attention: str | None = None) -> Callable[[], None]:
         def setup() -> None:
-            if attention is None:
-                speed.apply_speed(tr, vae, name)
-            else:
-                speed.apply_speed(tr, vae, "plain")
+            speed.apply_speed(tr, vae, name)
+            if attention is not None:
                 fast.enable_fast_paths(tr, attention=attention)
         return setup
 
     def with_step_cache() -> None:
-        from klein_core.accel import step_cache
-
         speed.apply_speed(tr, vae, speed.DEFAULT_SPEED)
         kw = {} if args.cache_threshold is None else {"threshold": args.cache_threshold}
         step_cache.enable_step_cache(tr, **kw)
 
-    def without_step_cache() -> None:
-        from klein_core.accel import step_cache
-
-        step_cache.disable_step_cache(tr)
-
     # name -> (setup, teardown); run in the order of --variants
     ours_setups: dict[str, tuple[Callable[[], None], Callable[[], None] | None]] = {
-        "plain": (plain, None), "default": (at_speed(speed.DEFAULT_SPEED), None),
-        "compile": (at_speed("compile"), None), "default+step_cache": (with_step_cache, without_step_cache),
+        "plain": (at_speed("plain"), None), "default": (at_speed(speed.DEFAULT_SPEED), None),
+        "compile": (at_speed("compile"), None),
+        "default+step_cache": (with_step_cache, lambda: step_cache.disable_step_cache(tr)),
     }
     for attn in args.attention:
-        ours_setups[f"fast[{attn}]"] = (at_speed("fast", attn), None)
+        ours_setups[f"fast[{attn}]"] = (at_speed("plain", attn), None)
     diff_best = DiffusersBest(parts) if parts is not None else None
 
     result: dict[str, Any] = {"model": spec.name, "build_s": build_s, "weights_gib": weights, "cases": {}}
@@ -736,7 +725,7 @@ def bench_model(spec: ModelSpec, cases: list[Case], args: argparse.Namespace, de
                 teardown()
             logger.info("%s case %s %s: e2e median %.1f ms", spec.name, case.key, name,
                         statistics.median(r.e2e_ms for r in runs[name]))
-        plain()
+        speed.apply_speed(tr, vae, "plain")
         n_img = (case.size // 16) ** 2 * (1 + case.n_refs)
         flops = step_flops(spec.transformer, n_img, 512, 2 if case.guidance > 1 else 1)
         first = next(iter(runs))

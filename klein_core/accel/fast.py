@@ -530,7 +530,7 @@ def enable_fast_vae(
         raise TypeError(f"enable_fast_vae expects a Flux2VAE, got {type(vae).__name__}")
     disable_fast_vae(vae)
     layout = compile if channels_last is None else channels_last
-    vae.set_decode_format(dtype=dtype or vae.decoder_dtype, channels_last=layout)
+    vae.set_decode_format(dtype=dtype or vae.dtype, channels_last=layout)
     if compile:
         _compile_group([vae.decoder], "VAE decoder", mode=compile_mode, backend=compile_backend)
         _compile_group([vae.encoder], "VAE encoder", mode=compile_mode, backend=compile_backend)

@@ -108,8 +108,9 @@ class FP8Linear(nn.Module):
 
     ``matmul``: ``"auto"`` uses ``torch._scaled_mm`` on CUDA GPUs with compute capability >= 8.9
     (e4m3 weights, sizes multiple of 16, half-precision activations, no full-precision hint) for
-    the widening layers where it measured faster (:attr:`scaled_mm_pays`), and otherwise upcasts the weight to the activation dtype for this one layer; ``"upcast"`` and
-    ``"scaled_mm"`` force a path (``torch._scaled_mm`` also runs on CPU, which the tests use).
+    the widening layers where it measured faster (:attr:`scaled_mm_pays`), and otherwise upcasts
+    the weight to the activation dtype for this one layer; ``"upcast"`` and ``"scaled_mm"`` force
+    a path (``torch._scaled_mm`` also runs on CPU, which the tests use).
     Input ``x [..., in]`` in any float dtype; output ``[..., out]`` in ``x.dtype``.
     """
 
