@@ -2,17 +2,21 @@
 
 Variants (full-size random-weight VAE built on the device, one 1024x1024 image by default):
 
-* ``plain``: NCHW, the model dtype (what ``speed="fast"`` runs);
-* ``channels_last``: the eager NHWC decode that ``enable_fast_vae`` used to run by default;
-* ``plain+cudnn_benchmark`` / ``channels_last+cudnn_benchmark``: the same under
-  ``torch.backends.cudnn.benchmark`` (set only around this script's calls);
+* ``plain``: NCHW, PyTorch's GroupNorm, the model dtype (``speed="plain"``);
+* ``fast``: ``enable_fast_vae(compile=False)``, what ``speed="fast"`` runs: each GroupNorm + SiLU
+  as one comfy-kitchen kernel writing channels-last, so the convolutions after it run NHWC;
+* ``fast+channels_last``: the same with the decoder's weights and input stored NHWC too;
+* ``channels_last``: the eager NHWC decode with PyTorch's GroupNorm (the old ``enable_fast_vae``
+  default, measured slower than plain);
+* ``plain+cudnn_benchmark``: plain under ``torch.backends.cudnn.benchmark`` (set only around this
+  script's calls; with ``--all``);
 * ``compiled``: ``enable_fast_vae(compile=True)`` (channels-last under Inductor; ``speed="compile"``);
-* ``compiled_nchw``: the same with ``channels_last=False``.
+  ``compiled_nchw`` the same with ``channels_last=False`` (with ``--all``).
 
-For the two eager layouts the CUDA time is split by kernel (torch.profiler, one decode): the five
-costliest kernels and the share of GroupNorm, SiLU, upsampling, convolutions and layout copies,
-which says where NHWC loses. Medians of ``--runs`` decodes (CUDA events) after ``--warmup``
-decodes; every variant's pixels are compared with ``plain``.
+For the eager variants the CUDA time is split by kernel (torch.profiler, one decode): the five
+costliest kernels and the share of GroupNorm, SiLU, upsampling, convolutions and layout copies.
+Medians of ``--runs`` decodes (CUDA events) after ``--warmup`` decodes; every variant's pixels are
+compared with ``plain``.
 
     python benchmarks/vae_decode.py --out vae.json           # GPU
     python benchmarks/vae_decode.py --tiny --out /tmp/v.json  # CPU self-test
@@ -125,6 +129,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--tiny", action="store_true", help="tiny VAE on the CPU (tests the script)")
     ap.add_argument("--no-compile", action="store_true", help="skip the compiled variants")
+    ap.add_argument("--all", action="store_true", help="also the cudnn.benchmark and compiled NCHW variants")
     ap.add_argument("--out", default="out/vae_decode.json")
     args = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
@@ -134,20 +139,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     g = torch.Generator(device="cpu").manual_seed(1)
     lat = torch.randn(1, vae.config.latent_channels, size // 16, size // 16, generator=g).to(device)
 
-    def eager(channels_last: bool) -> Callable[[], None]:
-        return lambda: fast.enable_fast_vae(vae, compile=False, channels_last=channels_last)
+    def eager(channels_last: bool, fused: bool) -> Callable[[], None]:
+        return lambda: fast.enable_fast_vae(vae, compile=False, fused_norm=fused, channels_last=channels_last)
 
     def compiled(channels_last: bool) -> Callable[[], None]:
         return lambda: fast.enable_fast_vae(vae, compile=True, channels_last=channels_last)
 
     variants: list[tuple[str, Callable[[], None], bool]] = [
         ("plain", lambda: fast.disable_fast_vae(vae), False),
-        ("channels_last", eager(True), False),
-        ("plain+cudnn_benchmark", lambda: fast.disable_fast_vae(vae), True),
-        ("channels_last+cudnn_benchmark", eager(True), True),
+        ("fast", eager(False, True), False),
+        ("fast+channels_last", eager(True, True), False),
+        ("channels_last", eager(True, False), False),
     ]
+    if args.all:
+        variants.append(("plain+cudnn_benchmark", lambda: fast.disable_fast_vae(vae), True))
     if not args.no_compile:
-        variants += [("compiled", compiled(True), False), ("compiled_nchw", compiled(False), False)]
+        variants.append(("compiled", compiled(True), False))
+        if args.all:
+            variants.append(("compiled_nchw", compiled(False), False))
     results: dict[str, Any] = {}
     ref = None
     with torch.no_grad():

@@ -185,8 +185,8 @@ def decode_to_pixels(vae: Any, latents: torch.Tensor, *, tile: int | None = None
     ``tile``: decode in overlapping tiles of this many latent positions (see ``memory.tiling``);
     ``clamp=False`` keeps values outside [0, 1] (and NaN) for checking.
     """
-    px = (decode_in_tiles(vae, latents, tile).float() / 2 + 0.5).cpu()
-    return px.clamp(0, 1) if clamp else px
+    px = decode_in_tiles(vae, latents, tile).float() / 2 + 0.5
+    return (px.clamp(0, 1) if clamp else px).cpu()  # clamped where it was decoded (a GPU's threads)
 
 
 def encode_references(

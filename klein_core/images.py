@@ -90,5 +90,6 @@ def _to_rgb_array(image: Image.Image) -> np.ndarray:
 
 def to_pil(pixels: torch.Tensor) -> list[Image.Image]:
     """``[B, 3, H, W]`` in [0, 1] -> PIL images (rounded to 8 bits like diffusers)."""
-    arr = (pixels.permute(0, 2, 3, 1).float().cpu().numpy() * 255).round().astype(np.uint8)
+    # torch's multi-threaded kernels; the same float32 product and round-half-to-even as numpy's
+    arr = (pixels.float() * 255).round_().to(torch.uint8).permute(0, 2, 3, 1).cpu().contiguous().numpy()
     return [Image.fromarray(a) for a in arr]

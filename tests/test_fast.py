@@ -350,3 +350,103 @@ def test_speed_benchmark_says_clearly_when_diffusers_is_missing(monkeypatch):
     monkeypatch.setitem(sys.modules, "diffusers", None)  # makes `import diffusers` fail
     with pytest.raises(SystemExit, match="diffusers is not installed.*--no-diffusers"):
         speed.main(["--tiny", "--runs", "1", "--out", "/dev/null"])
+
+
+def test_kitchen_group_norm_widths():
+    """comfy-kitchen 0.2.36's CUDA GroupNorm takes C % 8 == 0 with C / 8 dividing 256 (its source):
+    the FLUX.2 VAE's 128/256/512 qualify, the small decoder's 96 and oversized batches do not."""
+    from klein_core.accel.kitchen import kitchen_serves_group_norm
+
+    assert all(kitchen_serves_group_norm(c, 32, 1) for c in (32, 128, 256, 512))
+    assert not kitchen_serves_group_norm(96, 32, 1)
+    assert not kitchen_serves_group_norm(128, 32, 70_000)
+    assert not kitchen_serves_group_norm(128, 3, 1)  # groups must divide the channels
+
+
+def _vae_io(dtype):
+    lat = torch.randn(1, 128, 3, 4, generator=torch.Generator().manual_seed(0)).to(dtype)
+    px = (torch.rand(1, 3, 48, 64, generator=torch.Generator().manual_seed(1)) * 2 - 1).to(dtype)
+    return lat, px
+
+
+def test_fast_vae_fuses_group_norm_and_silu(kitchen_on_cpu, monkeypatch, caplog, parity):
+    """speed='fast' on the VAE: every GroupNorm (+ its SiLU) goes through comfy-kitchen's kernel, the
+    attention blocks' norms without SiLU; decode and encode match the plain path; 'plain' restores it."""
+    from klein_core.accel.speed import apply_speed
+    from klein_core.models.vae import GroupNormAct
+
+    vae = demo.tiny_vae().to(torch.bfloat16)
+    lat, px = _vae_io(torch.bfloat16)
+    ref_dec, ref_enc = vae.decode(lat), vae.encode(px)
+    calls: list[tuple[int, bool]] = []
+    real = fast.group_norm_silu
+
+    def spy(x, weight, bias, groups, eps, silu):
+        calls.append((x.shape[-1], silu))
+        out = real(x, weight, bias, groups, eps, silu)
+        assert out.is_contiguous(memory_format=torch.channels_last)
+        y = torch.nn.functional.group_norm(x, groups, weight, bias, eps)  # each call against torch's own
+        torch.testing.assert_close(out, torch.nn.functional.silu(y) if silu else y, rtol=1.6e-2, atol=1.6e-2)
+        return out
+
+    monkeypatch.setattr(fast, "group_norm_silu", spy)
+    with caplog.at_level(logging.INFO, logger="klein_core.accel.fast"):
+        apply_speed(vae=vae, speed="fast")
+        dec, enc = vae.decode(lat), vae.encode(px)
+    assert "GroupNorm+SiLU=comfy-kitchen" in caplog.text and "unavailable" not in caplog.text
+    norms = [m for m in vae.modules() if isinstance(m, GroupNormAct)]
+    used = [c for c in calls if c[0] != 13]  # 13: the self-check's width
+    assert len(used) == len(norms)  # each norm ran once, fused
+    assert sum(not silu for _, silu in used) == sum(not m.silu for m in norms) == 2  # the attention norms
+    for name, out, ref in (("decode", dec, ref_dec), ("encode", enc, ref_enc)):
+        rel = ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+        parity(f"tiny VAE bf16 {name}: fused GroupNorm+SiLU (comfy-kitchen, CPU) vs plain, relative L2", rel)
+        assert rel < 5e-2, (name, rel)  # bf16 through a random net, as for the bf16 decoder (measured 2.3e-2)
+    apply_speed(vae=vae, speed="plain")
+    assert all(m.fused is None for m in norms)
+    assert torch.equal(vae.decode(lat), ref_dec) and torch.equal(vae.encode(px), ref_enc)
+
+
+def test_fast_vae_norm_falls_back_to_plain(kitchen_on_cpu, monkeypatch, caplog):
+    """A kernel that fails its self-check, and a float32 VAE, run the plain GroupNorm (bit-exact),
+    each with one line naming why; the check runs once per device and dtype."""
+    lat, _ = _vae_io(torch.bfloat16)
+    vae = demo.tiny_vae().to(torch.bfloat16)
+    ref = vae.decode(lat)
+    checks = []
+
+    def broken(x, weight, bias, groups, eps, silu):
+        checks.append(1)
+        return torch.zeros_like(x)
+
+    monkeypatch.setattr(fast, "group_norm_silu", broken)
+    fast.enable_fast_vae(vae, compile=False)
+    with caplog.at_level(logging.WARNING, logger="klein_core.accel.fast"):
+        assert torch.equal(vae.decode(lat), ref) and torch.equal(vae.decode(lat), ref)
+    assert len(checks) == 2  # the self-check (with and without SiLU), once
+    assert caplog.text.count("fused VAE GroupNorm unavailable on cpu (its self-check is off") == 1
+    norm = vae.decoder.norm_out.fused
+    assert norm.resolved() == {"cpu torch.bfloat16": False}
+
+    caplog.clear()
+    vae32 = demo.tiny_vae()
+    ref32 = vae32.decode(lat.float())
+    fast.enable_fast_vae(vae32, compile=False)
+    with caplog.at_level(logging.WARNING, logger="klein_core.accel.fast"):
+        assert torch.equal(vae32.decode(lat.float()), ref32)
+    assert "its kernel takes bf16/fp16, the VAE runs in torch.float32" in caplog.text
+
+
+def test_fast_vae_on_cpu_is_plain(caplog):
+    """Without the test switch the fused kernel is for CUDA: on the CPU speed='fast' decodes exactly
+    like plain, with no warning."""
+    from klein_core.accel.speed import apply_speed
+
+    vae = demo.tiny_vae().to(torch.bfloat16)
+    lat, px = _vae_io(torch.bfloat16)
+    ref_dec, ref_enc = vae.decode(lat), vae.encode(px)
+    with caplog.at_level(logging.INFO, logger="klein_core.accel.fast"):
+        apply_speed(vae=vae, speed="fast")
+        assert torch.equal(vae.decode(lat), ref_dec) and torch.equal(vae.encode(px), ref_enc)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert vae.decoder.norm_out.fused.resolved() == {"cpu torch.bfloat16": False}

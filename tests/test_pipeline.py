@@ -236,3 +236,23 @@ def test_mismatched_encoder_refused_before_compute(tiny):
     tr, _, vae = tiny
     with pytest.raises(ValueError, match="does not fit"):
         kc.generate(tr, tiny_text_encoder(TINY_9B), vae, prompt="x")
+
+
+def test_to_pil_rounds_like_numpy_half_to_even():
+    """Images are 8-bit roundings of the [0, 1] pixels, written here as numpy's formula (float32
+    product, round half to even), including values exactly halfway between two levels."""
+    import numpy as np
+
+    from klein_core.images import to_pil
+
+    g = torch.Generator().manual_seed(0)
+    px = torch.rand(2, 3, 17, 23, generator=g)
+    halves = (torch.arange(0, 255, dtype=torch.float32) + 0.5) / 255  # k + 0.5 levels, in float32
+    px[0, 0, 0, : halves.numel() // 16] = halves[: halves.numel() // 16]
+    px[1, 2, :, 0] = torch.tensor([0.0, 1.0, 0.5, 1 / 255, 254.5 / 255] + [0.25] * 12)
+    expected = (px.permute(0, 2, 3, 1).numpy() * np.float32(255)).round().astype(np.uint8)
+    images = to_pil(px)
+    assert [im.size for im in images] == [(23, 17)] * 2 and images[0].mode == "RGB"
+    for im, ref in zip(images, expected):
+        assert np.array_equal(np.asarray(im), ref)
+    assert to_pil(px[:1].to(torch.bfloat16))[0].size == (23, 17)  # any float dtype

@@ -47,8 +47,8 @@ import torch.nn.functional as F
 from ..models.block_ops import PLAIN_OPS, BlockOps, QKPart
 from ..models.transformer import Flux2Transformer
 from ..models.transformer_math import rope_tables
-from ..models.vae import Flux2VAE
-from .kitchen import INSTALL_HINT, KitchenOps, kitchen_available
+from ..models.vae import Flux2VAE, GroupNormAct
+from .kitchen import INSTALL_HINT, KitchenOps, group_norm_silu, kitchen_available, kitchen_serves_group_norm
 
 logger = logging.getLogger(__name__)
 
@@ -348,6 +348,75 @@ class FastOps(BlockOps):
 
 
 # ---------------------------------------------------------------------------------------------
+# The VAE's GroupNorms
+
+
+def _group_norm_self_check(device: torch.device, dtype: torch.dtype) -> str | None:
+    """comfy-kitchen's GroupNorm + SiLU once on small random data (two images, 32 groups of 8
+    channels, an odd size) against the plain path; None when it agrees."""
+    g = torch.Generator(device=device).manual_seed(0)
+    try:
+        x = (torch.randn(2, 256, 9, 13, generator=g, device=device) * 3 + 1).to(dtype)
+        w = (1 + 0.1 * torch.randn(256, generator=g, device=device)).to(dtype)
+        b = (0.1 * torch.randn(256, generator=g, device=device)).to(dtype)
+        fused = [group_norm_silu(x, w, b, 32, 1e-6, silu) for silu in (True, False)]
+        y = F.group_norm(x, 32, w, b, 1e-6)
+        return _compare(fused, [F.silu(y), y], dtype)
+    except Exception as exc:  # a launch failure must not take the decode down
+        return f"its self-check raised {_first_line(exc)}"
+
+
+class FastVAENorm:
+    """What :func:`enable_fast_vae` installs as every VAE GroupNorm's ``fused`` step.
+
+    On CUDA in bf16/fp16 with comfy-kitchen installed, GroupNorm and the SiLU after it run as one
+    comfy-kitchen kernel (float32 statistics, channels-last out, so the convolutions after it run
+    channels-last too); the choice is made on the first call per device and dtype, checked once
+    against the plain path and logged. Elsewhere, and for widths the kernel does not take, the
+    plain GroupNorm runs: silently off CUDA, with one warning on a GPU where the kernel cannot.
+    """
+
+    def __init__(self) -> None:
+        self._usable: dict[tuple[str, int | None, torch.dtype], bool] = {}
+
+    def __call__(self, norm: GroupNormAct, x: torch.Tensor) -> torch.Tensor | None:
+        key = (x.device.type, x.device.index, x.dtype)
+        usable = self._usable.get(key)
+        if usable is None:
+            usable = self._usable[key] = self._resolve(x.device, x.dtype)
+        if not usable or x.ndim != 4 or not kitchen_serves_group_norm(x.shape[1], norm.num_groups, x.shape[0]):
+            return None
+        return group_norm_silu(x, norm.weight, norm.bias, norm.num_groups, norm.eps, norm.silu)
+
+    def resolved(self) -> dict[str, bool]:
+        """Whether the fused kernel runs, per device and dtype seen, e.g. ``{"cuda:0 torch.bfloat16": True}``."""
+        return {f"{t}{'' if i is None else f':{i}'} {d}": ok for (t, i, d), ok in self._usable.items()}
+
+    def _resolve(self, device: torch.device, dtype: torch.dtype) -> bool:
+        why = None
+        if device.type not in KITCHEN_DEVICES:
+            why = f"fused kernels are used on {'/'.join(KITCHEN_DEVICES)}, not {device.type}"
+        elif not kitchen_available():
+            why = f"comfy-kitchen is not installed; {INSTALL_HINT}"
+        elif dtype not in _HALF:
+            why = f"its kernel takes bf16/fp16, the VAE runs in {dtype}"
+        else:
+            why = _group_norm_self_check(device, dtype)
+        if why is None:
+            logger.info("klein fast VAE on %s %s: GroupNorm+SiLU=comfy-kitchen (channels-last)", device, dtype)
+            return True
+        log = logger.debug if device.type not in KITCHEN_DEVICES else logger.warning
+        log("fused VAE GroupNorm unavailable on %s (%s); using the plain PyTorch path", device, why)
+        return False
+
+
+def _set_vae_norms(vae: Flux2VAE, fused: FastVAENorm | None) -> None:
+    for module in vae.modules():
+        if isinstance(module, GroupNormAct):
+            module.fused = fused
+
+
+# ---------------------------------------------------------------------------------------------
 # Compilation
 
 
@@ -504,42 +573,53 @@ def enable_fast_vae(
     vae: Flux2VAE,
     *,
     compile: bool = True,
+    fused_norm: bool | None = None,
     channels_last: bool | None = None,
     dtype: torch.dtype | None = None,
     compile_mode: str | None = None,
     compile_backend: str = "inductor",
 ) -> None:
-    """The fast VAE: its encoder and decoder compiled with ``torch.compile`` (in place).
+    """The fast VAE (in place): fused GroupNorm + SiLU kernels, or the encoder and decoder compiled.
 
-    Measured on an H100 (2026-11-26, 1024x1024 decode, bf16, ``benchmarks/vae_decode.py``,
-    benchmarks/results/2026-11-26_h100_fastdefault): plain NCHW 98.8 ms, of which the GroupNorm
-    kernels take 50.9 and the convolutions 32.3; eager channels-last 142.0 ms: its convolutions
-    take 17.1 ms, but 59.0 ms of layout copies are added around the GroupNorms (whose own time
-    stays 51.6); cuDNN autotuning changes neither. Compiled: 38.3 ms channels-last, 44.1 ms NCHW
-    (Inductor writes its own normalisation kernels for the layout). So the eager fast path keeps
-    the plain NCHW decode, and channels-last is used only under compilation (``channels_last=None``:
-    with ``compile``).
+    Args:
+        compile: ``torch.compile`` the encoder and decoder, channels-last (``speed="compile"``).
+            The first call at each image size compiles (tens of seconds, logged); later calls, and
+            later processes through torch's on-disk compile cache, reuse it.
+        fused_norm: run each GroupNorm and its SiLU as one comfy-kitchen kernel (:class:`FastVAENorm`;
+            CUDA, bf16/fp16, else the plain steps). None: when not compiling (``speed="fast"``);
+            Inductor writes its own normalisation kernels.
+        channels_last: store the decoder's convolution weights and its input NHWC. None: with
+            ``compile``. The fused kernels write channels-last activations either way.
+        dtype: convert the decoder to this dtype (None keeps the VAE's; e.g. bf16 for a VAE loaded
+            in fp32).
+        compile_mode, compile_backend: ``torch.compile``'s ``mode`` and ``backend``.
 
-    ``dtype``: convert the decoder to this dtype (None keeps the VAE's; e.g. bf16 for a VAE
-    loaded in fp32). ``compile=False`` with ``channels_last=True`` gives the eager channels-last
-    decode, for measuring it. ``compile_mode``, ``compile_backend``: ``torch.compile``'s ``mode``
-    and ``backend``. The first call at each image size compiles (tens of seconds,
-    logged); later calls, and later processes through torch's on-disk compile cache, reuse it.
+    Why (H100, 2026-11-26, 1024x1024 decode, bf16, ``benchmarks/vae_decode.py``,
+    benchmarks/results/2026-11-26_h100_fastdefault): plain NCHW 98.8 ms, of which PyTorch's
+    GroupNorm kernels take 50.9 and the convolutions 32.3; eager channels-last 142.0 ms: its
+    convolutions take 17.1 ms, but 59.0 ms of layout copies are added around PyTorch's NCHW-only
+    GroupNorm; compiled channels-last 38.3 ms. comfy-kitchen's kernel normalises channels-last
+    tensors in place of both.
     """
     if not isinstance(vae, Flux2VAE):
         raise TypeError(f"enable_fast_vae expects a Flux2VAE, got {type(vae).__name__}")
     disable_fast_vae(vae)
     layout = compile if channels_last is None else channels_last
+    fused = (not compile) if fused_norm is None else fused_norm
     vae.set_decode_format(dtype=dtype or vae.dtype, channels_last=layout)
+    if fused:
+        _set_vae_norms(vae, FastVAENorm())
     if compile:
         _compile_group([vae.decoder], "VAE decoder", mode=compile_mode, backend=compile_backend)
         _compile_group([vae.encoder], "VAE encoder", mode=compile_mode, backend=compile_backend)
-    logger.info("VAE: decoder in %s, %s%s", vae.decoder_dtype, "channels-last" if layout else "NCHW",
+    logger.info("VAE: decoder in %s, %s%s%s", vae.decoder_dtype, "channels-last" if layout else "NCHW",
+                ", GroupNorm+SiLU fused where the device allows" if fused else "",
                 ", encoder and decoder compiled on first use" if compile else "")
 
 
 def disable_fast_vae(vae: Flux2VAE) -> None:
-    """Back to the plain decode: the decoder in the model dtype (the encoder's), NCHW, not compiled.
+    """Back to the plain decode: the decoder in the model dtype (the encoder's), NCHW, not compiled,
+    plain GroupNorms.
 
     Weights that :func:`enable_fast_vae` rounded to a lower precision stay rounded; reload the VAE
     for bit-exact decoding in the original precision.
@@ -547,10 +627,12 @@ def disable_fast_vae(vae: Flux2VAE) -> None:
     vae.__dict__.pop(SPEED_ATTR, None)
     _uncompile(vae.decoder)
     _uncompile(vae.encoder)
+    _set_vae_norms(vae, None)
     vae.set_decode_format(dtype=vae.dtype, channels_last=False)
 
 
 __all__ = [
-    "ATTENTION_BACKENDS", "AUTO_ATTENTION", "FastOps", "FastSettings", "auto_attention", "disable_fast_paths",
+    "ATTENTION_BACKENDS", "AUTO_ATTENTION", "FastOps", "FastSettings", "FastVAENorm", "auto_attention",
+    "disable_fast_paths",
     "disable_fast_vae", "enable_fast_paths", "enable_fast_vae", "is_compiled",
 ]

@@ -2,8 +2,10 @@
 
 Two steps of every block run through it when :func:`klein_core.accel.enable_fast_paths` asks for
 fused kernels: ``rms_rope`` (per-head RMSNorm of q and k, then interleaved RoPE, one pass) and
-``adaln`` (LayerNorm, then ``(1 + scale) * x + shift``, one pass). comfy-kitchen picks its backend
-per call (its CUDA kernels on NVIDIA GPUs, Triton, or its eager PyTorch code on the CPU).
+``adaln`` (LayerNorm, then ``(1 + scale) * x + shift``, one pass). In the VAE,
+:func:`klein_core.accel.enable_fast_vae` runs each GroupNorm and the SiLU after it as one
+``group_norm_silu_pad3d``. comfy-kitchen picks its backend per call (its CUDA kernels on NVIDIA
+GPUs, Triton, or its eager PyTorch code on the CPU).
 
 Optional: ``pip install "klein-nodes[kernels]"``; inside ComfyUI it is already installed (ComfyUI
 requires it). Without it the fast paths run these steps on the plain PyTorch path.
@@ -114,4 +116,28 @@ class KitchenOps(BlockOps):
         return q_all.transpose(1, 2), k_all.transpose(1, 2)
 
 
-__all__ = ["INSTALL_HINT", "KitchenOps", "freqs_cis", "kitchen_available"]
+def kitchen_serves_group_norm(channels: int, groups: int, batch: int) -> bool:
+    """Whether comfy-kitchen's CUDA GroupNorm kernel takes this shape (its own rule, read from
+    comfy-kitchen 0.2.36's ``group_norm_silu_pad3d``): other shapes go to its eager code, which is
+    the plain path plus a layout copy, so klein_core runs the plain path for them instead. The
+    FLUX.2 VAE's widths (128, 256, 512) qualify; the small decoder's 96 does not."""
+    return (channels % 8 == 0 and 256 % (channels // 8) == 0 and channels % groups == 0
+            and groups <= 1024 and batch <= 65535)
+
+
+def group_norm_silu(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, groups: int, eps: float, silu: bool
+) -> torch.Tensor:
+    """GroupNorm of ``x`` ``[B, C, H, W]`` (statistics in float32), then SiLU when ``silu``, in one
+    pass through comfy-kitchen's ``group_norm_silu_pad3d`` (a video kernel, given one frame and no
+    padding). Returns ``[B, C, H, W]`` channels-last, the layout it writes (and cuDNN's tensor-core
+    convolutions read)."""
+    ck = _kitchen()
+    with _device_guard(x.device):
+        y = ck.group_norm_silu_pad3d(x.unsqueeze(2), weight, bias, groups, eps, (0, 0, 0, 0, 0), silu)
+    return y.squeeze(2)
+
+
+__all__ = [
+    "INSTALL_HINT", "KitchenOps", "freqs_cis", "group_norm_silu", "kitchen_available", "kitchen_serves_group_norm",
+]

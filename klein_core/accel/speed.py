@@ -3,9 +3,10 @@ CLI's ``--speed`` choose.
 
 =========== ==================================================================================
 fast        (the nodes' and the CLI's default) :func:`~klein_core.accel.fast.enable_fast_paths`
-            with ``attention="auto"`` and comfy-kitchen's fused kernels; the VAE runs its plain
-            decode (the eager channels-last decode measured slower). No compilation. On the CPU
-            this is exactly the plain path.
+            with ``attention="auto"`` and comfy-kitchen's fused kernels, in the VAE too
+            (:func:`~klein_core.accel.fast.enable_fast_vae` with ``compile=False``: GroupNorm and
+            SiLU in one kernel, channels-last). No compilation. On the CPU this is exactly the
+            plain path.
 compile     ``fast`` plus ``torch.compile`` of each transformer block kind and of the VAE encoder
             and decoder. The first run at each size compiles (logged). On an H100 (2026-11-26),
             Klein 4B 1024x1024: the VAE decoder alone 21 s cold; the whole first run 12.2 s with
@@ -63,10 +64,10 @@ def apply_speed(
             enable_fast_paths(transformer, compile=speed == "compile")
         setattr(transformer, SPEED_ATTR, speed)
     if isinstance(vae, Flux2VAE) and speed_of(vae) != speed:
-        if speed == "compile":
-            enable_fast_vae(vae, compile=True)
-        else:  # the eager fast decode is the plain one
+        if speed == "plain":
             disable_fast_vae(vae)
+        else:
+            enable_fast_vae(vae, compile=speed == "compile")
         setattr(vae, SPEED_ATTR, speed)
 
 

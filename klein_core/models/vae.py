@@ -22,6 +22,7 @@ include both steps, so they speak the transformer's ``[B, 128, H/16, W/16]`` lat
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -106,8 +107,34 @@ class VAEConfig:
 # Building blocks (BFL names)
 
 
-def _norm(channels: int, cfg: VAEConfig) -> nn.GroupNorm:
-    return nn.GroupNorm(cfg.norm_groups, channels, eps=cfg.norm_eps, affine=True)
+class GroupNormAct(nn.GroupNorm):
+    """GroupNorm, then SiLU when ``silu`` (every VAE norm but the attention block's).
+
+    The parameters are ``nn.GroupNorm``'s (``weight``, ``bias``), so files load unchanged. ``fused``
+    is None on the plain path; :func:`klein_core.accel.enable_fast_vae` sets it to a callable
+    ``(norm, x) -> y or None`` that computes both steps in one kernel where it can (None: the plain
+    steps run). Input and output ``[B, C, H, W]``; a fused output may be channels-last.
+    """
+
+    def __init__(self, num_groups: int, num_channels: int, eps: float, silu: bool) -> None:
+        super().__init__(num_groups, num_channels, eps=eps, affine=True)
+        self.silu = silu
+        self.fused: Callable[[GroupNormAct, torch.Tensor], torch.Tensor | None] | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused is not None:
+            y = self.fused(self, x)
+            if y is not None:
+                return y
+        y = F.group_norm(x, self.num_groups, self.weight, self.bias, self.eps)
+        return F.silu(y) if self.silu else y
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, silu={self.silu}"
+
+
+def _norm(channels: int, cfg: VAEConfig, silu: bool = True) -> GroupNormAct:
+    return GroupNormAct(cfg.norm_groups, channels, cfg.norm_eps, silu)
 
 
 class _ResnetBlock(nn.Module):
@@ -120,8 +147,8 @@ class _ResnetBlock(nn.Module):
         self.nin_shortcut = nn.Conv2d(in_ch, out_ch, 1) if in_ch != out_ch else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.conv1(F.silu(self.norm1(x)))
-        h = self.conv2(F.silu(self.norm2(h)))
+        h = self.conv1(self.norm1(x))  # the norms include the SiLU
+        h = self.conv2(self.norm2(h))
         if self.nin_shortcut is not None:
             x = self.nin_shortcut(x)
         return x + h
@@ -132,7 +159,7 @@ class _AttnBlock(nn.Module):
 
     def __init__(self, channels: int, cfg: VAEConfig) -> None:
         super().__init__()
-        self.norm = _norm(channels, cfg)
+        self.norm = _norm(channels, cfg, silu=False)
         self.q = nn.Conv2d(channels, channels, 1)
         self.k = nn.Conv2d(channels, channels, 1)
         self.v = nn.Conv2d(channels, channels, 1)
@@ -227,7 +254,7 @@ class _Encoder(nn.Module):
         for level in self.down:
             h = level(h)
         h = self.mid(h)
-        h = self.conv_out(F.silu(self.norm_out(h)))
+        h = self.conv_out(self.norm_out(h))  # norm_out includes the SiLU
         return self.quant_conv(h)  # (B, 2z, H/8, W/8) moments
 
 
@@ -253,7 +280,7 @@ class _Decoder(nn.Module):
         h = self.mid(h)
         for level in reversed(self.up):
             h = level(h)
-        return self.conv_out(F.silu(self.norm_out(h)))
+        return self.conv_out(self.norm_out(h))  # norm_out includes the SiLU
 
 
 class _LatentBatchNorm(nn.Module):
@@ -403,4 +430,4 @@ class Flux2VAE(nn.Module):
         return self.decoder(z)
 
 
-__all__ = ["BN_EPS", "Flux2VAE", "PATCH", "VAEConfig", "patchify", "unpatchify"]
+__all__ = ["BN_EPS", "Flux2VAE", "GroupNormAct", "PATCH", "VAEConfig", "patchify", "unpatchify"]

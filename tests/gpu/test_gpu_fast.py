@@ -137,6 +137,27 @@ def test_fast_vae_decode(gpu, parity):
     assert rel < (0.05 if gpu.half else 1e-5), rel
 
 
+def test_fused_vae_group_norm(gpu, parity, fused_here):
+    """``speed="fast"``'s VAE: comfy-kitchen's GroupNorm + SiLU kernel (half precision; bf16 in the
+    CPU mode) against the plain decode and encode. On a GPU its self-check must pass."""
+    dtype = gpu.dtype if gpu.half else torch.bfloat16
+    vae = load_small(gpu, dtype=dtype)[2]
+    lat = torch.randn(1, 128, 12, 16, generator=torch.Generator().manual_seed(0)).to(gpu.device, dtype)
+    px = (torch.rand(1, 3, 192, 256, generator=torch.Generator().manual_seed(1)) * 2 - 1).to(gpu.device, dtype)
+    with torch.no_grad():
+        plain_dec, plain_enc = vae.decode(lat), vae.encode(px)
+        try:
+            fast.enable_fast_vae(vae, compile=False)
+            dec, enc = vae.decode(lat), vae.encode(px)
+            resolved = vae.decoder.norm_out.fused.resolved()
+        finally:
+            fast.disable_fast_vae(vae)
+    assert resolved == {f"{gpu.device} {dtype}": True}, resolved
+    for name, out, ref in (("decode", dec, plain_dec), ("encode", enc, plain_enc)):
+        rel = parity(tag(gpu, f"fused GroupNorm+SiLU VAE {name} vs plain, relative L2"), rel_l2(out, ref))
+        assert rel < 0.05, (name, rel)
+
+
 def test_generate_with_every_fast_path(gpu, parity):
     tr, te, vae = load_small(gpu)
     kw = {"prompt": "a fox", "width": gpu.size, "height": gpu.size, "steps": 4, "seed": 3, "cache": None}
