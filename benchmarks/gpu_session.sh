@@ -1,26 +1,39 @@
 #!/usr/bin/env bash
-# One GPU session in one device call: environment record, carried packages, the GPU test suite, benchmarks.
+# One GPU session in one device call: environment record, carried packages, benchmarks, the GPU test suite.
 #
 #   bash benchmarks/gpu_session.sh [--dry-run] [PHASE ...]
 #
 # A session is lent 15 minutes of device time in all, the machine's start (1-2 min) included, and
 # a command may run 10 minutes. So the default phase list is one call of at most
-# KLEIN_SESSION_BUDGET seconds (default 520), most important first:
-#   speed4b  benchmarks/speed.py 4B cases a,b (diffusers, diffusers+compile, plain, default, compile),
-#            then case c (base 50 steps CFG: diffusers, default, default+step_cache, compile)  ~4.5 min
-#   tests    pytest tests/gpu with no environment variable (nodes test included when the
-#            ComfyUI host was carried)                                                      ~1.5 min
-#   speed9b  benchmarks/speed.py 9B cases a,b (diffusers, default)                         ~1 min
-#   vae      benchmarks/vae_decode.py (every decode layout, profiled)                      ~0.5 min
-#   warm     benchmarks/speed.py 4B case a, compile only, in a new process: the first call
-#            with torch's on-disk compile cache warm from speed4b                          ~0.5 min
-# Optional phases: peer (benchmarks/comfy_peer.py, ComfyUI's own FLUX.2 per step, 4B), kernels
-# (benchmarks/kernels.py), memory (benchmarks/memory.py, kv_reuse.py). Pass phases to choose.
+# KLEIN_SESSION_BUDGET seconds (default 540; run it with timeout_s=570), most important first.
+# Seconds: what the same commands took before on an H100 (2026-11-26) where measured, otherwise an
+# estimate from those runs (marked ~est); they are no promise, a new machine starts with torch's
+# compile cache cold:
+#   speed4b   benchmarks/speed.py 4B cases a,b (diffusers, diffusers+compile, plain, default, compile;
+#             2 timed runs): 96 s measured with 1 run and the compile cache warm, ~135 est cold;
+#             then case c (base, 50 steps, CFG: diffusers, diffusers+compile, default, compile;
+#             1 run): 75 s measured for diffusers/default/default+step_cache, ~100 est
+#   speed9b   benchmarks/speed.py 9B cases a,b (diffusers, diffusers+compile, default, compile; 1 run):
+#             36 s measured for diffusers/default with 2 runs, ~100 est with the compiled variants
+#   tests     pytest tests/gpu with no KLEIN_GPU_TESTS_* variable (the nodes test runs in the
+#             ComfyUI host when .devpack carried it): 93 s measured
+#   memory9b  benchmarks/memory.py 9B 1024x1024 edit with one reference (edit1024), bf16, speed fast:
+#             resident, swap and blocks with no cap first, then every memory mode under --cap-gb 12, each timed
+#             against the uncapped resident run: never measured, ~80 est (starts only with 60 s left)
+#   vae       benchmarks/vae_decode.py eager decode layouts (plain, fast, ...) profiled, no compiled
+#             ones (speed.py's compile variant times the compiled decode): ~20 est, 54 s measured
+#             with the compiled variants (starts only with 30 s left)
+# Optional phases (name them; none is in the default list): warm (speed.py 4B case a, compile only,
+# in a new process: the first call with torch's on-disk compile cache warm, 27 s), peer
+# (benchmarks/comfy_peer.py, ComfyUI's own FLUX.2 per step, 4B, ~30 s), kernels (benchmarks/kernels.py),
+# memory (memory.py 4B under --cap-gb 8 in bf16 and fp8, then kv_reuse.py). `all` = the default list.
 #
 # Always: $OUT/env.json (GPU, driver, torch, packages, date) and $OUT/session.log (every step's
 # output, then the summary: exit code and seconds of each step; the summary is also printed last).
 # Each step has its own timeout and no step starts once the budget is spent; a failing step never
-# stops the others. At most 8 files land in $OUT (what the device tool returns).
+# stops the others. The device tool returns at most 8 files: the default list writes 8 (session.log,
+# env.json, speed_4b_ab.json, speed_4b_c.json, speed_9b_ab.json, parity.json, memory_9b_cap12.json,
+# vae_decode.json); the summary's last line counts them.
 #
 # --dry-run runs the same steps on the CPU with the scripts' tiny options, to catch argument errors
 # before spending device time (KLEIN_GPU_TESTS_DEVICE=cpu for the suite).
@@ -39,20 +52,21 @@ mkdir -p "$OUT"
 PY="${PYTHON:-python3}"
 DRY=0
 PHASES=()
-ALL=(speed4b speed9b vae tests warm)
+ALL=(speed4b speed9b tests memory9b vae)
+OPTIONAL=(warm peer kernels memory)
 for arg in "$@"; do
     case "$arg" in
         --dry-run) DRY=1 ;;
-        speed4b|tests|speed9b|vae|warm|peer|kernels|memory) PHASES+=("$arg") ;;
+        speed4b|speed9b|tests|memory9b|vae|warm|peer|kernels|memory) PHASES+=("$arg") ;;
         all) PHASES+=("${ALL[@]}") ;;
         -h|--help) sed -n '2,/^$/p' "${BASH_SOURCE[0]}"; exit 0 ;;
-        *) echo "unknown argument '$arg' (phases: ${ALL[*]} peer kernels memory all; option --dry-run)" >&2
+        *) echo "unknown argument '$arg' (phases: ${ALL[*]} ${OPTIONAL[*]} all; option --dry-run)" >&2
            exit 2 ;;
     esac
 done
 [ ${#PHASES[@]} -eq 0 ] && PHASES=("${ALL[@]}")
 # the device limit does not apply to a CPU dry run
-if [ "$DRY" -eq 1 ]; then BUDGET="${KLEIN_SESSION_BUDGET:-3600}"; else BUDGET="${KLEIN_SESSION_BUDGET:-520}"; fi
+if [ "$DRY" -eq 1 ]; then BUDGET="${KLEIN_SESSION_BUDGET:-3600}"; else BUDGET="${KLEIN_SESSION_BUDGET:-540}"; fi
 
 export PYTHONUNBUFFERED=1
 LOG="$OUT/session.log"
@@ -61,15 +75,19 @@ SUMMARY="$(mktemp)"
 echo "gpu_session phases=${PHASES[*]} dry_run=$DRY budget=${BUDGET}s start=$(date -u +%Y-%m-%dT%H:%M:%SZ)" \
     | tee -a "$SUMMARY"
 
-# step NAME TIMEOUT COMMAND...: run with a timeout (cut to what the budget has left), output to the log.
+# [NEED=S] step NAME TIMEOUT COMMAND...: run with a timeout (cut to what the budget has left), output to
+# the log; skipped when less than NEED seconds (default 20) of the budget are left.
 step() {
-    local name="$1" limit="$2"
+    local name="$1" limit="$2" need="${NEED:-20}"
     shift 2
     local left=$((BUDGET - SECONDS))
-    if [ "$left" -lt 20 ]; then
-        echo "$name rc=skipped (session budget of ${BUDGET}s used up)" | tee -a "$SUMMARY"
+    if [ "$left" -lt "$need" ]; then
+        echo "$name rc=skipped (${left}s of the session budget of ${BUDGET}s left, it needs ${need}s)" \
+            | tee -a "$SUMMARY"
         return 0
     fi
+    # the CPU dry run checks arguments, not timings: the suite alone takes minutes on a few CPU cores
+    [ "$DRY" -eq 1 ] && limit=$((limit * 4))
     [ "$limit" -gt "$left" ] && limit="$left"
     echo "=== $name (timeout ${limit}s): $*" | tee -a "$LOG"
     local t0=$SECONDS
@@ -147,13 +165,24 @@ runs() {  # timed runs and warm-ups of speed.py, or its tiny CPU form
 
 no_diffusers() { if has_diffusers; then echo ""; else echo "--no-diffusers"; fi; }
 
+# speed.py variants: `default` is what the nodes and the CLI run (speed="fast"), `compile` is fast + compile,
+# `diffusers` / `diffusers+compile` diffusers as it comes / at its best. The step cache (default+step_cache)
+# is left out: on random weights it skips almost nothing (2 of 50 steps, 2026-11-26).
+BENCH="diffusers,diffusers+compile,default,compile"
+
 phase_speed4b() {
     # shellcheck disable=SC2046
-    step speed_4b_ab 230 "$PY" benchmarks/speed.py --models 4b --cases a,b $(runs 2) $(no_diffusers) \
-        --variants diffusers,diffusers+compile,plain,default,compile --out "$OUT/speed_4b_ab.json"
+    step speed_4b_ab 200 "$PY" benchmarks/speed.py --models 4b --cases a,b $(runs 2) $(no_diffusers) \
+        --variants "$BENCH,plain" --out "$OUT/speed_4b_ab.json"
     # shellcheck disable=SC2046
-    step speed_4b_c 120 "$PY" benchmarks/speed.py --models 4b --cases c $(runs 1) $(no_diffusers) \
-        --variants diffusers,default,default+step_cache --out "$OUT/speed_4b_c.json"
+    step speed_4b_c 150 "$PY" benchmarks/speed.py --models 4b --cases c $(runs 1) $(no_diffusers) \
+        --variants "$BENCH" --out "$OUT/speed_4b_c.json"
+}
+
+phase_speed9b() {
+    # shellcheck disable=SC2046
+    step speed_9b_ab 160 "$PY" benchmarks/speed.py --models 9b --cases a,b $(runs 1) $(no_diffusers) \
+        --variants "$BENCH" --out "$OUT/speed_9b_ab.json"
 }
 
 phase_tests() {
@@ -162,16 +191,20 @@ phase_tests() {
     step tests 150 env "${env_vars[@]}" "$PY" -m pytest -q -p no:cacheprovider -rs --durations=10 tests/gpu
 }
 
-phase_speed9b() {
-    # shellcheck disable=SC2046
-    step speed_9b_ab 110 "$PY" benchmarks/speed.py --models 9b --cases a,b $(runs 2) $(no_diffusers) \
-        --variants diffusers,default --out "$OUT/speed_9b_ab.json"
+phase_memory9b() {
+    # resident (the reference time), swap and blocks with no cap, then every mode under a 12 GB cap, at speed fast
+    local -a dev=()
+    [ "$DRY" -eq 1 ] && dev=(--tiny --device cpu)
+    NEED=60 step memory_9b_cap12 150 "$PY" benchmarks/memory.py --models 9b --precision bf16 \
+        --cases edit1024 --cap-gb 12 --uncapped-modes swap,blocks --speed fast "${dev[@]}" --out "$OUT/memory_9b_cap12.json"
 }
 
 phase_vae() {
+    # eager layouts only: the compiled decode is timed by speed.py's compile variant (and costs ~20 s cold)
     local -a tiny=()
-    [ "$DRY" -eq 1 ] && tiny=(--tiny --runs 1 --warmup 1 --no-compile)
-    step vae_decode 80 "$PY" benchmarks/vae_decode.py "${tiny[@]}" --out "$OUT/vae_decode.json"
+    [ "$DRY" -eq 1 ] && tiny=(--tiny --runs 1 --warmup 1)
+    NEED=30 step vae_decode 90 "$PY" benchmarks/vae_decode.py --no-compile "${tiny[@]}" \
+        --out "$OUT/vae_decode.json"
 }
 
 phase_warm() {
@@ -213,6 +246,10 @@ for phase in "${PHASES[@]}"; do
     "phase_$phase"
 done
 echo "end=$(date -u +%Y-%m-%dT%H:%M:%SZ) total_seconds=$SECONDS" >> "$SUMMARY"
+files=$(find "$OUT" -maxdepth 1 -type f | wc -l)
+over=""
+[ "$files" -gt 8 ] && over="; over 8: the device tool returns 8"
+echo "files in \$OUT: $files ($(ls "$OUT" | tr '\n' ' '))$over" >> "$SUMMARY"
 # the printed tables of every benchmark, then the summary: what the device tool's output tail shows
 grep -v -E '^20[0-9]{2}-[0-9]{2}-|^[[:space:]]*$|[Ww]arning|warnings\.warn|^  warn' "$LOG" | tail -c 9000
 echo "--- summary"

@@ -7,12 +7,20 @@ encoder -> reference encode -> denoise -> decode) through :class:`klein_core.eng
 recording ``torch.cuda.max_memory_allocated`` and wall time per stage next to the estimate of
 :mod:`klein_core.memory.planner`. ``--cap-gb`` limits the allocator with
 ``torch.cuda.set_per_process_memory_fraction`` to emulate a smaller card (``auto`` then plans for
-that size). Prints a table and writes JSON to ``--out``.
+that size). ``--uncapped-resident`` first runs each case in ``resident`` mode with no cap at all
+(the allocator's fraction at 1.0, the planner given the card's measured free memory) and then every
+``--modes`` mode under the cap, so every mode's time is also reported as a ratio to the uncapped
+resident run (``time_over_uncapped_resident``, per row and in the summary). Without ``--cap-gb``
+the ``resident`` row of ``--modes`` is that baseline. The components run at ``--speed`` (default
+``fast``: what the nodes and the CLI run, :mod:`klein_core.accel.speed`). Prints a table and
+writes JSON to ``--out``; a mode that fails is recorded with its error while the others still run
+(exit code 1), and an interrupt (the GPU session's timeout sends SIGINT) writes the rows so far.
 
 Usage::
 
     python benchmarks/memory.py --out memory.json                       # 4B and 9B, bf16, all modes
     python benchmarks/memory.py --models 4b --precision fp8 --cap-gb 8 --modes auto --out m8.json
+    python benchmarks/memory.py --models 9b --cases edit1024 --cap-gb 12 --uncapped-resident --out m9.json
     python benchmarks/memory.py --tiny --device cpu --out /tmp/m.json   # smoke test (no GPU)
 
 The targets it checks (issue 6): Klein 4B 1024x1024 edit with one reference within 8 GB in auto
@@ -28,6 +36,7 @@ import json
 import platform
 import sys
 import time
+import traceback
 from collections.abc import Iterator
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -40,6 +49,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from klein_core import testing as demo  # noqa: E402
+from klein_core.accel.speed import DEFAULT_SPEED, SPEEDS, apply_speed, describe_speed  # noqa: E402
 from klein_core.engine import Engine  # noqa: E402
 from klein_core.errors import KleinOutOfMemory  # noqa: E402
 from klein_core.memory.placement import pin_memory_  # noqa: E402
@@ -96,7 +106,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--tiny", action="store_true", help="tiny random models (CPU smoke test)")
     ap.add_argument("--free-gb", type=float, default=None,
                     help="free memory the planner assumes (default: measured, or --cap-gb)")
+    ap.add_argument("--speed", choices=SPEEDS, default=DEFAULT_SPEED,
+                    help=f"klein_core.accel.speed of the transformer and VAE (default {DEFAULT_SPEED}: "
+                         "what the nodes and the CLI run)")
+    ap.add_argument("--uncapped-resident", action="store_true",
+                    help="per case, first run resident with no allocator cap (planner given the measured "
+                         "free memory), then the modes under --cap-gb; times are reported as ratios to it")
+    ap.add_argument("--uncapped-modes", default="",
+                    help="comma list of modes also run with no cap after the uncapped resident run (implies "
+                         "--uncapped-resident), e.g. swap,blocks,minimum: each mode's time over resident, "
+                         "for modes the cap refuses")
     args = ap.parse_args(argv)
+    args.uncapped_modes = _split(args.uncapped_modes, MODES, "mode") if args.uncapped_modes else []
+    if args.uncapped_modes:
+        args.uncapped_resident = True
     args.models = _split(args.models, MODELS, "model")
     args.precision = _split(args.precision, ("bf16", "fp8"), "precision")
     args.cases = _split(args.cases, CASES, "case")
@@ -234,53 +257,86 @@ def main(argv: list[str] | None = None) -> dict:
         env.update(gpu=props.name, total_gb=props.total_memory / GB,
                    capability=list(torch.cuda.get_device_capability(device)))
         env["cap_gb"] = args.cap_gb
-    results = []
+    env["speed"] = args.speed
+    env["speed_resolved"] = {}
+    results: list[dict] = []
+    interrupted = False
+    try:
+        _measure(args, device, dtype, env, results)
+    except KeyboardInterrupt:  # the GPU session's timeout (SIGINT): keep the rows measured so far
+        interrupted = True
+        print("interrupted: writing the rows measured so far", flush=True)
+    report = {"env": env, "results": results, "summary": summarize(results)}
+    if interrupted:
+        report["interrupted"] = True
+    for line in report["summary"]["lines"]:
+        print(line)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1))
+    if interrupted:
+        raise SystemExit(130)
+    return report
+
+
+def _measure(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, env: dict,
+             results: list[dict]) -> None:
+    """Every model, precision, case and mode of ``args``: one row each appended to ``results`` as it is
+    measured (``--uncapped-resident`` first per case)."""
     for model in args.models:
         for precision in args.precision:
             _cap(device, None)  # the components are built on the GPU, then moved to pinned CPU memory
             tr, te, vae = build_components(model, precision, device, dtype)
+            apply_speed(tr, vae, args.speed)  # what the nodes and the CLI do after loading (in place)
             comps = {"text_encoder": te, "transformer": tr, "vae": vae}
             sizes = ModelSizes.from_modules(tr, te, vae)
             _home(comps)
-            _cap(device, args.cap_gb)
             for case in args.cases:
                 req = _tiny_request(CASES[case]) if model == "tiny" else CASES[case]
                 est = estimate(req, sizes)
-                free = _free_bytes(args, device)
-                for mode in args.modes:
+                runs: list[tuple[str, float | None, bool]] = [(mode, args.cap_gb, False) for mode in args.modes]
+                if args.uncapped_resident:  # first: the reference of every time below, then other uncapped modes
+                    uncapped = ["resident", *(m for m in args.uncapped_modes if m != "resident")]
+                    runs = [(m, None, True) for m in uncapped] + runs
+                case_rows: list[dict] = []
+                for mode, cap_gb, extra in runs:
+                    _cap(device, cap_gb)
+                    free = _free_bytes(args, device) if cap_gb is not None else _measured_free(device)
                     plan = choose_plan(est, free, mode=mode)
                     row = {"model": model, "precision": precision, "case": case, "mode": mode,
-                           "request": asdict(req), "plan": plan.name, "placements": dict(plan.placements),
-                           "vae_tile": plan.vae_tile, "fits": plan.fits, "reason": plan.reason,
-                           "free_bytes": free, "estimated_peak": plan.peak_bytes,
+                           "cap_gb": cap_gb, "uncapped_run": extra,
+                           "speed": args.speed, "request": asdict(req), "plan": plan.name,
+                           "placements": dict(plan.placements), "vae_tile": plan.vae_tile, "fits": plan.fits,
+                           "reason": plan.reason, "free_bytes": free, "estimated_peak": plan.peak_bytes,
                            "estimated_stages": est.stage_peaks(plan)}
                     try:
                         run_generation(comps, req, plan, device, args.steps)  # warm-up (first moves, kernels)
                         row.update(run_generation(comps, req, plan, device, args.steps))
                     except (torch.OutOfMemoryError, KleinOutOfMemory) as exc:  # refused up front, or ran out
                         row.update(oom=str(exc).splitlines()[0])
+                    except Exception as exc:  # noqa: BLE001 - one failing mode must not lose the other rows
+                        traceback.print_exc()
+                        row.update(error=f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}")
                     finally:
                         _home(comps)
                     if row.get("peak_total"):
                         row["estimate_over_measured"] = plan.peak_bytes / row["peak_total"]
+                    case_rows.append(row)
                     results.append(row)
+                    _time_ratios(case_rows)  # known as soon as the reference ran: printed with the row
                     _print_row(row)
+            env["speed_resolved"][f"{model} {precision}"] = describe_speed(tr)
             del tr, te, vae, comps
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-    report = {"env": env, "results": results, "summary": summarize(results)}
-    for line in report["summary"]["lines"]:
-        print(line)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1))
-    return report
 
 
 def summarize(results: list[dict]) -> dict:
-    """Per (model, precision, case): auto's time over resident's, and the worst estimate error."""
+    """Per (model, precision, case): auto's time over resident's (both under the same cap), the
+    worst estimate error and, where an uncapped resident run exists, every mode's time over it."""
     groups: dict[tuple, dict[str, dict]] = {}
     for r in results:
-        groups.setdefault((r["model"], r["precision"], r["case"]), {})[r["mode"]] = r
+        key = f"{r['mode']}{UNCAPPED}" if r.get("uncapped_run") else r["mode"]
+        groups.setdefault((r["model"], r["precision"], r["case"]), {})[key] = r
     out, lines = [], []
     for (model, precision, case), rows in groups.items():
         entry: dict = {"model": model, "precision": precision, "case": case}
@@ -292,10 +348,36 @@ def summarize(results: list[dict]) -> dict:
         ratios = [r["estimate_over_measured"] for r in rows.values() if r.get("estimate_over_measured")]
         if ratios:
             entry["estimate_error_worst"] = max(abs(x - 1) for x in ratios)
+        timed = {k: r["time_over_uncapped_resident"] for k, r in rows.items()
+                 if "time_over_uncapped_resident" in r}
+        reference = next((k for k, r in rows.items() if r.get("time_reference")), None)
+        if reference is not None:
+            entry["uncapped_resident_s"] = rows[reference]["total_s"]
+            entry["time_over_uncapped_resident"] = timed
         out.append(entry)
-        lines.append(f"{model} {precision} {case}: " + ", ".join(
-            f"{k} {v:.3f}" for k, v in entry.items() if isinstance(v, float)))
+        text = [f"{k} {v:.3f}" for k, v in entry.items() if isinstance(v, float)]
+        text += [f"{k}/uncapped-resident {v:.2f}x" for k, v in timed.items() if k != reference]
+        text += [f"{k} not run ({(r.get('oom') or r['error'])[:60]})" for k, r in rows.items()
+                 if "oom" in r or "error" in r]
+        lines.append(f"{model} {precision} {case}: " + ", ".join(text))
     return {"groups": out, "lines": lines}
+
+
+UNCAPPED = "(uncapped)"  # suffix of the uncapped runs' names in the summary (beside the capped modes)
+
+
+def _time_ratios(rows: list[dict]) -> None:
+    """Every timed row of one case gets its total and denoise time over the uncapped resident run's:
+    --uncapped-resident's first run, else (no --cap-gb) the resident mode's row. In place."""
+    base = next((r for r in rows if r["mode"] == "resident" and r.get("cap_gb") is None and "total_s" in r),
+                None)
+    if base is None:
+        return
+    base["time_reference"] = True
+    for r in rows:
+        if "total_s" in r:
+            r["time_over_uncapped_resident"] = r["total_s"] / base["total_s"]
+            r["denoise_over_uncapped_resident"] = r["time_s"]["denoise"] / base["time_s"]["denoise"]
 
 
 def _cap(device: torch.device, cap_gb: float | None) -> None:
@@ -313,6 +395,11 @@ def _free_bytes(args: argparse.Namespace, device: torch.device) -> int:
         return int(args.free_gb * GB)
     if args.cap_gb is not None:
         return int(args.cap_gb * GB)
+    return _measured_free(device)
+
+
+def _measured_free(device: torch.device) -> int:
+    """What the card really has free (ignores --cap-gb and --free-gb): the uncapped run plans with it."""
     if device.type == "cuda":
         return int(torch.cuda.mem_get_info(device)[0])
     return int(64 * GB)  # CPU smoke test: pretend a big card
@@ -324,12 +411,16 @@ def _gb(v: int | None) -> str:
 
 def _print_row(r: dict) -> None:
     tile = f"t{r['vae_tile']}" if r["vae_tile"] else "  -"
-    measured = "OOM" if "oom" in r else _gb(r.get("peak_total"))
+    measured = "OOM" if "oom" in r else "ERROR" if "error" in r else _gb(r.get("peak_total"))
     ratio = f"{r['estimate_over_measured']:.2f}" if r.get("estimate_over_measured") else "  -"
     secs = f"{r['total_s']:.2f}s" if "total_s" in r else "-"
-    print(f"{r['model']:>4} {r['precision']:>4} {r['case']:>12} {r['mode']:>8} | {r['plan']:<34} {tile:>4} | "
-          f"est {_gb(r['estimated_peak'])} GB  measured {measured} GB  est/meas {ratio} | {secs}", flush=True)
+    cap = "no cap" if r.get("cap_gb") is None else f"cap {r['cap_gb']:g}G"
+    vs = r.get("time_over_uncapped_resident")
+    vs = f" ({vs:.2f}x uncapped resident)" if vs is not None else ""
+    print(f"{r['model']:>4} {r['precision']:>4} {r['case']:>12} {r['mode']:>8} {cap:>9} | {r['plan']:<34} "
+          f"{tile:>4} | est {_gb(r['estimated_peak'])} GB  measured {measured} GB  est/meas {ratio} | "
+          f"{secs}{vs}", flush=True)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(1 if any("error" in r for r in main()["results"]) else 0)  # the rows are written either way

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -249,6 +250,12 @@ def test_memory_benchmark_arguments_and_builders():
         mem.parse_args(["--out", "x.json", "--models", "30b"])
     with pytest.raises(SystemExit):
         mem.parse_args(["--out", "x.json", "--modes", "turbo"])
+    # by default it runs what the nodes and the CLI run
+    assert args.speed == "fast" and not args.uncapped_resident
+    args = mem.parse_args(["--out", "x.json", "--speed", "plain", "--uncapped-resident", "--cap-gb", "12"])
+    assert args.speed == "plain" and args.uncapped_resident
+    with pytest.raises(SystemExit):
+        mem.parse_args(["--out", "x.json", "--speed", "turbo"])
     # The fast builder on CPU at a small size: meta -> to_empty -> random init, bf16, no NaN.
     small = TransformerConfig(hidden_size=64, num_heads=2, depth=1, depth_single=1, context_dim=96,
                               mlp_hidden=192, axes_dim=(8, 8, 8, 8))
@@ -273,6 +280,129 @@ def test_memory_benchmark_tiny_cpu(tmp_path, capsys):
         assert r["finite"] and r["fits"] and set(r["time_s"]) == {"text", "references", "denoise", "decode"}
         assert r["peak_total"] is None  # no CUDA memory statistics on the CPU
         assert r["estimated_peak"] == max(r["estimated_stages"].values())
+
+
+def test_memory_benchmark_uncapped_resident_tiny_cpu(tmp_path, capsys):
+    """--uncapped-resident: resident first with no cap, then every mode under the cap, each timed
+    against it (rows, printed table and summary)."""
+    mem = _memory_module()
+    out = tmp_path / "memory.json"
+    mem.main(["--tiny", "--device", "cpu", "--steps", "1", "--cases", "edit1024", "--modes",
+              "auto,resident,minimum", "--cap-gb", "12", "--uncapped-modes", "blocks", "--out", str(out)])
+    printed = capsys.readouterr().out
+    saved = json.loads(out.read_text())
+    rows = saved["results"]
+    assert [(r["mode"], r["cap_gb"], r["uncapped_run"]) for r in rows] == [
+        ("resident", None, True), ("blocks", None, True), ("auto", 12, False), ("resident", 12, False),
+        ("minimum", 12, False)]
+    assert rows[1]["free_bytes"] == 64 * 10**9 and rows[1]["plan"] == "stream transformer blocks"
+    rows = [rows[0], *rows[2:]]  # the capped rows below, against the resident reference
+    assert saved["env"]["speed"] == "fast" and all(r["speed"] == "fast" for r in rows)
+    assert saved["env"]["speed_resolved"]["tiny bf16"].startswith("fast")
+    base = rows[0]
+    assert base["time_reference"] and base["free_bytes"] == 64 * 10**9  # measured free, not the 12 GB cap
+    assert all(r["free_bytes"] == 12 * 10**9 for r in rows[1:])
+    for r in rows:
+        assert r["finite"] and r["total_s"] > 0
+        assert r["time_over_uncapped_resident"] > 0 and r["denoise_over_uncapped_resident"] > 0
+        assert r["time_over_uncapped_resident"] == pytest.approx(r["total_s"] / base["total_s"])
+        assert r["denoise_over_uncapped_resident"] == pytest.approx(
+            r["time_s"]["denoise"] / base["time_s"]["denoise"])
+    assert base["time_over_uncapped_resident"] == 1.0
+    (group,) = saved["summary"]["groups"]
+    assert group["uncapped_resident_s"] == base["total_s"]
+    assert set(group["time_over_uncapped_resident"]) == {
+        "resident(uncapped)", "blocks(uncapped)", "auto", "resident", "minimum"}
+    assert group["time_over_uncapped_resident"]["minimum"] == rows[3]["time_over_uncapped_resident"]
+    assert "no cap" in printed and "cap 12G" in printed and "x uncapped resident" in printed
+    assert "minimum/uncapped-resident" in saved["summary"]["lines"][0]
+
+
+def _stand_in_cuda(monkeypatch, mem, total: int) -> list:
+    """CUDA as torch reports it on an 80 GiB card (no driver reached) for benchmarks/memory.py, with tiny
+    components; returns a one-item list holding the allocator fraction last set."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    props = SimpleNamespace(name="stand-in GPU", total_memory=total)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: props)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (70 * 10**9, total))
+    monkeypatch.setattr(torch.cuda.memory, "_lazy_init", lambda: None)
+    fraction = [None]
+    monkeypatch.setattr(torch._C, "_cuda_setMemoryFraction", lambda f, index: fraction.__setitem__(0, f),
+                        raising=False)
+    monkeypatch.setattr(mem, "build_components", lambda *a: demo.build_tiny_components())
+    monkeypatch.setattr(mem, "_home", lambda comps: None)
+    return fraction
+
+
+def _timings(total_s: float) -> dict:
+    return {"time_s": {"text": 0.1, "references": 0.1, "denoise": total_s - 0.3, "decode": 0.1},
+            "total_s": total_s, "peak_total": 10**9, "peak_bytes": {}, "finite": True}
+
+
+def test_memory_benchmark_uncapped_resident_runs_without_the_cap(monkeypatch, tmp_path):
+    """The uncapped run really has the whole card (allocator fraction 1.0, the planner given the measured
+    free memory); the modes after it run under --cap-gb."""
+    mem = _memory_module()
+    total = 80 * 2**30
+    fraction = _stand_in_cuda(monkeypatch, mem, total)
+    calls = []
+
+    def fake_generation(components, req, plan, device, steps, seed=0):
+        calls.append((plan.name, fraction[0]))
+        return _timings(2.0 if fraction[0] == 1.0 else 3.0)  # the capped runs take longer
+
+    monkeypatch.setattr(mem, "run_generation", fake_generation)
+    report = mem.main(["--out", str(tmp_path / "m.json"), "--models", "9b", "--cases", "edit1024",
+                       "--modes", "auto,minimum", "--cap-gb", "12", "--uncapped-resident"])
+    capped = 12 * 10**9 / total
+    # a warm-up and a measured generation each: resident uncapped, then the modes under the cap
+    assert [f for _, f in calls] == [1.0, 1.0, capped, capped, capped, capped]
+    assert calls[0][0] == "resident" and calls[-1][0] == "stream all blocks"
+    rows = report["results"]
+    assert [r["free_bytes"] for r in rows] == [70 * 10**9, 12 * 10**9, 12 * 10**9]
+    assert [r["time_over_uncapped_resident"] for r in rows] == [1.0, 1.5, 1.5]
+    assert report["env"]["cap_gb"] == 12 and report["env"]["gpu"] == "stand-in GPU"
+
+
+def test_memory_benchmark_keeps_the_rows_when_a_mode_fails_or_time_runs_out(monkeypatch, tmp_path, capsys):
+    """One device call runs it: a mode that raises is recorded (exit code 1, the other rows kept) and the
+    session's timeout (SIGINT) still writes the rows measured so far."""
+    mem = _memory_module()
+    _stand_in_cuda(monkeypatch, mem, 80 * 2**30)
+    out = tmp_path / "m.json"
+    argv = ["--out", str(out), "--models", "9b", "--cases", "edit1024", "--modes", "auto,minimum",
+            "--cap-gb", "12", "--uncapped-resident"]
+
+    def failing(components, req, plan, device, steps, seed=0):
+        if plan.name == "stream all blocks":
+            raise RuntimeError("CUDA error: an illegal memory access was encountered\nmore")
+        return _timings(2.0)
+
+    monkeypatch.setattr(mem, "run_generation", failing)
+    report = mem.main(argv)
+    assert [("error" in r, "total_s" in r) for r in report["results"]] == [(False, True), (False, True),
+                                                                           (True, False)]
+    assert report["results"][2]["error"] == ("RuntimeError: CUDA error: an illegal memory access was "
+                                             "encountered")  # its first line
+    assert "ERROR" in capsys.readouterr().out
+    assert json.loads(out.read_text())["results"][2]["error"].startswith("RuntimeError")
+
+    def interrupted(components, req, plan, device, steps, seed=0):
+        if plan.name == "stream all blocks":
+            raise KeyboardInterrupt
+        return _timings(2.0)
+
+    monkeypatch.setattr(mem, "run_generation", interrupted)
+    with pytest.raises(SystemExit) as exc:
+        mem.main(argv)
+    assert exc.value.code == 130
+    saved = json.loads(out.read_text())
+    assert saved["interrupted"] and [r["mode"] for r in saved["results"]] == ["resident", "auto"]
+    ratios = saved["summary"]["groups"][0]["time_over_uncapped_resident"]
+    assert ratios == {"resident(uncapped)": 1.0, "auto": 1.0}
 
 
 def test_plan_for_loaded_components_on_cpu():
