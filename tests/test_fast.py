@@ -394,6 +394,8 @@ def test_fast_vae_fuses_group_norm_and_silu(kitchen_on_cpu, monkeypatch, caplog,
         apply_speed(vae=vae, speed="fast")
         dec, enc = vae.decode(lat), vae.encode(px)
     assert "GroupNorm+SiLU=comfy-kitchen" in caplog.text and "unavailable" not in caplog.text
+    convs = [m.weight for m in vae.modules() if isinstance(m, torch.nn.Conv2d) and m.kernel_size != (1, 1)]
+    assert all(w.is_contiguous(memory_format=torch.channels_last) for w in convs)  # stored NHWC once chosen
     norms = [m for m in vae.modules() if isinstance(m, GroupNormAct)]
     used = [c for c in calls if c[0] != 13]  # 13: the self-check's width
     assert len(used) == len(norms)  # each norm ran once, fused
@@ -403,7 +405,7 @@ def test_fast_vae_fuses_group_norm_and_silu(kitchen_on_cpu, monkeypatch, caplog,
         parity(f"tiny VAE bf16 {name}: fused GroupNorm+SiLU (comfy-kitchen, CPU) vs plain, relative L2", rel)
         assert rel < 5e-2, (name, rel)  # bf16 through a random net, as for the bf16 decoder (measured 2.3e-2)
     apply_speed(vae=vae, speed="plain")
-    assert all(m.fused is None for m in norms)
+    assert all(m.fused is None for m in norms) and all(w.is_contiguous() for w in convs)
     assert torch.equal(vae.decode(lat), ref_dec) and torch.equal(vae.encode(px), ref_enc)
 
 
@@ -450,3 +452,4 @@ def test_fast_vae_on_cpu_is_plain(caplog):
         assert torch.equal(vae.decode(lat), ref_dec) and torch.equal(vae.encode(px), ref_enc)
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert vae.decoder.norm_out.fused.resolved() == {"cpu torch.bfloat16": False}
+    assert all(p.is_contiguous() for p in vae.parameters())  # NCHW where the kernel did not run

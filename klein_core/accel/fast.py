@@ -37,6 +37,7 @@ import importlib
 import inspect
 import logging
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -374,10 +375,14 @@ class FastVAENorm:
     channels-last too); the choice is made on the first call per device and dtype, checked once
     against the plain path and logged. Elsewhere, and for widths the kernel does not take, the
     plain GroupNorm runs: silently off CUDA, with one warning on a GPU where the kernel cannot.
+    When the kernel is chosen, ``vae``'s convolution weights are stored channels-last too: with
+    NCHW weights cuDNN converts around every convolution (H100, 1024x1024 decode: 68.0 ms against
+    41.5 ms with channels-last weights, plain 99.0).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, vae: torch.nn.Module | None = None) -> None:
         self._usable: dict[tuple[str, int | None, torch.dtype], bool] = {}
+        self._vae = weakref.ref(vae) if vae is not None else None
 
     def __call__(self, norm: GroupNormAct, x: torch.Tensor) -> torch.Tensor | None:
         key = (x.device.type, x.device.index, x.dtype)
@@ -403,7 +408,10 @@ class FastVAENorm:
         else:
             why = _group_norm_self_check(device, dtype)
         if why is None:
-            logger.info("klein fast VAE on %s %s: GroupNorm+SiLU=comfy-kitchen (channels-last)", device, dtype)
+            vae = self._vae() if self._vae is not None else None
+            if vae is not None:  # at the first use on a GPU, so a VAE that never runs there stays NCHW
+                vae.to(memory_format=torch.channels_last)
+            logger.info("klein fast VAE on %s %s: GroupNorm+SiLU=comfy-kitchen, channels-last", device, dtype)
             return True
         log = logger.debug if device.type not in KITCHEN_DEVICES else logger.warning
         log("fused VAE GroupNorm unavailable on %s (%s); using the plain PyTorch path", device, why)
@@ -608,7 +616,7 @@ def enable_fast_vae(
     fused = (not compile) if fused_norm is None else fused_norm
     vae.set_decode_format(dtype=dtype or vae.dtype, channels_last=layout)
     if fused:
-        _set_vae_norms(vae, FastVAENorm())
+        _set_vae_norms(vae, FastVAENorm(vae))
     if compile:
         _compile_group([vae.decoder], "VAE decoder", mode=compile_mode, backend=compile_backend)
         _compile_group([vae.encoder], "VAE encoder", mode=compile_mode, backend=compile_backend)
@@ -628,6 +636,7 @@ def disable_fast_vae(vae: Flux2VAE) -> None:
     _uncompile(vae.decoder)
     _uncompile(vae.encoder)
     _set_vae_norms(vae, None)
+    vae.encoder.to(memory_format=torch.contiguous_format)  # FastVAENorm may have stored it channels-last
     vae.set_decode_format(dtype=vae.dtype, channels_last=False)
 
 
