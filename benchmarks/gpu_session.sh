@@ -5,24 +5,19 @@
 #
 # A session is lent 15 minutes of device time in all, the machine's start (1-2 min) included, and
 # a command may run 10 minutes. So the default phase list is one call of at most
-# KLEIN_SESSION_BUDGET seconds (default 540; run it with timeout_s=570), most important first.
-# Seconds: what the same commands took before on an H100 (2026-11-26) where measured, otherwise an
-# estimate from those runs (marked ~est); they are no promise, a new machine starts with torch's
-# compile cache cold:
-#   speed4b   benchmarks/speed.py 4B cases a,b (diffusers, diffusers+compile, plain, default, compile;
-#             2 timed runs): 96 s measured with 1 run and the compile cache warm, ~135 est cold;
-#             then case c (base, 50 steps, CFG: diffusers, diffusers+compile, default, compile;
-#             1 run): 75 s measured for diffusers/default/default+step_cache, ~100 est
-#   speed9b   benchmarks/speed.py 9B cases a,b (diffusers, diffusers+compile, default, compile; 1 run):
-#             36 s measured for diffusers/default with 2 runs, ~100 est with the compiled variants
-#   tests     pytest tests/gpu with no KLEIN_GPU_TESTS_* variable (the nodes test runs in the
-#             ComfyUI host when .devpack carried it): 93 s measured
-#   memory9b  benchmarks/memory.py 9B 1024x1024 edit with one reference (edit1024), bf16, speed fast:
-#             resident, swap and blocks with no cap first, then every memory mode under --cap-gb 12, each timed
-#             against the uncapped resident run: never measured, ~80 est (starts only with 60 s left)
+# KLEIN_SESSION_BUDGET seconds (default 560; run it with timeout_s=590), most important first.
+# Seconds: what the same commands took on a fresh H100 (2026-11-26, third session, compile cache
+# cold); no promise for another machine:
+#   speed4b   benchmarks/speed.py 4B cases a,b (diffusers, diffusers+compile, default, compile; 2 timed
+#             runs): 146 s with plain as well; then case c (base, 50 steps, CFG, same variants, 1 run): 105 s
+#   speed9b   benchmarks/speed.py 9B cases a,b (same variants, 1 run): 87 s
 #   vae       benchmarks/vae_decode.py eager decode layouts (plain, fast, ...) profiled, no compiled
-#             ones (speed.py's compile variant times the compiled decode): ~20 est, 54 s measured
-#             with the compiled variants (starts only with 30 s left)
+#             ones (speed.py's compile variant times the compiled decode): 12-17 s (starts only with 30 s left)
+#   tests     pytest tests/gpu with no KLEIN_GPU_TESTS_* variable (the nodes test runs in the
+#             ComfyUI host when .devpack carried it): 122 s
+#   memory9b  benchmarks/memory.py 9B 1024x1024 edit with one reference (edit1024), bf16, speed fast:
+#             resident, swap and blocks with no cap first, then every memory mode under --cap-gb 12, each
+#             timed against the uncapped resident run: 84 s (starts only with 60 s left)
 # Optional phases (name them; none is in the default list): warm (speed.py 4B case a, compile only,
 # in a new process: the first call with torch's on-disk compile cache warm, 27 s), peer
 # (benchmarks/comfy_peer.py, ComfyUI's own FLUX.2 per step, 4B, ~30 s), kernels (benchmarks/kernels.py),
@@ -52,7 +47,7 @@ mkdir -p "$OUT"
 PY="${PYTHON:-python3}"
 DRY=0
 PHASES=()
-ALL=(speed4b speed9b tests memory9b vae)
+ALL=(speed4b speed9b vae tests memory9b)
 OPTIONAL=(warm peer kernels memory)
 for arg in "$@"; do
     case "$arg" in
@@ -66,7 +61,7 @@ for arg in "$@"; do
 done
 [ ${#PHASES[@]} -eq 0 ] && PHASES=("${ALL[@]}")
 # the device limit does not apply to a CPU dry run
-if [ "$DRY" -eq 1 ]; then BUDGET="${KLEIN_SESSION_BUDGET:-3600}"; else BUDGET="${KLEIN_SESSION_BUDGET:-540}"; fi
+if [ "$DRY" -eq 1 ]; then BUDGET="${KLEIN_SESSION_BUDGET:-3600}"; else BUDGET="${KLEIN_SESSION_BUDGET:-560}"; fi
 
 export PYTHONUNBUFFERED=1
 LOG="$OUT/session.log"
@@ -173,7 +168,7 @@ BENCH="diffusers,diffusers+compile,default,compile"
 phase_speed4b() {
     # shellcheck disable=SC2046
     step speed_4b_ab 200 "$PY" benchmarks/speed.py --models 4b --cases a,b $(runs 2) $(no_diffusers) \
-        --variants "$BENCH,plain" --out "$OUT/speed_4b_ab.json"
+        --variants "$BENCH" --out "$OUT/speed_4b_ab.json"
     # shellcheck disable=SC2046
     step speed_4b_c 150 "$PY" benchmarks/speed.py --models 4b --cases c $(runs 1) $(no_diffusers) \
         --variants "$BENCH" --out "$OUT/speed_4b_c.json"

@@ -3,7 +3,7 @@
 # download anything: the diffusers wheel and its requirements missing from the device image, comfy-kitchen
 # without its ROCm library (117 MB of the wheel's 153 MB unpacked), and the ComfyUI host that
 # tests/e2e/setup_host.py prepares. About 42 MB; the device tool carries at most 64 MiB per call:
-#   run(command="bash benchmarks/gpu_session.sh", carry=[".devpack"], timeout_s=580)
+#   run(command="bash benchmarks/gpu_session.sh", carry=[".devpack"], timeout_s=590)
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO"
