@@ -65,7 +65,6 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # run as a script from a checkout
     sys.path.insert(0, str(REPO))
 
-import klein_core  # noqa: E402
 from klein_core.models import Flux2Transformer, TransformerConfig  # noqa: E402
 from klein_core.sampling import (  # noqa: E402
     make_noise,
@@ -76,6 +75,7 @@ from klein_core.sampling import (  # noqa: E402
     unpack,
 )
 from klein_core.testing.fill import full_size_configs, random_fill_  # noqa: E402
+from klein_core.variants import KLEIN_4B, KLEIN_9B  # noqa: E402
 
 SEED = 1234  # benchmarks/speed.py's seed: the transformer gets the same random weights there
 DEFAULT_COMFY_DIR = REPO / ".comfy_host" / "ComfyUI"
@@ -706,7 +706,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         ref_grids = [(4, 4), (2, 6), (3, 3)]
         ref_counts = sorted({*ref_counts, 0, 2})
     else:
-        variant = klein_core.KLEIN_4B if args.model == "4b" else klein_core.KLEIN_9B
+        variant = KLEIN_4B if args.model == "4b" else KLEIN_9B
         cfg, name = full_size_configs(variant)[0], variant.name
         if args.size % 16:
             ap.error("--size must be a multiple of 16")

@@ -39,15 +39,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import klein_core as kc
 from klein_core.accel.kitchen import KitchenOps, kitchen_available
 from klein_core.models.block_ops import PLAIN_OPS
 from klein_core.models.transformer import TransformerConfig
 from klein_core.models.transformer_math import rope_tables
 from klein_core.quant.fp8 import FP8Linear, quantize_fp8
+from klein_core.sampling import position_ids, text_position_ids
 from klein_core.testing.fill import full_size_configs
+from klein_core.variants import KLEIN_4B, KLEIN_9B
 
-MODELS = {"4b": kc.KLEIN_4B, "9b": kc.KLEIN_9B}
+MODELS = {"4b": KLEIN_4B, "9b": KLEIN_9B}
 TEXT_TOKENS = 512
 
 
@@ -80,7 +81,7 @@ def max_diff(a: Any, b: Any) -> float:
 def joint_rope(tokens: int, cfg: TransformerConfig, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """The model's RoPE tables ``[1, 1, 512 + tokens, D]`` for 512 text tokens and a square image grid."""
     side = math.isqrt(tokens)
-    ids = torch.cat([kc.text_position_ids(TEXT_TOKENS), kc.position_ids(side, tokens // side)]).to(device)
+    ids = torch.cat([text_position_ids(TEXT_TOKENS), position_ids(side, tokens // side)]).to(device)
     return rope_tables(ids, cfg.axes_dim, cfg.theta)
 
 

@@ -26,7 +26,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import klein_core as kc  # noqa: E402
+from klein_core.kv import ReferenceKVCache  # noqa: E402
 from klein_core.models.transformer import Flux2Transformer, TransformerConfig, kv_bytes  # noqa: E402
+from klein_core.sampling import reference_tokens  # noqa: E402
 
 
 def _sync(device: torch.device) -> None:
@@ -74,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         return time.perf_counter() - t0, latents
 
     run(None, 0)  # warm up
-    cache = kc.ReferenceKVCache()
+    cache = ReferenceKVCache()
     first, _ = run(cache, 1)
     reused, a = run(cache, 2)
     fresh, b = run(None, 2)
@@ -83,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     with torch.no_grad():
         _sync(device)
         t0 = time.perf_counter()
-        model.reference_kv(kc.reference_tokens(refs).tokens, kc.reference_tokens(refs).ids)
+        model.reference_kv(reference_tokens(refs).tokens, reference_tokens(refs).ids)
         _sync(device)
         ref_pass = time.perf_counter() - t0
     result = {

@@ -95,6 +95,8 @@ from klein_core.models import (
 )
 from klein_core.sampling import make_noise, pack
 from klein_core.testing.fill import full_size_configs, random_fill_
+from klein_core.tokenizer import tokenize_prompts
+from klein_core.variants import KLEIN_4B, KLEIN_9B
 
 logger = logging.getLogger("speed")
 
@@ -117,7 +119,7 @@ class ModelSpec:
 
 def _spec(name: str) -> ModelSpec:
     if name in ("4b", "9b"):
-        variant = klein_core.KLEIN_4B if name == "4b" else klein_core.KLEIN_9B
+        variant = KLEIN_4B if name == "4b" else KLEIN_9B
         tr, te, vae = full_size_configs(variant)
         return ModelSpec(variant.name, tr, te, 36, vae)
     if name == "tiny":
@@ -343,7 +345,7 @@ class _Tokenizer:
         return messages[-1]["content"]
 
     def __call__(self, text: str, max_length: int = 512, **_: Any) -> dict[str, torch.Tensor]:
-        ids, mask = klein_core.tokenize_prompts([text], max_length=max_length)
+        ids, mask = tokenize_prompts([text], max_length=max_length)
         return {"input_ids": ids, "attention_mask": mask}
 
 

@@ -40,10 +40,10 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-import klein_core
 from klein_core.accel import fast
 from klein_core.models import Flux2VAE, VAEConfig
 from klein_core.testing.fill import full_size_configs, random_fill_
+from klein_core.variants import KLEIN_4B
 
 KERNEL_GROUPS = {  # substrings of CUDA kernel names -> what they do
     "group_norm": ("group_norm", "GroupNorm", "RowwiseMoments", "ComputeFusedParams", "group_norm_kernel"),
@@ -58,7 +58,7 @@ def build_vae(tiny: bool, device: torch.device, dtype: torch.dtype) -> Flux2VAE:
     if tiny:
         cfg = VAEConfig(block_channels=(32,) * 4, decoder_block_channels=(32,) * 4, num_res_blocks=1)
     else:
-        cfg = full_size_configs(klein_core.KLEIN_4B)[2]
+        cfg = full_size_configs(KLEIN_4B)[2]
     with torch.device("meta"):
         vae = Flux2VAE(cfg)
     vae.to(dtype)

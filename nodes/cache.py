@@ -26,6 +26,9 @@ from pathlib import Path
 import torch
 
 import klein_core as kc
+from klein_core.kv import ReferenceKVCache
+from klein_core.loading import LOADERS, weightless
+from klein_core.memory.placement import module_bytes
 
 from . import host
 
@@ -37,7 +40,7 @@ _lock = threading.RLock()
 _resident: dict[str, tuple[ModelRef, torch.nn.Module, object]] = {}  # role -> (ref, model, host handle)
 loads: Counter[str] = Counter()  # loads per role since start (tests and logs)
 prompts = kc.PromptCache(max_entries=32)  # the pack's prompt-embedding cache (in memory)
-kv = kc.ReferenceKVCache(max_entries=1)  # KV models: the last edit's reference keys/values (on the GPU)
+kv = ReferenceKVCache(max_entries=1)  # KV models: the last edit's reference keys/values (on the GPU)
 
 # Opt-in disk cache of prompt embeddings: a folder, and its size bound in MiB. Set before (or while)
 # ComfyUI runs; read at each encode, so a change takes effect without a restart.
@@ -110,7 +113,7 @@ def model_ref(role: str, path: str, name: str, device: torch.device, dtype: torc
 def weight_bytes(ref: ModelRef) -> int:
     """Device bytes the model of ``ref`` will take (its weights' real dtypes, fp8 included), from
     the file header alone."""
-    return kc.module_bytes(kc.weightless(ref.path, ref.role, dtype=ref.dtype, quantize=ref.quantize))
+    return module_bytes(weightless(ref.path, ref.role, dtype=ref.dtype, quantize=ref.quantize))
 
 
 def acquire(ref: ModelRef, memory_required: int = 0) -> torch.nn.Module:
@@ -126,7 +129,7 @@ def acquire(ref: ModelRef, memory_required: int = 0) -> torch.nn.Module:
             host.make_room(weight_bytes(ref) + memory_required, device)  # ComfyUI frees its models first
             t0 = time.perf_counter()
             extra = {"quantize": ref.quantize} if ref.quantize else {}
-            model = kc.LOADERS[ref.role](ref.path, device=ref.device, dtype=ref.dtype, **extra)
+            model = LOADERS[ref.role](ref.path, device=ref.device, dtype=ref.dtype, **extra)
             loads[ref.role] += 1
             handle = host.register_model(model, ref.role, device)
             _resident[ref.role] = (ref, model, handle)

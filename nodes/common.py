@@ -9,7 +9,8 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
-import klein_core as kc
+from klein_core.files.identify import probe
+from klein_core.memory.planner import MemoryRequest, ModelSizes, estimate
 
 from . import host
 
@@ -37,7 +38,7 @@ def model_file(node: str, input_name: str, folder: str, name: str, expect: str) 
         raise ValueError(f"{node}: {input_name} '{name}' was not found in models/{folder} (or the {folder} "
                          f"folders added in extra_model_paths.yaml). Put the file there and refresh, or pick "
                          f"another file.")
-    info = kc.probe(path)
+    info = probe(path)
     if info.kind in _KINDS and info.kind != expect:
         (noun, where), wanted = _KINDS[info.kind], _KINDS[expect][0]
         raise ValueError(f"{node}: {input_name} '{name}' is {noun} ({info.description}), not {wanted}: "
@@ -98,9 +99,9 @@ def resize_image(images: torch.Tensor, width: int, height: int) -> torch.Tensor:
     return x.clamp(0, 1).movedim(1, -1).to(images.dtype)
 
 
-def activation_bytes(stage: str, request: kc.MemoryRequest, **configs: object) -> int:
+def activation_bytes(stage: str, request: MemoryRequest, **configs: object) -> int:
     """klein_core's estimate of what ``stage`` ("text", "references", "denoise", "decode") needs beyond
     its weights, from the components' configs: what a node asks ComfyUI to free before running."""
-    sizes = kc.ModelSizes.from_configs(configs.get("transformer"), configs.get("text_encoder"), configs.get("vae"))
-    stage_estimate = kc.estimate(request, sizes).stages.get(stage)
+    sizes = ModelSizes.from_configs(configs.get("transformer"), configs.get("text_encoder"), configs.get("vae"))
+    stage_estimate = estimate(request, sizes).stages.get(stage)
     return stage_estimate.activations if stage_estimate is not None else 0

@@ -8,6 +8,11 @@ import torch
 from comfy_api.latest import io
 
 import klein_core as kc
+from klein_core.loading import weightless
+from klein_core.memory.planner import MemoryRequest
+from klein_core.prompts import encoder_identity
+from klein_core.tokenizer import count_tokens
+from klein_core.variants import encoder_name
 
 from . import cache, host, notices
 from .common import activation_bytes, check_choices, check_widget, errors_named, model_file
@@ -78,15 +83,15 @@ class KleinTextEncode(io.ComfyNode):
         # the cache is keyed by the file's name, size and time, so the file is not even opened.
         path = host.full_path("text_encoders", text_encoder)
         embeds = None if path is None else kc.Engine(device=device, prompt_cache=prompts, text=options).cached_prompts(
-            [prompt], negative_prompt, identity=kc.encoder_identity(path, dtype, device))
+            [prompt], negative_prompt, identity=encoder_identity(path, dtype, device))
         if embeds is None:
             path = model_file(NODE, "text_encoder", "text_encoders", text_encoder, expect="text_encoder")
             ref = cache.model_ref("text_encoder", path, text_encoder, device, dtype)
             with errors_named(NODE, "text_encoder", text_encoder):
-                request = kc.MemoryRequest(batch=2, denoise=False, decode=False,
-                                           text_length=options.length([prompt, negative_prompt]))
+                request = MemoryRequest(batch=2, denoise=False, decode=False,
+                                        text_length=options.length([prompt, negative_prompt]))
                 encoder = ref.get(activation_bytes("text", request,
-                                                   text_encoder=kc.weightless(path, "text_encoder").config))
+                                                   text_encoder=weightless(path, "text_encoder").config))
             engine = kc.Engine(text_encoder=encoder, device=device, prompt_cache=prompts, text=options)
             with notices.ignoring("klein_core.tokenizer"):  # cut prompts were reported above, by input name
                 embeds = engine.encode_prompts([prompt], negative_prompt)
@@ -94,7 +99,7 @@ class KleinTextEncode(io.ComfyNode):
             logger.info("%s: prompt embeddings from the cache; %s not loaded", NODE, text_encoder)
         text_dim = embeds.positive.shape[-1]
         return io.NodeOutput(KleinConditioning(embeds.positive, embeds.negative, text_encoder, text_dim,
-                                               kc.encoder_name(text_dim // 3),
+                                               encoder_name(text_dim // 3),
                                                has_negative=bool(negative_prompt.strip())))
 
 
@@ -107,7 +112,7 @@ def text_options(precision: str, max_tokens: str) -> kc.TextOptions:
 
 def warn_if_cut(input_name: str, text: str, limit: int) -> None:
     """Warn (shown on the node) when ``text`` is longer than ``limit`` tokens after the chat template."""
-    n = kc.count_tokens(text)
+    n = count_tokens(text)
     if n > limit:
         logger.warning("%s: %s is %d tokens; only the first %d are used (%d cut from the end, as BFL and "
                        "diffusers do). Set max_tokens to 'whole prompt' to keep all of it.", NODE, input_name, n,

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from comfy_api.latest import io
 
-import klein_core as kc
+from klein_core.inpaint import composite_pixels, crop_region, crop_size, feather_mask
 
 from . import host, notices
 from .common import resize_image
@@ -95,8 +95,8 @@ class KleinInpaintCrop(io.ComfyNode):
                              f"(split the batch first).")
         m = _one_mask(mask, image, CROP_NODE)
         try:
-            box = kc.crop_region(m, image.shape[2], image.shape[1], int(padding))
-            tw, th = kc.crop_size(box, float(megapixels))
+            box = crop_region(m, image.shape[2], image.shape[1], int(padding))
+            tw, th = crop_size(box, float(megapixels))
         except ValueError as exc:
             raise ValueError(f"{CROP_NODE}: {exc}.") from exc
         x1, y1, x2, y2 = box
@@ -141,6 +141,6 @@ class KleinInpaintStitch(io.ComfyNode):
         canvas = original.expand(image.shape[0], -1, -1, -1).clone()
         canvas[:, y1:y2, x1:x2] = patch
         if composite:
-            mask = kc.feather_mask(stitch.mask.float(), int(feather))
-            canvas = kc.composite_pixels(original.expand_as(canvas), canvas, mask)
+            mask = feather_mask(stitch.mask.float(), int(feather))
+            canvas = composite_pixels(original.expand_as(canvas), canvas, mask)
         return io.NodeOutput(canvas.to(host.intermediate_device()))

@@ -7,7 +7,13 @@ import logging
 import torch
 from comfy_api.latest import io
 
-import klein_core as kc
+from klein_core.engine import check_compatible
+from klein_core.loading import weightless
+from klein_core.memory.placement import module_bytes
+from klein_core.memory.planner import weights_home
+from klein_core.quant.formats import describe_formats, kept_from_file
+from klein_core.quant.fp8 import scaled_mm_available
+from klein_core.request import guess_model_kind
 
 from . import cache, host, notices
 from .common import check_choices, check_widget, errors_named, model_file
@@ -43,12 +49,12 @@ def report_weight_choice(weight_dtype: str, model_name: str, transformer: torch.
     """Say (as node warnings) where ``weight_dtype`` does not do what its name says for this file on
     this GPU: a storage choice (fp8 / q8 / q4) that leaves a quantised file's layers as stored, or
     fp8 on a GPU without fp8 matmuls (memory saved, but every layer upcast when it runs)."""
-    kept = kc.kept_from_file(transformer, QUANTIZE.get(weight_dtype))
+    kept = kept_from_file(transformer, QUANTIZE.get(weight_dtype))
     if kept:
         logger.warning("%s: %s stores %s; weight_dtype %s re-quantises only float weights, so those stay as "
-                       "stored (choose bf16 to silence this)", NODE, model_name, kc.describe_formats(kept),
+                       "stored (choose bf16 to silence this)", NODE, model_name, describe_formats(kept),
                        weight_dtype)
-    if weight_dtype == "fp8" and device.type == "cuda" and not kc.scaled_mm_available(device):
+    if weight_dtype == "fp8" and device.type == "cuda" and not scaled_mm_available(device):
         major, minor = torch.cuda.get_device_capability(device)
         logger.warning("%s: weight_dtype fp8 on %s (compute capability %d.%d, fp8 matmuls need 8.9): the block "
                        "weights take half the memory of bf16 but are upcast to bf16 layer by layer when they "
@@ -63,9 +69,9 @@ def transformer_home(memory_mode: str, device: torch.device, path: str, dtype: t
     models first so the decision sees the memory it can have."""
     if device.type == "cpu":
         return device
-    meta = kc.weightless(path, "transformer", dtype=dtype, quantize=quantize)
-    host.make_room(kc.module_bytes(meta), device)
-    return kc.weights_home(meta, device, mode=memory_mode, free_bytes=host.free_bytes(device))
+    meta = weightless(path, "transformer", dtype=dtype, quantize=quantize)
+    host.make_room(module_bytes(meta), device)
+    return weights_home(meta, device, mode=memory_mode, free_bytes=host.free_bytes(device))
 
 
 class KleinModelLoader(io.ComfyNode):
@@ -147,8 +153,8 @@ class KleinModelLoader(io.ComfyNode):
         report_weight_choice(weight_dtype, model_name, transformer, device)
         with errors_named(NODE, "vae_name", vae_name):
             vae = vref.get()
-            kc.check_compatible(transformer, None, vae)
-        kind = kc.guess_model_kind(model_name) if model_kind == "auto" else model_kind
+            check_compatible(transformer, None, vae)
+        kind = guess_model_kind(model_name) if model_kind == "auto" else model_kind
         logger.info("%s: %s (%s) as a %s model%s", NODE, model_name, transformer.config.variant, kind,
                     " (from the file name)" if model_kind == "auto" else "")
         return io.NodeOutput(KleinModel(tref, kind, transformer.config, memory_mode, SPEEDS[speed]),

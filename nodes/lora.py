@@ -24,6 +24,7 @@ from comfy_api.latest import io
 from torch import nn
 
 import klein_core as kc
+from klein_core.lora import check_loras
 
 from . import host, notices
 from .common import check_choices
@@ -87,7 +88,7 @@ def patch_model(model: Any, lora: kc.LoRA, strength: float) -> Any:
         config = getattr(model, "config", None)
         if config is not None:  # check the fit now (on a weightless model), not at sampling time
             with torch.device("meta"):
-                kc.check_loras(kc.Flux2Transformer(config), [(lora, strength)])
+                check_loras(kc.Flux2Transformer(config), [(lora, strength)])
         if isinstance(ref, LoRAModelRef):  # chained loaders: one copy carrying every LoRA
             new_ref = LoRAModelRef(ref.base, [*ref.loras, (lora, strength)])
         else:

@@ -10,6 +10,8 @@ from comfy_api.latest import io, ui
 from PIL import Image
 
 import klein_core as kc
+from klein_core.images import PUBLISHED_REFERENCE_LIMIT, reference_size
+from klein_core.memory.planner import MemoryRequest
 
 from . import host, notices
 from .common import activation_bytes
@@ -60,7 +62,7 @@ class KleinReferenceStacker(io.ComfyNode):
             category="Klein/conditioning",
             description="Adds reference images for editing: each frame is scaled to at most 1 megapixel, "
                         "cropped to multiples of 16 and VAE-encoded once. Chain stackers for more references "
-                        f"(Klein is published for up to {kc.PUBLISHED_REFERENCE_LIMIT}).",
+                        f"(Klein is published for up to {PUBLISHED_REFERENCE_LIMIT}).",
             inputs=[
                 io.Image.Input("image", tooltip="Reference image(s); every frame of a batch becomes its own "
                                                 "reference. Alpha is dropped, grayscale becomes RGB."),
@@ -82,17 +84,17 @@ class KleinReferenceStacker(io.ComfyNode):
         items = list(references.items) if references is not None else []
         frames = frames_to_pil(image)
         largest = max(frames, key=lambda p: p.width * p.height)
-        size = kc.reference_size(largest.width, largest.height)
-        request = kc.MemoryRequest(references=(size,) if min(size) >= 16 else (), encode_text=False, denoise=False,
-                                   decode=False)
+        size = reference_size(largest.width, largest.height)
+        request = MemoryRequest(references=(size,) if min(size) >= 16 else (), encode_text=False, denoise=False,
+                                decode=False)
         vae_model = vae.ref.get(activation_bytes("references", request, vae=vae.config))
         engine = kc.Engine(vae=vae_model, device=vae_model.device, speed=vae.speed)
         for pil in frames:
             host.check_interrupt()
             items.append(encode_frame(engine, pil, len(items) + 1))
-        if len(items) > kc.PUBLISHED_REFERENCE_LIMIT:
+        if len(items) > PUBLISHED_REFERENCE_LIMIT:
             logger.warning("%s: %d references; Klein is published for at most %d", NODE, len(items),
-                           kc.PUBLISHED_REFERENCE_LIMIT)
+                           PUBLISHED_REFERENCE_LIMIT)
         stack = KleinReferences(tuple(items))
         text = stack.describe()
         return io.NodeOutput(stack, text, ui=ui.PreviewText(text))

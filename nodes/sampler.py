@@ -10,6 +10,14 @@ import torch
 from comfy_api.latest import io
 
 import klein_core as kc
+from klein_core.engine import InitLatents
+from klein_core.files.identify import matching_text_encoders
+from klein_core.inpaint import mask_for_latents, steps_to_run
+from klein_core.memory.planner import MemoryRequest
+from klein_core.request import reference_mode as pick_reference_mode
+from klein_core.request import resolve
+from klein_core.sampling import MAX_SEED
+from klein_core.variants import check_text_width, variant_for_text_width
 
 from . import cache, host, notices
 from .common import activation_bytes, check_widget, errors_named, flux2_samples
@@ -38,18 +46,18 @@ def check_encoder_fits(model: KleinModel, cond: KleinConditioning) -> None:
         return
     files = {n: host.full_path("text_encoders", n) for n in host.filename_list("text_encoders")}
     names = {Path(p): n for n, p in files.items() if p}
-    fits = sorted(names[p] for p in kc.matching_text_encoders(want, list(names)))
-    variant = kc.variant_for_text_width(want)
+    fits = sorted(names[p] for p in matching_text_encoders(want, list(names)))
+    variant = variant_for_text_width(want)
     needed = f"{variant.encoder} ({variant.encoder_file})" if variant else f"a Qwen3 encoder with hidden size {want // 3}"
     fix = (f"set text_encoder in {ENCODER_NODE} to {' or '.join(fits)}" if fits else
            f"put {needed} into models/text_encoders and select it in {ENCODER_NODE}")
-    kc.check_text_width(cond.text_dim, want, fix=fix,
-                        encoded_by=f"{NODE}: the conditioning was encoded with {cond.encoder_name} ({cond.variant})",
-                        model=f"the model {model.name} ({model.config.variant})")
+    check_text_width(cond.text_dim, want, fix=fix,
+                     encoded_by=f"{NODE}: the conditioning was encoded with {cond.encoder_name} ({cond.variant})",
+                     model=f"the model {model.name} ({model.config.variant})")
 
 
 def start_from(latent: dict | None, mask: torch.Tensor | None, denoise: float,
-               channels: int) -> kc.InitLatents | None:
+               channels: int) -> InitLatents | None:
     """The sampler's optional latent / mask / denoise inputs as klein_core InitLatents (None: from noise)."""
     if latent is None:
         if mask is not None:
@@ -62,12 +70,12 @@ def start_from(latent: dict | None, mask: torch.Tensor | None, denoise: float,
     lat_mask = None
     if mask is not None:
         try:
-            lat_mask = kc.mask_for_latents(mask, samples.shape[-2], samples.shape[-1])
+            lat_mask = mask_for_latents(mask, samples.shape[-2], samples.shape[-1])
         except ValueError as exc:
             raise ValueError(f"{NODE}: mask: {exc}.") from exc
     if not isinstance(denoise, (int, float)) or not math.isfinite(denoise) or not 0 < denoise <= 1:
         raise ValueError(f"{NODE}: denoise must be a number from 0.01 to 1, got {denoise!r}.")
-    return kc.InitLatents(samples.float(), float(denoise), lat_mask)
+    return InitLatents(samples.float(), float(denoise), lat_mask)
 
 
 def settings(width: int, height: int, steps: int, guidance: float, seed: int, batch_size: int) -> kc.Settings:
@@ -104,7 +112,7 @@ class KleinSampler(io.ComfyNode):
                 io.Float.Input("guidance", default=0.0, min=0.0, max=20.0, step=0.1, round=0.01,
                                tooltip="CFG scale for base models (uses the negative prompt when > 1). 0 = "
                                        "model default: 4.0 (base); distilled models always run at 1.0."),
-                io.Int.Input("seed", default=0, min=0, max=kc.MAX_SEED, control_after_generate=True,
+                io.Int.Input("seed", default=0, min=0, max=MAX_SEED, control_after_generate=True,
                              tooltip="Noise seed (drawn on the CPU like ComfyUI's RandomNoise, so a seed "
                                      "gives the same image on any device)."),
                 io.Int.Input("batch_size", default=1, min=1, max=64,
@@ -164,19 +172,19 @@ class KleinSampler(io.ComfyNode):
                              f"({init.latents.shape[-1] * 16}x{init.latents.shape[-2] * 16}); set both to 0.")
         size_from = init.latents if init is not None else (refs[0] if refs else None)
         try:
-            run = kc.resolve_settings(settings(width, height, steps, guidance, seed, batch_size), model.kind,
-                                      (size_from.shape[-1] * 16, size_from.shape[-2] * 16)
-                                      if size_from is not None else None)
+            run = resolve(settings(width, height, steps, guidance, seed, batch_size), model.kind,
+                          (size_from.shape[-1] * 16, size_from.shape[-2] * 16)
+                          if size_from is not None else None)
         except ValueError as exc:
             raise ValueError(f"{NODE}: width/height: {exc} Set both to 0 to use the first reference's size "
                              f"(1024x1024 without references).") from exc
-        ref_mode = kc.reference_mode(model.kind, REFERENCE_MODES[reference_mode])
-        request = kc.MemoryRequest(run.width, run.height, references=tuple((r.shape[-1] * 16, r.shape[-2] * 16)
-                                                                            for r in refs),
-                                   batch=run.batch_size, cfg=run.cfg, encode_text=False, decode=False,
-                                   reference_kv=ref_mode == "kv", text_length=max(
-                                       e.shape[1] for e in (conditioning.positive, conditioning.negative)
-                                       if e is not None))
+        ref_mode = pick_reference_mode(model.kind, REFERENCE_MODES[reference_mode])
+        request = MemoryRequest(run.width, run.height, references=tuple((r.shape[-1] * 16, r.shape[-2] * 16)
+                                                                         for r in refs),
+                                batch=run.batch_size, cfg=run.cfg, encode_text=False, decode=False,
+                                reference_kv=ref_mode == "kv", text_length=max(
+                                    e.shape[1] for e in (conditioning.positive, conditioning.negative)
+                                    if e is not None))
         with errors_named(NODE, "model", model.name):  # ComfyUI frees what the run needs first
             transformer = model.ref.get(activation_bytes("denoise", request, transformer=model.config))
         engine = kc.Engine(transformer, kind=model.kind, device=host.torch_device(), memory=model.memory,
@@ -191,7 +199,7 @@ class KleinSampler(io.ComfyNode):
                            if model.kind != "base" else f"guidance {run.guidance:g} is not above 1")
         kv_hits = cache.kv.hits
         try:
-            total = kc.steps_to_run(run.steps, init.strength) if init is not None else run.steps
+            total = steps_to_run(run.steps, init.strength) if init is not None else run.steps
             latents, _ = engine.denoise(kc.Conditioning(conditioning.positive, negative), refs, run,
                                         callback=StepReporter(total, host.torch_device()), init=init)
         except kc.KleinOutOfMemory as exc:

@@ -8,6 +8,8 @@ import torch
 from comfy_api.latest import io
 
 import klein_core as kc
+from klein_core.inpaint import processing_size
+from klein_core.memory.planner import MemoryRequest
 
 from . import host, notices
 from .common import activation_bytes, check_widget, flux2_samples, resize_image
@@ -50,8 +52,8 @@ class KleinVAEDecode(io.ComfyNode):
                                 " (connect Klein Sampler or another FLUX.2 latent; SD, SDXL and FLUX.1 latents "
                                 "need their own VAE and VAE Decode)")
         down = vae.config.downscale
-        request = kc.MemoryRequest(latents.shape[-1] * down, latents.shape[-2] * down, encode_text=False,
-                                   denoise=False)
+        request = MemoryRequest(latents.shape[-1] * down, latents.shape[-2] * down, encode_text=False,
+                                denoise=False)
         model = vae.ref.get(activation_bytes("decode", request, vae=vae.config))  # one frame at a time
         engine = kc.Engine(vae=model, device=model.device, speed=vae.speed)
         frames = []
@@ -91,13 +93,13 @@ class KleinVAEEncode(io.ComfyNode):
                              f"least {down}x{down} pixels, got shape {list(pixels.shape)}.")
         check_widget(ENCODE_NODE, "size", size, SIZES)
         if size == SIZES[1]:
-            w, h = kc.processing_size(pixels.shape[2], pixels.shape[1], down)
+            w, h = processing_size(pixels.shape[2], pixels.shape[1], down)
             px = resize_image(pixels, w, h)
         else:
             px = center_crop(pixels, down)
         rgb = px[..., :3] if px.shape[-1] >= 3 else px[..., :1].expand(*px.shape[:-1], 3)  # gray -> RGB
-        request = kc.MemoryRequest(references=((px.shape[2], px.shape[1]),), encode_text=False, denoise=False,
-                                   decode=False)
+        request = MemoryRequest(references=((px.shape[2], px.shape[1]),), encode_text=False, denoise=False,
+                                decode=False)
         model = vae.ref.get(activation_bytes("references", request, vae=vae.config))
         latents = kc.Engine(vae=model, device=model.device, speed=vae.speed).encode_pixels(rgb.permute(0, 3, 1, 2).float() * 2 - 1)
         return io.NodeOutput({"samples": latents.to(host.intermediate_device(), torch.float32)})

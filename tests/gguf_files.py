@@ -3,12 +3,12 @@ BFL names for Klein transformers (city96 / unsloth), llama.cpp ``blk.N.*`` names
 
 from __future__ import annotations
 
+from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from klein_core.files.gguf import _QWEN3_LAYER, _QWEN3_TOP
 from klein_core.testing import tiny_text_encoder, tiny_transformer
 
 KQUANTS = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
@@ -65,15 +65,20 @@ def block_kind(name: str, arr: np.ndarray, block: str) -> str:
     return "F16"
 
 
+@lru_cache(maxsize=1)
+def _llama_qwen3_names():
+    import gguf
+
+    return gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3, 64)
+
+
 def hf_to_llama(name: str) -> str:
-    """A Hugging Face Qwen3 tensor name as llama.cpp writes it."""
-    top = {f"{v}.weight": f"{k}.weight" for k, v in _QWEN3_TOP.items()}
-    if name in top:
-        return top[name]
-    layer, rest = name.removeprefix("model.layers.").split(".", 1)
-    inverse = {v: k for k, v in _QWEN3_LAYER.items()}
-    module, leaf = rest.rsplit(".", 1)
-    return f"blk.{layer}.{inverse[module]}.{leaf}"
+    """A Hugging Face Qwen3 tensor name as llama.cpp writes it, from gguf-py's own name map (the one
+    llama.cpp's converter uses), never from klein_core's table, which these files test."""
+    mapped = _llama_qwen3_names().get_name(name, try_suffixes=(".weight", ".bias"))
+    if mapped is None:
+        raise KeyError(f"gguf-py has no llama.cpp name for {name!r}")
+    return mapped
 
 
 def write_tiny_gguf_transformer(path: str | Path, block: str = "Q8_0", seed: int = 0) -> Path:

@@ -20,6 +20,8 @@ from pathlib import Path
 import torch
 
 import klein_core as kc
+from klein_core.loading import LOADERS
+from klein_core.sampling import position_ids, text_position_ids
 
 MUTATIONS = ("truncate to half", "truncate to the header", "rewrite in place with zeros",
              "rewrite in place with random bytes", "replace by another file", "delete")
@@ -34,8 +36,8 @@ def output(component: str, model: torch.nn.Module) -> torch.Tensor:
             ids = torch.randint(0, 1000, (1, 16))
             return model.encode(ids, torch.ones_like(ids))
         c = model.config
-        return model(img=torch.randn(1, 16, c.in_channels), img_ids=kc.position_ids(4, 4),
-                     txt=torch.randn(1, 8, c.context_dim), txt_ids=kc.text_position_ids(8),
+        return model(img=torch.randn(1, 16, c.in_channels), img_ids=position_ids(4, 4),
+                     txt=torch.randn(1, 8, c.context_dim), txt_ids=text_position_ids(8),
                      timesteps=torch.tensor([0.5]))
 
 
@@ -56,7 +58,7 @@ def mutate(path: Path, how: str, other: Path) -> None:
 
 def main() -> int:
     component, source, scratch = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
-    load = kc.LOADERS[component]
+    load = LOADERS[component]
     for how in MUTATIONS:
         copy = scratch / f"{component}.safetensors"
         other = scratch / "other.safetensors"

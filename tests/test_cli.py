@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from extras import require
 from PIL import Image
 
 from klein_core import cli
@@ -219,7 +220,7 @@ def test_kv_file_runs_in_kv_mode(models, tmp_path):
 
 
 def test_gguf_and_quantize_from_the_command_line(models, tmp_path):
-    pytest.importorskip("gguf")
+    require("gguf")
     from gguf_files import write_tiny_gguf_transformer
 
     _, p = models

@@ -16,9 +16,9 @@ import pytest
 import torch
 from script_module import load_script
 
-import klein_core
 from klein_core.models import Flux2Transformer
 from klein_core.testing.fill import full_size_configs
+from klein_core.variants import KLEIN_4B, KLEIN_9B
 
 REPO = Path(__file__).resolve().parents[1]
 TOL_REL = 1e-5  # float32 rounding, measured ~2e-7
@@ -145,7 +145,7 @@ def test_loading_is_strict_and_names_every_bad_key(peer, tiny):
     assert "txt_in.weight: klein_core (64, 95) vs ComfyUI (64, 96)" in msg
 
 
-@pytest.mark.parametrize("variant", [klein_core.KLEIN_4B, klein_core.KLEIN_9B], ids=["4b", "9b"])
+@pytest.mark.parametrize("variant", [KLEIN_4B, KLEIN_9B], ids=["4b", "9b"])
 def test_full_size_constructor_gives_klein_layout(peer, variant):
     """The constructor arguments build, for the published sizes, exactly klein_core's keys and
     shapes (both on the meta device: no memory)."""

@@ -15,22 +15,24 @@ from pathlib import Path
 
 import pytest
 import torch
+from extras import require
 
 import klein_core
-from klein_core.accel import fast
 from klein_core import testing as demo
+from klein_core.accel import fast
 from klein_core.models.block_ops import PLAIN_OPS
+from klein_core.sampling import position_ids, text_position_ids
 from script_module import load_script
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 def _inputs(model, batch: int = 2, seed: int = 0):
-    ids = torch.cat([klein_core.position_ids(3, 4), klein_core.position_ids(2, 2, t=10)])
+    ids = torch.cat([position_ids(3, 4), position_ids(2, 2, t=10)])
     g = torch.Generator().manual_seed(seed)
     return dict(img=torch.randn(batch, ids.shape[0], 128, generator=g), img_ids=ids,
                 txt=torch.randn(batch, 6, model.config.context_dim, generator=g),
-                txt_ids=klein_core.text_position_ids(6), timesteps=torch.linspace(0.9, 0.3, batch))
+                txt_ids=text_position_ids(6), timesteps=torch.linspace(0.9, 0.3, batch))
 
 
 @pytest.fixture
@@ -52,7 +54,7 @@ def _plain_then_fast(model, kw, caplog, level=logging.INFO, calls=1, **settings)
 @pytest.fixture
 def kitchen_on_cpu(monkeypatch):
     """comfy-kitchen's fused steps through the fast paths on the CPU (they use it on CUDA only)."""
-    pytest.importorskip("comfy_kitchen")
+    require("comfy_kitchen")
     monkeypatch.setattr(fast, "KITCHEN_DEVICES", ("cuda", "cpu"))
 
 

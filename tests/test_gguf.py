@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from extras import require
 from gguf_files import KQUANTS
 from gguf_files import block_kind as _kind
 from gguf_files import dequantized_values as _gguf_reference_values
@@ -16,11 +17,18 @@ from gguf_files import write_gguf as _write_gguf
 from safetensors.torch import save_file
 
 import klein_core as kc
+from klein_core.files.identify import probe
+from klein_core.loading import weightless
+from klein_core.memory.placement import module_bytes
+from klein_core.memory.planner import weights_home
 from klein_core.models.transformer import Flux2Transformer, TransformerConfig
 from klein_core.quant.ggml import GGMLLinear, GGMLType, dequantize, ggml_layers, quantize
+from klein_core.sampling import position_ids, text_position_ids
 from klein_core.testing import tiny_text_encoder
+from klein_core.tokenizer import tokenize_prompts
+from klein_core.variants import KLEIN_4B, KLEIN_9B
 
-gguf = pytest.importorskip("gguf")
+gguf = require("gguf")
 T = gguf.GGMLQuantizationType
 LEGACY = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]
 
@@ -83,7 +91,7 @@ def _run(model, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     img, txt = torch.randn(2, 12, 128, generator=g), torch.randn(2, 5, 96, generator=g)
     with torch.no_grad():
-        return model(img=img, img_ids=kc.position_ids(3, 4), txt=txt, txt_ids=kc.text_position_ids(5),
+        return model(img=img, img_ids=position_ids(3, 4), txt=txt, txt_ids=text_position_ids(5),
                      timesteps=torch.tensor([0.9, 0.4]))
 
 
@@ -128,13 +136,13 @@ def test_prefixed_names_and_weightless_size(tmp_path, float_transformer):
     sd = {k: v.numpy() for k, v in float_transformer.state_dict().items()}
     path = tmp_path / "prefixed.gguf"
     _write_gguf(path, {"model.diffusion_model." + k: (v, _kind(k, v, "Q8_0")) for k, v in sd.items()}, None)
-    info = kc.probe(path)
+    info = probe(path)
     assert info.kind == "transformer" and info.text_width == 96
-    meta = kc.weightless(path, "transformer", dtype=torch.bfloat16)
+    meta = weightless(path, "transformer", dtype=torch.bfloat16)
     real = kc.load_transformer(path, dtype=torch.bfloat16)
-    assert kc.module_bytes(meta) == kc.module_bytes(real)  # the planner counts the blocks' real bytes
+    assert module_bytes(meta) == module_bytes(real)  # the planner counts the blocks' real bytes
     bf16 = kc.load_transformer(float_transformer.state_dict(), dtype=torch.bfloat16)
-    assert kc.module_bytes(real) < 0.75 * kc.module_bytes(bf16)
+    assert module_bytes(real) < 0.75 * module_bytes(bf16)
 
 
 @pytest.mark.parametrize("block", ["Q8_0", "Q4_0"])
@@ -144,7 +152,7 @@ def test_qwen3_gguf_in_llama_cpp_names(tmp_path, block, parity):
     path = tmp_path / f"qwen_3_4b-{block}.gguf"
     tensors = {_hf_to_llama(k): (v, "F32" if v.ndim == 1 else block) for k, v in sd.items()}
     _write_gguf(path, tensors, "qwen3")
-    info = kc.probe(path)
+    info = probe(path)
     assert info.kind == "text_encoder" and info.text_width == 96
     ours = kc.load_text_encoder(path, dtype=torch.float32)
     assert set(ggml_layers(ours).values()) == {block}
@@ -152,7 +160,7 @@ def test_qwen3_gguf_in_llama_cpp_names(tmp_path, block, parity):
     exact = {k: ref_values[_hf_to_llama(k)] for k in sd}
     save_file({k: v.contiguous() for k, v in exact.items()}, tmp_path / "exact.safetensors")
     reference = kc.load_text_encoder(tmp_path / "exact.safetensors", dtype=torch.float32)
-    ids, mask = kc.tokenize_prompts(["a red fox", "blurry"], max_length=24)
+    ids, mask = tokenize_prompts(["a red fox", "blurry"], max_length=24)
     diff = (ours.encode(ids, mask) - reference.encode(ids, mask)).abs().max().item()
     parity(f"GGUF Qwen3 ({block}, llama.cpp names) vs the same values from safetensors", diff)
     assert diff <= 1e-5
@@ -170,11 +178,11 @@ def test_quantize_on_load(tmp_path, float_transformer, mode, qtype, max_rel, par
     parity(f"quantize='{mode}' on load vs the bf16 file (relative L2, not a diff)", rel)
     assert 0 < rel < max_rel
     q_bf16 = kc.load_transformer(path, dtype=torch.bfloat16, quantize=mode)
-    ratio = kc.module_bytes(q_bf16) / kc.module_bytes(kc.load_transformer(path, dtype=torch.bfloat16))
+    ratio = module_bytes(q_bf16) / module_bytes(kc.load_transformer(path, dtype=torch.bfloat16))
     parity(f"quantize='{mode}': resident bytes / bf16 bytes (tiny model, not a diff)", ratio)
     assert ratio < (0.75 if mode == "q8" else 0.55)  # tiny: the unquantised embedders weigh a lot here
-    assert kc.module_bytes(kc.weightless(path, "transformer", dtype=torch.bfloat16, quantize=mode)) == \
-        kc.module_bytes(kc.load_transformer(path, dtype=torch.bfloat16, quantize=mode))
+    assert module_bytes(weightless(path, "transformer", dtype=torch.bfloat16, quantize=mode)) == \
+        module_bytes(kc.load_transformer(path, dtype=torch.bfloat16, quantize=mode))
 
 
 def test_loras_run_as_branches_on_ggml_layers_and_refuse_to_merge(tmp_path, float_transformer):
@@ -213,16 +221,16 @@ def test_full_size_resident_bytes(mode, parity):
     from klein_core.quant.fp8 import block_linear_names
     from klein_core.quant.ggml import QUANTIZE_TYPES
 
-    for variant in (kc.KLEIN_4B, kc.KLEIN_9B):
+    for variant in (KLEIN_4B, KLEIN_9B):
         cfg = TransformerConfig(hidden_size=variant.hidden, num_heads=variant.heads, depth=variant.depth,
                                 depth_single=variant.depth_single, context_dim=variant.text_width,
                                 mlp_hidden=3 * variant.hidden)
         with torch.device("meta"):
             model = Flux2Transformer(cfg).to(torch.bfloat16)
-        full = kc.module_bytes(model)
+        full = module_bytes(model)
         swap_to_ggml_(model, {n + ".weight": QUANTIZE_TYPES[mode] for n in block_linear_names(model)},
                       torch.bfloat16)
-        size = kc.module_bytes(model)
+        size = module_bytes(model)
         parity(f"{variant.name} transformer resident with quantize='{mode}' (GiB, not a diff)", size / 2**30)
         assert size < full * (0.6 if mode == "q8" else 0.35)
 
@@ -232,7 +240,7 @@ def test_an_8gb_card_keeps_a_9b_q4_transformer_resident():
     from klein_core.files.gguf import swap_to_ggml_
     from klein_core.quant.fp8 import block_linear_names
 
-    v = kc.KLEIN_9B
+    v = KLEIN_9B
     cfg = TransformerConfig(hidden_size=v.hidden, num_heads=v.heads, depth=v.depth, depth_single=v.depth_single,
                             context_dim=v.text_width, mlp_hidden=3 * v.hidden)
     with torch.device("meta"):
@@ -240,5 +248,5 @@ def test_an_8gb_card_keeps_a_9b_q4_transformer_resident():
         q4 = Flux2Transformer(cfg).to(torch.bfloat16)
     swap_to_ggml_(q4, {n + ".weight": GGMLType.Q4_0 for n in block_linear_names(q4)}, torch.bfloat16)
     free = 7_800 * 2**20  # what an 8 GB card has free
-    assert kc.weights_home(q4, "cuda", free_bytes=free) == torch.device("cuda")
-    assert kc.weights_home(bf16, "cuda", free_bytes=free) == torch.device("cpu")
+    assert weights_home(q4, "cuda", free_bytes=free) == torch.device("cuda")
+    assert weights_home(bf16, "cuda", free_bytes=free) == torch.device("cpu")

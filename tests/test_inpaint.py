@@ -6,12 +6,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from extras import require
 from PIL import Image, ImageDraw
 
-import klein_core as kc
 from klein_core import inpaint
 
-diffusers = pytest.importorskip("diffusers")
+diffusers = require("diffusers")
 
 
 def _processor():
@@ -93,7 +93,7 @@ def test_feather_never_touches_unmasked_pixels_and_ramps_inside():
 def test_composite_is_exact_outside_the_mask():
     a, b = _image(50, 40, 1), _image(50, 40, 2)
     mask = _mask(50, 40, (10, 10, 30, 30))
-    out = np.asarray(kc.composite(a, b, mask, feather=4))
+    out = np.asarray(inpaint.composite(a, b, mask, feather=4))
     keep = np.asarray(mask) == 0
     assert np.array_equal(out[keep], np.asarray(a)[keep])
     assert np.array_equal(out[20, 20], np.asarray(b)[20, 20])  # deep inside: the generated pixel
@@ -106,7 +106,7 @@ def test_composite_is_exact_outside_the_mask():
 
 def test_outpaint_canvas_and_mask():
     img = _image(64, 48, 4)
-    canvas, mask = kc.outpaint(img, left=16, right=32, bottom=8, feather=6)
+    canvas, mask = inpaint.outpaint(img, left=16, right=32, bottom=8, feather=6)
     assert canvas.size == (112, 56) and mask.size == (112, 56)
     c, m = np.asarray(canvas), np.asarray(mask)
     assert np.array_equal(c[0:48, 16:80], np.asarray(img))  # the image itself is untouched
@@ -114,23 +114,23 @@ def test_outpaint_canvas_and_mask():
     assert m[20, 40] == 0 and m[20, 16] == 255 and 0 < m[20, 18] < 255 and m[20, 16 + 6] == 0  # 6 px feather
     assert m[0, 40] == 0  # the top did not grow: no feather there
     with pytest.raises(ValueError, match="at least one side"):
-        kc.outpaint(img)
+        inpaint.outpaint(img)
 
 
 def test_crop_for_inpaint_and_stitch_round_trip():
     img = _image(900, 600, 5)
     mask = _mask(900, 600, (600, 400, 640, 430))
-    crop, crop_mask, box = kc.crop_for_inpaint(img, mask, padding=20, megapixels=0.25)
+    crop, crop_mask, box = inpaint.crop_for_inpaint(img, mask, padding=20, megapixels=0.25)
     x1, y1, x2, y2 = box
     assert x1 <= 580 and x2 >= 661 and y1 <= 380 and y2 >= 451
     assert crop.width % 16 == 0 and crop.height % 16 == 0 and crop.size == crop_mask.size
     assert abs(crop.width * crop.height - 0.25 * 2**20) < 0.1 * 2**20
     generated = _image(*crop.size, 6)
-    out = kc.stitch(img, generated, box, mask)
+    out = inpaint.stitch(img, generated, box, mask)
     keep = np.asarray(mask) == 0
     assert out.size == img.size and np.array_equal(np.asarray(out)[keep], np.asarray(img)[keep])
     assert not np.array_equal(np.asarray(out)[~keep], np.asarray(img)[~keep])
     # without the composite, the whole crop box is replaced
-    pasted = np.asarray(kc.stitch(img, generated, box, mask, keep_unmasked=False))
+    pasted = np.asarray(inpaint.stitch(img, generated, box, mask, keep_unmasked=False))
     assert not np.array_equal(pasted[y1:y2, x1:x2], np.asarray(img)[y1:y2, x1:x2])
     assert np.array_equal(pasted[:y1], np.asarray(img)[:y1])

@@ -10,12 +10,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from extras import require
 from PIL import Image, ImageDraw
 from test_pipeline_parity import CTX, LATENT_CH, _embeds, _image, components  # noqa: F401 (fixture)
 
 import klein_core as kc
+from klein_core.sampling import pack
 
-diffusers = pytest.importorskip("diffusers")
+diffusers = require("diffusers")
 TOL = 2e-5  # about twice the largest measured (1.0e-5, base CFG inpaint)
 
 
@@ -47,7 +49,7 @@ def _mask(w: int, h: int, box: tuple[int, int, int, int]) -> Image.Image:
 
 
 def _diff(res: kc.GenerationResult, ref: torch.Tensor) -> float:
-    return (kc.pack(res.latents) - ref).abs().max().item()
+    return (pack(res.latents) - ref).abs().max().item()
 
 
 def test_image_to_image_at_strength_0_6(components, parity):

@@ -9,14 +9,15 @@ import contextlib
 
 import pytest
 import torch
+from extras import require
 
 from klein_core.accel import kitchen
 from klein_core.accel.kitchen import KitchenOps, freqs_cis
 from klein_core.models.block_ops import PLAIN_OPS
-from klein_core.models.transformer_math import NORM_EPS, rope_cos_sin
+from klein_core.models.transformer_math import rope_cos_sin
 from klein_core.quant.fp8 import dequantize, quantize_fp8
 
-ck = pytest.importorskip("comfy_kitchen")
+ck = require("comfy_kitchen")
 
 
 @pytest.fixture(autouse=True)
@@ -43,10 +44,11 @@ def _tables(n, dim, batch=None, seed=1):
 
 
 def _qk_float64(parts, cos, sin):
-    """The exact value of RMSNorm + interleaved RoPE of the (rounded) inputs, in float64."""
+    """The exact value of RMSNorm (eps 1e-6, SPEC §1.2; not klein_core's constant) + interleaved RoPE of
+    the (rounded) inputs, in float64."""
     out = []
     for which in (0, 1):
-        x = torch.cat([p[which].double() * torch.rsqrt(p[which].double().pow(2).mean(-1, keepdim=True) + NORM_EPS)
+        x = torch.cat([p[which].double() * torch.rsqrt(p[which].double().pow(2).mean(-1, keepdim=True) + 1e-6)
                        * p[2 + which].double() for p in parts], dim=1).transpose(1, 2)
         pairs = x.unflatten(-1, (-1, 2))
         rotated = torch.stack([-pairs[..., 1], pairs[..., 0]], dim=-1).flatten(-2)

@@ -9,13 +9,15 @@ import time
 
 import pytest
 import torch
+from extras import require
 from test_pipeline_parity import CTX, LATENT_CH, _embeds, _image, components  # noqa: F401 (fixture)
 from test_pipeline_parity import _run_reference as _reference
 
 import klein_core as kc
 from klein_core.kv import ReferenceKVCache
+from klein_core.sampling import make_noise, pack, position_ids, reference_tokens, text_position_ids
 
-diffusers = pytest.importorskip("diffusers")
+diffusers = require("diffusers")
 TOL = 2e-5  # about twice the largest measured (5.4e-6 KV, 4.6e-6 timestep zero)
 
 
@@ -34,13 +36,13 @@ def test_kv_mode_matches_diffusers(components, parity, n_refs, size, batch):
     emb = _embeds(20 + n_refs)
     refs = [_image(80, 64, 1), _image(64, 96, 2), _image(72, 72, 3)][:n_refs]
     w, h = size
-    noise = kc.make_noise(5, batch, 4 * LATENT_CH, h // 4, w // 4)
+    noise = make_noise(5, batch, 4 * LATENT_CH, h // 4, w // 4)
     ref = _reference(_kv_pipe(tr, vae), image=refs, prompt_embeds=emb, width=w, height=h, num_inference_steps=3,
                      latents=noise, num_images_per_prompt=batch)
     res = kc.generate(ours_tr, None, ours_vae, prompt_embeds=emb, references=refs, width=w, height=h, steps=3,
                       seed=5, batch_size=batch, output="latent", ref_mode="kv", kv_cache=None)
     diff = parity(f"KV mode fp32, {n_refs} reference(s), {w}x{h}, batch {batch} vs Flux2KleinKVPipeline",
-                  (kc.pack(res.latents) - ref).abs().max().item())
+                  (pack(res.latents) - ref).abs().max().item())
     assert diff <= TOL, diff
     joint = kc.generate(ours_tr, None, ours_vae, prompt_embeds=emb, references=refs, width=w, height=h, steps=3,
                         seed=5, batch_size=batch, output="latent")
@@ -52,7 +54,7 @@ def test_reference_kv_depends_only_on_the_references(components):
     alone it equals what the joint first step (diffusers' "extract" pass) stores."""
     tr, _, ours_tr, _ = components
     lat = torch.randn(1, 4 * LATENT_CH, 6, 5, generator=torch.Generator().manual_seed(1))
-    refs = kc.reference_tokens([lat])
+    refs = reference_tokens([lat])
     kv = ours_tr.reference_kv(refs.tokens, refs.ids)
     from diffusers.models.transformers.transformer_flux2 import Flux2KVAttnProcessor, Flux2KVParallelSelfAttnProcessor
 
@@ -67,8 +69,8 @@ def test_reference_kv_depends_only_on_the_references(components):
         with torch.no_grad():
             _, cache = tr(hidden_states=torch.cat([refs.tokens.expand(2, -1, -1), img], 1),
                           encoder_hidden_states=txt, timestep=torch.full((2,), 0.7 - 0.3 * seed),
-                          img_ids=torch.cat([refs.ids, kc.position_ids(3, 4)])[None],
-                          txt_ids=kc.text_position_ids(7)[None], return_dict=False, kv_cache_mode="extract",
+                          img_ids=torch.cat([refs.ids, position_ids(3, 4)])[None],
+                          txt_ids=text_position_ids(7)[None], return_dict=False, kv_cache_mode="extract",
                           num_ref_tokens=refs.tokens.shape[1])
         for (k, v), layer in zip(kv.double + kv.single, cache.double_block_caches + cache.single_block_caches):
             # diffusers keeps [B, N, H, D]; ours [1, H, N, D]
@@ -119,7 +121,7 @@ def test_kv_cache_lets_a_freed_models_entries_go():
 
     cache = ReferenceKVCache()
     model = tiny_transformer()
-    refs = kc.reference_tokens([torch.randn(1, 128, 4, 4, generator=torch.Generator().manual_seed(0))])
+    refs = reference_tokens([torch.randn(1, 128, 4, 4, generator=torch.Generator().manual_seed(0))])
     cache.get(model, refs)
     assert len(cache) == 1 and cache.nbytes() > 0
     del model
@@ -154,7 +156,7 @@ def test_bounded_cache_order_and_owners():
 
 def test_loras_on_the_model_bypass_the_kv_cache(components):
     _, _, ours_tr, _ = components
-    refs = kc.reference_tokens([torch.randn(1, 4 * LATENT_CH, 4, 4)])
+    refs = reference_tokens([torch.randn(1, 4 * LATENT_CH, 4, 4)])
     cache = ReferenceKVCache()
     cache.get(ours_tr, refs)
     name = "double_blocks.0.img_attn.qkv"
@@ -182,8 +184,8 @@ def test_timestep_zero_mode_matches_a_reference_built_from_diffusers_blocks(comp
     ref = torch.randn(1, 10, 4 * LATENT_CH, generator=g)
     txt = torch.randn(2, 7, CTX, generator=g)
     t = torch.tensor([0.8, 0.3])
-    img_ids = kc.position_ids(3, 4)
-    ref_ids = kc.position_ids(2, 5, t=10)
+    img_ids = position_ids(3, 4)
+    ref_ids = position_ids(2, 5, t=10)
     with torch.no_grad():
         # diffusers' layout for blended modulation is [ref, img]
         n_ref, n_img, n_txt = 10, 12, 7
@@ -197,7 +199,7 @@ def test_timestep_zero_mode_matches_a_reference_built_from_diffusers_blocks(comp
         x = tr.x_embedder(torch.cat([ref.expand(2, -1, -1), img], 1))
         c = tr.context_embedder(txt)
         ids = torch.cat([ref_ids, img_ids])
-        rot_i, rot_t = tr.pos_embed(ids), tr.pos_embed(kc.text_position_ids(n_txt))
+        rot_i, rot_t = tr.pos_embed(ids), tr.pos_embed(text_position_ids(n_txt))
         rot = (torch.cat([rot_t[0], rot_i[0]]), torch.cat([rot_t[1], rot_i[1]]))
         for block in tr.transformer_blocks:
             c, x = block(hidden_states=x, encoder_hidden_states=c, temb_mod_img=mod_img, temb_mod_txt=mod_txt,
@@ -207,9 +209,9 @@ def test_timestep_zero_mode_matches_a_reference_built_from_diffusers_blocks(comp
             hs = block(hidden_states=hs, encoder_hidden_states=None, temb_mod=mod_single, image_rotary_emb=rot)
         expected = tr.proj_out(tr.norm_out(hs[:, n_txt + n_ref:], temb))
         ours = ours_tr(img=torch.cat([img, ref.expand(2, -1, -1)], 1), img_ids=torch.cat([img_ids, ref_ids]),
-                       txt=txt, txt_ids=kc.text_position_ids(n_txt), timesteps=t, zero_time_tokens=n_ref)[:, :n_img]
+                       txt=txt, txt_ids=text_position_ids(n_txt), timesteps=t, zero_time_tokens=n_ref)[:, :n_img]
         joint = ours_tr(img=torch.cat([img, ref.expand(2, -1, -1)], 1), img_ids=torch.cat([img_ids, ref_ids]),
-                        txt=txt, txt_ids=kc.text_position_ids(n_txt), timesteps=t)[:, :n_img]
+                        txt=txt, txt_ids=text_position_ids(n_txt), timesteps=t)[:, :n_img]
     diff = parity("timestep-zero reference mode fp32 vs diffusers blocks with blended modulation",
                   (ours - expected).abs().max().item())
     assert diff <= TOL, diff

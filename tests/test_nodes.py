@@ -25,6 +25,14 @@ import torch
 from PIL import Image
 
 import klein_core as kc
+from klein_core.engine import decode_to_pixels, encode_references
+from klein_core.files.fp8 import quantize_state_dict
+from klein_core.images import prepare_reference_image
+from klein_core.loading import LOADERS
+from klein_core.memory.placement import module_bytes
+from klein_core.prompts import encode_prompts
+from klein_core.quant.formats import stored_formats
+from klein_core.request import Resolved
 from klein_core.testing import write_tiny_model_files
 from script_module import load_script
 
@@ -83,7 +91,7 @@ def progress(comfy, monkeypatch):
 def _denoise_call(engine, conditioning, references, settings, callback):
     """What the sampler node asked klein_core's engine for, as the keywords of the equivalent
     ``klein_core.generate`` call."""
-    run = settings if isinstance(settings, kc.Resolved) else engine.resolve(settings, references)
+    run = settings if isinstance(settings, Resolved) else engine.resolve(settings, references)
     return {"steps": run.steps, "guidance": run.guidance, "width": run.width, "height": run.height,
             "distilled": engine.kind == "distilled", "batch_size": run.batch_size, "seed": run.seed,
             "prompt_embeds": conditioning.positive, "negative_embeds": conditioning.negative,
@@ -116,7 +124,7 @@ def fake_generate(monkeypatch):
         latents = torch.zeros(kw["batch_size"], 128, kw["height"] // 16, kw["width"] // 16)
         for step in range(1, kw["steps"] + 1):
             kw["callback"](step, kw["steps"], latents)
-        return latents, self.resolve(settings, references) if not isinstance(settings, kc.Resolved) else settings
+        return latents, self.resolve(settings, references) if not isinstance(settings, Resolved) else settings
 
     monkeypatch.setattr(kc.Engine, "denoise", denoise)
     return calls
@@ -219,7 +227,7 @@ def test_text_encoder_outputs_and_exact_embeddings(comfy):
     assert (cond.encoder_name, cond.text_dim) == (Q4B, 96)
     assert cond.variant.startswith("Qwen3")
     direct = kc.load_text_encoder(comfy.paths["qwen_4b"], dtype=torch.bfloat16)
-    expected = kc.encode_prompts(direct, ["a red fox", "blurry"], cache=None)
+    expected = encode_prompts(direct, ["a red fox", "blurry"], cache=None)
     assert torch.equal(cond.positive, expected[:1]) and torch.equal(cond.negative, expected[1:])
 
 
@@ -279,7 +287,7 @@ def test_reference_stacker_matches_the_core_preprocessing(comfy, tmp_path):
     png = tmp_path / "ref.png"
     _random_image(300, 200).save(png)
     refs, text = _stack(comfy, _as_loadimage(Image.open(png)), vae)
-    expected = kc.encode_references(vae.ref.get(), [Image.open(png)])[0]
+    expected = encode_references(vae.ref.get(), [Image.open(png)])[0]
     (ref,) = refs.items
     assert torch.equal(ref.latent, expected)
     assert (ref.width, ref.height) == (288, 192) == (expected.shape[-1] * 16, expected.shape[-2] * 16)
@@ -293,7 +301,7 @@ def test_reference_frames_become_the_pil_images_the_core_opens(comfy, tmp_path):
     _random_image(1100, 1000, seed=9).save(png)
     (pil,) = comfy.references.frames_to_pil(_as_loadimage(Image.open(png)))
     assert pil.mode == "RGB" and np.array_equal(np.asarray(pil), np.asarray(Image.open(png)))
-    assert torch.equal(kc.prepare_reference_image(pil), kc.prepare_reference_image(Image.open(png)))
+    assert torch.equal(prepare_reference_image(pil), prepare_reference_image(Image.open(png)))
 
 
 @pytest.mark.parametrize("mode", ["L", "LA", "RGBA"])
@@ -303,7 +311,7 @@ def test_reference_stacker_channel_counts(comfy, mode):
     arr = np.asarray(pil).astype(np.float32) / 255.0
     image = torch.from_numpy(arr if arr.ndim == 3 else arr[..., None])[None]
     (ref,) = _stack(comfy, image, vae)[0].items
-    assert torch.equal(ref.latent, kc.encode_references(vae.ref.get(), [pil])[0])
+    assert torch.equal(ref.latent, encode_references(vae.ref.get(), [pil])[0])
 
 
 def test_reference_stacker_batches_and_chaining(comfy):
@@ -462,7 +470,7 @@ def test_vae_decode_gives_comfy_images(comfy):
     assert image.shape == (2, 64, 96, 3) and image.dtype == torch.float32
     assert image.device == comfy.host.intermediate_device()
     assert 0.0 <= image.min() and image.max() <= 1.0
-    expected = kc.decode_to_pixels(vae.ref.get(), samples).permute(0, 2, 3, 1)
+    expected = decode_to_pixels(vae.ref.get(), samples).permute(0, 2, 3, 1)
     torch.testing.assert_close(image, expected, atol=1e-5, rtol=0)  # decoded one by one: conv batching noise
 
 
@@ -544,14 +552,14 @@ def test_loads_ask_comfy_for_memory_first(comfy, monkeypatch):
     monkeypatch.setattr(host, "make_room", lambda n, d: events.append(("make_room", n, str(d))))
     real_use = host.use_models
     monkeypatch.setattr(host, "use_models", lambda h, m=0: (events.append(("use_models", m)), real_use(h, m)))
-    real_loaders = dict(kc.LOADERS)
+    real_loaders = dict(LOADERS)
     for role, load in real_loaders.items():
-        monkeypatch.setitem(kc.LOADERS, role, lambda *a, _l=load, _r=role, **k: (
+        monkeypatch.setitem(LOADERS, role, lambda *a, _l=load, _r=role, **k: (
             events.append(("load", _r, str(k.get("device")))), _l(*a, **k))[1])
     cache.release_all("test")
     model, _ = _load(comfy)
     weights = cache.weight_bytes(model.ref)
-    assert weights == kc.module_bytes(model.ref.get())  # the header-only estimate is the real size
+    assert weights == module_bytes(model.ref.get())  # the header-only estimate is the real size
     real = [e for e in events if e[0] != "load" or e[2] != "meta"]  # header-only (meta) builds read no data
     assert real[:2] == [("make_room", weights, "cpu"), ("load", "transformer", "cpu")]
     events.clear()
@@ -587,29 +595,29 @@ def test_storage_choices_that_a_quantised_file_overrides_are_said(comfy, monkeyp
     sd = load_file(str(comfy.paths["klein_4b"]))
     layers = block_linear_names(kc.load_transformer(comfy.paths["klein_4b"]))
     name = "flux-2-klein-4b-fp8.safetensors"
-    save_file(kc.quantize_state_dict(sd, layers, style="comfy_quant"), str(comfy.models / "diffusion_models" / name))
+    save_file(quantize_state_dict(sd, layers, style="comfy_quant"), str(comfy.models / "diffusion_models" / name))
     comfy.folder_paths.filename_list_cache.clear()
     try:
         out = comfy.pack.KleinModelLoader.execute(name, VAE, "q4", "auto")
         warnings = out.ui["warnings"]
         assert any(f"{name} stores {len(layers)} layers in fp8 e4m3fn; weight_dtype q4" in w for w in warnings), warnings
-        assert kc.stored_formats(out.args[0].ref.get()) == {"fp8 e4m3fn": len(layers)}
+        assert stored_formats(out.args[0].ref.get()) == {"fp8 e4m3fn": len(layers)}
         assert not getattr(comfy.pack.KleinModelLoader.execute(name, VAE, "bf16", "auto"), "ui", None)  # as stored: nothing to say
         q4 = comfy.pack.KleinModelLoader.execute(M4B, VAE, "q4", "auto")
-        assert kc.stored_formats(q4.args[0].ref.get()) == {"GGUF Q4_0": len(layers)}
+        assert stored_formats(q4.args[0].ref.get()) == {"GGUF Q4_0": len(layers)}
         assert not getattr(q4, "ui", None)  # a bf16 file quantised as asked: nothing to say
     finally:
         comfy.cache.release_all("test done")
         (comfy.models / "diffusion_models" / name).unlink()
         comfy.folder_paths.filename_list_cache.clear()
     # fp8 on a GPU without fp8 matmuls (an RTX 3090 here, by its answers): said with the GPU's name
-    monkeypatch.setattr(kc, "scaled_mm_available", lambda device: False)
+    monkeypatch.setattr(comfy.loaders, "scaled_mm_available", lambda device: False)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (8, 6))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "NVIDIA GeForce RTX 3090")
     with caplog.at_level(logging.WARNING):
         comfy.loaders.report_weight_choice("fp8", M4B, torch.nn.Linear(2, 2), torch.device("cuda", 0))
     assert "fp8 on NVIDIA GeForce RTX 3090 (compute capability 8.6, fp8 matmuls need 8.9)" in caplog.text
-    monkeypatch.setattr(kc, "scaled_mm_available", lambda device: True)
+    monkeypatch.setattr(comfy.loaders, "scaled_mm_available", lambda device: True)
     caplog.clear()
     with caplog.at_level(logging.WARNING):
         comfy.loaders.report_weight_choice("fp8", M4B, torch.nn.Linear(2, 2), torch.device("cuda", 0))

@@ -12,9 +12,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from extras import require
 from test_nodes import M4B, M4B_BASE, Q4B, VAE, _load, _sample, comfy, progress  # noqa: F401 (fixtures)
 
 import klein_core as kc
+from klein_core.engine import InitLatents
+from klein_core.inpaint import mask_for_latents
+from klein_core.memory.placement import module_bytes
+from klein_core.prompts import encode_prompts
+from klein_core.tokenizer import count_tokens
 
 LONG = " ".join(f"word{i}" for i in range(700))
 
@@ -35,19 +41,19 @@ def _warnings(out) -> list[str]:
 def test_encoder_options_match_klein_core(comfy):  # noqa: F811
     direct = kc.load_text_encoder(comfy.paths["qwen_4b"], dtype=torch.bfloat16)
     default = _encode_out(comfy, "a red fox", "blurry").args[0]
-    expected = kc.encode_prompts(direct, ["a red fox", "blurry"], cache=None)
+    expected = encode_prompts(direct, ["a red fox", "blurry"], cache=None)
     assert default.positive.dtype == torch.bfloat16 and torch.equal(default.positive, expected[:1])
     comfy_way = _encode_out(comfy, LONG, "blurry", "fp32 activations", "whole prompt").args[0]
-    n = kc.count_tokens(LONG)
+    n = count_tokens(LONG)
     assert comfy_way.positive.shape == (1, n, 96) and comfy_way.negative.shape == (1, 512, 96)
     assert comfy_way.positive.dtype == torch.float32
-    assert torch.equal(comfy_way.positive, kc.encode_prompts(direct, [LONG], cache=None, options=kc.COMFYUI_TEXT))
+    assert torch.equal(comfy_way.positive, encode_prompts(direct, [LONG], cache=None, options=kc.COMFYUI_TEXT))
     with pytest.raises(ValueError, match=r"Qwen3 Layer-Concat Encoder: precision 'fp64' is not one of"):
         _encode_out(comfy, precision="fp64")
 
 
 def test_long_prompts_warn_by_input_name_also_from_the_cache(comfy):  # noqa: F811
-    n = kc.count_tokens(LONG)
+    n = count_tokens(LONG)
     for _ in range(2):  # the second time the embeddings come from the cache: still said
         out = _encode_out(comfy, LONG, "blurry")
         [warning] = _warnings(out)
@@ -295,7 +301,7 @@ def test_sampler_from_a_latent_equals_the_engine(comfy):  # noqa: F811
     engine = kc.Engine(model.ref.get(), kind="distilled", prompt_cache=None)
     lat = latent["samples"]
     expected, _ = engine.denoise(kc.Conditioning(cond.positive), [lat], kc.Settings(steps=4, seed=3),
-                                 init=kc.InitLatents(lat, 0.6))
+                                 init=InitLatents(lat, 0.6))
     assert torch.equal(got, expected.float())
     plain = _sample(comfy, model, cond, width=0, height=0, steps=4, latent=latent, denoise=0.6, seed=3,
                     latent_as_reference=False)
@@ -309,7 +315,7 @@ def test_sampler_mask_keeps_the_unmasked_latents(comfy):  # noqa: F811
     mask = torch.zeros(1, 96, 128)
     mask[:, 16:64, 32:96] = 1
     got = _sample(comfy, model, cond, width=0, height=0, steps=3, latent=latent, mask=mask)
-    lat_mask = kc.mask_for_latents(mask, 6, 8)
+    lat_mask = mask_for_latents(mask, 6, 8)
     keep = (lat_mask == 0).expand_as(got)
     src = latent["samples"].to(torch.bfloat16).float()  # the bf16 model's latents: the image's, rounded
     assert torch.equal(got[keep], src[keep])
@@ -370,7 +376,7 @@ def test_inpaint_crop_and_stitch_nodes(comfy):  # noqa: F811
 
 
 def test_gguf_files_are_listed_load_and_mix_with_safetensors(comfy):  # noqa: F811
-    pytest.importorskip("gguf")
+    require("gguf")
     from gguf_files import write_tiny_gguf_qwen, write_tiny_gguf_transformer
 
     from klein_core.quant.ggml import ggml_layers
@@ -389,7 +395,7 @@ def test_gguf_files_are_listed_load_and_mix_with_safetensors(comfy):  # noqa: F8
         with torch.inference_mode():
             model, _ = loader.execute("gguf/flux-2-klein-4b-Q8_0.gguf", VAE, "bf16", "auto", "auto").args
         assert set(ggml_layers(model.ref.get()).values()) == {"Q8_0"}
-        assert comfy.cache.weight_bytes(model.ref) == kc.module_bytes(model.ref.get())  # planner: real bytes
+        assert comfy.cache.weight_bytes(model.ref) == module_bytes(model.ref.get())  # planner: real bytes
         # a GGUF transformer with a safetensors encoder, and a GGUF encoder with it
         for enc in (Q4B, "qwen_3_4b-Q8_0.gguf"):
             with torch.inference_mode():
@@ -408,7 +414,7 @@ def test_gguf_files_are_listed_load_and_mix_with_safetensors(comfy):  # noqa: F8
 
 
 def test_nvfp4_file_loads_in_the_loader_and_samples(comfy):  # noqa: F811
-    pytest.importorskip("comfy_kitchen")
+    require("comfy_kitchen")
     from test_nvfp4 import _nvfp4_file
 
     from klein_core.quant.nvfp4 import nvfp4_layers
@@ -421,7 +427,7 @@ def test_nvfp4_file_loads_in_the_loader_and_samples(comfy):  # noqa: F811
         with torch.inference_mode():
             model, _ = comfy.pack.KleinModelLoader.execute(path.name, VAE, "bf16", "auto", "auto").args
         assert len(nvfp4_layers(model.ref.get())) == 12  # every block Linear of the tiny model (1 + 2 blocks)
-        assert comfy.cache.weight_bytes(model.ref) == kc.module_bytes(model.ref.get())
+        assert comfy.cache.weight_bytes(model.ref) == module_bytes(model.ref.get())
         latents = _sample(comfy, model, _encode_out(comfy, "a fox").args[0], steps=2)
         assert torch.isfinite(latents).all()
     finally:

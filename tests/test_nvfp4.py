@@ -9,15 +9,19 @@ import json
 
 import pytest
 import torch
+from extras import require
 from layout_files import manifests, write_safetensors
 from safetensors.torch import save_file
 
 import klein_core as kc
+from klein_core.loading import weightless
+from klein_core.memory.placement import module_bytes
 from klein_core.quant import nvfp4
 from klein_core.quant.fp8 import block_linear_names
+from klein_core.sampling import position_ids, text_position_ids
 from klein_core.testing import tiny_transformer
 
-ck = pytest.importorskip("comfy_kitchen")
+ck = require("comfy_kitchen")
 
 
 def _ck_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -68,7 +72,7 @@ def _run(model) -> torch.Tensor:
     g = torch.Generator().manual_seed(1)
     img, txt = torch.randn(2, 12, 128, generator=g), torch.randn(2, 5, 96, generator=g)
     with torch.no_grad():
-        return model(img=img, img_ids=kc.position_ids(3, 4), txt=txt, txt_ids=kc.text_position_ids(5),
+        return model(img=img, img_ids=position_ids(3, 4), txt=txt, txt_ids=text_position_ids(5),
                      timesteps=torch.tensor([0.9, 0.4]))
 
 
@@ -116,8 +120,8 @@ def test_nvfp4_files_load_and_stay_nvfp4(tmp_path, marker, parity):
     rel = ((_run(loaded) - ref).norm() / ref.norm()).item()
     parity(f"NVFP4 tiny transformer vs the bf16 model (relative L2, not a diff; {marker})", rel)
     assert 0 < rel < 0.005  # measured 1.8e-3
-    weightless = kc.weightless(path, "transformer", dtype=torch.bfloat16)
-    assert kc.module_bytes(weightless) == kc.module_bytes(kc.load_transformer(path, dtype=torch.bfloat16))
+    meta = weightless(path, "transformer", dtype=torch.bfloat16)
+    assert module_bytes(meta) == module_bytes(kc.load_transformer(path, dtype=torch.bfloat16))
 
 
 @pytest.mark.parametrize("mode", ["fp8", "q8", "q4"])
@@ -194,9 +198,9 @@ def test_resident_bytes_of_a_9b_nvfp4_transformer(tmp_path, parity):
                                                   "layers": {la: {"format": "nvfp4"} for la in layers}})}
     path = tmp_path / "flux-2-klein-9b-nvfp4.safetensors"
     write_safetensors(path, tensors, meta)
-    model = kc.weightless(path, "transformer", dtype=torch.bfloat16)
+    model = weightless(path, "transformer", dtype=torch.bfloat16)
     assert len(nvfp4.nvfp4_layers(model)) == len(layers) == 112
-    size = kc.module_bytes(model)
+    size = module_bytes(model)
     parity("Klein 9B NVFP4 transformer resident (GiB, meta path; not a diff)", size / 2**30)
     assert 4.5 * 2**30 < size < 6 * 2**30
 
@@ -302,7 +306,7 @@ def test_native_path_on_a_whole_tiny_transformer(tmp_path, native_here, parity):
     loaded = kc.load_transformer(path, dtype=torch.bfloat16)
     g = torch.Generator().manual_seed(1)
     img, txt = torch.randn(2, 12, 128, generator=g), torch.randn(2, 5, 96, generator=g)
-    kw = {"img_ids": kc.position_ids(3, 4), "txt": txt.bfloat16(), "txt_ids": kc.text_position_ids(5),
+    kw = {"img_ids": position_ids(3, 4), "txt": txt.bfloat16(), "txt_ids": text_position_ids(5),
           "timesteps": torch.tensor([0.9, 0.4])}
     with torch.no_grad():
         native = loaded(img=img.bfloat16(), **kw).float()

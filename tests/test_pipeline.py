@@ -10,6 +10,10 @@ import torch
 from PIL import Image
 
 import klein_core as kc
+from klein_core.images import prepare_reference_image, reference_size
+from klein_core.prompts import encode_prompts
+from klein_core.request import resolve_size
+from klein_core.sampling import make_noise, pack, reference_tokens
 from klein_core.testing import build_tiny_components
 
 
@@ -41,15 +45,15 @@ def _img(w: int, h: int, mode: str = "RGB", seed: int = 0) -> Image.Image:
     ],
 )
 def test_reference_sizes(size, expected):
-    assert kc.reference_size(*size) == expected
-    t = kc.prepare_reference_image(_img(*size))
+    assert reference_size(*size) == expected
+    t = prepare_reference_image(_img(*size))
     assert t.shape == (1, 3, expected[1], expected[0])
     assert t.dtype == torch.float32 and -1.0 <= t.min().item() and t.max().item() <= 1.0
 
 
 def test_reference_is_centre_crop_of_lanczos_resize():
     img = _img(1500, 900, seed=3)
-    t = kc.prepare_reference_image(img)
+    t = prepare_reference_image(img)
     w, h = int(1500 * (1048576 / 1350000) ** 0.5), int(900 * (1048576 / 1350000) ** 0.5)
     ref = img.resize((w, h), Image.Resampling.LANCZOS)
     tw, th = w // 16 * 16, h // 16 * 16
@@ -60,7 +64,7 @@ def test_reference_is_centre_crop_of_lanczos_resize():
 
 @pytest.mark.parametrize("mode", ["L", "RGBA", "I;16"])
 def test_reference_modes_become_rgb(mode):
-    t = kc.prepare_reference_image(_img(80, 64, mode))
+    t = prepare_reference_image(_img(80, 64, mode))
     assert t.shape == (1, 3, 64, 80)
     if mode == "L":
         assert torch.equal(t[0, 0], t[0, 1]) and torch.equal(t[0, 1], t[0, 2])
@@ -70,20 +74,20 @@ def test_reference_modes_become_rgb(mode):
 
 def test_reference_rejects_bad_images():
     with pytest.raises(ValueError, match="at least 64"):
-        kc.prepare_reference_image(_img(63, 200))
+        prepare_reference_image(_img(63, 200))
     with pytest.raises(ValueError, match="aspect ratio"):
-        kc.prepare_reference_image(_img(900, 100))
+        prepare_reference_image(_img(900, 100))
     with pytest.raises(TypeError, match="PIL"):
-        kc.prepare_reference_image(torch.zeros(3, 64, 64))
+        prepare_reference_image(torch.zeros(3, 64, 64))
 
 
 def test_reference_tokens_ids_and_order():
     lat = [torch.randn(1, 128, 2, 3), torch.randn(1, 128, 4, 1)]
-    refs = kc.reference_tokens(lat)
+    refs = reference_tokens(lat)
     assert refs.tokens.shape == (1, 10, 128) and refs.ids.shape == (10, 4)
     assert refs.ids[:6, 0].tolist() == [10] * 6 and refs.ids[6:, 0].tolist() == [20] * 4
     assert refs.ids[6:, 1].tolist() == [0, 1, 2, 3] and refs.ids[:, 3].abs().sum() == 0
-    assert torch.equal(refs.tokens[0, :6], kc.pack(lat[0])[0])
+    assert torch.equal(refs.tokens[0, :6], pack(lat[0])[0])
 
 
 # --- seeds and noise ---------------------------------------------------------------------------
@@ -91,12 +95,12 @@ def test_reference_tokens_ids_and_order():
 def test_noise_matches_comfyui_random_noise():
     # ComfyUI RandomNoise: torch.randn(shape, generator=torch.manual_seed(seed), device="cpu")
     g = torch.Generator().manual_seed(1234)
-    assert torch.equal(kc.make_noise(1234, 2, 128, 4, 6), torch.randn((2, 128, 4, 6), generator=g))
-    assert kc.make_noise(2**64 - 1, 1, 4, 2, 2).shape == (1, 4, 2, 2)  # ComfyUI's largest seed
+    assert torch.equal(make_noise(1234, 2, 128, 4, 6), torch.randn((2, 128, 4, 6), generator=g))
+    assert make_noise(2**64 - 1, 1, 4, 2, 2).shape == (1, 4, 2, 2)  # ComfyUI's largest seed
     with pytest.raises(ValueError, match="2\\^64"):
-        kc.make_noise(2**64, 1, 4, 2, 2)
+        make_noise(2**64, 1, 4, 2, 2)
     with pytest.raises(ValueError):
-        kc.make_noise(-1, 1, 4, 2, 2)
+        make_noise(-1, 1, 4, 2, 2)
 
 
 def test_seed_reproducible_across_runs_and_batches(tiny):
@@ -177,7 +181,7 @@ def test_prompt_cache_hit_skips_encoder(tiny, monkeypatch):
 def test_cached_embeddings_equal_fresh(tiny):
     _, te, _ = tiny
     cache = kc.PromptCache()
-    fresh = kc.encode_prompts(te, ["héllo wörld", "猫"], cache=None)
+    fresh = encode_prompts(te, ["héllo wörld", "猫"], cache=None)
     cache.encode(te, ["猫"])
     assert torch.equal(cache.encode(te, ["héllo wörld", "猫"]), fresh)
 
@@ -185,19 +189,19 @@ def test_cached_embeddings_equal_fresh(tiny):
 # --- sizes, defaults, guidance -----------------------------------------------------------------
 
 def test_size_rules(caplog):
-    assert kc.resolve_size(None, None, None) == (1024, 1024)
-    assert kc.resolve_size(None, None, (768, 512)) == (768, 512)
-    assert kc.resolve_size(800, None, (768, 512)) == (800, 512)
+    assert resolve_size(None, None, None) == (1024, 1024)
+    assert resolve_size(None, None, (768, 512)) == (768, 512)
+    assert resolve_size(800, None, (768, 512)) == (800, 512)
     with caplog.at_level(logging.WARNING):
-        assert kc.resolve_size(1000, 1001, None) == (992, 992)
+        assert resolve_size(1000, 1001, None) == (992, 992)
     assert "not a multiple of 16" in caplog.text
     with pytest.raises(ValueError, match="too small"):
-        kc.resolve_size(48, 512, None)
+        resolve_size(48, 512, None)
     with pytest.raises(ValueError, match="4 megapixels"):
-        kc.resolve_size(2048, 2064, None)
-    assert kc.resolve_size(2048, 2048, None) == (2048, 2048)
+        resolve_size(2048, 2064, None)
+    assert resolve_size(2048, 2048, None) == (2048, 2048)
     with pytest.raises(TypeError):
-        kc.resolve_size(512.0, 512, None)
+        resolve_size(512.0, 512, None)
 
 
 def test_output_size_follows_first_reference(tiny):

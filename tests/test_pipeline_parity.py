@@ -10,13 +10,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from extras import require
 from PIL import Image
 from safetensors.torch import save_file
 
 import klein_core
-from klein_core import generate, get_schedule, load_transformer, load_vae, make_noise
+from klein_core import generate, load_transformer, load_vae
+from klein_core.sampling import compute_empirical_mu, denoise, get_schedule, make_noise, pack
 
-diffusers = pytest.importorskip("diffusers")
+diffusers = require("diffusers")
 
 CTX = 24
 LATENT_CH = 4  # tiny VAE latent channels -> 16 transformer channels after the 2x2 patchify
@@ -93,7 +95,7 @@ def test_distilled_text_to_image(components, parity):
                          guidance_scale=1.0, latents=noise)
     res = generate(ours_tr, None, ours_vae, prompt_embeds=emb, width=w, height=h, seed=42, distilled=True,
                    output="latent")
-    ours = klein_core.pack(res.latents)
+    ours = pack(res.latents)
     diff = parity("pipeline fp32, distilled t2i", (ours - ref).abs().max().item())
     assert res.steps == 4 and res.guidance == 1.0
     assert diff <= 1e-4, f"distilled t2i: max abs diff {diff:.3e}"
@@ -108,7 +110,7 @@ def test_base_cfg_with_negative_prompt_batched(components, parity):
                          num_inference_steps=5, guidance_scale=4.0, latents=noise, num_images_per_prompt=2)
     res = generate(ours_tr, None, ours_vae, prompt_embeds=emb, negative_embeds=neg, width=w, height=h, seed=7,
                    steps=5, guidance=4.0, batch_size=2, distilled=False, output="latent")
-    diff = parity("pipeline fp32, base CFG + negative, batch 2", (klein_core.pack(res.latents) - ref).abs().max().item())
+    diff = parity("pipeline fp32, base CFG + negative, batch 2", (pack(res.latents) - ref).abs().max().item())
     assert diff <= 1e-4, f"base CFG: max abs diff {diff:.3e}"
     # and CFG really changed the result (guards against the negative branch being dropped)
     plain = generate(ours_tr, None, ours_vae, prompt_embeds=emb, width=w, height=h, seed=7, steps=5,
@@ -127,7 +129,7 @@ def test_two_references_of_different_sizes(components, parity):
     res = generate(ours_tr, None, ours_vae, prompt_embeds=emb, references=refs, steps=3, seed=3, output="latent")
     assert (res.width, res.height) == (80, 64)
     assert res.reference_sizes == [(80, 64), (64, 116 // 4 * 4)]
-    diff = parity("pipeline fp32, two references", (klein_core.pack(res.latents) - ref).abs().max().item())
+    diff = parity("pipeline fp32, two references", (pack(res.latents) - ref).abs().max().item())
     assert diff <= 1e-4, f"two references: max abs diff {diff:.3e}"
 
 
@@ -145,12 +147,14 @@ def test_decoded_images_match_diffusers(components, parity):
 
 
 @pytest.mark.parametrize("steps,size", [(4, (1024, 1024)), (50, (1024, 1024)), (4, (512, 256)), (2, (64, 96)),
-                                        (8, (1440, 1440)), (28, (768, 1360))])
+                                        (8, (1440, 1440)), (28, (768, 1360)), (4, (1024, 1056))])
 def test_schedule_equals_diffusers_scheduler(steps, size, parity):
+    from diffusers.pipelines.flux2.pipeline_flux2_klein import compute_empirical_mu as diffusers_mu
+
     w, h = size
     seq = (h // 16) * (w // 16)
     sched = diffusers.FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, time_shift_type="exponential")
-    mu = klein_core.compute_empirical_mu(seq, steps)
+    mu = diffusers_mu(seq, steps)  # the pipeline's own mu: never klein_core's (the reference must not move with it)
     sched.set_timesteps(sigmas=np.linspace(1.0, 1 / steps, steps), mu=mu)
     ours = get_schedule(steps, seq)
     assert ours.dtype == torch.float32 and ours.shape == (steps + 1,)
@@ -161,14 +165,14 @@ def test_schedule_equals_diffusers_scheduler(steps, size, parity):
 
 def test_schedule_matches_published_table():
     s = get_schedule(4, 4096)
-    assert klein_core.compute_empirical_mu(4096, 4) == pytest.approx(2.291179894115571, abs=1e-12)
+    assert compute_empirical_mu(4096, 4) == pytest.approx(2.291179894115571, abs=1e-12)
     assert torch.allclose(s * 1000, torch.tensor([1000.0, 967.3840, 908.1439, 767.2000, 0.0]), atol=1e-3)
-    assert klein_core.compute_empirical_mu(512, 4) == pytest.approx(1.9872746769223413, abs=1e-12)
+    assert compute_empirical_mu(512, 4) == pytest.approx(1.9872746769223413, abs=1e-12)
     assert torch.allclose(get_schedule(4, 512)[:4] * 1000, torch.tensor([1000, 956.3068, 879.4545, 708.6141]),
                           atol=1e-3)
-    assert klein_core.compute_empirical_mu(4096, 50) == pytest.approx(2.0233511571292637, abs=1e-12)
+    assert compute_empirical_mu(4096, 50) == pytest.approx(2.0233511571292637, abs=1e-12)
     # above 4300 tokens mu ignores the step count
-    assert klein_core.compute_empirical_mu(5000, 4) == klein_core.compute_empirical_mu(5000, 50)
+    assert compute_empirical_mu(5000, 4) == compute_empirical_mu(5000, 50)
 
 
 def test_bf16_timesteps_seen_by_model_follow_reference_rounding(components, monkeypatch):
@@ -183,7 +187,7 @@ def test_bf16_timesteps_seen_by_model_follow_reference_rounding(components, monk
 
     monkeypatch.setattr(klein_core.models.transformer, "timestep_embedding", spy)
     try:
-        klein_core.denoise(model, torch.randn(1, 16, 64, 64), torch.randn(1, 4, CTX), get_schedule(4, 4096))
+        denoise(model, torch.randn(1, 16, 64, 64), torch.randn(1, 4, CTX), get_schedule(4, 4096))
     finally:
         ours_tr.to(torch.float32)
     assert seen == [1000.0, 968.0, 908.0, 768.0]  # SPEC §4.4: bf16 pipelines see these

@@ -15,6 +15,17 @@ import pytest
 import torch
 
 import klein_core as kc
+from klein_core.lora import has_loras
+from klein_core.prompts import encode_prompts, encoder_identity, identity_of
+from klein_core.sampling import (
+    denoise,
+    get_schedule,
+    make_noise,
+    pack,
+    position_ids,
+    text_position_ids,
+    unpack,
+)
 from klein_core.testing import build_tiny_components, write_tiny_model_files
 from klein_core.tokenizer import count_tokens
 
@@ -75,25 +86,25 @@ def test_text_options_are_checked():
 def test_whole_prompt_keeps_every_token_and_512_cuts(encoder):
     n = count_tokens(LONG)
     assert n > 600
-    cut = kc.encode_prompts(encoder, [LONG], cache=None)
-    whole = kc.encode_prompts(encoder, [LONG], cache=None, options=kc.TextOptions(max_tokens=None))
+    cut = encode_prompts(encoder, [LONG], cache=None)
+    whole = encode_prompts(encoder, [LONG], cache=None, options=kc.TextOptions(max_tokens=None))
     assert cut.shape[1] == 512 and whole.shape[1] == n
     # causal attention: the first 512 tokens are the same either way
     assert torch.equal(cut, whole[:, :512])
-    short = kc.encode_prompts(encoder, ["a cat"], cache=None, options=kc.TextOptions(max_tokens=None))
+    short = encode_prompts(encoder, ["a cat"], cache=None, options=kc.TextOptions(max_tokens=None))
     assert short.shape[1] == 512  # padded to at least 512, as ComfyUI does
 
 
 def test_fp32_activations_on_bf16_weights_leave_the_weights_alone(model_files):
     te = kc.load_text_encoder(model_files["qwen_4b"], dtype=torch.bfloat16)
     before = {k: v.clone() for k, v in te.state_dict().items()}
-    out = kc.encode_prompts(te, ["a red fox"], cache=None, options=kc.COMFYUI_TEXT)
+    out = encode_prompts(te, ["a red fox"], cache=None, options=kc.COMFYUI_TEXT)
     assert out.dtype == torch.float32
     after = te.state_dict()
     assert all(after[k].dtype == v.dtype and torch.equal(after[k], v) for k, v in before.items())
     # the same as a float32 copy of the bf16 weights
     copy32 = kc.load_text_encoder(model_files["qwen_4b"], dtype=torch.bfloat16).float()
-    ref = kc.encode_prompts(copy32, ["a red fox"], cache=None, options=kc.TextOptions(max_tokens=None))
+    ref = encode_prompts(copy32, ["a red fox"], cache=None, options=kc.TextOptions(max_tokens=None))
     assert torch.equal(out, ref)
 
 
@@ -110,8 +121,8 @@ def test_disk_cache_answers_a_fresh_process_without_opening_the_encoder(model_fi
     disk = tmp_path / "prompt_cache"
     first = kc.PromptCache(disk=kc.DiskPromptCache(disk))
     te = kc.load_text_encoder(path)
-    identity = kc.identity_of(te, "cpu")
-    assert identity == kc.encoder_identity(path, torch.float32, "cpu")
+    identity = identity_of(te, "cpu")
+    assert identity == encoder_identity(path, torch.float32, "cpu")
     options = kc.TextOptions(max_tokens=None)
     fresh = first.encode(te, ["a lighthouse at dusk", LONG], options, identity=identity)
     assert len(list(disk.glob("*.safetensors"))) == 2
@@ -121,13 +132,13 @@ def test_disk_cache_answers_a_fresh_process_without_opening_the_encoder(model_fi
     assert str(path) in probe.paths
     restarted = kc.PromptCache(disk=kc.DiskPromptCache(disk))  # nothing in memory, as after a restart
     with _Opens(path.parent) as opens:
-        got = restarted.cached(kc.encoder_identity(path, torch.float32, "cpu"), ["a lighthouse at dusk", LONG],
+        got = restarted.cached(encoder_identity(path, torch.float32, "cpu"), ["a lighthouse at dusk", LONG],
                                options)
     assert opens.paths == []  # answered by stat alone: the encoder file was never opened
     assert got is not None and torch.equal(got, fresh)
     assert restarted.cached(identity, ["a prompt never seen"], options) is None
     assert restarted.cached(identity, ["a lighthouse at dusk"], kc.TextOptions()) is None  # other options
-    assert restarted.cached(kc.encoder_identity(path, torch.bfloat16, "cpu"), ["a lighthouse at dusk"],
+    assert restarted.cached(encoder_identity(path, torch.bfloat16, "cpu"), ["a lighthouse at dusk"],
                             options) is None  # other dtype
 
 
@@ -137,11 +148,11 @@ def test_disk_cache_misses_when_the_encoder_file_changes(model_files, tmp_path):
     path.write_bytes(src.read_bytes())
     cache = kc.PromptCache(disk=kc.DiskPromptCache(tmp_path / "pc"))
     cache.encode(kc.load_text_encoder(path), ["a cat"])
-    old = kc.encoder_identity(path, torch.float32, "cpu")
+    old = encoder_identity(path, torch.float32, "cpu")
     assert cache.cached(old, ["a cat"]) is not None
     st = path.stat()
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))  # replaced by a newer file
-    new = kc.encoder_identity(path, torch.float32, "cpu")
+    new = encoder_identity(path, torch.float32, "cpu")
     assert new != old and cache.cached(new, ["a cat"]) is None
 
 
@@ -155,7 +166,7 @@ def test_disk_cache_is_bounded_and_survives_bad_files(encoder, tmp_path, caplog)
         cache.encode(encoder, [p])
         time.sleep(0.02)  # distinct modification times
     assert len(list(disk.folder.glob("*.safetensors"))) == 2 and disk.size_bytes() <= disk.max_bytes
-    identity = kc.identity_of(encoder)
+    identity = identity_of(encoder)
     restarted = kc.PromptCache(disk=disk)
     assert restarted.cached(identity, ["one"]) is None  # the least recently used went first
     assert restarted.cached(identity, ["two", "three"]) is not None
@@ -184,14 +195,14 @@ def test_text_encoder_with_loras_is_never_served_from_the_cache(model_files, tmp
     save_file(lora_sd, str(tmp_path / "te_lora.safetensors"))
     lora = kc.load_lora(tmp_path / "te_lora.safetensors")
     with kc.apply_loras(te, lora):
-        assert kc.has_loras(te) and kc.identity_of(te) is None
+        assert has_loras(te) and identity_of(te) is None
         adapted = cache.encode(te, ["a cat"])
         assert not torch.allclose(adapted, plain)
-        assert torch.equal(adapted, kc.encode_prompts(te, ["a cat"], cache=None))
-    assert not kc.has_loras(te)
+        assert torch.equal(adapted, encode_prompts(te, ["a cat"], cache=None))
+    assert not has_loras(te)
     assert torch.equal(cache.encode(te, ["a cat"]), plain)
     copy = kc.with_loras(te, lora)
-    assert kc.has_loras(copy) and not torch.allclose(cache.encode(copy, ["a cat"]), plain)
+    assert has_loras(copy) and not torch.allclose(cache.encode(copy, ["a cat"]), plain)
 
 
 def test_engine_uses_the_cache_before_placing_the_encoder(model_files, tmp_path, monkeypatch):
@@ -219,26 +230,26 @@ def test_cfg_with_prompts_of_different_lengths_runs_two_forwards(tiny_cfg):
     """Whole prompts: positive and negative embeddings of different lengths; each half is the
     model run on its own text, combined as v_neg + g * (v_pos - v_neg)."""
     tr, txt, neg = tiny_cfg
-    noise = kc.make_noise(3, 1, 128, 2, 2)
-    sigmas = kc.get_schedule(2, 4)
-    out = kc.denoise(tr, noise, txt, sigmas, neg_txt=neg, guidance=4.0)
+    noise = make_noise(3, 1, 128, 2, 2)
+    sigmas = get_schedule(2, 4)
+    out = denoise(tr, noise, txt, sigmas, neg_txt=neg, guidance=4.0)
     # the reference: the same loop written out
-    lat = kc.pack(noise)
-    img_ids = kc.position_ids(2, 2)
+    lat = pack(noise)
+    img_ids = position_ids(2, 2)
     for i in range(2):
         t = sigmas[i].expand(1)
-        vp = tr(img=lat, img_ids=img_ids, txt=txt, txt_ids=kc.text_position_ids(txt.shape[1]), timesteps=t)
-        vn = tr(img=lat, img_ids=img_ids, txt=neg, txt_ids=kc.text_position_ids(neg.shape[1]), timesteps=t)
+        vp = tr(img=lat, img_ids=img_ids, txt=txt, txt_ids=text_position_ids(txt.shape[1]), timesteps=t)
+        vn = tr(img=lat, img_ids=img_ids, txt=neg, txt_ids=text_position_ids(neg.shape[1]), timesteps=t)
         lat = lat + (sigmas[i + 1] - sigmas[i]) * (vn + 4.0 * (vp - vn))
-    diff = (out - kc.unpack(lat, 2, 2)).abs().max().item()
+    diff = (out - unpack(lat, 2, 2)).abs().max().item()
     assert diff < 1e-5, diff
 
 
 @pytest.fixture(scope="module")
 def tiny_cfg():
     tr, te, _ = build_tiny_components()
-    txt = kc.encode_prompts(te, [LONG], cache=None, options=kc.TextOptions(max_tokens=None))
-    neg = kc.encode_prompts(te, ["blurry"], cache=None, options=kc.TextOptions(max_tokens=None))
+    txt = encode_prompts(te, [LONG], cache=None, options=kc.TextOptions(max_tokens=None))
+    neg = encode_prompts(te, ["blurry"], cache=None, options=kc.TextOptions(max_tokens=None))
     assert txt.shape[1] != neg.shape[1]
     return tr, txt, neg
 
@@ -251,7 +262,7 @@ def test_denoised_estimate_reaches_the_callback(tiny_cfg):
         seen.append((step, latents.clone(), denoised.clone()))
 
     cb.wants_denoised = True  # type: ignore[attr-defined]
-    out = kc.denoise(tr, kc.make_noise(1, 1, 128, 2, 2), txt, kc.get_schedule(3, 4), callback=cb)
+    out = denoise(tr, make_noise(1, 1, 128, 2, 2), txt, get_schedule(3, 4), callback=cb)
     assert [s for s, _, _ in seen] == [1, 2, 3]
     # at the last step sigma goes to 0: the estimate is the result
     assert torch.equal(seen[-1][2], out)
@@ -260,5 +271,5 @@ def test_denoised_estimate_reaches_the_callback(tiny_cfg):
     def plain(step, total, latents):  # callbacks without the attribute keep the old signature
         seen.append(step)
 
-    kc.denoise(tr, kc.make_noise(1, 1, 128, 2, 2), txt, kc.get_schedule(1, 4), callback=plain)
+    denoise(tr, make_noise(1, 1, 128, 2, 2), txt, get_schedule(1, 4), callback=plain)
     assert seen[-1] == 1

@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import save_file
 
 import klein_core as kc
+from klein_core import variants
 from klein_core.files import identify as catalog
 from klein_core.files.safetensors import SafetensorsFile, open_safetensors
 from klein_core.quant.fp8 import fp8_layers
@@ -254,7 +255,8 @@ def test_header_bytes_match_the_writer(tmp_path):
 
 
 @pytest.mark.parametrize("variant, transformer, encoder", [
-    (kc.KLEIN_4B, "bfl_flux-2-klein-4b", "comfy_qwen_3_4b"), (kc.KLEIN_9B, "bfl_flux-2-klein-9b", "comfy_qwen_3_8b")])
+    (variants.KLEIN_4B, "bfl_flux-2-klein-4b", "comfy_qwen_3_4b"),
+    (variants.KLEIN_9B, "bfl_flux-2-klein-9b", "comfy_qwen_3_8b")])
 def test_full_size_configs_are_the_published_shapes(variant, transformer, encoder):
     """The benchmarks and the GPU tests build their full-size random models from these configs."""
     from klein_core.testing.fill import full_size_configs

@@ -17,9 +17,11 @@ from PIL import Image
 from safetensors.torch import save_file
 
 import klein_core as kc
-from klein_core.testing import TINY_9B, build_tiny_components, tiny_text_encoder, tiny_transformer, tiny_vae
 from klein_core.errors import WeightFormatError
 from klein_core.files.opening import open_weights
+from klein_core.images import prepare_reference_image, reference_size
+from klein_core.memory.planner import MemoryRequest, ModelSizes, choose_plan, estimate
+from klein_core.testing import TINY_9B, build_tiny_components, tiny_text_encoder, tiny_transformer, tiny_vae
 
 LOADERS = {"transformer": kc.load_transformer, "text encoder": kc.load_text_encoder, "VAE": kc.load_vae}
 
@@ -210,10 +212,10 @@ def test_reference_preprocessing_property(w, h, mode):
     img = Image.new(mode, (w, h))
     if min(w, h) < 64 or max(w / h, h / w) > 8:
         with pytest.raises(ValueError):
-            kc.prepare_reference_image(img)
+            prepare_reference_image(img)
         return
-    t = kc.prepare_reference_image(img)
-    ew, eh = kc.reference_size(w, h)
+    t = prepare_reference_image(img)
+    ew, eh = reference_size(w, h)
     assert t.shape == (1, 3, eh, ew) and t.dtype == torch.float32
     assert float(t.min()) >= -1 and float(t.max()) <= 1
 
@@ -272,8 +274,8 @@ def test_reference_batch_and_bad_reference_tensor(tiny):
 def test_request_that_cannot_fit_is_refused_up_front_with_the_estimate(tiny, monkeypatch):
     tr, te, vae = tiny
     refs = [torch.zeros(1, 128, 64, 64)] * 3
-    request = kc.MemoryRequest(1024, 1024, references=((1024, 1024),) * 3)
-    plan = kc.choose_plan(kc.estimate(request, kc.ModelSizes.from_modules(tr, te, vae)), free_bytes=10**6)
+    request = MemoryRequest(1024, 1024, references=((1024, 1024),) * 3)
+    plan = choose_plan(estimate(request, ModelSizes.from_modules(tr, te, vae)), free_bytes=10**6)
     assert not plan.fits and "short by" in plan.reason
     called = []
     monkeypatch.setattr(kc.engine, "denoise", lambda *a, **k: called.append(1))

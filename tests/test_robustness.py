@@ -34,6 +34,9 @@ from PIL import Image
 from safetensors.torch import save_file
 
 import klein_core as kc
+from klein_core.files.opening import open_weights
+from klein_core.images import prepare_reference_image
+from klein_core.prompts import encode_prompts
 from klein_core.testing import build_tiny_components, write_tiny_model_files
 
 HERE = Path(__file__).resolve().parent
@@ -83,7 +86,7 @@ def test_a_loaded_model_does_not_depend_on_its_file(model_files, component, key,
 def test_a_file_changed_between_header_and_data_is_refused(model_files, tmp_path):
     path = tmp_path / "vae.safetensors"
     path.write_bytes(model_files["vae"].read_bytes())
-    src = kc.open_weights(path, component="VAE")
+    src = open_weights(path, component="VAE")
     key = src.keys()[0]
     with open(path, "r+b") as fh:  # rewritten after the header was read (e.g. a download restarting)
         fh.write(path.read_bytes())
@@ -315,7 +318,7 @@ def test_every_image_mode_maps_to_the_same_range(mode, values):
         img = Image.fromarray(ramp.astype(np.int32 if mode == "I" else np.uint16))
     else:
         img = Image.fromarray(ramp.astype(np.uint8)).convert(mode)
-    t = kc.prepare_reference_image(img)
+    t = prepare_reference_image(img)
     assert t.shape == (1, 3, 80, 96)
     assert float(t.min()) >= -1.0 and float(t.max()) <= 1.0
     if mode in ("F", "I;16", "I", "L"):  # a full-range ramp spans the whole output range
@@ -365,7 +368,7 @@ def test_prompt_cache_entries_own_their_memory(tiny):
     cache = kc.PromptCache(max_entries=100, max_bytes=8 << 20)
     te = tiny[1]
     prompts = [f"prompt number {i}" for i in range(40)]
-    kc.encode_prompts(te, prompts, cache=cache)
+    encode_prompts(te, prompts, cache=cache)
     kept = list(cache._data.values())  # noqa: SLF001 (the test looks inside on purpose)
     per_entry = 512 * te.config.text_dim * 4
     assert all(t.untyped_storage().nbytes() == t.numel() * t.element_size() == per_entry for _, t in kept)
@@ -381,9 +384,9 @@ def test_exif_orientation_is_applied():
     photo = Image.open(io.BytesIO(buf.getvalue()))
     turned = Image.open(io.BytesIO(buf.getvalue())).transpose(Image.Transpose.ROTATE_270)
     upright = Image.fromarray(np.asarray(turned))  # the same pixels, without the EXIF tag
-    t = kc.prepare_reference_image(photo)
+    t = prepare_reference_image(photo)
     assert t.shape == (1, 3, 128, 80)
-    assert torch.equal(t, kc.prepare_reference_image(upright))
+    assert torch.equal(t, prepare_reference_image(upright))
 
 
 @pytest.mark.parametrize("header", [b"[" * 200000 + b"]" * 200000, b'{"a": {"dtype": "F32", "shape": [' + b"9" * 5000

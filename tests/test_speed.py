@@ -13,13 +13,14 @@ from klein_core import testing as demo
 from klein_core.accel import fast, speed
 from klein_core.cli import main as cli_main
 from klein_core.models.block_ops import PLAIN_OPS
+from klein_core.sampling import position_ids, text_position_ids
 
 
 def _inputs(model, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
-    return dict(img=torch.randn(1, 12, 128, generator=g), img_ids=klein_core.position_ids(3, 4),
+    return dict(img=torch.randn(1, 12, 128, generator=g), img_ids=position_ids(3, 4),
                 txt=torch.randn(1, 5, model.config.context_dim, generator=g),
-                txt_ids=klein_core.text_position_ids(5), timesteps=torch.tensor([0.7]))
+                txt_ids=text_position_ids(5), timesteps=torch.tensor([0.7]))
 
 
 def test_fast_on_the_cpu_is_the_plain_path_without_a_warning(caplog):

@@ -24,7 +24,7 @@ from klein_core.accel import (
 )
 from klein_core.accel import step_cache as sc
 from klein_core.memory.placement import BlockOffloader
-from klein_core.sampling import denoise, get_schedule, reference_tokens
+from klein_core.sampling import denoise, get_schedule, position_ids, reference_tokens, text_position_ids
 from klein_core.testing import tiny_text_encoder, tiny_transformer, tiny_vae
 
 STEPS = 30
@@ -92,9 +92,9 @@ def test_threshold_zero_is_bit_identical_to_the_plain_run(model, exact):
 def test_forward_is_unchanged_with_the_cache_off(model):
     # The block loop moved into BlockStack.run: the plain forward must still be the same computation.
     g = torch.Generator().manual_seed(3)
-    ids = torch.cat([kc.position_ids(3, 4), kc.position_ids(2, 2, t=10)])
+    ids = torch.cat([position_ids(3, 4), position_ids(2, 2, t=10)])
     kw = dict(img=torch.randn(2, ids.shape[0], 128, generator=g), img_ids=ids,
-              txt=torch.randn(2, 5, model.config.context_dim, generator=g), txt_ids=kc.text_position_ids(5),
+              txt=torch.randn(2, 5, model.config.context_dim, generator=g), txt_ids=text_position_ids(5),
               timesteps=torch.tensor([0.7, 0.4]))
     with torch.no_grad():
         x = model.img_in(kw["img"])
@@ -170,7 +170,7 @@ def test_no_state_leaks_into_the_next_run(model):
 def test_a_new_run_without_start_run_starts_afresh(model):
     """Direct callers that skip start_run: a rising timestep starts the pass afresh (full forward)."""
     g = torch.Generator().manual_seed(4)
-    ids, txt_ids = kc.position_ids(4, 4), kc.text_position_ids(6)
+    ids, txt_ids = position_ids(4, 4), text_position_ids(6)
     kw = dict(img_ids=ids, txt=torch.randn(1, 6, model.config.context_dim, generator=g), txt_ids=txt_ids)
     img = torch.randn(1, 16, 128, generator=g)
     cache = enable_step_cache(model, threshold=1e9, warmup=0)

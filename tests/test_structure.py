@@ -2,7 +2,7 @@
 
 Imports are read from the source (every ``import`` statement, including those inside functions,
 which is how cycles used to be hidden), so a cycle fails here even when it happens to work at run
-time. The nodes use klein_core only through its top-level names.
+time. The nodes use klein_core's public names only: the top level's, or a module's own public names.
 """
 
 from __future__ import annotations
@@ -132,21 +132,35 @@ def test_no_private_names_across_modules():
     assert private == []
 
 
-def test_nodes_use_only_the_public_api():
+def test_nodes_use_only_public_names():
+    """``kc.<name>`` only for names in ``klein_core.__all__``; anything else from the module that has it
+    (``from klein_core.<module> import <name>``), never a private name."""
+    import importlib
+    import inspect
+
+    import klein_core
+
     offenders = []
     for path in sorted((REPO / "nodes").glob("*.py")):
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
+            where = f"{path.name}:{getattr(node, 'lineno', 0)}"
             if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("klein_core"):
-                offenders.append(f"{path.name}:{node.lineno} from {node.module} import ...")
+                module = importlib.import_module(node.module)
+                for alias in node.names:
+                    if alias.name.startswith("_"):
+                        offenders.append(f"{where} imports the private name {alias.name} from {node.module}")
+                    elif not hasattr(module, alias.name):
+                        offenders.append(f"{where} {node.module} has no {alias.name}")
+                    elif (node.module == "klein_core" and alias.name not in klein_core.__all__
+                          and not inspect.ismodule(getattr(module, alias.name))):
+                        offenders.append(f"{where} {alias.name} is not in klein_core.__all__")
             elif isinstance(node, ast.Import):
-                offenders += [f"{path.name}:{node.lineno} import {a.name}" for a in node.names
+                offenders += [f"{where} import {a.name} (use from {a.name} import ...)" for a in node.names
                               if a.name.startswith("klein_core.")]
             elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "kc":
-                import klein_core
-
                 if node.attr not in klein_core.__all__ and node.attr != "__version__":
-                    offenders.append(f"{path.name}:{node.lineno} kc.{node.attr} is not in klein_core.__all__")
+                    offenders.append(f"{where} kc.{node.attr} is not in klein_core.__all__")
     assert offenders == []
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from extras import require
 from safetensors.torch import save_file
 
 from klein_core.files.opening import open_weights
@@ -22,12 +23,15 @@ from klein_core.files.plan import check_plan
 from klein_core.files.qwen3_layout import build_load_plan, checkpoint_shapes
 from klein_core.files.source import WeightSource
 from klein_core.loading import load_text_encoder
-from klein_core.models.qwen3 import OUTPUT_LAYERS, Qwen3Config, Qwen3TextEncoder
+from klein_core.models.qwen3 import Qwen3Config, Qwen3TextEncoder
 
-transformers = pytest.importorskip("transformers")
+transformers = require("transformers")
 
 HIDDEN, VOCAB, N_LAYERS = 64, 1000, 30
 FP32_TOL = 1e-4
+# SPEC §2.3: Klein concatenates hidden states 9, 18 and 27. Written here, never read from klein_core
+# (OUTPUT_LAYERS), so the reference cannot move with a bug in the code under test.
+SPEC_LAYERS = (9, 18, 27)
 AIO_PREFIX = "text_encoders.qwen3_4b.transformer."
 
 
@@ -71,7 +75,7 @@ def _batch() -> tuple[torch.Tensor, torch.Tensor]:
 def _reference(model, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         out = model(ids, attention_mask=mask, output_hidden_states=True)
-    return torch.cat([out.hidden_states[i] for i in OUTPUT_LAYERS], dim=-1)
+    return torch.cat([out.hidden_states[i] for i in SPEC_LAYERS], dim=-1)
 
 
 def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -18,12 +18,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from extras import require
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from klein_core import tokenizer as kt
 
-transformers = pytest.importorskip("transformers")
+transformers = require("transformers")
 
 DATA_DIR = Path(__file__).resolve().parents[1] / "klein_core" / "data" / "qwen3"
 LOGGER_NAME = "klein_core.tokenizer"

@@ -12,6 +12,7 @@ import json
 
 import pytest
 import torch
+from extras import require
 from safetensors.torch import save_file
 from tiny_reference import CTX, tiny_diffusers_transformer
 
@@ -20,7 +21,7 @@ from klein_core.loading import load_transformer
 from klein_core.models.transformer import TransformerConfig
 from klein_core.sampling import position_ids, text_position_ids
 
-diffusers = pytest.importorskip("diffusers")
+diffusers = require("diffusers")
 
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from extras import require
 from safetensors.torch import save_file
 from torch import nn
 
@@ -21,7 +22,7 @@ from klein_core.files.vae_layout import vae_config
 from klein_core.loading import load_vae
 from klein_core.models.vae import Flux2VAE, VAEConfig, patchify, unpatchify
 
-diffusers = pytest.importorskip("diffusers")
+diffusers = require("diffusers")
 from diffusers import AutoencoderKL, AutoencoderKLFlux2  # noqa: E402
 from diffusers.pipelines.flux2.pipeline_flux2_klein import Flux2KleinPipeline  # noqa: E402
 

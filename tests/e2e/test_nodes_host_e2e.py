@@ -11,6 +11,7 @@ import time
 
 import numpy as np
 import pytest
+from extras import require
 from PIL import Image
 from test_nodes_e2e import api, klein, node_id  # noqa: F401 (klein is a fixture)
 
@@ -257,7 +258,7 @@ def test_kv_workflow_runs_and_reuses_the_reference_pass(klein):  # noqa: F811
 
 
 def test_gguf_transformer_and_encoder_run_in_the_server(klein, e2e_models_dir):  # noqa: F811
-    pytest.importorskip("gguf")
+    require("gguf")
     import sys
     from pathlib import Path
 

@@ -158,11 +158,11 @@ def host_copy(module: torch.nn.Module) -> torch.nn.Module:
     Copied on its own device first, one component at a time, then moved out."""
     import copy
 
-    import klein_core as kc
+    from klein_core.memory.placement import pin_memory_
 
     clone = copy.deepcopy(module)
     clone.source = getattr(module, "source", "")
-    kc.pin_memory_(clone)
+    pin_memory_(clone)
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return clone
@@ -184,10 +184,10 @@ def peak_bytes(device: torch.device, fn):
 
 def full_4b_configs():
     """The Klein 4B transformer, its Qwen3-4B encoder (as the file holds it) and the FLUX.2 VAE configs."""
-    import klein_core as kc
     from klein_core.testing.fill import full_size_configs
+    from klein_core.variants import KLEIN_4B
 
-    return full_size_configs(kc.KLEIN_4B)
+    return full_size_configs(KLEIN_4B)
 
 
 def random_fill_(module: torch.nn.Module, seed: int) -> torch.nn.Module:

@@ -20,6 +20,7 @@ from safetensors.torch import save_file
 
 import klein_core as kc
 from klein_core.files.fp8 import quantize_state_dict
+from klein_core.memory.placement import module_bytes
 from klein_core.quant.fp8 import FP8Linear, block_linear_names, fp8_layers, scaled_mm_available
 
 from .helpers import forward, load_small, rel_l2, tag, transformer_inputs
@@ -148,7 +149,7 @@ def test_full_4b_quantize_fp8_scaled_mm_vs_upcast(gpu, full4b, parity):
     try:
         n_fp8 = len(fp8_layers(q))
         assert n_fp8 == len(block_linear_names(tr)) == 80, n_fp8  # BFL's 4B fp8 file has 80 too
-        assert kc.module_bytes(q) < 0.6 * kc.module_bytes(tr)
+        assert module_bytes(q) < 0.6 * module_bytes(tr)
         inputs = transformer_inputs(tr, gpu, 64, 64, txt_len=512)
         ref = forward(tr, inputs)
         times = {}

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 import klein_core as kc
+from klein_core.lora import has_loras
 from klein_core.quant.fp8 import FP8Linear, block_linear_names, quantize_model_
 
 from .helpers import _cpu_states, forward, rel_l2, tag, transformer_inputs
@@ -73,7 +74,7 @@ def test_merge_and_branch_on_the_device(gpu, parity):
     assert effect > 0.03, effect
 
     handle = kc.apply_loras(model, [(lora, strength)])
-    assert len(handle.modules) == len(deltas) and kc.has_loras(model)
+    assert len(handle.modules) == len(deltas) and has_loras(model)
     assert all(p.device.type == gpu.device.type for p in model.parameters())
     merged = forward(model, inputs)
     rel = parity(tag(gpu, "LoRA merge vs independent merged weights, relative L2"), rel_l2(merged, expected))
@@ -90,7 +91,7 @@ def test_merge_and_branch_on_the_device(gpu, parity):
 
     copy = kc.with_loras(model, [(lora, strength)])
     assert torch.equal(forward(copy, inputs), branched)  # the same hooks on a copy sharing the weights
-    assert torch.equal(forward(model, inputs), base) and not kc.has_loras(model)
+    assert torch.equal(forward(model, inputs), base) and not has_loras(model)
 
 
 def test_merge_and_branch_on_fp8_weights(gpu, parity):

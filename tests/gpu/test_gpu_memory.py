@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import klein_core as kc
-from klein_core.memory.placement import BlockOffloader
+from klein_core.memory.placement import BlockOffloader, pin_memory_
 
 from .helpers import (
     forward,
@@ -46,7 +46,7 @@ def test_memory_modes_give_the_resident_latents(gpu, caplog, parity):
     on_device = load_small(gpu)
     held = load_small(gpu, device="cpu")
     for m in held:
-        kc.pin_memory_(m)
+        pin_memory_(m)
     homes = [{k: (v.device, v.data_ptr()) for k, v in m.state_dict().items()} for m in held]
     refs = reference_images(gpu.ref_sizes[:1])
     kw = {"prompt": "a quiet harbour", "references": refs, "steps": 3, "seed": 5, "cache": None}
@@ -133,7 +133,7 @@ def test_kv_reference_mode_streamed(gpu, parity):
     on_device = load_small(gpu, source="flux-2-klein-9b-kv.safetensors")
     held = load_small(gpu, device="cpu", source="flux-2-klein-9b-kv.safetensors")
     for m in held:
-        kc.pin_memory_(m)
+        pin_memory_(m)
     refs = reference_images(gpu.ref_sizes)
     kw = {"prompt": "make it night", "references": refs, "steps": 3, "seed": 2, "cache": None, "kv_cache": None}
     want = kc.generate(*on_device, memory="resident", **kw)

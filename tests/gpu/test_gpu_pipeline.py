@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import klein_core as kc
+from klein_core.memory.placement import pin_memory_
 
 from .helpers import cpu_reference, load_small, max_abs, reference_images, rel_l2, tag
 
@@ -89,7 +90,7 @@ def test_cancel_from_the_callback(gpu, mode):
     held = "cpu" if mode == "blocks" else None
     tr, te, vae = load_small(gpu, device=held)
     if held:
-        kc.pin_memory_(tr)  # already pinned: streaming keeps these very tensors as the blocks' home
+        pin_memory_(tr)  # already pinned: streaming keeps these very tensors as the blocks' home
     before = {k: (v.device, v.data_ptr()) for k, v in tr.state_dict().items()}
     kw = {"prompt": "x", "width": gpu.size, "height": gpu.size, "steps": 4, "seed": 1, "cache": None, "memory": mode,
               "device": gpu.device, "output": "latent"}

@@ -14,7 +14,9 @@ import pytest
 import torch
 
 import klein_core as kc
+from klein_core.engine import decode_to_pixels, encode_references
 from klein_core.memory.planner import MemoryPlan
+from klein_core.memory.tiling import decode_tiled, encode_tiled
 
 from .helpers import cpu_reference, load_small, peak_bytes, rel_l2, tag
 
@@ -34,7 +36,7 @@ def test_tiled_encode_and_decode(gpu, parity):
     px = _smooth_pixels(384, 512).to(gpu.device, gpu.dtype)
     with torch.no_grad():
         full = vae.encode(px)
-    tiled = kc.encode_tiled(vae, px, tile=256, overlap=64)
+    tiled = encode_tiled(vae, px, tile=256, overlap=64)
     assert tiled.shape == full.shape == (1, 128, 24, 32) and tiled.device.type == gpu.device.type
     err = parity(tag(gpu, "VAE tiled encode (256 px, overlap 64): mean abs / std"), _mean_err(tiled, full))
     assert 0 < err < 0.15, err
@@ -42,7 +44,7 @@ def test_tiled_encode_and_decode(gpu, parity):
     lat = torch.randn(1, 128, 32 // k, 48 // k, generator=torch.Generator().manual_seed(0)).to(gpu.device, gpu.dtype)
     with torch.no_grad():
         whole = vae.decode(lat)
-    tiles = kc.decode_tiled(vae, lat, tile=24 // k, overlap=8 // k)
+    tiles = decode_tiled(vae, lat, tile=24 // k, overlap=8 // k)
     assert tiles.shape == whole.shape == (1, 3, 512 // k, 768 // k)
     err = parity(tag(gpu, f"VAE tiled decode ({24 // k}, overlap {8 // k}): mean abs / std"), _mean_err(tiles, whole))
     assert 0 < err < 0.15, err
@@ -69,11 +71,11 @@ def test_engine_with_a_tiled_plan(gpu):
     engine = kc.Engine(tr, te, vae, memory=plan, prompt_cache=None)
     lat = torch.randn(1, 128, side // 16, side // 16, generator=torch.Generator().manual_seed(3)).to(gpu.device)
     got = engine.decode(lat)
-    assert torch.equal(got, kc.decode_to_pixels(vae, lat, tile=tile))
-    assert not torch.equal(got, kc.decode_to_pixels(vae, lat)), "the plan's tiles were not used"
+    assert torch.equal(got, decode_to_pixels(vae, lat, tile=tile))
+    assert not torch.equal(got, decode_to_pixels(vae, lat)), "the plan's tiles were not used"
     refs = reference_images([(side, side)])
     enc = engine.encode_references(refs)
-    assert torch.equal(enc[0], kc.encode_references(vae, refs, tile=tile)[0])
+    assert torch.equal(enc[0], encode_references(vae, refs, tile=tile)[0])
     res = kc.generate(tr, te, vae, prompt="a cat", references=refs, steps=2, seed=1, cache=None, memory=plan)
     assert torch.isfinite(res.latents).all() and res.pixels.shape == (1, 3, side, side)
 
@@ -89,7 +91,7 @@ def test_full_vae_tiled_decode_and_encode(gpu, full4b, parity):
     vae = full4b[2]
     lat = torch.randn(1, 128, 96, 96, generator=torch.Generator().manual_seed(0)).to(gpu.device, gpu.dtype)
     whole, peak_whole = peak_bytes(gpu.device, lambda: vae.decode(lat))
-    tiled, peak_tiled = peak_bytes(gpu.device, lambda: kc.decode_tiled(vae, lat, tile=32, overlap=8))
+    tiled, peak_tiled = peak_bytes(gpu.device, lambda: decode_tiled(vae, lat, tile=32, overlap=8))
     err = parity(tag(gpu, "full VAE tiled decode 1536: mean abs / std"), _mean_err(tiled, whole))
     parity(tag(gpu, "full VAE decode 1536: whole peak GiB"), peak_whole / 1024**3)
     parity(tag(gpu, "full VAE decode 1536: tiled peak GiB"), peak_tiled / 1024**3)
@@ -98,7 +100,7 @@ def test_full_vae_tiled_decode_and_encode(gpu, full4b, parity):
     px = _smooth_pixels(1536, 1536).to(gpu.device, gpu.dtype)
     with torch.no_grad():
         full, peak_full = peak_bytes(gpu.device, lambda: vae.encode(px))
-    tiles, peak_tiles = peak_bytes(gpu.device, lambda: kc.encode_tiled(vae, px, tile=512, overlap=128))
+    tiles, peak_tiles = peak_bytes(gpu.device, lambda: encode_tiled(vae, px, tile=512, overlap=128))
     err = parity(tag(gpu, "full VAE tiled encode 1536: mean abs / std"), _mean_err(tiles, full))
     assert err < 0.15, err
     assert peak_tiles < peak_full, (peak_tiles, peak_full)

@@ -1,0 +1,218 @@
+"""The curated mutants: realistic one-line bugs in klein_core's maths and caches, each with the tests
+that must catch it (run by tests/mutants/run.py, and by tests/test_mutants.py in the normal suite).
+
+Each mutant is an exact text edit (``old`` must occur exactly once in ``file``) plus the test node ids
+or files that must fail with it. Keep ``old`` a distinctive piece of code, not a line number, so it
+follows the code through refactors; when the code changes, the check fails until the edit is updated.
+Keep ``tests`` small and fast: the whole catalog runs in every test run. Test ids are relative to
+the repository root.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    file: str
+    old: str
+    new: str
+    tests: tuple[str, ...]
+    why: str = ""
+
+
+ESC = "tests/test_escapes.py"
+PIPE = "tests/test_pipeline_parity.py"
+
+MUTANTS: tuple[Mutant, ...] = (
+    # ----- the four escapes of issue #33 -----
+    Mutant(
+        "kv-cache-key-ignores-picture", "klein_core/kv.py",
+        "_digest(refs.tokens, refs.ids)", "_digest(refs.ids)",
+        (f"{ESC}::test_kv_cache_serves_a_new_picture_of_the_same_size_its_own_keys",),
+        "a new picture of the same size would be edited with the previous picture's keys/values",
+    ),
+    Mutant(
+        "text-encoder-output-layers", "klein_core/models/qwen3.py",
+        "OUTPUT_LAYERS: tuple[int, ...] = (9, 18, 27)", "OUTPUT_LAYERS: tuple[int, ...] = (10, 19, 27)",
+        ("tests/test_text_encoder.py::test_fp32_parity_every_layout[state_dict]",),
+        "hidden states 10/19 instead of the spec's 9/18",
+    ),
+    Mutant(
+        "schedule-mu-boundary", "klein_core/sampling.py",
+        "if image_seq_len > 4300:", "if image_seq_len > 4096:",
+        (f"{ESC}::test_empirical_mu_equals_diffusers",),
+        "sizes of 4097..4300 tokens (1024x1056) get the large-image mu",
+    ),
+    Mutant(
+        "rslora-scale", "klein_core/lora/read.py",
+        'lora_alpha / (math.sqrt(rank) if cfg.get("use_rslora") else rank)', "lora_alpha / rank",
+        (f"{ESC}::test_rslora_scale_matches_diffusers_and_peft",),
+        "use_rslora LoRAs applied at alpha/r instead of alpha/sqrt(r)",
+    ),
+    # ----- sampling -----
+    Mutant(
+        "noise-ignores-seed", "klein_core/sampling.py",
+        'torch.Generator(device="cpu").manual_seed(seed)', 'torch.Generator(device="cpu").manual_seed(0)',
+        ("tests/test_pipeline.py::test_noise_matches_comfyui_random_noise",),
+        "every seed gives the same picture",
+    ),
+    Mutant(
+        "schedule-time-shift", "klein_core/sampling.py",
+        "e = torch.full_like(sigmas, math.exp(mu))", "e = torch.full_like(sigmas, mu)",
+        (f"{PIPE}::test_schedule_matches_published_table",),
+        "mu used as the shift instead of e^mu",
+    ),
+    Mutant(
+        "cfg-formula", "klein_core/sampling.py",
+        "            v = v_neg + guidance * (v_pos - v_neg)", "            v = v_pos + guidance * (v_pos - v_neg)",
+        (f"{PIPE}::test_base_cfg_with_negative_prompt_batched",),
+        "classifier-free guidance from the positive branch",
+    ),
+    Mutant(
+        "euler-step-sign", "klein_core/sampling.py",
+        "latents = (latents.float() + dts[i] * v).to(dtype)", "latents = (latents.float() - dts[i] * v).to(dtype)",
+        (f"{PIPE}::test_distilled_text_to_image",),
+        "the Euler step walks the wrong way",
+    ),
+    Mutant(
+        "reference-time-offset", "klein_core/sampling.py",
+        "REF_TIME_OFFSET = 10", "REF_TIME_OFFSET = 1",
+        (f"{PIPE}::test_two_references_of_different_sizes",),
+        "references at RoPE time 1, 2... instead of 10, 20...",
+    ),
+    Mutant(
+        "position-ids-h-w-swapped", "klein_core/sampling.py",
+        "ids[:, 1] = hh.reshape(-1)\n    ids[:, 2] = ww.reshape(-1)",
+        "ids[:, 1] = ww.reshape(-1)\n    ids[:, 2] = hh.reshape(-1)",
+        (f"{PIPE}::test_distilled_text_to_image",),
+        "image tokens' RoPE rows and columns exchanged (unseen on square images)",
+    ),
+    Mutant(
+        "inpaint-keeps-the-wrong-region", "klein_core/sampling.py",
+        "latents = (known * proper + keep * latents.float()).to(dtype)",
+        "latents = (keep * proper + known * latents.float()).to(dtype)",
+        ("tests/test_inpaint_parity.py::test_inpaint_without_and_with_a_reference",),
+        "the mask's meaning inverted after each step",
+    ),
+    # ----- transformer maths -----
+    Mutant(
+        "rope-theta", "klein_core/models/transformer_math.py",
+        "ROPE_THETA = 2000.0", "ROPE_THETA = 10000.0",
+        ("tests/test_transformer.py::test_fp32_parity_every_layout[bfl state dict]",),
+        "FLUX.1's RoPE theta instead of FLUX.2's 2000",
+    ),
+    Mutant(
+        "timestep-embedding-order", "klein_core/models/transformer_math.py",
+        "torch.cat([torch.cos(args), torch.sin(args)], dim=-1)",
+        "torch.cat([torch.sin(args), torch.cos(args)], dim=-1)",
+        ("tests/test_transformer.py::test_fp32_parity_every_layout[bfl state dict]",),
+        "[sin | cos] instead of [cos | sin]",
+    ),
+    Mutant(
+        "modulation-scale", "klein_core/models/transformer_math.py",
+        "return (1 + scale) * F.layer_norm(", "return scale * F.layer_norm(",
+        ("tests/test_transformer.py::test_fp32_parity_every_layout[bfl state dict]",),
+        "adaLN scale without the 1 +",
+    ),
+    Mutant(
+        "transformer-norm-eps", "klein_core/models/transformer_math.py",
+        "NORM_EPS = 1e-6", "NORM_EPS = 1e-5",
+        (f"{ESC}::test_transformer_norm_eps_matches_diffusers_on_tiny_activations",),
+        "LayerNorm / QK-RMSNorm eps of 1e-5 instead of FLUX.2's 1e-6",
+    ),
+    Mutant(
+        "qwen3-rms-eps", "klein_core/models/qwen3.py",
+        "theta, eps = 1e6, 1e-6", "theta, eps = 1e6, 1e-5",
+        ("tests/test_text_encoder.py::test_fp32_parity_every_layout[comfy_file]",),
+        "Qwen3's RMSNorm eps for files without a config.json",
+    ),
+    # ----- VAE -----
+    Mutant(
+        "vae-bn-eps", "klein_core/models/vae.py",
+        "BN_EPS = 1e-4", "BN_EPS = 1e-5",
+        ("tests/test_vae.py::test_parity_every_layout[diffusers-dict]",),
+        "the latent BatchNorm's eps of the usual default, not FLUX.2's 1e-4",
+    ),
+    # ----- LoRA -----
+    Mutant(
+        "lora-alpha-over-rank", "klein_core/lora/read.py",
+        "            scale = alpha / rank\n", "            scale = alpha\n",
+        ("tests/test_lora.py::test_bfl_name_formats_every_linear[kohya]",),
+        "Kohya / ai-toolkit alpha not divided by the rank",
+    ),
+    Mutant(
+        "lora-strength-ignored", "klein_core/lora/apply.py",
+        "delta[_rows(patch, weight.shape[0])] += strength * patch.delta(weight.device)",
+        "delta[_rows(patch, weight.shape[0])] += patch.delta(weight.device)",
+        ("tests/test_lora.py::test_stacking_order_and_sum_of_deltas",),
+        "merged LoRAs always at strength 1",
+    ),
+    # ----- quantisation -----
+    Mutant(
+        "fp8-dequantize-scale", "klein_core/quant/fp8.py",
+        "return (q.float() * s).to(dtype)", "return q.float().to(dtype)",
+        ("tests/test_quant.py::test_uint8_container_and_dequantize_mode",),
+        "float8 weights used without their scale",
+    ),
+    Mutant(
+        "gguf-qwen3-gate-up-swapped", "klein_core/files/gguf.py",
+        '"ffn_gate": "mlp.gate_proj",\n    "ffn_up": "mlp.up_proj"',
+        '"ffn_gate": "mlp.up_proj",\n    "ffn_up": "mlp.gate_proj"',
+        ("tests/test_gguf.py::test_qwen3_gguf_in_llama_cpp_names",),
+        "llama.cpp's ffn_gate/ffn_up read into each other (the test files were once written with this very "
+        "table, so the swap went unseen)",
+    ),
+    Mutant(
+        "gguf-q4_0-offset", "klein_core/quant/ggml.py",
+        "(_nibbles(b[:, 2:]).to(torch.int8) - 8)", "(_nibbles(b[:, 2:]).to(torch.int8) - 7)",
+        ("tests/test_gguf.py::test_dequantize_is_bit_identical_to_gguf",),
+        "Q4_0 codes centred on 7",
+    ),
+    # ----- caches -----
+    Mutant(
+        "kv-cache-ignores-loras", "klein_core/kv.py",
+        "if has_loras(model) or self.max_entries < 1:", "if self.max_entries < 1:",
+        ("tests/test_kv.py::test_loras_on_the_model_bypass_the_kv_cache",),
+        "a model with LoRAs served the keys/values of the model without them",
+    ),
+    Mutant(
+        "bounded-cache-serves-other-owner", "klein_core/bounded.py",
+        "if hit is None or (hit[0] is not None and hit[0]() is not owner):", "if hit is None:",
+        (f"{ESC}::test_bounded_cache_serves_an_entry_only_to_its_owner",),
+        "an entry served to another owner than the one it was made for",
+    ),
+    Mutant(
+        "prompt-cache-ignores-activations", "klein_core/prompts.py",
+        "return (self.max_tokens, str(self.activations))", "return (self.max_tokens,)",
+        ("tests/test_prompts.py::test_cache_keys_include_the_options",),
+        "ComfyUI-way (fp32) embeddings served for the BFL way and back",
+    ),
+    Mutant(
+        "prompt-disk-cache-ignores-mtime", "klein_core/prompts.py",
+        'f"{f.name}:{(st := f.stat()).st_size}:{st.st_mtime_ns}"', 'f"{f.name}:{f.stat().st_size}"',
+        ("tests/test_prompts.py::test_disk_cache_misses_when_the_encoder_file_changes",),
+        "a replaced encoder file of the same size keeps serving the old file's embeddings",
+    ),
+    Mutant(
+        "prompt-identity-ignores-dtype", "klein_core/prompts.py",
+        """return f"{files}|{str(dtype).removeprefix('torch.')}|{quantize}|{torch.device(device).type}\"""",
+        """return f"{files}|{quantize}|{torch.device(device).type}\"""",
+        (f"{ESC}::test_prompt_cache_identity_keys_on_dtype_and_quantisation",),
+        "bf16 embeddings served to the same encoder file loaded in fp32",
+    ),
+    Mutant(
+        "node-model-cache-ignores-mtime", "nodes/cache.py",
+        "os.stat(path).st_mtime_ns", "0",
+        ("tests/test_node_cache_identity.py::test_a_replaced_model_file_is_loaded_again",),
+        "the pack keeps serving a model whose file was replaced under the same name",
+    ),
+    Mutant(
+        "step-cache-keeps-state-across-runs", "klein_core/accel/step_cache.py",
+        "        self._passes = {}\n        self._logged = False", "        self._logged = False",
+        ("tests/test_step_cache.py::test_no_state_leaks_into_the_next_run",),
+        "a new run starts from the last run's residuals",
+    ),
+)
