@@ -375,9 +375,8 @@ class FastVAENorm:
     channels-last too); the choice is made on the first call per device and dtype, checked once
     against the plain path and logged. Elsewhere, and for widths the kernel does not take, the
     plain GroupNorm runs: silently off CUDA, with one warning on a GPU where the kernel cannot.
-    When the kernel is chosen, ``vae``'s convolution weights are stored channels-last too: with
-    NCHW weights cuDNN converts around every convolution (H100, 1024x1024 decode: 68.0 ms against
-    41.5 ms with channels-last weights, plain 99.0).
+    When the kernel is chosen, ``vae``'s convolution weights are stored channels-last too, so that
+    cuDNN does not convert around every convolution (docs/speed.md, "The VAE").
     """
 
     def __init__(self, vae: torch.nn.Module | None = None) -> None:
@@ -602,12 +601,8 @@ def enable_fast_vae(
             in fp32).
         compile_mode, compile_backend: ``torch.compile``'s ``mode`` and ``backend``.
 
-    Why (H100, 2026-11-26, 1024x1024 decode, bf16, ``benchmarks/vae_decode.py``,
-    benchmarks/results/2026-11-26_h100_fastdefault): plain NCHW 98.8 ms, of which PyTorch's
-    GroupNorm kernels take 50.9 and the convolutions 32.3; eager channels-last 142.0 ms: its
-    convolutions take 17.1 ms, but 59.0 ms of layout copies are added around PyTorch's NCHW-only
-    GroupNorm; compiled channels-last 38.3 ms. comfy-kitchen's kernel normalises channels-last
-    tensors in place of both.
+    Measurements (why the eager path fuses GroupNorm rather than only going channels-last):
+    docs/speed.md, "The VAE".
     """
     if not isinstance(vae, Flux2VAE):
         raise TypeError(f"enable_fast_vae expects a Flux2VAE, got {type(vae).__name__}")

@@ -10,11 +10,7 @@ GPUs, Triton, or its eager PyTorch code on the CPU).
 Optional: ``pip install "klein-nodes[kernels]"``; inside ComfyUI it is already installed (ComfyUI
 requires it). Without it the fast paths run these steps on the plain PyTorch path.
 
-Why comfy-kitchen and not klein_core's own Triton kernels (issue #19, which removed those): on the
-CPU, comfy-kitchen's ``adaln`` is bit-identical to the plain path and its ``rms_rope`` is closer to
-the float64 result than the plain path (it rounds once, the plain path and the references twice);
-GPU speed was not measured when the choice was made (no GPU in that session), and the project's
-rule is to use the field's maintained kernels unless our own are measurably better.
+Why comfy-kitchen and not kernels of our own: docs/DESIGN.md.
 """
 
 from __future__ import annotations

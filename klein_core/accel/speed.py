@@ -8,11 +8,10 @@ fast        (the nodes' and the CLI's default) :func:`~klein_core.accel.fast.ena
             SiLU in one kernel, channels-last). No compilation. On the CPU this is exactly the
             plain path.
 compile     ``fast`` plus ``torch.compile`` of each transformer block kind and of the VAE encoder
-            and decoder. The first run at each size compiles (logged). On an H100 (2026-11-26),
-            Klein 4B 1024x1024: the VAE decoder alone 21 s cold; the whole first run 12.2 s with
-            the blocks cold and the decoder in torch's on-disk compile cache, 3.5 s with all of
-            it there. The cache outlives the process (``TORCHINDUCTOR_CACHE_DIR``, by default
-            under the system's temp folder), so a ComfyUI restart pays seconds, not the cold cost.
+            and decoder. The first run at each size compiles (logged; seconds to tens of
+            seconds, measured in docs/speed.md). The cache outlives the process
+            (``TORCHINDUCTOR_CACHE_DIR``, by default under the system's temp folder), so a
+            ComfyUI restart pays seconds, not the cold cost.
 plain       the reference PyTorch path: what the parity tests check against diffusers and BFL.
 =========== ==================================================================================
 
