@@ -65,6 +65,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # run as a script from a checkout
     sys.path.insert(0, str(REPO))
 
+from benchmarks.timing import call_times  # noqa: E402
 from klein_core.models import Flux2Transformer, TransformerConfig  # noqa: E402
 from klein_core.sampling import (  # noqa: E402
     make_noise,
@@ -450,20 +451,7 @@ def time_calls(fn: Callable[[], Any], device: torch.device, runs: int = 5, warmu
         fn()
     _sync(device)
     warm_ms = (time.perf_counter() - t0) * 1000.0
-    times = []
-    if device.type == "cuda":
-        for _ in range(runs):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-    else:
-        for _ in range(runs):
-            t = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t) * 1000.0)
+    times = call_times(fn, device, runs)
     return {"median_ms": statistics.median(times), "min_ms": min(times), "all_ms": times, "runs": runs,
             "warmup": warmup, "warmup_total_ms": warm_ms,
             "clock": "cuda events" if device.type == "cuda" else "host perf_counter"}

@@ -39,6 +39,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.timing import call_times
 from klein_core.accel.kitchen import KitchenOps, kitchen_available
 from klein_core.models.block_ops import PLAIN_OPS
 from klein_core.models.transformer import TransformerConfig
@@ -56,20 +57,7 @@ def timed(fn: Callable[[], Any], device: torch.device, warmup: int, iters: int) 
     """Median milliseconds of ``fn()`` (warm)."""
     for _ in range(warmup):
         fn()
-    times = []
-    for _ in range(iters):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    return statistics.median(call_times(fn, device, iters))
 
 
 def max_diff(a: Any, b: Any) -> float:

@@ -40,6 +40,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from benchmarks.timing import call_times
 from klein_core.accel import fast
 from klein_core.models import Flux2VAE, VAEConfig
 from klein_core.testing.fill import full_size_configs, random_fill_
@@ -88,20 +89,9 @@ def time_decode(vae: Flux2VAE, lat: torch.Tensor, runs: int, warmup: int) -> tup
     first = (time.perf_counter() - t0) * 1000
     for _ in range(max(warmup - 1, 0)):
         vae.decode(lat)
-    times = []
-    for _ in range(runs):
-        if cuda:
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            out = vae.decode(lat)
-            b.record()
-            torch.cuda.synchronize(lat.device)
-            times.append(a.elapsed_time(b))
-        else:
-            t = time.perf_counter()
-            out = vae.decode(lat)
-            times.append((time.perf_counter() - t) * 1000)
-    return times, out, first
+    last: dict[str, torch.Tensor] = {}
+    times = call_times(lambda: last.update(out=vae.decode(lat)), lat.device, runs)
+    return times, last["out"], first
 
 
 def kernel_profile(vae: Flux2VAE, lat: torch.Tensor) -> dict[str, Any]:
