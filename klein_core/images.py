@@ -90,6 +90,15 @@ def _to_rgb_array(image: Image.Image) -> np.ndarray:
 
 def to_pil(pixels: torch.Tensor) -> list[Image.Image]:
     """``[B, 3, H, W]`` in [0, 1] -> PIL images (rounded to 8 bits like diffusers)."""
-    # torch's multi-threaded kernels; the same float32 product and round-half-to-even as numpy's
-    arr = (pixels.float() * 255).round_().to(torch.uint8).permute(0, 2, 3, 1).cpu().contiguous().numpy()
-    return [Image.fromarray(a) for a in arr]
+    # torch's multi-threaded kernels; the same float32 product and round-half-to-even as numpy's.
+    # Rounded and laid out HWC where the pixels are, so only the 8-bit image crosses to the host.
+    arr = (pixels.float() * 255).round_().to(torch.uint8).permute(0, 2, 3, 1).contiguous()
+    if arr.is_cuda:
+        # Through page-locked memory: a copy into pageable memory runs at a fraction of the bus speed
+        # (H100, 1024x1024: "Memcpy DtoH (Device -> Pageable)" about 6 ms per image). Pinned blocks
+        # are cached by torch's host allocator, so later calls reuse them.
+        host = torch.empty(arr.shape, dtype=torch.uint8, pin_memory=True)
+        host.copy_(arr, non_blocking=True)
+        torch.cuda.current_stream(arr.device).synchronize()
+        arr = host
+    return [Image.fromarray(a) for a in arr.cpu().numpy()]

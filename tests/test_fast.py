@@ -69,7 +69,8 @@ def test_fast_paths_match_plain_on_cpu(model, attention):
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     # On the CPU every choice falls back to the plain path.
     assert ops.resolved() == {
-        "cpu torch.float32": "attention=plain, qk-norm+rope=plain, modulation=plain, compile=False"}
+        "cpu torch.float32": ("attention=plain, qk-norm+rope=plain, modulation=plain, elementwise=plain, "
+                              "swiglu=plain, compile=False")}
 
 
 def test_fallback_is_logged_once_and_disable_restores_plain(model, caplog):
@@ -154,6 +155,92 @@ def test_missing_comfy_kitchen_falls_back_naming_the_install(kitchen_on_cpu, mod
     assert len(msgs) == 2 and all("comfy-kitchen is not installed; pip install" in m for m in msgs), msgs
     assert ops.resolved()["cpu torch.float32"].startswith("attention=plain, qk-norm+rope=plain, modulation=plain")
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def _reference_swiglu(x, out):
+    """The one-pass SwiGLU's contract in PyTorch (x [..., 2F] -> out [..., F], out may be a slice)."""
+    calls.append(out is None)
+    y = PLAIN_OPS.swiglu(x)
+    return y if out is None else out.copy_(y)
+
+
+calls: list[bool] = []
+
+
+def test_fused_elementwise_steps_match_plain(model, monkeypatch, caplog):
+    """fused_elementwise: gated residuals as addcmul, SwiGLU through the one-pass kernel's seam (the
+    single blocks writing into their concatenation buffer, the double blocks' MLPs into a new
+    tensor), against the plain path; off with fused_elementwise=False and under compile."""
+    monkeypatch.setattr(fast, "KITCHEN_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(fast, "_resolve_swiglu", lambda device, dtype: _reference_swiglu)
+    calls.clear()
+    kw = _inputs(model)
+    ref, out, ops = _plain_then_fast(model, kw, caplog, fused_rope=False, fused_modulation=False)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    assert "elementwise=fused, swiglu=triton" in ops.resolved()["cpu torch.float32"]
+    n_double, n_single = len(model.double_blocks), len(model.single_blocks)
+    assert calls.count(True) == 2 * n_double and calls.count(False) == n_single  # img + txt MLPs; singles in place
+    bound = ops.bind(torch.device("cpu"), torch.float32)
+    x, y, gate = torch.randn(2, 5, 8), torch.randn(2, 5, 8), torch.randn(2, 1, 8)
+    torch.testing.assert_close(bound.gated_residual(x, gate, y), x + gate * y)
+    attn, mlp = torch.randn(2, 5, 8), torch.randn(2, 5, 12)[..., 2:]  # a strided slice, as in a block
+    torch.testing.assert_close(bound.attention_and_mlp(attn, mlp), PLAIN_OPS.attention_and_mlp(attn, mlp))
+
+    fast.disable_fast_paths(model)
+    calls.clear()
+    ref2, out2, ops2 = _plain_then_fast(model, _inputs(model, seed=3), caplog, fused_rope=False,
+                                        fused_modulation=False, fused_elementwise=False)
+    assert torch.equal(out2, ref2) and not calls
+    assert "elementwise=plain, swiglu=plain" in ops2.resolved()["cpu torch.float32"]
+
+
+def test_fused_elementwise_steps_keep_gradients(model, monkeypatch):
+    """With autograd recording (training a LoRA on the fast path), the steps that have no backward
+    (the kernel, ``out=``) give way to the plain ops, so gradients match the plain path's."""
+    monkeypatch.setattr(fast, "KITCHEN_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(fast, "_resolve_swiglu", lambda device, dtype: _reference_swiglu)
+    kw = _inputs(model, seed=7)
+    weight = model.double_blocks[0].img_attn.qkv.weight  # every MLP after it records gradients
+    grads = []
+    for fast_on in (False, True):
+        if fast_on:
+            fast.enable_fast_paths(model, fused_rope=False, fused_modulation=False)
+        weight.requires_grad_(True)
+        calls.clear()
+        model(**kw).square().mean().backward()
+        grads.append(weight.grad.clone())
+        weight.grad = None
+        weight.requires_grad_(False)
+    assert not calls  # the kernel never ran under autograd
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-5, atol=1e-7)
+
+
+def test_fused_elementwise_without_the_kernel(model, monkeypatch, caplog):
+    """Without the one-pass SwiGLU (CPU, no Triton, a failed self-check) the in-place concatenation
+    and addcmul still run, with silu then multiply; a kernel that is off is caught by its check."""
+    monkeypatch.setattr(fast, "KITCHEN_DEVICES", ("cuda", "cpu"))
+    with caplog.at_level(logging.DEBUG, logger="klein_core.accel.fast"):
+        assert fast._resolve_swiglu(torch.device("cpu"), torch.float32) is None
+    assert "one-pass SwiGLU unavailable on cpu" in caplog.text
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]  # no news off CUDA
+    kw = _inputs(model, seed=5)
+    ref, out, ops = _plain_then_fast(model, kw, caplog, fused_rope=False, fused_modulation=False)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    assert "elementwise=fused, swiglu=plain" in ops.resolved()["cpu torch.float32"]
+
+    monkeypatch.setattr(fast, "triton_swiglu", lambda x, out: _reference_swiglu(x * 1.1, out))
+    assert "off by" in fast._swiglu_self_check(torch.device("cpu"), torch.bfloat16)
+
+    def spills(x, out):  # right values, but also writes before its output slice
+        y = PLAIN_OPS.swiglu(x)
+        if out is None:
+            return y
+        out.copy_(y)
+        out.as_strided((1,), (1,), out.storage_offset() - 1).fill_(1)
+        return out
+
+    monkeypatch.setattr(fast, "triton_swiglu", spills)
+    assert "outside its output" in fast._swiglu_self_check(torch.device("cpu"), torch.float32)
 
 
 def test_bf16_and_dtype_specific_binding(model):
@@ -392,10 +479,15 @@ def test_fast_vae_fuses_group_norm_and_silu(kitchen_on_cpu, monkeypatch, caplog,
         return out
 
     monkeypatch.setattr(fast, "group_norm_silu", spy)
+    first_conv_layout: list[bool] = []
+    for conv in (vae.decoder.conv_in, vae.encoder.conv_in):
+        conv.register_forward_pre_hook(
+            lambda m, a: first_conv_layout.append(m.weight.is_contiguous(memory_format=torch.channels_last)))
     with caplog.at_level(logging.INFO, logger="klein_core.accel.fast"):
         apply_speed(vae=vae, speed="fast")
         dec, enc = vae.decode(lat), vae.encode(px)
     assert "GroupNorm+SiLU=comfy-kitchen" in caplog.text and "unavailable" not in caplog.text
+    assert first_conv_layout == [True, True]  # chosen before each pass's first convolution, not mid-pass
     convs = [m.weight for m in vae.modules() if isinstance(m, torch.nn.Conv2d) and m.kernel_size != (1, 1)]
     assert all(w.is_contiguous(memory_format=torch.channels_last) for w in convs)  # stored NHWC once chosen
     norms = [m for m in vae.modules() if isinstance(m, GroupNormAct)]
@@ -408,6 +500,7 @@ def test_fast_vae_fuses_group_norm_and_silu(kitchen_on_cpu, monkeypatch, caplog,
         assert rel < 5e-2, (name, rel)  # bf16 through a random net, as for the bf16 decoder (measured 2.3e-2)
     apply_speed(vae=vae, speed="plain")
     assert all(m.fused is None for m in norms) and all(w.is_contiguous() for w in convs)
+    assert not vae.decoder._forward_pre_hooks and not vae.encoder._forward_pre_hooks
     assert torch.equal(vae.decode(lat), ref_dec) and torch.equal(vae.encode(px), ref_enc)
 
 

@@ -35,7 +35,7 @@ def test_fast_on_the_cpu_is_the_plain_path_without_a_warning(caplog):
     assert torch.equal(out, ref)  # bit for bit: nothing fast runs on the CPU
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert speed.describe_speed(model) == ("fast (cpu torch.float32: attention=plain, qk-norm+rope=plain, "
-                                           "modulation=plain, compile=False)")
+                                           "modulation=plain, elementwise=plain, swiglu=plain, compile=False)")
 
 
 def test_apply_speed_is_idempotent_and_switches_back():

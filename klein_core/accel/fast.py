@@ -50,6 +50,8 @@ from ..models.transformer import Flux2Transformer
 from ..models.transformer_math import rope_tables
 from ..models.vae import Flux2VAE, GroupNormAct
 from .kitchen import INSTALL_HINT, KitchenOps, group_norm_silu, kitchen_available, kitchen_serves_group_norm
+from .triton_swiglu import swiglu as triton_swiglu
+from .triton_swiglu import triton_available
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +60,7 @@ ATTENTION_BACKENDS = ("auto", "sdpa", "sdpa_cudnn", "flash3", "flash2", "plain")
 _HALF = (torch.bfloat16, torch.float16)
 
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+SwiGLUFn = Callable[[torch.Tensor, "torch.Tensor | None"], torch.Tensor]  # (x [..., 2F], out or None)
 
 
 @dataclass(frozen=True)
@@ -68,6 +71,9 @@ class FastSettings:
     fused_rope: bool = True  # comfy-kitchen rms_rope: QK-RMSNorm + RoPE in one pass
     fused_modulation: bool = True  # comfy-kitchen adaln: LayerNorm + (1 + scale) * x + shift
     compile: bool = False  # torch.compile each block (Inductor then fuses norms and RoPE itself)
+    # Gated residuals as one addcmul, SwiGLU as one kernel (Triton), the single blocks' concatenation
+    # written in place (CUDA, not with compile: Inductor fuses these itself).
+    fused_elementwise: bool = True
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION_BACKENDS:
@@ -199,9 +205,17 @@ class _BoundOps(BlockOps):
     ones that passed their checks switched on), or None for the plain norms and RoPE.
     """
 
-    def __init__(self, attention_fn: AttentionFn | None, fused: KitchenOps | None) -> None:
+    def __init__(
+        self,
+        attention_fn: AttentionFn | None,
+        fused: KitchenOps | None,
+        elementwise: bool = False,
+        swiglu_fn: SwiGLUFn | None = None,
+    ) -> None:
         self._attention_fn = attention_fn
         self._fused = fused
+        self._elementwise = elementwise  # addcmul residuals, the single blocks' concat in place
+        self._swiglu = swiglu_fn  # one-pass SwiGLU (only with elementwise), else silu then *
 
     def modulate(self, x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         if self._fused is None:
@@ -219,6 +233,34 @@ class _BoundOps(BlockOps):
         if self._attention_fn is None:
             return super().attention(q, k, v)
         return self._attention_fn(q, k, v)
+
+    def gated_residual(self, x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if not self._elementwise:
+            return super().gated_residual(x, gate, y)
+        return torch.addcmul(x, gate, y)  # one pass, the product kept in float32 before the sum
+
+    def swiglu(self, x: torch.Tensor) -> torch.Tensor:
+        if self._swiglu is None or _tracks_grad(x):  # the kernel has no backward
+            return super().swiglu(x)
+        return self._swiglu(x, None)
+
+    def attention_and_mlp(self, attn: torch.Tensor, mlp: torch.Tensor) -> torch.Tensor:
+        if not self._elementwise or _tracks_grad(attn, mlp):  # out= and the kernel have no backward
+            return super().attention_and_mlp(attn, mlp)
+        d = attn.shape[-1]
+        out = attn.new_empty(*attn.shape[:-1], d + mlp.shape[-1] // 2)
+        out[..., :d].copy_(attn)
+        if self._swiglu is not None:
+            self._swiglu(mlp, out[..., d:])
+        else:
+            gate, up = mlp.chunk(2, dim=-1)
+            torch.mul(F.silu(gate), up, out=out[..., d:])
+        return out
+
+
+def _tracks_grad(*tensors: torch.Tensor) -> bool:
+    """Whether autograd records an op on ``tensors`` (training, or a LoRA being fitted)."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
 def _compare(fused: Sequence[torch.Tensor], plain: Sequence[torch.Tensor], dtype: torch.dtype) -> str | None:
@@ -340,12 +382,50 @@ class FastOps(BlockOps):
                 attention_fn, attention_name = None, "plain"
         rope = self._kernel_choice(s.fused_rope, "qk-norm+rope", device, dtype)
         mod = self._kernel_choice(s.fused_modulation, "modulation", device, dtype)
+        elementwise = s.fused_elementwise and not s.compile and device.type in KITCHEN_DEVICES
+        swiglu_fn = _resolve_swiglu(device, dtype) if elementwise else None
         fused = "inductor" if s.compile else "comfy-kitchen"
         text = (f"attention={attention_name}, qk-norm+rope={fused if rope or s.compile else 'plain'}, "
-                f"modulation={fused if mod or s.compile else 'plain'}, compile={s.compile}")
+                f"modulation={fused if mod or s.compile else 'plain'}, "
+                f"elementwise={'inductor' if s.compile else 'fused' if elementwise else 'plain'}, "
+                f"swiglu={'inductor' if s.compile else 'triton' if swiglu_fn else 'plain'}, compile={s.compile}")
         self._described[f"{device} {dtype}"] = text
         logger.info("klein fast paths on %s %s: %s", device, dtype, text)
-        return _BoundOps(attention_fn, KitchenOps(rope=rope, modulation=mod) if rope or mod else None)
+        return _BoundOps(attention_fn, KitchenOps(rope=rope, modulation=mod) if rope or mod else None,
+                         elementwise, swiglu_fn)
+
+
+def _resolve_swiglu(device: torch.device, dtype: torch.dtype) -> SwiGLUFn | None:
+    """The one-pass SwiGLU kernel if it can run here and agrees with the plain ops, else None (one
+    warning on CUDA naming why; the two PyTorch ops run instead)."""
+    why = None
+    if device.type != "cuda":
+        why = f"its kernel runs on CUDA, not {device.type}"
+    elif not triton_available():
+        why = "Triton is not installed (pip install triton; triton-windows on Windows)"
+    else:
+        why = _swiglu_self_check(device, dtype)
+    if why is None:
+        return triton_swiglu
+    log = logger.warning if device.type == "cuda" else logger.debug
+    log("one-pass SwiGLU unavailable on %s (%s); using silu then multiply", device, why)
+    return None
+
+
+def _swiglu_self_check(device: torch.device, dtype: torch.dtype) -> str | None:
+    """The SwiGLU kernel once, in the layouts the single blocks use (a slice of a wider projection
+    in, a slice of a wider buffer out), against the plain ops."""
+    g = torch.Generator(device=device).manual_seed(0)
+    try:
+        wide = (torch.randn(2, 7, 40 + 2 * 1100, generator=g, device=device) * 3).to(dtype)
+        x = wide[..., 40:]
+        out = torch.zeros(2, 7, 24 + 1100, dtype=dtype, device=device)
+        triton_swiglu(x, out[..., 24:])
+        if out[..., :24].any():
+            return "its self-check wrote outside its output"
+        return _compare([out[..., 24:], triton_swiglu(x, None)], [PLAIN_OPS.swiglu(x)] * 2, dtype)
+    except Exception as exc:  # a launch failure must not take the model down
+        return f"its self-check raised {_first_line(exc)}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -384,13 +464,24 @@ class FastVAENorm:
         self._vae = weakref.ref(vae) if vae is not None else None
 
     def __call__(self, norm: GroupNormAct, x: torch.Tensor) -> torch.Tensor | None:
+        if not self._usable_for(x) or x.ndim != 4 or not kitchen_serves_group_norm(
+                x.shape[1], norm.num_groups, x.shape[0]):
+            return None
+        return group_norm_silu(x, norm.weight, norm.bias, norm.num_groups, norm.eps, norm.silu)
+
+    def before_pass(self, module: torch.nn.Module, args: tuple[Any, ...]) -> None:
+        """Forward pre-hook on the encoder and decoder: choose (and store the weights channels-last)
+        before their first convolution, so that no pass runs half in one layout and half in the
+        other (which left the next pass to meet the new layout's convolutions first)."""
+        if args and isinstance(args[0], torch.Tensor):
+            self._usable_for(args[0])
+
+    def _usable_for(self, x: torch.Tensor) -> bool:
         key = (x.device.type, x.device.index, x.dtype)
         usable = self._usable.get(key)
         if usable is None:
             usable = self._usable[key] = self._resolve(x.device, x.dtype)
-        if not usable or x.ndim != 4 or not kitchen_serves_group_norm(x.shape[1], norm.num_groups, x.shape[0]):
-            return None
-        return group_norm_silu(x, norm.weight, norm.bias, norm.num_groups, norm.eps, norm.silu)
+        return usable
 
     def resolved(self) -> dict[str, bool]:
         """Whether the fused kernel runs, per device and dtype seen, e.g. ``{"cuda:0 torch.bfloat16": True}``."""
@@ -415,6 +506,9 @@ class FastVAENorm:
         log = logger.debug if device.type not in KITCHEN_DEVICES else logger.warning
         log("fused VAE GroupNorm unavailable on %s (%s); using the plain PyTorch path", device, why)
         return False
+
+
+_VAE_HOOKS = "_klein_fast_vae_hooks"  # the FastVAENorm pre-hooks enable_fast_vae registered
 
 
 def _set_vae_norms(vae: Flux2VAE, fused: FastVAENorm | None) -> None:
@@ -524,6 +618,7 @@ def enable_fast_paths(
     attention: str = "auto",
     fused_rope: bool = True,
     fused_modulation: bool = True,
+    fused_elementwise: bool = True,
     compile: bool = False,
     compile_mode: str | None = None,
     compile_dynamic: bool | None = None,
@@ -536,6 +631,9 @@ def enable_fast_paths(
         fused_rope: comfy-kitchen's fused QK-RMSNorm + RoPE (``rms_rope``; needs CUDA and
             comfy-kitchen, else the plain path with one line saying why).
         fused_modulation: comfy-kitchen's fused modulated LayerNorm (``adaln``; same needs).
+        fused_elementwise: on CUDA, gated residuals as one ``addcmul``, SwiGLU as one pass
+            (:mod:`klein_core.accel.triton_swiglu`; needs Triton, else silu then multiply with one
+            line saying why) and the single blocks' ``[attention | mlp]`` written in place.
         compile: ``torch.compile`` each double and single block (regional compilation: one graph
             per block type, reused by every block). The first forward at each new input shape
             pays the compilation, logged with its duration. The norms and RoPE are then left to
@@ -549,7 +647,7 @@ def enable_fast_paths(
     if not isinstance(model, Flux2Transformer):
         raise TypeError(f"enable_fast_paths expects a Flux2Transformer, got {type(model).__name__}")
     disable_fast_paths(model)
-    settings = FastSettings(attention, fused_rope, fused_modulation, compile)
+    settings = FastSettings(attention, fused_rope, fused_modulation, compile, fused_elementwise)
     ops = FastOps(settings, model.config.head_dim, model.config.hidden_size)
     model.ops = ops
     if compile:
@@ -611,7 +709,10 @@ def enable_fast_vae(
     fused = (not compile) if fused_norm is None else fused_norm
     vae.set_decode_format(dtype=dtype or vae.dtype, channels_last=layout)
     if fused:
-        _set_vae_norms(vae, FastVAENorm(vae))
+        norm = FastVAENorm(vae)
+        _set_vae_norms(vae, norm)
+        vae.__dict__[_VAE_HOOKS] = [part.register_forward_pre_hook(norm.before_pass)
+                                    for part in (vae.encoder, vae.decoder)]
     if compile:
         _compile_group([vae.decoder], "VAE decoder", mode=compile_mode, backend=compile_backend)
         _compile_group([vae.encoder], "VAE encoder", mode=compile_mode, backend=compile_backend)
@@ -628,6 +729,8 @@ def disable_fast_vae(vae: Flux2VAE) -> None:
     for bit-exact decoding in the original precision.
     """
     vae.__dict__.pop(SPEED_ATTR, None)
+    for handle in vae.__dict__.pop(_VAE_HOOKS, ()):
+        handle.remove()
     _uncompile(vae.decoder)
     _uncompile(vae.encoder)
     _set_vae_norms(vae, None)

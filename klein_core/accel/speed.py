@@ -72,7 +72,7 @@ def apply_speed(
 
 def describe_speed(transformer: Flux2Transformer) -> str:
     """What ran, e.g. ``"fast (cuda:0 torch.bfloat16: attention=sdpa_cudnn, qk-norm+rope=comfy-kitchen,
-    modulation=comfy-kitchen, compile=False)"``; the kernels are known after the first forward."""
+    modulation=comfy-kitchen, elementwise=fused, swiglu=triton, compile=False)"``; the kernels are known after the first forward."""
     speed = speed_of(transformer)
     resolved = getattr(transformer.ops, "resolved", None)
     where = resolved() if callable(resolved) else {}

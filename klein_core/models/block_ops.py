@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 
 from .layers import attention, rms_norm
 from .transformer_math import NORM_EPS, apply_rope, merge_heads, modulate
@@ -48,6 +49,20 @@ class BlockOps:
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Unmasked attention, scale 1/sqrt(D): q/k/v ``[B, H, L, D]`` -> ``[B, L, H*D]``."""
         return merge_heads(attention(q, k, v))
+
+    def gated_residual(self, x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """``x + gate * y``: x/y ``[B, L, D]``, gate ``[B, 1, D]`` (or ``[B, L, D]``)."""
+        return x + gate * y
+
+    def swiglu(self, x: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` of ``x = [gate | up]`` ``[..., 2F]`` -> ``[..., F]``."""
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def attention_and_mlp(self, attn: torch.Tensor, mlp: torch.Tensor) -> torch.Tensor:
+        """A single block's second projection input: ``[attn | swiglu(mlp)]``, attn ``[B, L, D]``,
+        mlp ``[B, L, 2F]`` -> ``[B, L, D + F]``."""
+        return torch.cat([attn, self.swiglu(mlp)], dim=-1)
 
 
 PLAIN_OPS = BlockOps()  # stateless, shared by every model that has no fast path enabled

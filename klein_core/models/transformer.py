@@ -126,8 +126,7 @@ class _Attention(nn.Module):
 
 class _SwiGLU(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = x.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return PLAIN_OPS.swiglu(x)
 
 
 def _mlp(hidden: int, mlp_hidden: int) -> nn.Sequential:
@@ -135,6 +134,11 @@ def _mlp(hidden: int, mlp_hidden: int) -> nn.Sequential:
     return nn.Sequential(
         nn.Linear(hidden, 2 * mlp_hidden, bias=False), _SwiGLU(), nn.Linear(mlp_hidden, hidden, bias=False)
     )
+
+
+def _run_mlp(mlp: nn.Sequential, x: torch.Tensor, ops: BlockOps) -> torch.Tensor:
+    """``mlp(x)`` with its activation from ``ops`` (which may fuse it)."""
+    return mlp[2](ops.swiglu(mlp[0](x)))
 
 
 class _Modulation(nn.Module):
@@ -219,10 +223,10 @@ class DoubleStreamBlock(nn.Module):
             k, v = _with_reference(k, v, kv)
         out = ops.attention(q, k, v)
         n_txt = txt.shape[1]
-        txt = txt + t_gate1 * self.txt_attn.proj(out[:, :n_txt])
-        img = img + i_gate1 * self.img_attn.proj(out[:, n_txt:])
-        img = img + i_gate2 * self.img_mlp(ops.modulate(img, i_shift2, i_scale2))
-        txt = txt + t_gate2 * self.txt_mlp(ops.modulate(txt, t_shift2, t_scale2))
+        txt = ops.gated_residual(txt, t_gate1, self.txt_attn.proj(out[:, :n_txt]))
+        img = ops.gated_residual(img, i_gate1, self.img_attn.proj(out[:, n_txt:]))
+        img = ops.gated_residual(img, i_gate2, _run_mlp(self.img_mlp, ops.modulate(img, i_shift2, i_scale2), ops))
+        txt = ops.gated_residual(txt, t_gate2, _run_mlp(self.txt_mlp, ops.modulate(txt, t_shift2, t_scale2), ops))
         return img, txt
 
     def reference(
@@ -235,8 +239,8 @@ class DoubleStreamBlock(nn.Module):
         q, k, v = self.img_attn.split_heads(ops.modulate(ref, shift1, scale1))
         q, k = ops.qk_norm_rope([self.img_attn.qk_part(q, k)], cos, sin)
         v = v.transpose(1, 2)
-        ref = ref + gate1 * self.img_attn.proj(ops.attention(q, k, v))
-        ref = ref + gate2 * self.img_mlp(ops.modulate(ref, shift2, scale2))
+        ref = ops.gated_residual(ref, gate1, self.img_attn.proj(ops.attention(q, k, v)))
+        ref = ops.gated_residual(ref, gate2, _run_mlp(self.img_mlp, ops.modulate(ref, shift2, scale2), ops))
         return ref, k, v
 
 
@@ -278,8 +282,7 @@ class SingleStreamBlock(nn.Module):
         v = v.transpose(1, 2)
         keys, values = _with_reference(k, v, kv) if kv is not None else (k, v)
         attn = ops.attention(q, keys, values)
-        gate_mlp, up = mlp.chunk(2, dim=-1)
-        return x + gate * self.linear2(torch.cat([attn, F.silu(gate_mlp) * up], dim=-1)), k, v
+        return ops.gated_residual(x, gate, self.linear2(ops.attention_and_mlp(attn, mlp))), k, v
 
 
 class _TimeEmbedder(nn.Module):
