@@ -22,6 +22,11 @@
 # in a new process: the first call with torch's on-disk compile cache warm, 27 s), peer
 # (benchmarks/comfy_peer.py, ComfyUI's own FLUX.2 per step, 4B, ~30 s), kernels (benchmarks/kernels.py),
 # memory (memory.py 4B under --cap-gb 8 in bf16 and fp8, then kv_reuse.py). `all` = the default list.
+# Fourth session (seconds on a fresh H100): fastpass (speed.py diffusers against default for 4B a, b, c
+# and 9B a, b, 3 timed runs: 101 + 42 s), blocks (kernels.py --ops blocks, the fast path's steps one by
+# one: 24 s), profile (profile_run.py, 4B a under torch.profiler: 14 s), fasttests (tests/gpu/test_gpu_fast.py:
+# 55 s), compile4b (speed.py 4B a, b: compile against diffusers+compile, 2 timed runs; did not finish in
+# the 126 s it had left, give it 250 s on a cold compile cache).
 #
 # Always: $OUT/env.json (GPU, driver, torch, packages, date) and $OUT/session.log (every step's
 # output, then the summary: exit code and seconds of each step; the summary is also printed last).
@@ -48,11 +53,12 @@ PY="${PYTHON:-python3}"
 DRY=0
 PHASES=()
 ALL=(speed4b speed9b vae tests memory9b)
-OPTIONAL=(warm peer kernels memory)
+OPTIONAL=(warm peer kernels memory fastpass blocks profile fasttests compile4b)
 for arg in "$@"; do
     case "$arg" in
         --dry-run) DRY=1 ;;
-        speed4b|speed9b|tests|memory9b|vae|warm|peer|kernels|memory) PHASES+=("$arg") ;;
+        speed4b|speed9b|tests|memory9b|vae|warm|peer|kernels|memory|fastpass|blocks|profile|fasttests|compile4b)
+            PHASES+=("$arg") ;;
         all) PHASES+=("${ALL[@]}") ;;
         -h|--help) sed -n '2,/^$/p' "${BASH_SOURCE[0]}"; exit 0 ;;
         *) echo "unknown argument '$arg' (phases: ${ALL[*]} ${OPTIONAL[*]} all; option --dry-run)" >&2
@@ -178,6 +184,40 @@ phase_speed9b() {
     # shellcheck disable=SC2046
     step speed_9b_ab 160 "$PY" benchmarks/speed.py --models 9b --cases a,b $(runs 1) $(no_diffusers) \
         --variants "$BENCH" --out "$OUT/speed_9b_ab.json"
+}
+
+# The fast path against diffusers as it comes, for every target case (4B a, b, c; 9B a, b), 3 timed runs.
+phase_fastpass() {
+    # shellcheck disable=SC2046
+    step fast_4b_abc 200 "$PY" benchmarks/speed.py --models 4b --cases a,b,c $(runs 3) $(no_diffusers) \
+        --variants diffusers,default --out "$OUT/fast_4b_abc.json"
+    # shellcheck disable=SC2046
+    step fast_9b_ab 150 "$PY" benchmarks/speed.py --models 9b --cases a,b $(runs 3) $(no_diffusers) \
+        --variants diffusers,default --out "$OUT/fast_9b_ab.json"
+}
+
+phase_compile4b() {  # speed="compile" against diffusers at its best, 4B a and b, 2 timed runs
+    # shellcheck disable=SC2046
+    step compile_4b_ab 250 "$PY" benchmarks/speed.py --models 4b --cases a,b $(runs 2) $(no_diffusers) \
+        --variants diffusers+compile,compile --out "$OUT/compile_4b_ab.json"
+}
+
+phase_blocks() {  # one double and one single block per fast-path variant (kernels.py --ops blocks)
+    local -a tiny=()
+    [ "$DRY" -eq 1 ] && tiny=(--tiny --device cpu)
+    step blocks 90 "$PY" benchmarks/kernels.py --models 4b,9b --ops blocks "${tiny[@]}" --out "$OUT/blocks.json"
+}
+
+phase_profile() {  # one warm default generation under torch.profiler: kernels by family, GPU idle gaps
+    local -a tiny=()
+    [ "$DRY" -eq 1 ] && tiny=(--tiny --device cpu)
+    step profile_4b_a 60 "$PY" benchmarks/profile_run.py --model 4b --case a "${tiny[@]}" --out "$OUT/profile_4b_a.json"
+}
+
+phase_fasttests() {
+    local -a env_vars=("KLEIN_PARITY_JSON=$OUT/parity.json")
+    [ "$DRY" -eq 1 ] && env_vars+=("KLEIN_GPU_TESTS_DEVICE=cpu")
+    step fasttests 120 env "${env_vars[@]}" "$PY" -m pytest -q -p no:cacheprovider -rs tests/gpu/test_gpu_fast.py
 }
 
 phase_tests() {

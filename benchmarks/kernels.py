@@ -8,6 +8,10 @@ block step and how its fp8 matmul compares with klein_core's ``FP8Linear``:
   x ``[B, L, hidden]``;
 * ``qk_norm_rope``: per-head RMSNorm of q and k, joined [txt, img], then interleaved RoPE (plain vs
   comfy-kitchen ``rms_rope``), q/k ``[B, L_i, H, 128]`` views of the projection, as in a block;
+* ``blocks``: one full-size double block and one single block (random weights), plain against the
+  fast path without its fused elementwise steps (gated residuals, SwiGLU, the single block's
+  concatenation), with them but SwiGLU as two PyTorch ops, and complete; ``step_ms`` sums the
+  blocks of one step;
 * ``fp8_linear``: a Linear with e4m3 weights and a per-tensor scale, activations quantised per
   call (klein ``FP8Linear`` with ``torch._scaled_mm`` vs comfy-kitchen's ``TensorCoreFP8Layout``
   tensors through ``F.linear``, as ComfyUI runs fp8 files), shapes of the 4B / 9B block Linears.
@@ -25,6 +29,7 @@ Usage (GPU)::
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import platform
@@ -40,9 +45,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.timing import call_times
+from klein_core.accel.fast import FastOps, FastSettings
 from klein_core.accel.kitchen import KitchenOps, kitchen_available
-from klein_core.models.block_ops import PLAIN_OPS
-from klein_core.models.transformer import TransformerConfig
+from klein_core.models.block_ops import PLAIN_OPS, BlockOps
+from klein_core.models.transformer import DoubleStreamBlock, SingleStreamBlock, TransformerConfig
 from klein_core.models.transformer_math import rope_tables
 from klein_core.quant.fp8 import FP8Linear, quantize_fp8
 from klein_core.sampling import position_ids, text_position_ids
@@ -123,6 +129,64 @@ def bench_block_ops(model: str, tokens: int, device: torch.device, dtype: torch.
     return rows
 
 
+def block_op_variants(cfg: TransformerConfig) -> dict[str, BlockOps]:
+    """Whole-block ops on the device: plain, then the fast path (``speed="fast"``) without the fused
+    elementwise steps, with them but SwiGLU as silu then multiply, and complete."""
+    def fast_ops(**settings: Any) -> BlockOps:
+        return FastOps(FastSettings(**settings), cfg.head_dim, cfg.hidden_size)
+
+    return {"plain": PLAIN_OPS, "fast, elementwise plain": fast_ops(fused_elementwise=False),
+            "fast, swiglu plain": fast_ops(), "fast": fast_ops()}
+
+
+def bench_blocks(model: str, tokens: int, device: torch.device, dtype: torch.dtype, args: argparse.Namespace,
+                 cfg: TransformerConfig | None = None) -> list[dict[str, Any]]:
+    """One full-size double block and one single block (random weights), as the denoiser runs them,
+    per variant of :func:`block_op_variants`; ``step_ms`` = double x depth + single x depth_single.
+    ``cfg``: other sizes than ``model``'s (the CPU self-test)."""
+    cfg = cfg or full_size_configs(MODELS[model])[0]
+    hidden = cfg.hidden_size
+    length = TEXT_TOKENS + tokens
+    g = torch.Generator(device=device).manual_seed(2)
+    torch.manual_seed(2)
+    double = DoubleStreamBlock(cfg).to(device, dtype)
+    single = SingleStreamBlock(cfg).to(device, dtype)
+    img = torch.randn(1, tokens, hidden, device=device, dtype=dtype, generator=g)
+    txt = torch.randn(1, TEXT_TOKENS, hidden, device=device, dtype=dtype, generator=g)
+    mod = [torch.randn(1, 1, hidden, device=device, dtype=dtype, generator=g) * 0.1 for _ in range(15)]
+    cos, sin = joint_rope(tokens, cfg, device)
+    rows: list[dict[str, Any]] = []
+    ref = None
+    for name, ops in block_op_variants(cfg).items():
+        bound = ops.bind(device, dtype)
+        if name == "fast, swiglu plain":
+            bound = copy.copy(bound)
+            bound._swiglu = None  # type: ignore[attr-defined]  # the same fast ops, SwiGLU as two PyTorch ops
+
+        def run(bound: BlockOps = bound) -> tuple[torch.Tensor, ...]:
+            i, t = double(img, txt, cos, sin, tuple(mod[:6]), tuple(mod[6:12]), bound)
+            return i, t, single(torch.cat([txt, img], dim=1), cos, sin, tuple(mod[12:]), bound)
+
+        try:
+            with torch.no_grad():
+                got = run()
+                ref = got if ref is None else ref
+                d_ms = timed(lambda: double(img, txt, cos, sin, tuple(mod[:6]), tuple(mod[6:12]), bound),
+                             device, args.warmup, args.iters)
+                joint = torch.cat([txt, img], dim=1)
+                s_ms = timed(lambda: single(joint, cos, sin, tuple(mod[12:]), bound), device, args.warmup, args.iters)
+            row = {"op": "blocks", "model": model, "tokens": length, "variant": name,
+                   "double_ms": d_ms, "single_ms": s_ms, "step_ms": d_ms * cfg.depth + s_ms * cfg.depth_single,
+                   "max_abs_diff_vs_plain": max_diff(got, ref),
+                   "described": getattr(ops, "resolved", dict)()}
+        except Exception as exc:  # noqa: BLE001 -- reported in the row, not fatal
+            row = {"op": "blocks", "model": model, "tokens": length, "variant": name,
+                   "error": f"{type(exc).__name__}: {exc}".splitlines()[0]}
+        rows.append(row)
+        print("  " + json.dumps(row))
+    return rows
+
+
 def bench_fp8_linear(model: str, tokens: int, device: torch.device, dtype: torch.dtype, args: argparse.Namespace,
                      ) -> list[dict[str, Any]]:
     cfg = full_size_configs(MODELS[model])[0]
@@ -183,7 +247,7 @@ def main() -> int:
     ap.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--iters", type=int, default=50)
-    ap.add_argument("--ops", default="modulate,qk_norm_rope,fp8_linear")
+    ap.add_argument("--ops", default="modulate,qk_norm_rope,blocks,fp8_linear")
     ap.add_argument("--tiny", action="store_true", help="64 image tokens, 3 iterations (tests the script)")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
@@ -205,6 +269,8 @@ def main() -> int:
         print(f"{model}: {TEXT_TOKENS} + {args.tokens} tokens, {dtype}, {device}")
         if {"modulate", "qk_norm_rope"} & set(ops):
             rows += [r for r in bench_block_ops(model, args.tokens, device, dtype, args) if r["op"] in ops]
+        if "blocks" in ops:
+            rows += bench_blocks(model, args.tokens, device, dtype, args)
         if "fp8_linear" in ops:
             rows += bench_fp8_linear(model, args.tokens, device, dtype, args)
     args.out.parent.mkdir(parents=True, exist_ok=True)

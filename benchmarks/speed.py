@@ -739,6 +739,7 @@ def bench_model(spec: ModelSpec, cases: list[Case], args: argparse.Namespace, de
                 "stages_ms": _median_stages(rs),
                 "e2e_ms": statistics.median(r.e2e_ms for r in rs),
                 "e2e_all_ms": [r.e2e_ms for r in rs],
+                "stages_per_run_ms": [{k: v for k, v in r.stages.items() if k != "steps"} for r in rs],
                 "first_call_ms": warm_ms[name],
                 "peak_alloc_gib": max(r.peak_alloc_gib for r in rs),
                 "activation_gib": max(r.activation_gib for r in rs),

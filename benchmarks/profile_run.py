@@ -1,0 +1,155 @@
+"""Where one end-to-end generation spends its time: GPU kernels by kind, and the GPU's idle gaps.
+
+``speed.py`` times stages with CUDA events; what falls between them (tokenising, planning, image
+conversion, launch latency) only shows as ``e2e - sum(stages)``. This script runs one warm
+``klein_core.generate`` (full-size random weights, as ``speed.py`` builds them) under
+``torch.profiler`` and reports:
+
+* ``kernels``: GPU time per kernel family (matmul, attention, norm/rope, elementwise, copies,
+  convolution, other), and the top kernels by total time;
+* ``gaps``: total GPU idle time inside the run, and the largest idle gaps with the kernels on
+  either side, so host-side stalls can be placed;
+* ``cpu_ops``: the host operators with the most self time;
+* ``unprofiled``: one run without the profiler, its wall time against the engine's own stage clocks
+  (``GenerationResult.timings``); ``cprofile_cumulative``: Python's profile of one more run.
+
+Usage (GPU)::
+
+    python benchmarks/profile_run.py --model 4b --case a --out profile_4b_a.json
+    python benchmarks/profile_run.py --tiny --device cpu --out /tmp/p.json   # CPU self-test
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import klein_core
+from benchmarks.speed import PROMPT, SEED, _cases, _images, _spec, build_ours
+from klein_core.accel import speed
+from klein_core.sampling import make_noise
+
+FAMILIES = (  # (family, substrings of the kernel name, lower case), first match wins
+    ("attention", ("attn", "fmha", "flash", "cudnn_generated_fort_native_sdpa", "sdpa")),
+    ("matmul", ("gemm", "cutlass", "sm90_xmma", "nvjet", "cublas", "matmul")),
+    ("convolution", ("conv", "implicit", "winograd", "fprop", "dgrad")),
+    ("norm/rope", ("norm", "rope", "adaln", "moments")),
+    ("copy", ("copy", "cat", "memcpy", "memset", "transpose")),
+    ("elementwise", ("elementwise", "vectorized", "unrolled", "triton", "silu", "swiglu", "reduce")),
+)
+
+
+def family(name: str) -> str:
+    low = name.lower()
+    for fam, keys in FAMILIES:
+        if any(k in low for k in keys):
+            return fam
+    return "other"
+
+
+def summarise(prof: Any, wall_ms: float) -> dict[str, Any]:
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    by_name: dict[str, float] = defaultdict(float)
+    by_family: dict[str, float] = defaultdict(float)
+    spans = []
+    for e in kernels:
+        us = e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+        by_name[e.name] += us / 1000
+        by_family[family(e.name)] += us / 1000
+        spans.append((e.time_range.start, e.time_range.end, e.name))
+    spans.sort()
+    gaps = []
+    busy_end = spans[0][1] if spans else 0
+    prev = spans[0][2] if spans else ""
+    for start, end, name in spans[1:]:
+        if start > busy_end:
+            gaps.append(((start - busy_end) / 1000, prev, name, (busy_end - spans[0][0]) / 1000))
+        if end > busy_end:
+            busy_end, prev = end, name
+    gaps.sort(reverse=True)
+    cpu = sorted(((e.key, e.self_cpu_time_total / 1000, e.count) for e in prof.key_averages()
+                  if e.self_cpu_time_total > 0), key=lambda r: -r[1])
+    return {
+        "wall_ms": wall_ms,
+        "gpu_busy_ms": sum(by_family.values()),
+        "gpu_first_to_last_ms": (spans[-1][1] - spans[0][0]) / 1000 if spans else 0.0,
+        "gpu_idle_ms": sum(g[0] for g in gaps),
+        "kernels_by_family_ms": dict(sorted(by_family.items(), key=lambda kv: -kv[1])),
+        "top_kernels_ms": sorted(by_name.items(), key=lambda kv: -kv[1])[:25],
+        "largest_gaps": [{"ms": g[0], "at_ms": g[3], "after": g[1][:80], "before": g[2][:80]} for g in gaps[:20]],
+        "cpu_ops_self_ms": [{"op": k, "self_ms": ms, "count": n} for k, ms, n in cpu[:25]],
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="4b", choices=["4b", "9b"])
+    ap.add_argument("--case", default="a", choices=["a", "b", "c"])
+    ap.add_argument("--speed", default=speed.DEFAULT_SPEED, choices=list(speed.SPEEDS))
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--tiny", action="store_true", help="tiny models on small images (tests the script)")
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args()
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    spec = _spec("tiny" if args.tiny else args.model)
+    case = _cases(args.tiny)[args.case]
+    tr, te, vae = build_ours(spec, device, dtype)
+    speed.apply_speed(tr, vae, args.speed)
+    noise = make_noise(SEED, 1, spec.transformer.in_channels, case.size // 16, case.size // 16)
+    refs = _images(case.size, case.n_refs)
+
+    def run() -> dict[str, float]:
+        res = klein_core.generate(tr, te, vae, prompt=PROMPT, references=refs, width=case.size, height=case.size,
+                                  steps=case.steps, guidance=case.guidance, distilled=case.distilled, noise=noise,
+                                  cache=None)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return {k: v * 1000 for k, v in res.timings.items()}
+
+    for _ in range(args.warmup):
+        run()
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        run()
+        wall = (time.perf_counter() - t0) * 1000
+    # The engine's own stage clocks (synchronised) against the wall, then Python's view of one run.
+    t0 = time.perf_counter()
+    stages = run()
+    plain_wall = (time.perf_counter() - t0) * 1000
+    host = cProfile.Profile()
+    host.enable()
+    run()
+    host.disable()
+    text = io.StringIO()
+    pstats.Stats(host, stream=text).sort_stats("cumulative").print_stats(r"klein_core|PIL|numpy", 40)
+    result = {"model": spec.name, "case": case.title, "speed": args.speed, "device": str(device),
+              "described": speed.describe_speed(tr), **summarise(prof, wall),
+              "unprofiled": {"wall_ms": plain_wall, "engine_stages_ms": stages,
+                             "outside_stages_ms": plain_wall - sum(stages.values())},
+              "cprofile_cumulative": text.getvalue().splitlines()[:70]}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1))
+    print(json.dumps({k: result[k] for k in ("model", "case", "wall_ms", "gpu_busy_ms", "gpu_idle_ms",
+                                             "kernels_by_family_ms", "unprofiled")}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,44 @@
+"""The GPU benchmark scripts' plumbing on the CPU (their numbers only mean something on a GPU)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from klein_core.models.transformer import TransformerConfig
+from script_module import load_script
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_kernels_blocks_rows_cover_every_variant():
+    """kernels.py --ops blocks: one row per variant with both blocks timed and the step summed; on
+    the CPU every variant is the plain path, so the outputs are identical."""
+    kernels = load_script("klein_kernels_benchmark", REPO / "benchmarks" / "kernels.py")
+    cfg = TransformerConfig(hidden_size=64, num_heads=2, depth=2, depth_single=3, context_dim=96,
+                            mlp_hidden=192, axes_dim=(8, 8, 8, 8))
+    args = argparse.Namespace(warmup=0, iters=2)
+    rows = kernels.bench_blocks("tiny", 16, torch.device("cpu"), torch.float32, args, cfg=cfg)
+    assert [r["variant"] for r in rows] == ["plain", "fast, elementwise plain", "fast, swiglu plain", "fast"]
+    for r in rows:
+        assert "error" not in r, r
+        assert r["step_ms"] == r["double_ms"] * 2 + r["single_ms"] * 3
+        assert r["max_abs_diff_vs_plain"] == 0.0
+    assert "elementwise=plain" in rows[-1]["described"]["cpu torch.float32"]
+
+
+def test_profile_run_reports_stages_and_host_profile(tmp_path):
+    out = tmp_path / "p.json"
+    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "profile_run.py"), "--tiny", "--device", "cpu",
+                           "--warmup", "1", "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(out.read_text())
+    stages = report["unprofiled"]["engine_stages_ms"]
+    assert set(stages) >= {"text", "denoise", "decode"} and all(v > 0 for k, v in stages.items() if k != "references")
+    assert report["wall_ms"] > 0 and report["gpu_busy_ms"] == 0  # no CUDA kernels on the CPU
+    assert any("engine.py" in line and "run" in line for line in report["cprofile_cumulative"])
