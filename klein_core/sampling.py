@@ -133,6 +133,201 @@ def reference_tokens(latents: Sequence[torch.Tensor]) -> ReferenceTokens | None:
     return ReferenceTokens(torch.cat(toks)[None], torch.cat(ids), tuple(sizes))
 
 
+@dataclass(frozen=True)
+class TextPass:
+    """One transformer forward per step: the text ``[copies * B, L, D]``, its ids and the RoPE tables
+    of the joint [text, image] sequence (fixed for the run), and how many copies of the latents it
+    takes (2 for a batched CFG forward ``[pos; neg]``)."""
+
+    text: torch.Tensor
+    txt_ids: torch.Tensor
+    rope: tuple[torch.Tensor, torch.Tensor]
+    copies: int
+
+
+@dataclass(frozen=True)
+class InpaintBlend:
+    """What inpainting keeps (float32 tokens): ``clean`` image latents, the starting ``noise``, and
+    ``keep`` (1 = repaint) / ``known`` (1 - keep) per token."""
+
+    clean: torch.Tensor
+    noise: torch.Tensor
+    keep: torch.Tensor
+    known: torch.Tensor
+
+
+@dataclass(frozen=True)
+class DenoiseJob:
+    """Everything the Euler loop reads, prepared once by :func:`prepare_denoise`.
+
+    ``latents``: the starting tokens ``[B, n, C]`` in the model dtype (n = h*w noisy tokens);
+    ``sigmas``: float32 on the device, ``t_model`` what the model is told per step, ``dts`` the
+    step sizes; ``ref_tokens`` the joint/timestep-zero reference tokens appended to every forward,
+    ``kv`` the KV mode's stored keys/values.
+    """
+
+    model: Flux2Transformer
+    latents: torch.Tensor
+    grid: tuple[int, int]
+    img_ids: torch.Tensor
+    passes: tuple[TextPass, ...]
+    sigmas: torch.Tensor
+    t_model: torch.Tensor
+    dts: torch.Tensor
+    guidance: float
+    ref_tokens: torch.Tensor | None = None
+    kv: ReferenceKV | None = None
+    zero_time: int = 0
+    blend: InpaintBlend | None = None
+
+    @property
+    def steps(self) -> int:
+        return len(self.sigmas) - 1
+
+    @property
+    def cfg(self) -> bool:
+        return self.passes[0].copies == 2 or len(self.passes) == 2
+
+
+def _start_latents(model: Flux2Transformer, noise: torch.Tensor, sigma0: torch.Tensor,
+                   image: torch.Tensor | None, mask: torch.Tensor | None) -> tuple[torch.Tensor, InpaintBlend | None]:
+    """The first step's tokens: the noise, or for image-to-image ``sigma0 * noise + (1 - sigma0) *
+    image`` (diffusers' scale_noise); with a ``mask`` also what each step keeps."""
+    device, dtype = model.device, model.dtype
+    b = noise.shape[0]
+    if image is None:
+        if mask is not None:
+            raise ValueError("a mask needs the image latents it keeps (image=)")
+        return pack(noise).to(device=device, dtype=dtype), None
+    if image.ndim != 4 or image.shape[1:] != noise.shape[1:] or image.shape[0] not in (1, b):
+        raise ValueError(f"image latents {list(image.shape)} do not match the noise {list(noise.shape)}")
+    clean = pack(image).to(device=device, dtype=torch.float32).expand(b, -1, -1)
+    noise_f = pack(noise).to(device=device, dtype=torch.float32)
+    s0 = sigma0.to(device=device, dtype=torch.float32)
+    latents = (s0 * noise_f + (1 - s0) * clean).to(dtype)
+    if mask is None:
+        return latents, None
+    keep = pack(mask).to(device=device, dtype=torch.float32)  # [B or 1, n, 1]: 1 = repaint
+    return latents, InpaintBlend(clean, noise_f, keep, 1 - keep)  # known = 1 - keep once, not every step
+
+
+def _reference_inputs(model: Flux2Transformer, refs: ReferenceTokens | None, ref_mode: str,
+                      ref_kv: ReferenceKV | None, img_ids: torch.Tensor,
+                      ) -> tuple[torch.Tensor, torch.Tensor | None, ReferenceKV | None, int]:
+    """``(img_ids, reference tokens, stored keys/values, zero-time tokens)`` for ``ref_mode``: in
+    "kv" mode the references' keys/values (computed now unless ``ref_kv`` holds them), otherwise
+    their tokens after the noisy ones, with their ids."""
+    if refs is None:
+        return img_ids, None, None, 0
+    if ref_mode == "kv":
+        return img_ids, None, (ref_kv if ref_kv is not None else model.reference_kv(refs.tokens, refs.ids)), 0
+    tokens = refs.tokens.to(device=model.device, dtype=model.dtype)
+    zero_time = tokens.shape[1] if ref_mode == "timestep_zero" else 0
+    return torch.cat([img_ids, refs.ids]), tokens, None, zero_time
+
+
+def _text_passes(model: Flux2Transformer, txt: torch.Tensor, neg_txt: torch.Tensor | None, batch: int,
+                 img_ids: torch.Tensor) -> tuple[TextPass, ...]:
+    """The forwards of one step: the prompt alone, or with CFG the prompt and the negative prompt in
+    one batched forward when their lengths match (two forwards otherwise, as ComfyUI runs them)."""
+    device, dtype = model.device, model.dtype
+    txt = txt.to(device=device, dtype=dtype)
+    if txt.shape[0] != batch:
+        raise ValueError(f"prompt batch {txt.shape[0]} does not match latent batch {batch}")
+    texts = [txt]
+    if neg_txt is not None:
+        neg_txt = neg_txt.to(device=device, dtype=dtype)
+        if neg_txt.shape[0] != batch:
+            raise ValueError(f"negative prompt batch {neg_txt.shape[0]} does not match latent batch {batch}")
+        texts = [torch.cat([txt, neg_txt])] if neg_txt.shape[1] == txt.shape[1] else [txt, neg_txt]
+    passes = []
+    for text in texts:  # ids and RoPE tables are fixed for the whole run
+        txt_ids = text_position_ids(text.shape[1])
+        passes.append(TextPass(text, txt_ids, model.rope(txt_ids, img_ids), text.shape[0] // batch))
+    return tuple(passes)
+
+
+def prepare_denoise(
+    model: Flux2Transformer,
+    noise: torch.Tensor,
+    txt: torch.Tensor,
+    sigmas: torch.Tensor,
+    *,
+    neg_txt: torch.Tensor | None = None,
+    guidance: float = 1.0,
+    refs: ReferenceTokens | None = None,
+    image: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
+    ref_mode: str = "joint",
+    ref_kv: ReferenceKV | None = None,
+) -> DenoiseJob:
+    """Prepare one run of :func:`run_denoise` (arguments as :func:`denoise`): the starting latents
+    and the inpaint blend, the references for ``ref_mode``, the text passes and their RoPE tables,
+    and the schedule on the device."""
+    if ref_mode not in REFERENCE_MODES:
+        raise ValueError(f"ref_mode must be one of {REFERENCE_MODES}, got {ref_mode!r}")
+    b, _, h, w = noise.shape
+    latents, blend = _start_latents(model, noise, sigmas[0], image, mask)
+    img_ids, ref_tokens, kv, zero_time = _reference_inputs(model, refs, ref_mode, ref_kv, position_ids(h, w))
+    passes = _text_passes(model, txt, neg_txt, b, img_ids)
+    sig = sigmas.to(device=model.device, dtype=torch.float32)
+    # What the model is told: sigma*1000 in the latent dtype, /1000 (see SPEC §4.4).
+    t_model = ((sig * 1000).to(model.dtype) / 1000).to(model.dtype)
+    dts = sig[1:] - sig[:-1]  # one launch for the whole run; dts[i] is a 0-dim fp32 tensor in the loop
+    return DenoiseJob(model, latents, (h, w), img_ids, passes, sig, t_model, dts, guidance, ref_tokens, kv,
+                      zero_time, blend)
+
+
+def _velocity(job: DenoiseJob, latents: torch.Tensor, i: int) -> torch.Tensor:
+    """The model's velocity for the noisy tokens at step ``i`` (CFG applied)."""
+    n = latents.shape[1]
+    outs = []
+    for p in job.passes:
+        x = latents if p.copies == 1 else torch.cat([latents] * p.copies)
+        if job.ref_tokens is not None:
+            x = torch.cat([x, job.ref_tokens.expand(x.shape[0], -1, -1)], dim=1)
+        outs.append(job.model(img=x, img_ids=job.img_ids, txt=p.text, txt_ids=p.txt_ids,
+                              timesteps=job.t_model[i].expand(x.shape[0]), rope=p.rope, kv=job.kv,
+                              zero_time_tokens=job.zero_time)[:, :n])
+    v = outs[0] if len(outs) == 1 else torch.cat(outs)
+    if not job.cfg:
+        return v
+    v_pos, v_neg = v.chunk(2)
+    return v_neg + job.guidance * (v_pos - v_neg)
+
+
+def _keep_known(blend: InpaintBlend, latents: torch.Tensor, sigma: torch.Tensor | None) -> torch.Tensor:
+    """Inpainting after a step: the known region follows the image noised to ``sigma`` (the clean
+    image after the last step, ``sigma`` None); float32 out."""
+    proper = blend.clean if sigma is None else sigma * blend.noise + (1 - sigma) * blend.clean
+    return blend.known * proper + blend.keep * latents.float()
+
+
+def run_denoise(job: DenoiseJob, callback: StepCallback | None = None) -> torch.Tensor:
+    """The Euler loop over a prepared job; returns the latents ``[B, C, h, w]`` in the model dtype."""
+    latents, (h, w), total, dtype = job.latents, job.grid, job.steps, job.model.dtype
+    wants_denoised = bool(getattr(callback, "wants_denoised", False))
+    step_cache = getattr(job.model, "step_cache", None)
+    if step_cache is not None:  # opt-in (klein_core.accel.step_cache): no state from an earlier run
+        step_cache.start_run(total, h * w)
+    for i in range(total):
+        v = _velocity(job, latents, i)
+        denoised = (latents.float() - job.sigmas[i] * v.float()) if wants_denoised else None
+        # dt is a 0-dim fp32 tensor, so dt*v stays in the model dtype (torch promotion), then the
+        # sum is fp32 and re-cast: bit-for-bit the diffusers FlowMatchEuler step.
+        latents = (latents.float() + job.dts[i] * v).to(dtype)
+        if job.blend is not None:
+            last = i == total - 1
+            latents = _keep_known(job.blend, latents, None if last else job.sigmas[i + 1]).to(dtype)
+            if denoised is not None:
+                denoised = job.blend.known * job.blend.clean + job.blend.keep * denoised
+        if callback is not None:
+            kwargs = {"denoised": unpack(denoised, h, w)} if denoised is not None else {}
+            if callback(i + 1, total, unpack(latents, h, w), **kwargs) is False:
+                raise GenerationCancelled(f"cancelled after step {i + 1} of {total}")
+    return unpack(latents, h, w)
+
+
 def denoise(
     model: Flux2Transformer,
     noise: torch.Tensor,
@@ -148,108 +343,22 @@ def denoise(
     ref_mode: str = "joint",
     ref_kv: ReferenceKV | None = None,
 ) -> torch.Tensor:
-    """Run the Euler flow sampler from ``noise`` along ``sigmas``.
+    """Run the Euler flow sampler from ``noise`` along ``sigmas`` (:func:`prepare_denoise`, then
+    :func:`run_denoise`).
 
     ``noise``: ``[B, C, h, w]`` starting latents (any dtype/device; cast to the model's).
     ``txt``: ``[B, L, D]`` prompt embeddings; ``neg_txt``: ``[B, L', D]`` negative embeddings, which
-    turn on classifier-free guidance ``v = v_neg + guidance * (v_pos - v_neg)``, evaluated in one
-    batched forward when ``L == L'`` and in two forwards otherwise (whole prompts of different
-    lengths, as ComfyUI runs them). ``refs``: reference tokens appended after the noisy tokens (the
-    velocity is kept for the noisy tokens only). ``callback(step, total, latents)`` runs after each
-    step; returning ``False`` cancels with :class:`GenerationCancelled`. A callback with a true
-    ``wants_denoised`` attribute also gets ``denoised=``, the step's estimate of the clean latents
-    ``x - sigma * v`` (for previews). Returns ``[B, C, h, w]`` latents in the model dtype.
+    turn on classifier-free guidance ``v = v_neg + guidance * (v_pos - v_neg)``. ``refs``: reference
+    tokens, taking part as ``ref_mode`` (:data:`REFERENCE_MODES`) says; in "kv" mode ``ref_kv`` may
+    hold their keys/values from an earlier run. ``callback(step, total, latents)`` runs after each
+    step; returning ``False`` cancels with :class:`GenerationCancelled`; a callback with a true
+    ``wants_denoised`` attribute also gets ``denoised=``, the step's estimate of the clean latents.
+    Returns ``[B, C, h, w]`` latents in the model dtype.
 
     Image-to-image and inpainting (diffusers' ``Flux2KleinInpaintPipeline``): ``image`` ``[B or 1,
-    C, h, w]`` are clean latents; the run starts from ``sigmas[0] * noise + (1 - sigmas[0]) * image``
-    (``sigmas`` is the schedule already cut by the strength). ``mask`` ``[B or 1, 1, h, w]`` (1 =
-    repaint, fractions blend) keeps the rest: after each step the unmasked part is replaced by the
-    image noised to the next sigma (the clean image after the last step).
-
-    ``ref_mode`` (:data:`REFERENCE_MODES`): how ``refs`` take part; in "kv" mode their keys/values
-    are computed once before the first step, or taken from ``ref_kv`` (from an earlier run).
+    C, h, w]`` are clean latents and ``sigmas`` the schedule already cut by the strength; ``mask``
+    ``[B or 1, 1, h, w]`` (1 = repaint, fractions blend) keeps the rest, noised to each next sigma.
     """
-    if ref_mode not in REFERENCE_MODES:
-        raise ValueError(f"ref_mode must be one of {REFERENCE_MODES}, got {ref_mode!r}")
-    device, dtype = model.device, model.dtype
-    b, _, h, w = noise.shape
-    n = h * w
-    latents = pack(noise).to(device=device, dtype=dtype)
-    clean = keep = known = noise_f = None
-    if image is not None:
-        if image.ndim != 4 or image.shape[1:] != noise.shape[1:] or image.shape[0] not in (1, b):
-            raise ValueError(f"image latents {list(image.shape)} do not match the noise {list(noise.shape)}")
-        clean = pack(image).to(device=device, dtype=torch.float32).expand(b, -1, -1)
-        noise_f = pack(noise).to(device=device, dtype=torch.float32)
-        s0 = sigmas[0].to(device=device, dtype=torch.float32)
-        latents = (s0 * noise_f + (1 - s0) * clean).to(dtype)  # diffusers' scale_noise at the first sigma
-    if mask is not None:
-        if clean is None:
-            raise ValueError("a mask needs the image latents it keeps (image=)")
-        if mask.ndim != 4 or mask.shape[1] != 1 or mask.shape[2:] != noise.shape[2:] or mask.shape[0] not in (1, b):
-            raise ValueError(f"mask {list(mask.shape)} must be [1 or {b}, 1, {h}, {w}] (the latent grid)")
-        keep = pack(mask).to(device=device, dtype=torch.float32)  # [B or 1, n, 1]: 1 = repaint
-        known = 1 - keep  # once, not every step
-    img_ids = position_ids(h, w)
-    cfg = neg_txt is not None
-    txt = txt.to(device=device, dtype=dtype)
-    if txt.shape[0] != b:
-        raise ValueError(f"prompt batch {txt.shape[0]} does not match latent batch {b}")
-    ref_tok, kv, zero_time = None, None, 0
-    if refs is not None and ref_mode == "kv":
-        kv = ref_kv if ref_kv is not None else model.reference_kv(refs.tokens, refs.ids)
-    elif refs is not None:
-        ref_tok = refs.tokens.to(device=device, dtype=dtype)
-        img_ids = torch.cat([img_ids, refs.ids])
-        zero_time = ref_tok.shape[1] if ref_mode == "timestep_zero" else 0
-    # One forward per entry: (text, RoPE tables, how many copies of the latents it takes).
-    if cfg:
-        neg_txt = neg_txt.to(device=device, dtype=dtype)  # type: ignore[union-attr]
-        if neg_txt.shape[0] != b:
-            raise ValueError(f"negative prompt batch {neg_txt.shape[0]} does not match latent batch {b}")
-        if neg_txt.shape[1] == txt.shape[1]:
-            texts = [torch.cat([txt, neg_txt])]  # one forward for both halves: [pos; neg]
-        else:
-            texts = [txt, neg_txt]
-    else:
-        texts = [txt]
-    passes = []
-    for text in texts:  # ids and RoPE tables are fixed for the whole run
-        txt_ids = text_position_ids(text.shape[1])
-        passes.append((text, txt_ids, model.rope(txt_ids, img_ids), text.shape[0] // b))
-    sig = sigmas.to(device=device, dtype=torch.float32)
-    # What the model is told: sigma*1000 in the latent dtype, /1000 (see SPEC §4.4).
-    t_model = ((sig * 1000).to(dtype) / 1000).to(dtype)
-    total = len(sigmas) - 1
-    dts = sig[1:] - sig[:-1]  # one launch for the whole run; dts[i] is a 0-dim fp32 tensor below
-    wants_denoised = bool(getattr(callback, "wants_denoised", False))
-    step_cache = getattr(model, "step_cache", None)
-    if step_cache is not None:  # opt-in (klein_core.accel.step_cache): no state from an earlier run
-        step_cache.start_run(total, n)
-    for i in range(total):
-        outs = []
-        for text, txt_ids, rope, copies in passes:
-            x = latents if copies == 1 else torch.cat([latents] * copies)
-            if ref_tok is not None:
-                x = torch.cat([x, ref_tok.expand(x.shape[0], -1, -1)], dim=1)
-            t = t_model[i].expand(x.shape[0])
-            outs.append(model(img=x, img_ids=img_ids, txt=text, txt_ids=txt_ids, timesteps=t, rope=rope, kv=kv,
-                              zero_time_tokens=zero_time)[:, :n])
-        v = outs[0] if len(outs) == 1 else torch.cat(outs)
-        if cfg:
-            v_pos, v_neg = v.chunk(2)
-            v = v_neg + guidance * (v_pos - v_neg)
-        denoised = (latents.float() - sig[i] * v.float()) if wants_denoised else None
-        # dt is a 0-dim fp32 tensor, so dt*v stays in the model dtype (torch promotion), then the
-        # sum is fp32 and re-cast: bit-for-bit the diffusers FlowMatchEuler step.
-        latents = (latents.float() + dts[i] * v).to(dtype)
-        if keep is not None:  # the known region follows the image, noised to the next sigma
-            proper = clean if i == total - 1 else sig[i + 1] * noise_f + (1 - sig[i + 1]) * clean
-            latents = (known * proper + keep * latents.float()).to(dtype)
-            if denoised is not None:
-                denoised = known * clean + keep * denoised
-        if callback is not None:
-            kwargs = {"denoised": unpack(denoised, h, w)} if denoised is not None else {}
-            if callback(i + 1, total, unpack(latents, h, w), **kwargs) is False:
-                raise GenerationCancelled(f"cancelled after step {i + 1} of {total}")
-    return unpack(latents, h, w)
+    job = prepare_denoise(model, noise, txt, sigmas, neg_txt=neg_txt, guidance=guidance, refs=refs, image=image,
+                          mask=mask, ref_mode=ref_mode, ref_kv=ref_kv)
+    return run_denoise(job, callback)

@@ -67,13 +67,14 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "cfg-formula", "klein_core/sampling.py",
-        "            v = v_neg + guidance * (v_pos - v_neg)", "            v = v_pos + guidance * (v_pos - v_neg)",
+        "    return v_neg + job.guidance * (v_pos - v_neg)", "    return v_pos + job.guidance * (v_pos - v_neg)",
         (f"{PIPE}::test_base_cfg_with_negative_prompt_batched",),
         "classifier-free guidance from the positive branch",
     ),
     Mutant(
         "euler-step-sign", "klein_core/sampling.py",
-        "latents = (latents.float() + dts[i] * v).to(dtype)", "latents = (latents.float() - dts[i] * v).to(dtype)",
+        "latents = (latents.float() + job.dts[i] * v).to(dtype)",
+        "latents = (latents.float() - job.dts[i] * v).to(dtype)",
         (f"{PIPE}::test_distilled_text_to_image",),
         "the Euler step walks the wrong way",
     ),
@@ -92,8 +93,8 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "inpaint-keeps-the-wrong-region", "klein_core/sampling.py",
-        "latents = (known * proper + keep * latents.float()).to(dtype)",
-        "latents = (keep * proper + known * latents.float()).to(dtype)",
+        "return blend.known * proper + blend.keep * latents.float()",
+        "return blend.keep * proper + blend.known * latents.float()",
         ("tests/test_inpaint_parity.py::test_inpaint_without_and_with_a_reference",),
         "the mask's meaning inverted after each step",
     ),
