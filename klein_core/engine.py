@@ -45,7 +45,7 @@ from .memory.placement import StagePlacer
 from .memory.planner import MODES, MemoryPlan, MemoryRequest, plan_for
 from .memory.tiling import TILE_SIDES, decode_in_tiles, encode_in_tiles
 from .models.qwen3 import Qwen3TextEncoder
-from .models.transformer import Flux2Transformer
+from .models.transformer import Flux2Transformer, TransformerConfig
 from .models.vae import Flux2VAE
 from .prompts import PromptCache, TextOptions, default_prompt_cache, encode_prompts, identity_of
 from .request import (
@@ -122,6 +122,77 @@ class InitLatents:
     latents: torch.Tensor
     strength: float = 1.0
     mask: torch.Tensor | None = None
+
+
+UNUSED_NEGATIVE = "the negative prompt is not used"
+
+
+def check_denoise_inputs(
+    config: TransformerConfig,
+    kind: ModelKind,
+    conditioning: Conditioning,
+    references: Sequence[torch.Tensor],
+    run: Resolved,
+    *,
+    noise: torch.Tensor | None = None,
+    init: InitLatents | None = None,
+    negative_prompt: bool = False,
+    downscale: int = 16,
+) -> None:
+    """Every check of a denoising request, in one place, before any compute (diffusers'
+    ``check_inputs``): the embeddings' text width and finiteness, the references, the init image and
+    its mask, the noise, and the one notice that a negative prompt goes unused. Needs only the
+    transformer's config, so a host can refuse a request before loading the weights. What passes is
+    trusted below (:mod:`klein_core.sampling`, the transformer).
+
+    ``negative_prompt``: a negative prompt was given but not encoded (the notice is the same as for
+    a given negative embedding that the run does not use). A text width that does not fit raises
+    :class:`~klein_core.variants.TextWidthMismatch` (a ValueError), which a caller may restate.
+    """
+    channels = config.in_channels
+    n_images = conditioning.positive.shape[0] * run.batch_size
+    if init is not None:
+        check_tensor(init.latents, "the init image latents", 4, channels)
+        require_finite(init.latents, "the init image latents")
+        check_strength(init.strength)
+        b = init.latents.shape[0]
+        if b not in (1, n_images):
+            raise ValueError(f"the init image batch {b} must be 1 or prompts x batch_size = {n_images}")
+        if init.mask is not None:
+            check_tensor(init.mask, "the inpaint mask", 4, 1)
+            require_finite(init.mask, "the inpaint mask")
+            if init.mask.shape[-2:] != init.latents.shape[-2:] or init.mask.shape[0] not in (1, n_images):
+                raise ValueError(f"the inpaint mask {list(init.mask.shape)} must be [1 or {n_images}, 1, h, w] on "
+                                 f"the latent grid of the image {list(init.latents.shape)}")
+        size = (init.latents.shape[-1] * downscale, init.latents.shape[-2] * downscale)
+        if (run.width, run.height) != size:
+            raise ValueError(f"the output size comes from the init image ({size[0]}x{size[1]}); got width/height "
+                             f"{run.width}x{run.height}: leave them unset (0 in ComfyUI)")
+    check_text_width(conditioning.positive.shape[-1], config.context_dim, encoded_by="The prompt embedding",
+                     model=f"the {config.variant} transformer")
+    require_finite(conditioning.positive, "the prompt embeddings")
+    if conditioning.negative is not None:
+        check_text_width(conditioning.negative.shape[-1], config.context_dim,
+                         encoded_by="The negative prompt embedding", model=f"the {config.variant} transformer")
+        require_finite(conditioning.negative, "the negative prompt embeddings")
+    for i, ref in enumerate(references):
+        check_tensor(ref, f"reference latent {i + 1}", 4, channels)
+        require_finite(ref, f"reference latent {i + 1}")
+    if (negative_prompt or conditioning.negative is not None) and not run.cfg:
+        why = (f"guidance {run.guidance:g} is not above 1" if kind == "base" else
+               "distilled Klein models run without CFG (for a base model: model_kind base on the loader node, "
+               "--base in the CLI, distilled=False in Python)")
+        logger.warning("%s: %s", UNUSED_NEGATIVE, why)
+    if run.cfg and conditioning.negative is None:
+        raise ValueError("CFG (a base model with guidance > 1) needs a negative prompt embedding")
+    if noise is not None:
+        check_tensor(noise, "the given noise", 4, channels)
+        require_finite(noise, "the given noise")
+        if noise.shape[0] != n_images:
+            raise ValueError(f"noise batch {noise.shape[0]} != prompts x batch_size = {n_images}")
+        if init is not None and noise.shape[-2:] != init.latents.shape[-2:]:
+            raise ValueError(f"the given noise {list(noise.shape)} does not match the init image latents "
+                             f"{list(init.latents.shape)}")
 
 
 def _sync(device: torch.device) -> None:
@@ -428,6 +499,35 @@ class Engine:
         """The sigmas ``[steps + 1]`` a run with these settings follows (for previews and progress)."""
         return get_schedule(run.steps, (run.width // self.downscale) * (run.height // self.downscale))
 
+    def check_inputs(
+        self,
+        conditioning: Conditioning,
+        references: Sequence[torch.Tensor] = (),
+        settings: Settings | Resolved = Settings(),
+        *,
+        noise: torch.Tensor | None = None,
+        init: InitLatents | None = None,
+        negative_prompt: bool = False,
+    ) -> Resolved:
+        """Every check of a denoising request, once, before any compute (see :func:`check_denoise_inputs`);
+        returns the resolved settings."""
+        tr = self.transformer
+        if tr is None:
+            raise ValueError("denoising needs a transformer; none was given")
+        if init is not None and not isinstance(init, InitLatents):
+            raise TypeError(f"init must be InitLatents, got {type(init).__name__}")
+        if isinstance(settings, Resolved):
+            run = settings
+        elif init is not None:
+            check_tensor(init.latents, "the init image latents", 4, tr.config.in_channels)
+            size = (init.latents.shape[-1] * self.downscale, init.latents.shape[-2] * self.downscale)
+            run = resolve(settings, self.kind, size, multiple=self.downscale)
+        else:
+            run = self.resolve(settings, references)
+        check_denoise_inputs(tr.config, self.kind, conditioning, references, run, noise=noise, init=init,
+                             negative_prompt=negative_prompt, downscale=self.downscale)
+        return run
+
     def denoise(
         self,
         conditioning: Conditioning,
@@ -438,6 +538,7 @@ class Engine:
         callback: StepCallback | None = None,
         plan: MemoryPlan | None = None,
         init: InitLatents | None = None,
+        negative_prompt: bool = False,
     ) -> tuple[torch.Tensor, Resolved]:
         """Stage 3: latents ``[P * batch, 128, H/16, W/16]`` from the prompts' embeddings and the
         encoded references; returns them with the resolved settings.
@@ -445,48 +546,16 @@ class Engine:
         ``noise``: explicit starting latents (then the size comes from them); else seeded noise.
         ``callback(step, total, latents)`` after each step; return False to cancel.
         ``init``: image-to-image / inpainting (:class:`InitLatents`): the size comes from its
-        latents, and of ``steps`` only the last ``int(steps * strength)`` run (diffusers' rule).
+        latents; the first ``int(steps * (1 - strength))`` steps are skipped (diffusers' rule).
+        ``negative_prompt``: a negative prompt was given but not encoded (said once if unused).
+        Everything is checked first, once (:meth:`check_inputs`).
         """
-        tr = self.transformer
-        if tr is None:
-            raise ValueError("denoising needs a transformer; none was given")
-        init_size = None
-        if init is not None:
-            if not isinstance(init, InitLatents):
-                raise TypeError(f"init must be InitLatents, got {type(init).__name__}")
-            check_tensor(init.latents, "the init image latents", 4, tr.config.in_channels)
-            require_finite(init.latents, "the init image latents")
-            check_strength(init.strength)
-            if init.mask is not None:
-                check_tensor(init.mask, "the inpaint mask", 4, 1)
-                require_finite(init.mask, "the inpaint mask")
-                if init.mask.shape[-2:] != init.latents.shape[-2:]:
-                    raise ValueError(f"the inpaint mask {list(init.mask.shape)} is not on the latent grid of the "
-                                     f"image {list(init.latents.shape)}")
-            init_size = (init.latents.shape[-1] * self.downscale, init.latents.shape[-2] * self.downscale)
-        if isinstance(settings, Resolved):
-            run = settings
-        elif init_size is not None:
-            run = resolve(settings, self.kind, init_size, multiple=self.downscale)
-        else:
-            run = self.resolve(settings, references)
-        if init_size is not None and (run.width, run.height) != init_size:
-            raise ValueError(f"the output size comes from the init image ({init_size[0]}x{init_size[1]}); got "
-                             f"width/height {run.width}x{run.height}: leave them unset (0 in ComfyUI)")
-        prompt = conditioning.positive
-        check_text_width(prompt.shape[-1], tr.config.context_dim, encoded_by="The prompt embedding",
-                         model=f"the {tr.config.variant} transformer")
-        require_finite(prompt, "the prompt embeddings")
-        if conditioning.negative is not None:
-            require_finite(conditioning.negative, "the negative prompt embeddings")
         references = as_list(references, "reference_latents")
-        for i, ref in enumerate(references):
-            check_tensor(ref, f"reference latent {i + 1}", 4, tr.config.in_channels)
-            require_finite(ref, f"reference latent {i + 1}")
-        if self.kind != "base" and conditioning.negative is not None:
-            logger.warning("the negative prompt is ignored: distilled Klein models run without CFG")
-        if run.cfg and conditioning.negative is None:
-            raise ValueError("CFG (a base model with guidance > 1) needs a negative prompt embedding")
+        run = self.check_inputs(conditioning, references, settings, noise=noise, init=init,
+                                negative_prompt=negative_prompt)
+        tr = self.transformer
+        assert tr is not None  # check_inputs refused otherwise
+        prompt = conditioning.positive
         n_images = prompt.shape[0] * run.batch_size
         with explain_oom("preparing the batch", self.device, run.width, run.height, n_images, len(references)):
             txt = prompt.repeat_interleave(run.batch_size, dim=0)
@@ -497,15 +566,7 @@ class Engine:
                 neg = neg.repeat_interleave(run.batch_size, dim=0)
         down = self.downscale
         width, height = run.width, run.height
-        if init is not None:
-            b = init.latents.shape[0]
-            if b not in (1, txt.shape[0]) or (init.mask is not None and init.mask.shape[0] not in (1, txt.shape[0])):
-                raise ValueError(f"the init image batch {b} must be 1 or prompts x batch_size = {txt.shape[0]}")
         if noise is not None:
-            check_tensor(noise, "the given noise", 4, tr.config.in_channels)
-            require_finite(noise, "the given noise")
-            if noise.shape[0] != txt.shape[0]:
-                raise ValueError(f"noise batch {noise.shape[0]} != prompts x batch_size = {txt.shape[0]}")
             width, height = noise.shape[-1] * down, noise.shape[-2] * down
         else:
             with explain_oom("drawing the noise", self.device, width, height, txt.shape[0], len(references)):
@@ -522,9 +583,6 @@ class Engine:
         sigmas = get_schedule(run.steps, noise.shape[-1] * noise.shape[-2])  # = self.schedule(run) for seeded noise
         image = mask = None
         if init is not None:
-            if noise.shape[-2:] != init.latents.shape[-2:]:
-                raise ValueError(f"the given noise {list(noise.shape)} does not match the init image latents "
-                                 f"{list(init.latents.shape)}")
             sigmas = sigmas[run.steps - steps_to_run(run.steps, init.strength):]  # at least one step for strength > 0
             image, mask = init.latents, init.mask
         with explain_oom("denoising", self.device, width, height, txt.shape[0] * (2 if run.cfg else 1),
@@ -616,8 +674,7 @@ class Engine:
             extra = tuple(reference_pixel_sizes((), reference_latents, self.downscale))
             memory = replace(memory, references=_on_grid(extra) + memory.references)
         plan = self.plan(memory)
-        if self.kind != "base" and request.negative_prompt and conditioning is None:
-            logger.warning("the negative prompt is ignored: distilled Klein models run without CFG")
+        unused_negative = bool(request.negative_prompt) and conditioning is None and not memory.cfg
         t0 = time.perf_counter()
         n_refs = len(reference_latents) + len(request.references)
         if conditioning is None:
@@ -641,7 +698,7 @@ class Engine:
         timings["references"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         latents, run = self.denoise(conditioning, refs, request.settings, noise=noise, callback=callback, plan=plan,
-                                    init=start)
+                                    init=start, negative_prompt=unused_negative)
         _sync(self.device)
         timings["denoise"] = time.perf_counter() - t0
         ref_sizes = reference_pixel_sizes((), refs, self.downscale)
@@ -716,8 +773,9 @@ def generate(
         width, height: output size in pixels; default from the first reference, else 1024.
         steps, guidance: default 4 / 1.0 (distilled) or 50 / 4.0 (base).
         seed: 0..2^64-1; noise is drawn on the CPU in float32 like ComfyUI's RandomNoise.
-        distilled: the model kind; None (default) reads it from the transformer's file name
-            ("base" in it -> base model), else distilled. Weights cannot tell.
+        distilled: the model kind; None (default) reads it from the transformer's file name or
+            diffusers folder ("base" in it -> base model; Klein 9B-KV is recognised too), else
+            distilled. Weights cannot tell.
         noise: explicit starting latents ``[B, 128, H/16, W/16]`` instead of seeded noise.
         callback: ``callback(step, total, latents)`` after each step; return False to cancel
             (raises :class:`~klein_core.errors.GenerationCancelled`); exceptions it raises propagate.

@@ -36,8 +36,8 @@ def processing_size(width: int, height: int, multiple: int = 16) -> tuple[int, i
 
 def steps_to_run(steps: int, strength: float) -> int:
     """How many of ``steps`` an image-to-image run at ``strength`` takes (diffusers' get_timesteps:
-    the schedule of ``steps`` is computed whole and its first ``steps - int(steps * strength)`` are
-    skipped)."""
+    the schedule of ``steps`` is computed whole and its first ``int(steps - steps * strength)`` are
+    skipped; 4 steps at strength 0.6 run 3)."""
     init = min(steps * strength, steps)
     return steps - int(max(steps - init, 0))
 

@@ -73,22 +73,38 @@ def encoder_for_text_width(text_width: int) -> str:
     return f"a Qwen3 encoder with hidden size {text_width // 3} (text width {text_width})"
 
 
+class TextWidthMismatch(ValueError):
+    """Raised by :func:`check_text_width`. It keeps both widths, so a caller that knows more (a node
+    knows the file names and the fix in its UI) can restate it with :meth:`restated` instead of
+    checking again."""
+
+    def __init__(self, text_width: int, model_width: int, *, encoded_by: str, model: str,
+                 fix: str | None = None) -> None:
+        self.text_width, self.model_width = text_width, model_width
+        super().__init__(f"{encoded_by} (text width {text_width}) does not fit {model}, which expects "
+                         f"{model_width}: {fix or 'use ' + encoder_for_text_width(model_width)}.")
+
+    def restated(self, *, encoded_by: str, model: str, fix: str | None = None) -> TextWidthMismatch:
+        """The same mismatch told with other names for both sides and another ``fix``."""
+        return TextWidthMismatch(self.text_width, self.model_width, encoded_by=encoded_by, model=model, fix=fix)
+
+
 def check_text_width(text_width: int, model_width: int, *, encoded_by: str, model: str,
                      fix: str | None = None) -> None:
-    """The one text-width check: raise ValueError, before any compute, when embeddings of
-    ``text_width`` cannot feed a transformer of ``model_width``.
+    """The one text-width check: raise :class:`TextWidthMismatch` (a ValueError), before any
+    compute, when embeddings of ``text_width`` cannot feed a transformer of ``model_width``.
 
     ``encoded_by`` and ``model`` describe both sides ("the text encoder (Qwen3-4B)", "the Klein 9B
     transformer"); ``fix`` says what to do (default: the encoder to use).
     """
     if text_width == model_width:
         return
-    raise ValueError(f"{encoded_by} (text width {text_width}) does not fit {model}, which expects {model_width}: "
-                     f"{fix or 'use ' + encoder_for_text_width(model_width)}.")
+    raise TextWidthMismatch(text_width, model_width, encoded_by=encoded_by, model=model, fix=fix)
 
 
 __all__ = [
-    "DEV_HIDDEN", "DEV_TEXT_WIDTH", "KLEIN_4B", "KLEIN_9B", "VARIANTS", "Variant", "check_text_width",
+    "DEV_HIDDEN", "DEV_TEXT_WIDTH", "KLEIN_4B", "KLEIN_9B", "TextWidthMismatch", "VARIANTS", "Variant",
+    "check_text_width",
     "encoder_for_text_width", "encoder_model", "encoder_name", "model_for_hidden", "transformer_name",
     "variant_for_text_width",
 ]

@@ -10,14 +10,14 @@ import torch
 from comfy_api.latest import io
 
 import klein_core as kc
-from klein_core.engine import InitLatents
+from klein_core.engine import InitLatents, check_denoise_inputs
 from klein_core.files.identify import matching_text_encoders
 from klein_core.inpaint import mask_for_latents, steps_to_run
 from klein_core.memory.planner import MemoryRequest
 from klein_core.request import reference_mode as pick_reference_mode
 from klein_core.request import resolve
 from klein_core.sampling import MAX_SEED
-from klein_core.variants import check_text_width, variant_for_text_width
+from klein_core.variants import TextWidthMismatch, variant_for_text_width
 
 from . import cache, host, notices
 from .common import activation_bytes, check_widget, errors_named, flux2_samples
@@ -39,11 +39,10 @@ REFERENCE_MODES = {"auto": None, "joint": "joint", "timestep zero": "timestep_ze
 MAX_SIDE = 4096  # widget limit; the pixel count is limited to 4 megapixels (e.g. 2048x2048)
 
 
-def check_encoder_fits(model: KleinModel, cond: KleinConditioning) -> None:
-    """Refuse, before any compute, embeddings whose width the transformer cannot take; name the fix."""
+def encoder_mismatch(model: KleinModel, cond: KleinConditioning, exc: TextWidthMismatch) -> TextWidthMismatch:
+    """The engine's text-width refusal told in the node's terms: the files on both sides and which
+    encoder to select."""
     want = model.config.context_dim
-    if cond.text_dim == want:
-        return
     files = {n: host.full_path("text_encoders", n) for n in host.filename_list("text_encoders")}
     names = {Path(p): n for n, p in files.items() if p}
     fits = sorted(names[p] for p in matching_text_encoders(want, list(names)))
@@ -51,9 +50,9 @@ def check_encoder_fits(model: KleinModel, cond: KleinConditioning) -> None:
     needed = f"{variant.encoder} ({variant.encoder_file})" if variant else f"a Qwen3 encoder with hidden size {want // 3}"
     fix = (f"set text_encoder in {ENCODER_NODE} to {' or '.join(fits)}" if fits else
            f"put {needed} into models/text_encoders and select it in {ENCODER_NODE}")
-    check_text_width(cond.text_dim, want, fix=fix,
-                     encoded_by=f"{NODE}: the conditioning was encoded with {cond.encoder_name} ({cond.variant})",
-                     model=f"the model {model.name} ({model.config.variant})")
+    return exc.restated(fix=fix,
+                        encoded_by=f"{NODE}: the conditioning was encoded with {cond.encoder_name} ({cond.variant})",
+                        model=f"the model {model.name} ({model.config.variant})")
 
 
 def start_from(latent: dict | None, mask: torch.Tensor | None, denoise: float,
@@ -157,7 +156,6 @@ class KleinSampler(io.ComfyNode):
                 references: KleinReferences | None = None, latent: dict | None = None,
                 mask: torch.Tensor | None = None, denoise: float = 1.0,
                 latent_as_reference: bool = True, reference_mode: str = "auto") -> io.NodeOutput:
-        check_encoder_fits(model, conditioning)
         check_widget(NODE, "reference_mode", reference_mode, REFERENCE_MODES)
         refs = [r.latent for r in references.items] if references is not None else []
         init = start_from(latent, mask, denoise, model.config.in_channels)
@@ -178,6 +176,12 @@ class KleinSampler(io.ComfyNode):
         except ValueError as exc:
             raise ValueError(f"{NODE}: width/height: {exc} Set both to 0 to use the first reference's size "
                              f"(1024x1024 without references).") from exc
+        negative = conditioning.negative if run.cfg else None
+        try:  # the engine's one check, before the model is loaded: a mismatch costs no load
+            check_denoise_inputs(model.config, model.kind, kc.Conditioning(conditioning.positive, negative), refs,
+                                 run, init=init, negative_prompt=conditioning.has_negative)
+        except TextWidthMismatch as exc:
+            raise ValueError(str(encoder_mismatch(model, conditioning, exc))) from None  # as ComfyUI shows it
         ref_mode = pick_reference_mode(model.kind, REFERENCE_MODES[reference_mode])
         request = MemoryRequest(run.width, run.height, references=tuple((r.shape[-1] * 16, r.shape[-2] * 16)
                                                                          for r in refs),
@@ -192,11 +196,6 @@ class KleinSampler(io.ComfyNode):
         logger.info("%s: %s %dx%d, %d steps, guidance %.2f, seed %d, batch %d, %d reference(s) (%s)", NODE,
                     model.kind, run.width, run.height, run.steps, run.guidance, run.seed, run.batch_size, len(refs),
                     engine.ref_mode)
-        negative = conditioning.negative if run.cfg else None
-        if conditioning.has_negative and not run.cfg:
-            logger.warning("%s: the negative prompt is not used: %s", NODE,
-                           "distilled models run without CFG (set model_kind to base for a base model)"
-                           if model.kind != "base" else f"guidance {run.guidance:g} is not above 1")
         kv_hits = cache.kv.hits
         try:
             total = steps_to_run(run.steps, init.strength) if init is not None else run.steps

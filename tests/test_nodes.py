@@ -386,14 +386,22 @@ def test_sampler_output_is_the_core_result_in_comfy_layout(comfy):
     assert torch.equal(samples, direct.float())
 
 
-def test_sampler_refuses_a_mismatched_encoder_before_compute(comfy, spy_generate):
+def test_sampler_refuses_a_mismatched_encoder_before_compute(comfy, spy_generate, monkeypatch):
+    """The engine's one input check runs before the model loads; the node restates its refusal with
+    the files on both sides and the encoder to select."""
     model9, _ = _load(comfy, M9B)
+    loads = []
+    real_get = type(model9.ref).get
+    monkeypatch.setattr(type(model9.ref), "get", lambda self, *a, **kw: loads.append(1) or real_get(self, *a, **kw))
     with pytest.raises(ValueError) as err:
         _sample(comfy, model9, _encode(comfy))
+    assert type(err.value) is ValueError  # what ComfyUI shows as the exception type
     msg = str(err.value)
-    for part in ("Klein Sampler", M9B, Q4B, f"set text_encoder in Qwen3 Layer-Concat Encoder to {Q8B}"):
+    for part in ("Klein Sampler", M9B, Q4B, f"set text_encoder in Qwen3 Layer-Concat Encoder to {Q8B}",
+                 "(text width 96) does not fit", "which expects 144"):
         assert part in msg, msg
-    assert not spy_generate
+    assert msg.count("does not fit") == 1 and "use Qwen3" not in msg  # the node's fix, not the engine's too
+    assert not spy_generate and not loads  # refused before loading the transformer
 
 
 def test_sampler_mismatch_without_a_fitting_file_says_what_to_get(comfy, tmp_path, monkeypatch):

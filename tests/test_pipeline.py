@@ -219,7 +219,7 @@ def test_defaults_and_bad_arguments(tiny, caplog):
     assert base.guidance == 4.0
     with caplog.at_level(logging.WARNING):
         kc.generate(tr, te, vae, guidance=3.0, negative_prompt="bad", steps=1, **kw)
-    assert "guidance 3.00 is ignored" in caplog.text and "negative prompt is ignored" in caplog.text
+    assert "guidance 3.00 is ignored" in caplog.text and "negative prompt is not used" in caplog.text
     for bad in (dict(steps=0), dict(steps=2.5), dict(guidance=float("nan")), dict(guidance=-1.0),
                 dict(batch_size=0)):
         with pytest.raises(ValueError):
