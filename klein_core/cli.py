@@ -18,7 +18,9 @@ from . import __version__
 from .accel.speed import DEFAULT_SPEED, SPEEDS, describe_speed
 from .engine import Engine, GenerationResult, generate
 from .errors import GenerationCancelled, WeightFormatError
+from .files.gguf import is_gguf
 from .files.identify import matching_text_encoders, probe
+from .files.safetensors import open_safetensors
 from .images import oriented_size, reference_size
 from .inpaint import outpaint
 from .loading import as_dtype
@@ -119,8 +121,8 @@ def _add_generate_args(g: argparse.ArgumentParser) -> None:
     edit.add_argument("--no-composite", action="store_true",
                       help="return the generated picture as is (by default only masked pixels change)")
     g.add_argument("--ref-mode", choices=("joint", "timestep_zero", "kv"), default=None,
-                   help="how references take part (default: kv for a Klein 9B-KV file, named '...-kv...', else "
-                        "joint)")
+                   help="how references take part (default: kv for Klein 9B-KV, a file named '...-kv...' or "
+                        "a diffusers FLUX.2-klein-9b-kv folder; else joint)")
     g.add_argument("--text-precision", choices=("model", "fp32"), default="model",
                    help="text encoder activations: model = its weights' dtype (BFL, diffusers); fp32 = "
                         "fp32 activations on the same weights (ComfyUI's native nodes)")
@@ -164,6 +166,13 @@ def _pick(folder: Path, what: str, name: str | None = None) -> Path:
     return files[0]
 
 
+def _refuse_non_weights(path: Path, component: str) -> None:
+    """Before anything loads: raise what ``path`` is when it is a file that holds no weights (an image,
+    a web page, a truncated download). Reads the header only; GGUF files are left to their loader."""
+    if path.is_file() and not is_gguf(path):
+        open_safetensors(path, component)
+
+
 def resolve_files(args: argparse.Namespace) -> tuple[Path, Path, Path]:
     """Transformer, text encoder and VAE paths from explicit flags and/or ``--models-dir``."""
     tr, te, vae = args.transformer, args.text_encoder, args.vae
@@ -174,6 +183,8 @@ def resolve_files(args: argparse.Namespace) -> tuple[Path, Path, Path]:
                       else _pick(md / "vae", "vae"))
         if te is None:
             info = probe(tr)
+            if info.kind == "unknown":
+                _refuse_non_weights(tr, "transformer")
             cands = _model_files(md / "text_encoders")
             fits = matching_text_encoders(info.text_width, cands) if info.text_width else []
             if not fits:
@@ -186,7 +197,10 @@ def resolve_files(args: argparse.Namespace) -> tuple[Path, Path, Path]:
     for p in (tr, te, vae):
         if not p.exists():
             raise CLIError(f"file not found: {p}")
-    tinfo, einfo = probe(tr), probe(te)
+    tinfo, einfo, vinfo = probe(tr), probe(te), probe(vae)
+    for path, info, component in ((tr, tinfo, "transformer"), (te, einfo, "text encoder"), (vae, vinfo, "VAE")):
+        if info.kind == "unknown":
+            _refuse_non_weights(path, component)
     if tinfo.kind == "transformer" and einfo.kind == "text_encoder":
         fits = matching_text_encoders(tinfo.text_width, _model_files(te.parent))
         try:
@@ -241,7 +255,10 @@ def _check_request(args: argparse.Namespace, refs: list[Image.Image]) -> None:
         args.width = 256 if args.width is None else args.width
         args.height = 256 if args.height is None else args.height
     first = reference_size(*oriented_size(refs[0])) if refs else None
-    resolve_size(args.width, args.height, first)
+    width, height = resolve_size(args.width, args.height, first)  # warns once of a side not a multiple of 16
+    # The given sides go on rounded, so the engine (which resolves the size again) has nothing to warn about.
+    args.width = None if args.width is None else width
+    args.height = None if args.height is None else height
     if args.steps is not None and not 1 <= args.steps <= MAX_STEPS:
         raise CLIError(f"--steps must be from 1 to {MAX_STEPS}, got {args.steps}")
     if args.batch < 1:
@@ -315,12 +332,13 @@ def run_generate(args: argparse.Namespace) -> int:
         transformer, text_encoder, vae = (m.to(device=device, dtype=dtype) for m in (transformer, text_encoder, vae))
         names = {"transformer": "demo", "text_encoder": "demo", "vae": "demo"}
         distilled = not args.base
-        _write(sys.stderr, "--demo: tiny random models (no download); the image will be noise.\n")
+        _write(sys.stderr, "--demo: tiny random models built in memory (no download) check the install; "
+                           "the image will be noise.\n")
     else:
         from .loading import load_text_encoder, load_transformer, load_vae
 
         tr_path, te_path, vae_path = resolve_files(args)
-        kind = guess_model_kind(tr_path.name)
+        kind = guess_model_kind(tr_path)  # the name, or a diffusers repo's model_index.json and folder name
         distilled = not args.base and (args.distilled or kind != "base")
         if args.ref_mode is None and kind == "kv":
             args.ref_mode = "kv"
@@ -372,8 +390,6 @@ def run_generate(args: argparse.Namespace) -> int:
                        f"(load {t_load:.2f} s; {stages}) -> {', '.join(str(p) for p in paths)}\n")
     if not args.quiet:
         _write(sys.stderr, f"speed {describe_speed(transformer)}\n")
-    if args.demo:
-        _write(sys.stdout, "note: --demo uses random weights, so the image is noise; the install works.\n")
     return 0
 
 

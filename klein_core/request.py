@@ -8,10 +8,12 @@ multiples of 16, 64 px to 4 megapixels) in one place for the engine, the nodes a
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
 import re
+import stat
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -34,19 +36,95 @@ ModelKind = Literal["distilled", "base", "kv"]
 # "kv": Klein 9B-KV, distilled (4 steps, no CFG) and run with stored reference keys/values.
 MODEL_KINDS: tuple[str, ...] = ("distilled", "base", "kv")
 _KV_NAME = re.compile(r"(?:^|[-_. ])kv(?:$|[-_. ])", re.IGNORECASE)
+_BASE_NAME = re.compile(r"(?:^|[-_. ])base(?:$|[-_. ])", re.IGNORECASE)
+# diffusers' pipeline class for Klein 9B-KV, as a repo's model_index.json names it ("_class_name").
+_KV_PIPELINES = ("Flux2KleinKVPipeline",)
+_MODEL_INDEX_MAX_BYTES = 1 << 20  # a real model_index.json is under 1 KB
 OUTPUTS: tuple[str, ...] = ("pil", "latent")
 
 
-def guess_model_kind(name: str) -> ModelKind:
-    """Pick the model kind from a file name: "...-base-..." -> base, "...-kv..." (a word of its own,
-    e.g. flux-2-klein-9b-kv-fp8.safetensors) -> kv, else distilled. Weights cannot tell."""
-    stem = os.path.basename(str(name).rstrip("/\\"))
+def guess_model_kind(source: str | os.PathLike) -> ModelKind:
+    """The model kind of a transformer file or folder, from what lies there (the weights cannot tell).
+
+    1. A diffusers repo (the transformer in a ``transformer/`` folder, or the repo folder itself):
+       its ``model_index.json`` names the pipeline ``Flux2KleinKVPipeline`` -> kv, or says
+       ``"is_distilled": false`` -> base (``true`` -> distilled).
+    2. The file name: "...-kv..." as a word of its own (flux-2-klein-9b-kv-fp8.safetensors) -> kv;
+       "base" in it -> base.
+    3. For a diffusers repo, its folder's name (FLUX.2-klein-9b-kv, or the Hugging Face cache's
+       models--black-forest-labs--FLUX.2-klein-9b-kv), by the same words.
+    4. Else distilled.
+
+    Cheap: reads no weights, at most one small JSON file; never raises for an odd path.
+    """
+    text = str(os.fspath(source) if isinstance(source, os.PathLike) else source).rstrip("/\\")
+    root = _diffusers_root(text)
+    if root is not None:
+        kind = _kind_from_model_index(root)
+        if kind is not None:
+            return kind
+    stem = os.path.basename(text)
     for ext in (".safetensors", ".sft", ".gguf"):
         if stem.lower().endswith(ext):
             stem = stem[: -len(ext)]
     if _KV_NAME.search(stem):
         return "kv"
-    return "base" if "base" in stem.lower() else "distilled"
+    if "base" in stem.lower():
+        return "base"
+    if root is not None:
+        repo = _repo_name(root)
+        if _KV_NAME.search(repo):
+            return "kv"
+        if _BASE_NAME.search(repo):
+            return "base"
+    return "distilled"
+
+
+def _diffusers_root(path: str) -> str | None:
+    """The repo folder when ``path`` is a diffusers transformer (``<repo>/transformer`` or a file in
+    it) or a folder holding ``model_index.json``; else None."""
+    parent = os.path.dirname(path)
+    if os.path.basename(path) == "transformer":
+        return parent or None
+    if os.path.basename(parent) == "transformer":
+        return os.path.dirname(parent) or None
+    try:
+        if os.path.isfile(os.path.join(path, "model_index.json")):
+            return path
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def _repo_name(root: str) -> str:
+    """The repo's name: its folder's, or in the Hugging Face cache (``models--org--name/snapshots/<hash>``)
+    the name the cache folder carries."""
+    name = os.path.basename(root)
+    up = os.path.dirname(root)
+    if os.path.basename(up) == "snapshots":
+        name = os.path.basename(os.path.dirname(up))
+    return name.split("--")[-1] if name.startswith("models--") else name
+
+
+def _kind_from_model_index(root: str) -> ModelKind | None:
+    """What ``<root>/model_index.json`` says about the kind, or None (absent, unreadable, silent)."""
+    path = os.path.join(root, "model_index.json")
+    try:
+        st = os.stat(path)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > _MODEL_INDEX_MAX_BYTES:  # never a FIFO: no hang
+            return None
+        with open(path, "rb") as fh:
+            index = json.loads(fh.read(_MODEL_INDEX_MAX_BYTES).decode("utf-8"))
+    except (OSError, ValueError, RecursionError):  # ValueError: bad JSON or UTF-8, NUL in the path
+        return None
+    if not isinstance(index, dict):
+        return None
+    if index.get("_class_name") in _KV_PIPELINES:
+        return "kv"
+    distilled = index.get("is_distilled")  # Flux2KleinPipeline's config flag (default false)
+    if isinstance(distilled, bool):
+        return "distilled" if distilled else "base"
+    return None
 
 
 def reference_mode(kind: str, ref_mode: str | None = None) -> str:
@@ -57,9 +135,10 @@ def reference_mode(kind: str, ref_mode: str | None = None) -> str:
     return ref_mode or ("kv" if kind == "kv" else "joint")
 
 
-def check_size(width: int, height: int, *, multiple: int = 16) -> tuple[int, int]:
-    """``(width, height)`` rounded down to multiples of ``multiple``; refuses sizes under 64 px a
-    side or over 4 megapixels, judging the size that will be used (after rounding)."""
+def check_size(width: int, height: int, *, multiple: int = 16, warn: bool = True) -> tuple[int, int]:
+    """``(width, height)`` rounded down to multiples of ``multiple`` (with a warning unless ``warn``
+    is False); refuses sizes under 64 px a side or over 4 megapixels, judging the size that will be
+    used (after rounding)."""
     for name, v in (("width", width), ("height", height)):
         if isinstance(v, bool) or not isinstance(v, int):
             raise TypeError(f"{name} must be an integer number of pixels, got {v!r}")
@@ -71,13 +150,14 @@ def check_size(width: int, height: int, *, multiple: int = 16) -> tuple[int, int
             f"Output size {width}x{height} is {rw * rh / 1e6:.1f} megapixels; FLUX.2 Klein supports at most 4 "
             f"megapixels (e.g. 2048x2048)."
         )
-    if (rw, rh) != (width, height):
+    if warn and (rw, rh) != (width, height):
         logger.warning("Size %dx%d is not a multiple of %d; using %dx%d", width, height, multiple, rw, rh)
     return rw, rh
 
 
 def resolve_size(
-    width: int | None, height: int | None, first_reference: tuple[int, int] | None, multiple: int = 16
+    width: int | None, height: int | None, first_reference: tuple[int, int] | None, multiple: int = 16,
+    *, warn: bool = True,
 ) -> tuple[int, int]:
     """Output (width, height): given values, else the first reference's size, else 1024x1024.
 
@@ -86,7 +166,7 @@ def resolve_size(
     """
     default_w, default_h = first_reference or (DEFAULT_SIZE, DEFAULT_SIZE)
     return check_size(default_w if width is None else width, default_h if height is None else height,
-                      multiple=multiple)
+                      multiple=multiple, warn=warn)
 
 
 @dataclass(frozen=True)
@@ -118,7 +198,8 @@ class Resolved:
 def resolve(settings: Settings, kind: ModelKind, first_reference: tuple[int, int] | None = None,
             *, multiple: int = 16, warn: bool = True) -> Resolved:
     """Apply the defaults of ``kind`` and the size rules to ``settings``; raise ValueError (or
-    TypeError for a wrong type) naming the bad value."""
+    TypeError for a wrong type) naming the bad value. ``warn=False`` keeps the notices (guidance
+    ignored, size rounded) for the resolution that runs, when the same settings are resolved twice."""
     if kind not in MODEL_KINDS:
         raise ValueError(f"model kind must be one of {MODEL_KINDS}, got {kind!r}")
     defaults = BASE_DEFAULTS if kind == "base" else DISTILLED_DEFAULTS
@@ -141,7 +222,7 @@ def resolve(settings: Settings, kind: ModelKind, first_reference: tuple[int, int
         raise ValueError(f"seed must be in [0, 2^64-1], got {seed}")
     if warn and kind != "base" and guidance != 1.0:
         logger.warning("guidance %.2f is ignored: distilled Klein models run without CFG", guidance)
-    width, height = resolve_size(settings.width, settings.height, first_reference, multiple)
+    width, height = resolve_size(settings.width, settings.height, first_reference, multiple, warn=warn)
     return Resolved(width, height, steps, guidance, seed, batch, kind == "base" and guidance > 1.0)
 
 

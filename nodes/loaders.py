@@ -154,8 +154,9 @@ class KleinModelLoader(io.ComfyNode):
         with errors_named(NODE, "vae_name", vae_name):
             vae = vref.get()
             check_compatible(transformer, None, vae)
-        kind = guess_model_kind(model_name) if model_kind == "auto" else model_kind
+        # the path, so a diffusers folder's model_index.json and folder name count too
+        kind = guess_model_kind(model_path) if model_kind == "auto" else model_kind
         logger.info("%s: %s (%s) as a %s model%s", NODE, model_name, transformer.config.variant, kind,
-                    " (from the file name)" if model_kind == "auto" else "")
+                    " (from the file or folder name)" if model_kind == "auto" else "")
         return io.NodeOutput(KleinModel(tref, kind, transformer.config, memory_mode, SPEEDS[speed]),
                              KleinVAE(vref, vae.config, SPEEDS[speed]))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -31,7 +32,8 @@ def test_demo_runs_as_module(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "klein_core", "generate", "--demo", "--prompt", "a fox",
                            "--out", str(out)], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr
-    assert "image is noise" in proc.stdout and "denoise" in proc.stdout  # summary with per-stage times
+    assert proc.stdout.count("\n") == 1 and "denoise" in proc.stdout  # stdout: the summary with per-stage times
+    assert proc.stderr.count("will be noise") == 1 and "--demo" not in proc.stdout  # the demo's note, once
     assert "4/4" in proc.stderr  # progress bar
     img = Image.open(out)
     assert img.size == (256, 256)
@@ -119,6 +121,43 @@ def test_device_and_size_errors_are_one_line_before_loading(models, monkeypatch,
         err = capsys.readouterr().err.strip()
         assert rc == 2 and err.count("\n") == 0 and words in err, err
         assert "not a multiple" not in err  # one message, not a warning contradicting it
+
+
+def test_odd_size_warned_once_and_demo_noted_once(tmp_path, capsys, caplog):
+    """--width/--height not multiples of 16: one warning (the CLI's check), not one more per engine stage
+    that resolves the size again; the demo's note once, on stderr, with stdout kept for the result."""
+    out = tmp_path / "odd.png"
+    with caplog.at_level(logging.WARNING, logger="klein_core"):
+        assert cli.main(["generate", "--demo", "--width", "100", "--height", "100", "--out", str(out), "-q"]) == 0
+    warned = [r.getMessage() for r in caplog.records if "not a multiple of 16" in r.getMessage()]
+    assert warned == ["Size 100x100 is not a multiple of 16; using 96x96"]
+    assert Image.open(out).size == (96, 96)
+    assert json.loads(Image.open(out).text["parameters"])["width"] == 96
+    captured = capsys.readouterr()
+    assert captured.out.count("\n") == 1 and captured.out.startswith("1 image(s) 96x96")
+    assert captured.err.count("will be noise") == 1 and "--demo" not in captured.out
+
+
+def test_a_picture_given_as_a_model_says_so(models, tmp_path, capsys):
+    """Not "download it again": what the file is, and what is expected, before any model loads."""
+    _, p = models
+    photo = tmp_path / "photo.jpg"
+    Image.new("RGB", (64, 48), (10, 120, 40)).save(photo)
+    files = {"--transformer": str(p["klein_4b"]), "--text-encoder": str(p["qwen_4b"]), "--vae": str(p["vae"])}
+    for flag, component in (("--transformer", "transformer"), ("--text-encoder", "text encoder"),
+                            ("--vae", "VAE")):
+        args = [a for k, v in {**files, flag: str(photo)}.items() for a in (k, v)]
+        assert cli.main([*args, "--prompt", "x"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and err.startswith(f"error: {photo}: this is a JPEG image"), err
+        assert "not a safetensors or GGUF file" in err and f"The {component} must be a" in err, err
+        assert "download" not in err.lower()
+    md = tmp_path / "models"
+    (md / "diffusion_models").mkdir(parents=True)
+    (md / "diffusion_models" / "photo.jpg").write_bytes(photo.read_bytes())
+    assert cli.main(["--models-dir", str(md), "--model", "photo.jpg", "--vae", str(p["vae"]), "--prompt", "x"]) == 2
+    err = capsys.readouterr().err
+    assert "this is a JPEG image" in err and "text width" not in err, err
 
 
 def test_demo_keeps_a_given_side(tmp_path):

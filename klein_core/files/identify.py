@@ -16,7 +16,7 @@ from pathlib import Path
 
 from ..variants import encoder_name, transformer_name
 from .gguf import gguf_header, is_gguf
-from .safetensors import open_safetensors
+from .safetensors import NotSafetensors, open_safetensors
 
 _TEXT_MARK = "layers.0.self_attn.q_norm.weight"  # QK-norm: what sets Qwen3 apart from Qwen2/Llama
 
@@ -123,6 +123,9 @@ def probe(path: str | os.PathLike) -> FileInfo:
     path = Path(path)
     try:
         tensors = gguf_header(path) if path.is_file() and is_gguf(path) else open_safetensors(path).tensors
+    except NotSafetensors as exc:  # says what the file is when its first bytes tell (an image, a web page...)
+        return FileInfo(path, "unknown", None, f"{exc.what}, not safetensors / GGUF" if exc.what else
+                        "unreadable or not safetensors / GGUF")
     except (OSError, ValueError):
         return FileInfo(path, "unknown", None, "unreadable or not safetensors / GGUF")
     for key, info in tensors.items():

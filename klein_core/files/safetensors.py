@@ -109,27 +109,118 @@ _FORMAT_NAMES = {
     "zip": "a zipped PyTorch checkpoint (torch.save), whose contents are pickled Python objects",
     "pickle": "a Python pickle (a .ckpt / .pt / .bin checkpoint)",
 }
+_SNIFF_BYTES = 256  # the first bytes read: enough to name a format and quote a text file's first line
+
+# What a component file must be, for messages about files that hold no weights at all.
+_EXPECTED = {
+    "transformer": "a .safetensors or .gguf file (e.g. flux-2-klein-4b.safetensors) or a diffusers folder",
+    "text encoder": "a .safetensors or .gguf file (e.g. qwen_3_4b.safetensors) or a Hugging Face folder",
+    "VAE": "a .safetensors file (flux2-vae.safetensors)",
+    "LoRA": "a .safetensors file",
+}
+
+
+def _as_text(head: bytes) -> str | None:
+    """``head`` as text when it reads as UTF-8 without control characters (tabs and newlines aside)."""
+    head = head.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte order mark
+    try:
+        text = head.decode("utf-8")
+    except UnicodeDecodeError as exc:  # a character cut at the end of what was read is still text
+        if exc.reason != "unexpected end of data" or exc.start < len(head) - 3:
+            return None
+        text = head[: exc.start].decode("utf-8")
+    if not text.strip() or any(not (c.isprintable() or c in "\t\n\r") for c in text):
+        return None
+    return text
+
+
+def what_else(head: bytes) -> str | None:
+    """What a file that holds no weights is, from its first bytes ("a JPEG image", "an HTML page",
+    "a Git LFS pointer", "a text file"...), or None when they do not say. Only meaningful for a
+    file whose safetensors header did not parse: a safetensors file may start with any bytes."""
+    if head[:3] == b"\xff\xd8\xff":
+        return "a JPEG image"
+    if head[:8] == b"\x89PNG\r\n\x1a\n":
+        return "a PNG image"
+    if head[:6] in (b"GIF87a", b"GIF89a"):
+        return "a GIF image"
+    if head[:4] == b"RIFF" and head[8:12] == b"WEBP":
+        return "a WebP image"
+    if head[4:8] == b"ftyp":
+        heif = head[8:12] in (b"avif", b"avis", b"heic", b"heix", b"mif1", b"msf1")
+        return "a HEIC/AVIF image" if heif else "an MP4/QuickTime video"
+    if head[:4] in (b"II*\x00", b"MM\x00*"):
+        return "a TIFF image"
+    if head[:2] == b"BM" and head[6:10] == b"\x00\x00\x00\x00":
+        return "a BMP image"
+    if head[:5] == b"%PDF-":
+        return "a PDF document"
+    if head[:2] == b"\x1f\x8b":
+        return "a gzip-compressed file (a .gz or .tar.gz archive)"
+    if head[:6] == b"7z\xbc\xaf\x27\x1c":
+        return "a 7-Zip archive"
+    if head[:6] == b"Rar!\x1a\x07":
+        return "a RAR archive"
+    if head[:6] == b"\xfd7zXZ\x00":
+        return "an xz-compressed file"
+    if head[:4] == b"\x28\xb5\x2f\xfd":
+        return "a zstd-compressed file"
+    text = _as_text(head)
+    if text is None:
+        return None
+    start = text.lstrip().lower()
+    if start.startswith("version https://git-lfs"):
+        return "a Git LFS pointer"
+    if start.startswith(("<!doctype html", "<html")):
+        return "an HTML page"
+    first = text.strip().splitlines()[0][:60]
+    noun = "a JSON text file" if start.startswith(("{", "[")) else "a text file"
+    return f'{noun} (it begins "{first}")'
 
 
 class NotSafetensors(WeightFormatError):
-    """The file is not safetensors. ``kind`` is ``"gguf"``, ``"zip"``, ``"pickle"`` or ``"unknown"``."""
+    """The file is not safetensors. ``kind`` is ``"gguf"``, ``"zip"``, ``"pickle"``, ``"other"`` (a
+    file that holds no weights: an image, a web page...; ``what`` names it) or ``"unknown"``."""
 
-    def __init__(self, message: str, kind: str) -> None:
+    def __init__(self, message: str, kind: str, what: str | None = None) -> None:
         super().__init__(message)
         self.kind = kind
+        self.what = what
 
 
 def _refuse(path: Path, head: bytes, problem: str, component: str) -> WeightFormatError:
-    """The error for a file whose header did not parse: what it is if its magic bytes say so, else
+    """The error for a file whose header did not parse: what it is if its first bytes say so, else
     ``problem`` (a truncated or corrupt safetensors file)."""
     kind = sniff_format(head)
     if kind == "gguf":
-        return NotSafetensors(f"{path}: this is a GGUF file, not safetensors.", "gguf")
-    looks_like_safetensors = head[8:9] == b"{"
-    if kind in _FORMAT_NAMES and not looks_like_safetensors:
+        return NotSafetensors(f"{path}: this is a GGUF file, not safetensors.", "gguf", "a GGUF file")
+    # A safetensors file cut short still starts with a sane header length and the header's "{".
+    looks_like_safetensors = (len(head) >= 9 and head[8:9] == b"{"
+                              and struct.unpack("<Q", head[:8])[0] <= MAX_HEADER_BYTES)
+    if looks_like_safetensors:
+        return NotSafetensors(f"{path}: {problem}", "unknown")
+    if kind in _FORMAT_NAMES:
         return NotSafetensors(
             f"{path}: this is {_FORMAT_NAMES[kind]}, not safetensors. Pickles can run arbitrary code when "
-            f"loaded, so klein_core never unpickles. Use the .safetensors {component} file instead.", kind)
+            f"loaded, so klein_core never unpickles. Use the .safetensors {component} file instead.", kind,
+            _FORMAT_NAMES[kind])
+    what = what_else(head) if len(head) >= 8 else None
+    if what == "a Git LFS pointer":
+        return NotSafetensors(
+            f"{path}: this is a Git LFS pointer, not the weights: a small text file that stands in for the real "
+            "file when a repository is cloned without Git LFS. Fetch the file itself (git lfs pull in the "
+            "clone, or download it from the model page).", "other", what)
+    if what == "an HTML page":
+        return NotSafetensors(
+            f"{path}: this is an HTML page, not a safetensors or GGUF file: the download saved a web page (an "
+            "error or login page) instead of the file. Download the file itself again; a gated repository "
+            "needs its licence accepted and a login first.", "other", what)
+    if what is not None:
+        expected = _EXPECTED.get(component, "a .safetensors or .gguf file")
+        folder = ("; for a diffusers or sharded model, give the folder that holds this file"
+                  if what.startswith("a JSON") else "")
+        return NotSafetensors(f"{path}: this is {what}, not a safetensors or GGUF file. The {component} must be "
+                              f"{expected}{folder}.", "other", what)
     return NotSafetensors(f"{path}: {problem}", "unknown")
 
 
@@ -184,7 +275,7 @@ def open_safetensors(path: str | os.PathLike, component: str = "weights") -> Saf
     with _open_regular(path) as fh:
         st = os.fstat(fh.fileno())
         size = st.st_size
-        head = fh.read(16)
+        head = fh.read(_SNIFF_BYTES)
         if len(head) < 8:
             raise _refuse(path, head, f"not a safetensors file (only {size} bytes long).", component)
         (n,) = struct.unpack("<Q", head[:8])
@@ -239,4 +330,4 @@ def open_safetensors(path: str | os.PathLike, component: str = "weights") -> Saf
 
 
 __all__ = ["DTYPES", "MAX_HEADER_BYTES", "NotSafetensors", "SafetensorsFile", "StoredTensor", "open_safetensors",
-           "sniff_format"]
+           "sniff_format", "what_else"]
