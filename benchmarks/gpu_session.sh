@@ -215,13 +215,13 @@ phase_profile() {  # one warm default generation under torch.profiler: kernels b
 }
 
 phase_fasttests() {
-    local -a env_vars=("KLEIN_PARITY_JSON=$OUT/parity.json")
+    local -a env_vars=("KLEIN_PARITY_JSON=$OUT/parity.json" "KLEIN_PARITY_TABLE=1")
     [ "$DRY" -eq 1 ] && env_vars+=("KLEIN_GPU_TESTS_DEVICE=cpu")
     step fasttests 120 env "${env_vars[@]}" "$PY" -m pytest -q -p no:cacheprovider -rs tests/gpu/test_gpu_fast.py
 }
 
 phase_tests() {
-    local -a env_vars=("KLEIN_PARITY_JSON=$OUT/parity.json")
+    local -a env_vars=("KLEIN_PARITY_JSON=$OUT/parity.json" "KLEIN_PARITY_TABLE=1")
     [ "$DRY" -eq 1 ] && env_vars+=("KLEIN_GPU_TESTS_DEVICE=cpu")
     step tests 150 env "${env_vars[@]}" "$PY" -m pytest -q -p no:cacheprovider -rs --durations=10 tests/gpu
 }

@@ -1,9 +1,20 @@
-"""Suite-wide fixtures. ``parity`` records measured max-abs diffs; the run ends with a table."""
+"""Suite-wide fixtures and the two test tiers.
+
+* ``parity`` records measured max-abs diffs. ``KLEIN_PARITY_TABLE=1`` (or ``-v``) prints them as a
+  table at the end of the run; ``KLEIN_PARITY_JSON=path`` writes them as JSON. Otherwise one line
+  says how many were recorded.
+* Tiers: ``python -m pytest -q`` runs the default tier. The tests named in ``FULL_TIER`` (the slowest
+  parity and robustness tests, measured with ``--durations``) are marked ``full`` and left out of it;
+  ``python -m pytest -q -m full`` runs them alone (CI runs both commands), ``--full`` runs everything.
+  A test file or node id named on the command line always runs, whatever its tier (tests/mutants
+  runs its tests that way).
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -12,6 +23,9 @@ import pytest
 from script_module import load_script
 
 _RESULTS: dict[str, float] = {}
+
+_TABLE_ENV = "KLEIN_PARITY_TABLE"
+_JSON_ENV = "KLEIN_PARITY_JSON"
 
 
 @pytest.fixture
@@ -25,17 +39,119 @@ def parity():
     return record
 
 
-def pytest_terminal_summary(terminalreporter):
-    if not _RESULTS:
+def _table_wanted(config: pytest.Config) -> bool:
+    asked = os.environ.get(_TABLE_ENV, "").strip().lower()
+    if asked:
+        return asked not in ("0", "false", "no")
+    return config.getoption("verbose") > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# The tiers
+
+# Node ids relative to the repository root: a module, a test (all its parameters), or one case.
+# Chosen from `--durations` on a 2-core CPU; tests/gpu is never listed (it skips without CUDA).
+FULL_TIER: tuple[str, ...] = (
+    # robustness: every bad argument, every corrupt tensor, files changed under a loaded model
+    "tests/test_robustness.py::test_generate_arguments_fail_cleanly",
+    "tests/test_robustness.py::test_non_finite_weights_are_named",
+    "tests/test_robustness.py::test_non_finite_inputs_are_named_where_they_enter",
+    "tests/test_robustness.py::test_a_loaded_model_does_not_depend_on_its_file",
+    "tests/test_robustness.py::test_prompt_cache_entries_own_their_memory",
+    "tests/test_robustness.py::test_cut_image_files_are_named_or_work",
+    "tests/test_reliability.py::test_generate_inputs_property",
+    "tests/test_reliability.py::test_fuzz_header_reader",
+    # the GPU suite's assertions run on the CPU (tests/gpu itself is untouched)
+    "tests/test_gpu_suite_cpu.py",
+    # the opt-in step cache combined with everything else
+    "tests/test_step_cache.py::test_cfg_with_two_forwards_keeps_one_state_per_pass",
+    "tests/test_step_cache.py::test_composes_with_block_streaming",
+    "tests/test_step_cache.py::test_composes_with_fast_paths",
+    # slow parity of memory modes and of a full-size file header
+    "tests/test_memory_wiring.py::test_generate_memory_modes_equal",
+    "tests/test_real_layouts.py::test_the_official_fp8_file_starts_like_a_pickle",
+    # the benchmark scripts' CPU self-tests
+    "tests/test_benchmark_scripts.py",
+    "tests/test_fast.py::test_speed_benchmark_tiny_cpu",
+    "tests/test_planner.py::test_memory_benchmark_tiny_cpu",
+    "tests/test_planner.py::test_memory_benchmark_uncapped_resident_tiny_cpu",
+)
+
+_TIER_STATE: dict[str, int] = {}
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--full", action="store_true", default=False,
+                     help="run the full tier too (the tests of tests/conftest.py's FULL_TIER)")
+
+
+def _in_full_tier(nodeid: str) -> str | None:
+    for entry in FULL_TIER:
+        if nodeid == entry or nodeid.startswith(entry + "::") or nodeid.startswith(entry + "["):
+            return entry
+    return None
+
+
+def _named_files(config: pytest.Config) -> set[Path]:
+    """Files named on the command line (``tests/test_x.py`` or ``tests/test_x.py::test_y``)."""
+    base = Path(config.invocation_params.dir)
+    named = set()
+    for arg in config.args:
+        path = (base / arg.split("::", 1)[0]).resolve()
+        if path.is_file():
+            named.add(path)
+    return named
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m filters on the marker added here
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    used: set[str] = set()
+    in_full = []
+    for item in items:
+        entry = _in_full_tier(item.nodeid)
+        if entry is not None:
+            used.add(entry)
+            item.add_marker(pytest.mark.full)
+            in_full.append(item)
+    # A whole-suite collection sees every entry; one it does not see was renamed or removed (a renamed
+    # test then runs in the default tier), and the summary says so.
+    suite = (config.rootpath / "tests").resolve()
+    if all((Path(config.invocation_params.dir) / a).resolve() == suite for a in config.args):
+        _TIER_STATE["unknown"] = [e for e in FULL_TIER if e not in used]
+    if config.getoption("full") or re.search(r"\bfull\b", config.getoption("markexpr") or ""):
         return
-    terminalreporter.section("measured parity (max abs diff vs the reference unless the row names another measure)")
-    width = max(len(k) for k in _RESULTS)
-    for name in sorted(_RESULTS):
-        terminalreporter.write_line(f"{name:<{width}}  {_RESULTS[name]:.3e}")
-    out = os.environ.get("KLEIN_PARITY_JSON")
-    if out:
+    named = _named_files(config)
+    drop = [item for item in in_full if Path(str(item.path)).resolve() not in named]
+    if drop:
+        dropped = set(map(id, drop))
+        items[:] = [item for item in items if id(item) not in dropped]
+        config.hook.pytest_deselected(items=drop)
+        _TIER_STATE["left_out"] = len(drop)
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    out = os.environ.get(_JSON_ENV)
+    if out and _RESULTS:
         with open(out, "w") as fh:
             json.dump(_RESULTS, fh, indent=1, sort_keys=True)
+    if _RESULTS and _table_wanted(config):
+        title = "measured parity (max abs diff vs the reference unless the row names another measure)"
+        terminalreporter.section(title)
+        width = max(len(k) for k in _RESULTS)
+        for name in sorted(_RESULTS):
+            terminalreporter.write_line(f"{name:<{width}}  {_RESULTS[name]:.3e}")
+    elif _RESULTS:
+        where = f"written to {out}" if out else f"{_JSON_ENV}=path writes them"
+        count = f"{len(_RESULTS)} value" + ("s" if len(_RESULTS) != 1 else "")
+        terminalreporter.write_line(f"measured parity: {count} ({_TABLE_ENV}=1 or -v prints them; {where})")
+    unknown = _TIER_STATE.get("unknown")
+    if unknown:
+        terminalreporter.write_line(f"tests/conftest.py FULL_TIER names tests that were not collected: "
+                                    f"{unknown}", red=True)
+    left_out = _TIER_STATE.get("left_out")
+    if left_out:
+        terminalreporter.write_line(f"full tier: {left_out} slower tests left out; "
+                                    "python -m pytest -q -m full runs them, --full runs everything")
 
 
 # ---------------------------------------------------------------------------------------------

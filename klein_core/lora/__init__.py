@@ -1,6 +1,6 @@
 """LoRA / LyCORIS adapters for FLUX.2 Klein: read (:mod:`.read`), apply and remove (:mod:`.apply`).
 
-Every Klein LoRA format maps onto the core's module names (:mod:`.formats`); see README "LoRA".
+Every Klein LoRA format maps onto the core's module names (:mod:`.formats`); see docs/lora.md.
 """
 
 from .apply import AppliedLoRAs, LoRABranch, LoRASpec, apply_loras, check_loras, has_loras, with_loras

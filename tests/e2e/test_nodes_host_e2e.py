@@ -140,7 +140,7 @@ def test_latent_through_core_nodes_and_back(klein):  # noqa: F811
     assert [d.shape for d in direct] == [(64, 64, 3)]
     assert [b.shape for b in batch] == [(96, 96, 3)] * 2  # 1.5x; the second input resized to the first
     # LatentUpscale assumes 8 pixels per latent position (SD); FLUX.2 latents have 16, so 128 px asked
-    # gives 16 positions = 256 px: documented in the README.
+    # gives 16 positions = 256 px: documented in docs/comfyui.md.
     assert [_pixels(klein, i).shape for i in _images_of(res, "27")] == [(256, 256, 3)]
 
     [saved] = res.outputs["24"]["latents"]

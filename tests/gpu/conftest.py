@@ -16,8 +16,8 @@ Where it runs:
 * ``KLEIN_GPU_TESTS_DTYPE=bf16|fp32`` overrides the dtype (``cpu`` + ``bf16`` shows on the CPU what the
   bf16 tolerances are made of).
 
-Measured differences go through the suite's ``parity`` fixture (tests/conftest.py), so they are in the
-end-of-run table; ``KLEIN_PARITY_JSON=path`` also writes them as JSON.
+Measured differences go through the suite's ``parity`` fixture (tests/conftest.py): the end-of-run table
+shows them with ``KLEIN_PARITY_TABLE=1`` or ``-v``; ``KLEIN_PARITY_JSON=path`` writes them as JSON.
 """
 
 from __future__ import annotations

@@ -3,8 +3,7 @@ model with CFG, and cancelling from the step callback; small models, then full-s
 
 Reference for the small runs: the same weights (rounded to the device dtype) run in float32 on the
 CPU. Tolerances: on CUDA the whole pipeline computes in bf16 (8 mantissa bits, rounding 2^-9 per
-operation), the text encoder alone is 1.9% relative L2 from fp32 and the transformer 1.2% (README,
-"Exactness"). Measured with the CPU mode in bf16 (``KLEIN_GPU_TESTS_DTYPE=bf16``, tiny models): final
+operation), the text encoder alone is 1.9% relative L2 from fp32 and the transformer 1.2% (docs/exactness.md). Measured with the CPU mode in bf16 (``KLEIN_GPU_TESTS_DTYPE=bf16``, tiny models): final
 latents 0.45% (t2i), 0.44% (edit), 0.73% (base, CFG 4, 6 steps) relative L2 from fp32. The bound is
 5% (about seven times that: the CUDA model is larger and its kernels accumulate differently). In the
 fp32 CPU mode the run and the reference are the same computation, so the bound is 1e-5.
@@ -156,4 +155,4 @@ def test_full_4b_bf16_forward_close_to_fp32(gpu, full4b, parity):
         del fp32
         torch.cuda.empty_cache()
     rel = parity(tag(gpu, "full 4B forward bf16 vs fp32, relative L2"), rel_l2(out, want))
-    assert rel < 0.05, rel  # README: 1.2% on the tiny model; 25 blocks of bf16 rounding
+    assert rel < 0.05, rel  # docs/exactness.md: 1.2% on the tiny model; 25 blocks of bf16 rounding
