@@ -29,12 +29,30 @@ def require_finite(t: torch.Tensor, what: str) -> None:
                          "it came from (a corrupt image or file, or an earlier step that overflowed).")
 
 
-def non_finite_weight(module: nn.Module) -> str | None:
-    """The name of the first parameter or buffer of ``module`` holding NaN or Inf, if any."""
-    for name, t in (*module.named_parameters(), *module.named_buffers()):
-        if t.device.type != "meta" and not is_finite(t.detach()):
-            return name
+def non_finite_tensor(module: nn.Module) -> tuple[str, str] | None:
+    """The first tensor of ``module`` holding NaN or Inf, as ``(name, what)``, if any: a float
+    parameter or buffer (``what`` is ``""``), or a float part packed inside a quantised layer (GGUF
+    block scales, NVFP4 scales: layers with a ``float_parts()`` method), named as the file names it
+    (``"blocks.0.qkv.weight_scale_2"``) with ``what`` saying which part (``"its NVFP4 per-tensor
+    scale"``). Integer payloads (packed codes, scales kept as bit patterns) are never read as floats."""
+    for prefix, mod in module.named_modules():
+        dot = f"{prefix}." if prefix else ""
+        for name, t in (*mod.named_parameters(recurse=False), *mod.named_buffers(recurse=False)):
+            if t is not None and t.device.type != "meta" and not is_finite(t.detach()):
+                return dot + name, ""
+        parts = getattr(mod, "float_parts", None)
+        if callable(parts) and all(t.device.type != "meta" for t in mod.buffers(recurse=False)):
+            for name, what, t in parts():
+                if not is_finite(t.detach()):
+                    return dot + name, what
     return None
+
+
+def non_finite_weight(module: nn.Module) -> str | None:
+    """The name of the first tensor of ``module`` holding NaN or Inf, if any (see
+    :func:`non_finite_tensor`; a quantised layer's scales included)."""
+    bad = non_finite_tensor(module)
+    return None if bad is None else bad[0]
 
 
 def check_output(t: torch.Tensor, stage: str, module: nn.Module, cause: str) -> None:
@@ -42,12 +60,14 @@ def check_output(t: torch.Tensor, stage: str, module: nn.Module, cause: str) -> 
     :class:`~klein_core.errors.NonFiniteWeights`) or else the numeric ``cause`` (FloatingPointError)."""
     if is_finite(t):
         return
-    bad = non_finite_weight(module)
+    bad = non_finite_tensor(module)
     source = getattr(module, "source", None) or f"the in-memory {type(module).__name__}"
     if bad is not None:
-        raise NonFiniteWeights(f"{stage} produced NaN/Inf because its weights are corrupt: tensor '{bad}' of "
-                                f"{source} contains NaN or infinite values. Download the file again.")
+        name, what = bad
+        raise NonFiniteWeights(f"{stage} produced NaN/Inf because its weights are corrupt: tensor '{name}'"
+                                f"{f' ({what})' if what else ''} of {source} contains NaN or infinite values. "
+                                "Download the file again.")
     raise FloatingPointError(f"{stage} produced NaN/Inf values ({source}); likely cause: {cause}.")
 
 
-__all__ = ["check_output", "is_finite", "non_finite_weight", "require_finite"]
+__all__ = ["check_output", "is_finite", "non_finite_tensor", "non_finite_weight", "require_finite"]

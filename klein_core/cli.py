@@ -255,7 +255,9 @@ def _check_request(args: argparse.Namespace, refs: list[Image.Image]) -> None:
         args.width = 256 if args.width is None else args.width
         args.height = 256 if args.height is None else args.height
     first = reference_size(*oriented_size(refs[0])) if refs else None
-    width, height = resolve_size(args.width, args.height, first)  # warns once of a side not a multiple of 16
+    source = "reference 1 ({}x{} px)".format(*oriented_size(refs[0])) if refs else None
+    # warns once of a side not a multiple of 16; a side taken from a too small reference names it
+    width, height = resolve_size(args.width, args.height, first, size_from=source)
     # The given sides go on rounded, so the engine (which resolves the size again) has nothing to warn about.
     args.width = None if args.width is None else width
     args.height = None if args.height is None else height

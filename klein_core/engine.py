@@ -303,6 +303,17 @@ def reference_pixel_sizes(images: Sequence[Image.Image | torch.Tensor], latents:
     return sizes
 
 
+def size_source(what: str, image: Image.Image | torch.Tensor) -> str:
+    """``what`` with the image's own size, for an error that names it: ``"reference 1 (1x1 px)"``."""
+    if isinstance(image, Image.Image):
+        w, h = oriented_size(image)
+    elif isinstance(image, torch.Tensor) and image.ndim >= 2:
+        w, h = image.shape[-1], image.shape[-2]
+    else:  # not an image: refused elsewhere, by its type
+        return what
+    return f"{what} ({w}x{h} px)"
+
+
 def _on_grid(sizes: Sequence[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
     """Sizes rounded up to the planner's 16-pixel grid (test VAEs with fewer levels give other
     multiples; the estimate only needs the token counts)."""
@@ -493,7 +504,8 @@ class Engine:
     def resolve(self, settings: Settings, references: Sequence[torch.Tensor] = ()) -> Resolved:
         """``settings`` with this engine's model-kind defaults and the size rules applied."""
         first = reference_pixel_sizes((), references[:1], self.downscale)[0] if references else None
-        return resolve(settings, self.kind, first, multiple=self.downscale)
+        return resolve(settings, self.kind, first, multiple=self.downscale,
+                       size_from=size_source("reference 1", references[0]) if references else None)
 
     def schedule(self, run: Resolved) -> torch.Tensor:
         """The sigmas ``[steps + 1]`` a run with these settings follows (for previews and progress)."""
@@ -521,7 +533,8 @@ class Engine:
         elif init is not None:
             check_tensor(init.latents, "the init image latents", 4, tr.config.in_channels)
             size = (init.latents.shape[-1] * self.downscale, init.latents.shape[-2] * self.downscale)
-            run = resolve(settings, self.kind, size, multiple=self.downscale)
+            run = resolve(settings, self.kind, size, multiple=self.downscale,
+                          size_from=f"the init image latents ({size[0]}x{size[1]} px)")
         else:
             run = self.resolve(settings, references)
         check_denoise_inputs(tr.config, self.kind, conditioning, references, run, noise=noise, init=init,
@@ -630,10 +643,12 @@ class Engine:
         prompts are encoded at (512, or longer with ``TextOptions(max_tokens=None)``)."""
         sizes = reference_pixel_sizes(request.references, (), self.downscale)
         first = sizes[0] if sizes else None
+        size_from = size_source("reference 1", request.references[0]) if sizes else None
         if init is not None:  # the image sets the size, and (as a reference) joins the sequence
             first = init.size
+            size_from = size_source("the init image", init.original)
             sizes = ([init.size] if request.init.as_reference else []) + sizes  # type: ignore[union-attr]
-        run = resolve(request.settings, self.kind, first, multiple=self.downscale, warn=False)
+        run = resolve(request.settings, self.kind, first, multiple=self.downscale, warn=False, size_from=size_from)
         if text_length is None:
             texts = [*request.prompts, *([request.negative_prompt] if run.cfg else [])]
             text_length = self.text.length(texts)

@@ -157,16 +157,33 @@ def check_size(width: int, height: int, *, multiple: int = 16, warn: bool = True
 
 def resolve_size(
     width: int | None, height: int | None, first_reference: tuple[int, int] | None, multiple: int = 16,
-    *, warn: bool = True,
+    *, warn: bool = True, size_from: str | None = None,
 ) -> tuple[int, int]:
     """Output (width, height): given values, else the first reference's size, else 1024x1024.
 
     Values that are not multiples of ``multiple`` are rounded down with a warning; sizes under
-    64 px a side or above 4 megapixels are refused.
+    64 px a side or above 4 megapixels are refused. ``size_from`` names the image ``first_reference``
+    is the size of, with its own size (``"reference 1 (1x1 px)"``, ``"the init image (64x20000
+    px)"``): a side taken from it that is refused names that image, not "Output size".
     """
     default_w, default_h = first_reference or (DEFAULT_SIZE, DEFAULT_SIZE)
-    return check_size(default_w if width is None else width, default_h if height is None else height,
-                      multiple=multiple, warn=warn)
+    w, h = default_w if width is None else width, default_h if height is None else height
+    if size_from is not None and first_reference is not None:
+        _check_inherited(w if width is None else None, h if height is None else None, w, h, size_from, multiple)
+    return check_size(w, h, multiple=multiple, warn=warn)
+
+
+def _check_inherited(width: int | None, height: int | None, w: object, h: object, size_from: str,
+                     multiple: int) -> None:
+    """Refuse, naming ``size_from``, a side taken from an image (``width`` / ``height``, None where
+    given explicitly) that is too small once rounded down to ``multiple``."""
+    small = [name for name, v in (("width", width), ("height", height))
+             if isinstance(v, int) and v // multiple * multiple < MIN_SIDE]
+    if small:
+        sides = " and ".join(small)
+        raise ValueError(
+            f"{size_from} is too small to set the output size: it gives an output {sides} under {MIN_SIDE} px "
+            f"({w}x{h}). Use a larger image, or give width and height explicitly.")
 
 
 @dataclass(frozen=True)
@@ -196,10 +213,12 @@ class Resolved:
 
 
 def resolve(settings: Settings, kind: ModelKind, first_reference: tuple[int, int] | None = None,
-            *, multiple: int = 16, warn: bool = True) -> Resolved:
+            *, multiple: int = 16, warn: bool = True, size_from: str | None = None) -> Resolved:
     """Apply the defaults of ``kind`` and the size rules to ``settings``; raise ValueError (or
     TypeError for a wrong type) naming the bad value. ``warn=False`` keeps the notices (guidance
-    ignored, size rounded) for the resolution that runs, when the same settings are resolved twice."""
+    ignored, size rounded) for the resolution that runs, when the same settings are resolved twice.
+    ``size_from``: the image ``first_reference`` is the size of, named if it is too small (see
+    :func:`resolve_size`)."""
     if kind not in MODEL_KINDS:
         raise ValueError(f"model kind must be one of {MODEL_KINDS}, got {kind!r}")
     defaults = BASE_DEFAULTS if kind == "base" else DISTILLED_DEFAULTS
@@ -222,7 +241,8 @@ def resolve(settings: Settings, kind: ModelKind, first_reference: tuple[int, int
         raise ValueError(f"seed must be in [0, 2^64-1], got {seed}")
     if warn and kind != "base" and guidance != 1.0:
         logger.warning("guidance %.2f is ignored: distilled Klein models run without CFG", guidance)
-    width, height = resolve_size(settings.width, settings.height, first_reference, multiple, warn=warn)
+    width, height = resolve_size(settings.width, settings.height, first_reference, multiple, warn=warn,
+                                 size_from=size_from)
     return Resolved(width, height, steps, guidance, seed, batch, kind == "base" and guidance > 1.0)
 
 

@@ -169,10 +169,14 @@ class KleinSampler(io.ComfyNode):
             raise ValueError(f"{NODE}: width/height: the output takes the size of latent "
                              f"({init.latents.shape[-1] * 16}x{init.latents.shape[-2] * 16}); set both to 0.")
         size_from = init.latents if init is not None else (refs[0] if refs else None)
+        source = None
+        if size_from is not None:
+            what = "latent" if init is not None else "reference 1"
+            source = f"{what} ({size_from.shape[-1] * 16}x{size_from.shape[-2] * 16} px)"
         try:
             run = resolve(settings(width, height, steps, guidance, seed, batch_size), model.kind,
                           (size_from.shape[-1] * 16, size_from.shape[-2] * 16)
-                          if size_from is not None else None)
+                          if size_from is not None else None, size_from=source)
         except ValueError as exc:
             raise ValueError(f"{NODE}: width/height: {exc} Set both to 0 to use the first reference's size "
                              f"(1024x1024 without references).") from exc

@@ -10,7 +10,7 @@ import copy
 import logging
 import math
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from typing_extensions import Self
 
+from ..checks import is_finite
 from ..models.qwen3 import Qwen3TextEncoder
 from ..models.transformer import Flux2Transformer
 from ..quant.fp8 import FLOAT8_DTYPES
@@ -118,6 +119,7 @@ class _ModulePlan:
     name: str
     module: nn.Module
     items: list[tuple[LoRAPatch, float]] = field(default_factory=list)
+    lora_of: dict[int, str] = field(default_factory=dict)  # id(patch) -> the name of its LoRA (its file)
 
 
 def _plan(
@@ -153,6 +155,7 @@ def _plan(
             if key not in plans:
                 plans[key] = _ModulePlan(patch.component, patch.module, module)
             plans[key].items.append((patch, strength))
+            plans[key].lora_of[id(patch)] = lora.name
     log_skipped("LoRA", skipped)
     return plans, skipped
 
@@ -185,7 +188,9 @@ def _merge_fp8(plan: _ModulePlan, q: torch.Tensor) -> tuple[torch.Tensor, torch.
     scale = module.weight_scale
     fmax = float(torch.finfo(q.dtype).max)
     s = scale.float().reshape(-1, 1) if scale.ndim == 1 else scale.float()
-    merged = q.float() * s + _summed_delta(plan, q)
+    delta = _summed_delta(plan, q)
+    merged = q.float() * s + delta
+    _check_delta(plan, torch.float32, q, delta, merged)
     amax = merged.abs().amax(dim=1, keepdim=True) if scale.ndim == 1 else merged.abs().amax()
     new_scale = torch.where(amax > 0, amax / fmax, torch.ones_like(amax))
     module.weight.data = (merged / new_scale).clamp(-fmax, fmax).to(q.dtype)
@@ -199,6 +204,57 @@ def _summed_delta(plan: _ModulePlan, weight: torch.Tensor) -> torch.Tensor:
     for patch, strength in plan.items:
         delta[_rows(patch, weight.shape[0])] += strength * patch.delta(weight.device)
     return delta
+
+
+def _finite(t: torch.Tensor) -> bool:
+    return bool(torch.isfinite(t).all())
+
+
+def _overflow(plan: _ModulePlan, dtype: torch.dtype, how: str) -> ValueError:
+    """The error for LoRAs whose finite factors make a non-finite delta (``1e30`` up and down
+    factors: ``up @ down`` is ``1e60``) or one that does not fit ``dtype``: names the LoRA(s) (their
+    files) and the module. Each patch is tried alone to find the culprit; if every one fits alone,
+    their sum is what overflows and all are named."""
+    names = []
+    for patch, strength in plan.items:
+        d = strength * patch.delta("cpu")
+        if not _finite(d) or not _finite(d.to(dtype)):
+            names.append(plan.lora_of.get(id(patch), "a LoRA"))
+    together = not names
+    if together:
+        names = [plan.lora_of.get(id(p), "a LoRA") for p, _ in plan.items]
+    names = list(dict.fromkeys(names))
+    who = ", ".join(names)
+    what = "their summed delta" if together else "its delta (up @ down, times scale and strength)"
+    return ValueError(
+        f"{who}: {what} for {plan.component} module {plan.name} is not finite in {str(dtype).removeprefix('torch.')} "
+        f"({how}): the LoRA's factors are too large, so the LoRA is corrupt or its strength far too high. "
+        "It was not applied; the model is unchanged.")
+
+
+def _check_delta(plan: _ModulePlan, dtype: torch.dtype, original: torch.Tensor, delta: torch.Tensor,
+                 merged: torch.Tensor) -> None:
+    """Merge mode: refuse a delta that is not finite, or a merged weight that is not although the
+    original was (an overflow in the weight dtype), before anything is written."""
+    if not _finite(delta):
+        raise _overflow(plan, dtype, "the merge overflows float32")
+    if not _finite(merged) and is_finite(original):
+        raise _overflow(plan, dtype, "the merged weight overflows")
+
+
+def _check_branch_factors(plan: _ModulePlan, dtype: torch.dtype, rank: int, up: torch.Tensor,
+                          down: torch.Tensor, product: Callable[[], torch.Tensor]) -> None:
+    """Branch mode: the factors must fit ``dtype`` and so must the delta they multiply to. A cheap
+    bound decides for almost every LoRA (``|delta| <= rank * max|up| * max|down|``); only where it
+    does not is the delta formed (``product``) and checked."""
+    if not (_finite(up.to(dtype)) and _finite(down.to(dtype))):
+        raise _overflow(plan, dtype, "its factors overflow in the dtype the branch computes in")
+    bound = rank * float(up.abs().amax()) * float(down.abs().amax()) if up.numel() and down.numel() else 0.0
+    if bound < torch.finfo(dtype).max:
+        return
+    d = product()
+    if not (_finite(d) and _finite(d.to(dtype))):
+        raise _overflow(plan, dtype, "up @ down overflows")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -231,19 +287,25 @@ class LoRABranch:
             rows = _rows(patch, out_features)
             if patch.kind == "lora":
                 a, b = patch.factors(device)
+                b = b * strength
+                _check_branch_factors(plan, dtype, a.shape[0], b, a, lambda a=a, b=b: b @ a)
                 b_full = torch.zeros(out_features, b.shape[1], dtype=torch.float32, device=device)
-                b_full[rows] = b * strength
+                b_full[rows] = b
                 a_parts.append(a)
                 b_parts.append(b_full)
             elif patch.kind == "lokr":
                 w1, w2 = patch.kron_factors(device)
-                self.kron.append(((w1 * strength).to(dtype), w2.to(dtype), rows, patch.target.swap_halves))
+                w1 = w1 * strength
+                _check_branch_factors(plan, dtype, 1, w1, w2, lambda w1=w1, w2=w2: torch.kron(w1, w2))
+                self.kron.append((w1.to(dtype), w2.to(dtype), rows, patch.target.swap_halves))
             else:
                 if dense is None:
                     dense = torch.zeros(weight.shape, dtype=torch.float32, device=device)
                 dense[rows] += strength * patch.delta(device)
         self.a = torch.cat(a_parts).to(dtype) if a_parts else None
         self.b = torch.cat(b_parts, dim=1).to(dtype) if b_parts else None
+        if dense is not None and not (_finite(dense) and _finite(dense.to(dtype))):
+            raise _overflow(plan, dtype, "the delta overflows")
         self.dense = dense.to(dtype) if dense is not None else None
 
     def _to(self, device: torch.device) -> None:
@@ -382,6 +444,19 @@ def apply_loras(
     plans, skipped = _plan(components, items)
     handle = AppliedLoRAs(mode, items, skipped)
     handle._models = list(components.values())
+    try:
+        _apply_plans(handle, plans, mode)
+    except BaseException:
+        handle.remove()  # nothing half-applied: the modules done so far are restored (or unhooked)
+        raise
+    if mode == "merge":
+        for model in handle._models:
+            _MERGED.setdefault(model, []).append(handle)
+    logger.info("applied %s to %d modules (%s mode)", handle.loras, len(handle.modules), mode)
+    return handle
+
+
+def _apply_plans(handle: AppliedLoRAs, plans: dict[tuple[str, str], _ModulePlan], mode: str) -> None:
     for (comp, name), plan in plans.items():
         weight = _weight_of(plan.module)
         if mode == "merge" and isinstance(plan.module, _PACKED):
@@ -395,7 +470,9 @@ def apply_loras(
                 handle._backups.append((plan.module, _merge_fp8(plan, original)))
                 handle.modules.append(f"{comp}:{name}")
                 continue
-            merged = (original.float() + _summed_delta(plan, weight)).to(original.dtype)
+            delta = _summed_delta(plan, weight)
+            merged = (original.float() + delta).to(original.dtype)
+            _check_delta(plan, original.dtype, original, delta, merged)
             # The merged weight is a new tensor: the original storage is never written, so it is
             # the exact backup (on the CPU: no copy at all) and any state dict the model was
             # loaded from, which may share that storage, stays intact.
@@ -404,11 +481,6 @@ def apply_loras(
         else:
             handle._hooks.append(plan.module.register_forward_hook(LoRABranch(plan, weight)))
         handle.modules.append(f"{comp}:{name}")
-    if mode == "merge":
-        for model in handle._models:
-            _MERGED.setdefault(model, []).append(handle)
-    logger.info("applied %s to %d modules (%s mode)", handle.loras, len(handle.modules), mode)
-    return handle
 
 
 def has_loras(model: nn.Module) -> bool:

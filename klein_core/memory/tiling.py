@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
 from collections.abc import Callable
 
 import torch
@@ -28,9 +29,34 @@ logger = logging.getLogger(__name__)
 TILE_SIDES = (64, 32, 16)  # 1024, 512 and 256 px
 
 
+def _count(where: str, name: str, value: object, minimum: int) -> int:
+    """``value`` as an int, checked: a TypeError naming ``name`` for a non-integer (``2.5``, ``"64"``,
+    ``True``), a ValueError for one below ``minimum``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{where}: {name} must be an integer, got {value!r} ({type(value).__name__}).")
+    if value < minimum:
+        raise ValueError(f"{where}: {name} must be at least {minimum}, got {value}.")
+    return int(value)
+
+
+def _tile_and_overlap(where: str, tile: object, overlap: object, unit: str) -> tuple[int, int]:
+    tile, overlap = _count(where, "tile", tile, 1), _count(where, "overlap", overlap, 0)
+    if tile <= overlap:
+        raise ValueError(f"{where}: tile ({tile} {unit}) must be larger than overlap ({overlap} {unit}).")
+    return tile, overlap
+
+
+def _tensor(where: str, name: str, value: object, layout: str) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{where}: {name} must be a torch.Tensor {layout}, got {type(value).__name__}.")
+    if value.ndim != 4 or 0 in value.shape:
+        raise ValueError(f"{where}: {name} must be a non-empty tensor {layout}, got shape {list(value.shape)}.")
+    return value
+
+
 def tile_overlap(tile: int) -> int:
     """Latent positions shared by neighbouring tiles of side ``tile`` (16, 8, 4)."""
-    return tile // 4
+    return _count("tile_overlap", "tile", tile, 1) // 4
 
 
 DECODE_TILE = TILE_SIDES[0]
@@ -42,8 +68,8 @@ ENCODE_OVERLAP = 16 * DECODE_OVERLAP
 def tile_starts(size: int, tile: int, overlap: int) -> list[int]:
     """Start offsets of tiles of length ``tile`` covering ``[0, size)``, neighbours sharing at
     least ``overlap``; evenly spread, the first at 0 and the last ending at ``size``."""
-    if tile <= overlap or overlap < 0:
-        raise ValueError(f"tile ({tile}) must be larger than overlap ({overlap}), and overlap >= 0")
+    size = _count("tile_starts", "size", size, 1)
+    tile, overlap = _tile_and_overlap("tile_starts", tile, overlap, "positions")
     if size <= tile:
         return [0]
     n = math.ceil((size - overlap) / (tile - overlap))
@@ -113,8 +139,8 @@ def decode_tiled(
     ``tile`` and ``overlap`` are in latent positions (x16 pixels). Peak activation memory is that
     of decoding one ``tile x tile`` latent. A latent no larger than one tile is decoded directly.
     """
-    if latents.ndim != 4:
-        raise ValueError(f"decode_tiled expects latents [B, C, h, w], got {list(latents.shape)}")
+    tile, overlap = _tile_and_overlap("decode_tiled", tile, overlap, "latent positions")
+    _tensor("decode_tiled", "latents", latents, "[B, C, h, w]")
     h, w = latents.shape[-2:]
     logger.debug("tiled decode of %s latents: tile %d, overlap %d", list(latents.shape), tile, overlap)
 
@@ -135,9 +161,11 @@ def encode_tiled(
     so every tile starts on the latent grid; blending happens in latent space.
     """
     d = vae.config.downscale
+    tile, overlap = _tile_and_overlap("encode_tiled", tile, overlap, "pixels")
     if tile % d or overlap % d:
-        raise ValueError(f"encode tile ({tile}) and overlap ({overlap}) must be multiples of {d} pixels")
-    if pixels.ndim != 4 or pixels.shape[-2] % d or pixels.shape[-1] % d:
+        raise ValueError(f"encode_tiled: tile ({tile}) and overlap ({overlap}) must be multiples of {d} pixels")
+    _tensor("encode_tiled", "pixels", pixels, "[B, 3, H, W]")
+    if pixels.shape[-2] % d or pixels.shape[-1] % d:
         raise ValueError(f"encode_tiled expects pixels [B, 3, H, W] with H, W multiples of {d}, "
                          f"got {list(pixels.shape)}")
 
@@ -151,6 +179,7 @@ def decode_in_tiles(vae, latents: torch.Tensor, tile: int | None) -> torch.Tenso
     """Decode whole (``tile`` None) or in tiles of ``tile`` latent positions, with the policy's overlap."""
     if tile is None:
         return vae.decode(latents)
+    _count("decode_in_tiles", "tile", tile, 1)
     return decode_tiled(vae, latents, tile=tile, overlap=tile_overlap(tile))
 
 
@@ -158,6 +187,7 @@ def encode_in_tiles(vae, pixels: torch.Tensor, tile: int | None) -> torch.Tensor
     """Encode whole (``tile`` None) or in tiles of ``tile`` latent positions (16x that in pixels)."""
     if tile is None:
         return vae.encode(pixels)
+    _count("encode_in_tiles", "tile", tile, 1)
     return encode_tiled(vae, pixels, tile=16 * tile, overlap=16 * tile_overlap(tile))
 
 

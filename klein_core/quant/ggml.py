@@ -54,6 +54,14 @@ BLOCKS: dict[GGMLType, tuple[int, int]] = {
 FLOAT_TYPES = (GGMLType.F32, GGMLType.F16, GGMLType.BF16)
 QUANTIZE_TYPES = {"q8": GGMLType.Q8_0, "q4": GGMLType.Q4_0}  # quantize= on load -> block type
 _CHUNK = 1 << 22  # elements dequantised at a time (16 MiB of float32)
+# where a block keeps its fp16 scale (and minimum) fields: a byte range within each block; every
+# other byte is an integer code, always "finite"
+SCALE_BYTES: dict[GGMLType, tuple[int, int]] = {
+    GGMLType.Q4_0: (0, 2), GGMLType.Q4_1: (0, 4), GGMLType.Q5_0: (0, 2), GGMLType.Q5_1: (0, 4),
+    GGMLType.Q8_0: (0, 2), GGMLType.Q2_K: (80, 84), GGMLType.Q3_K: (108, 110), GGMLType.Q4_K: (0, 4),
+    GGMLType.Q5_K: (0, 4), GGMLType.Q6_K: (208, 210),
+}
+_FLOAT_VIEWS = {GGMLType.F32: torch.float32, GGMLType.F16: torch.float16, GGMLType.BF16: torch.bfloat16}
 
 
 def bits_per_weight(qtype: GGMLType) -> float:
@@ -215,8 +223,7 @@ def dequantize(raw: torch.Tensor, qtype: GGMLType | int, shape: tuple[int, ...],
     if raw.dtype != torch.uint8:
         raise TypeError(f"GGML blocks must be uint8 bytes, got {raw.dtype}")
     if qtype in FLOAT_TYPES:
-        view = {GGMLType.F32: torch.float32, GGMLType.F16: torch.float16, GGMLType.BF16: torch.bfloat16}[qtype]
-        return flat.view(view).reshape(shape).to(dtype)
+        return flat.view(_FLOAT_VIEWS[qtype]).reshape(shape).to(dtype)
     elems, nbytes = BLOCKS[qtype]
     numel = math.prod(shape)
     if flat.numel() != numel // elems * nbytes or numel % elems:
@@ -355,6 +362,17 @@ class GGMLLinear(nn.Module):
         bias = self.bias.to(x.dtype) if self.bias is not None else None
         return F.linear(x, w, bias)
 
+    def float_parts(self) -> list[tuple[str, str, torch.Tensor]]:
+        """The float values packed inside :attr:`qweight`, for a NaN/Inf scan: ``(file tensor suffix,
+        what it is, the values)``; for a block type, the fp16 block scales (and minimums), viewed
+        from the bytes without a copy of the codes; for F32/F16/BF16, the values themselves."""
+        if self.qtype in FLOAT_TYPES:
+            return [("weight", f"GGUF {self.qtype.name} values", self.qweight.reshape(-1).view(_FLOAT_VIEWS[self.qtype]))]
+        start, end = SCALE_BYTES[self.qtype]
+        blocks = self.qweight.reshape(-1, BLOCKS[self.qtype][1])
+        return [("weight", f"its GGUF {self.qtype.name} block scales",
+                 blocks[:, start:end].contiguous().view(torch.float16))]
+
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.qtype.name}"
 
@@ -365,6 +383,6 @@ def ggml_layers(model: nn.Module) -> dict[str, str]:
 
 
 __all__ = [
-    "BLOCKS", "FLOAT_TYPES", "QUANTIZE_TYPES", "GGMLLinear", "GGMLType", "bits_per_weight", "dequantize",
+    "BLOCKS", "FLOAT_TYPES", "QUANTIZE_TYPES", "SCALE_BYTES", "GGMLLinear", "GGMLType", "bits_per_weight", "dequantize",
     "ggml_layers", "quantize", "row_bytes",
 ]

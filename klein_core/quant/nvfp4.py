@@ -136,6 +136,18 @@ class NVFP4Linear(nn.Module):
         """(block scales as float8 e4m3, per-tensor scale as float32)."""
         return self.block_scale.view(torch.float8_e4m3fn), self.tensor_scale.view(torch.float32)
 
+    def float_parts(self) -> list[tuple[str, str, torch.Tensor]]:
+        """The float values among the packed buffers, for a NaN/Inf scan: ``(file tensor suffix, what
+        it is, the values)``: the per-tensor scale, the block scales that are used (the swizzled
+        padding is not) and the input scale if any. The fp4 codes are integers, always finite."""
+        block, tensor = self.scales
+        parts = [("weight_scale_2", "its NVFP4 per-tensor scale", tensor),
+                 ("weight_scale", "its NVFP4 block scales",
+                  unswizzle(block, self.out_features, self.in_features // BLOCK))]
+        if self.input_scale is not None:
+            parts.append(("input_scale", "its NVFP4 input scale", self.input_scale.view(torch.float32)))
+        return parts
+
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         block, tensor = self.scales
         return dequantize(self.qweight, block, tensor, (self.out_features, self.in_features), dtype)
