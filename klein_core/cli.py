@@ -269,7 +269,8 @@ def _check_request(args: argparse.Namespace, refs: list[Image.Image]) -> None:
         raise CLIError(f"--seed must be from 0 to 2^64-1, got {args.seed}")
     if args.image is None:
         for flag, value in (("--mask", args.mask), ("--strength", args.strength), ("--outpaint", args.outpaint),
-                            ("--crop-padding", args.crop_padding)):
+                            ("--crop-padding", args.crop_padding), ("--feather", args.feather or None),
+                            ("--no-composite", args.no_composite or None)):
             if value is not None:
                 raise CLIError(f"{flag} needs --image (the picture to start from)")
     elif args.width is not None or args.height is not None:

@@ -830,8 +830,14 @@ def generate(
     init = None
     if image is not None:
         init = InitImage(image, mask, strength, image_as_reference, mask_crop_padding, composite, feather)
-    elif mask is not None or strength is not None or mask_crop_padding is not None:
-        raise ValueError("mask, strength and mask_crop_padding need an image to start from (image=)")
+    else:
+        given = [name for name, unset in (("mask", mask is None), ("strength", strength is None),
+                                          ("mask_crop_padding", mask_crop_padding is None), ("feather", feather == 0),
+                                          ("image_as_reference", image_as_reference is True),
+                                          ("composite", composite is True)) if not unset]
+        if given:
+            raise ValueError(f"{', '.join(given)} need{'s' if len(given) == 1 else ''} an image to start from "
+                             "(image=)")
     request = GenerationRequest(as_prompts(prompt), negative_prompt, tuple(references), settings, output, init)
     run = resolve(settings, engine.kind, warn=False) if conditioning is not None else None
     if conditioning is not None and run is not None and run.cfg and negative_embeds is None:

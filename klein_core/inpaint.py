@@ -34,6 +34,10 @@ def processing_size(width: int, height: int, multiple: int = 16) -> tuple[int, i
     return reference_size(width, height, multiple)
 
 
+# The largest canvas outpaint makes (PIL's own decompression-bomb limit is 89 megapixels for reading).
+MAX_CANVAS_PIXELS = 256 * 10**6
+
+
 def steps_to_run(steps: int, strength: float) -> int:
     """How many of ``steps`` an image-to-image run at ``strength`` takes (diffusers' get_timesteps:
     the schedule of ``steps`` is computed whole and its first ``int(steps - steps * strength)`` are
@@ -336,13 +340,27 @@ def stitch(original: Image.Image, generated: Image.Image, box: tuple[int, int, i
     if box is None:
         canvas = generated
     else:
-        x1, y1, x2, y2 = box
+        x1, y1, x2, y2 = _check_box(box, original.size)
         canvas = original.convert("RGB").copy()
         canvas.paste(generated.convert("RGB").resize((x2 - x1, y2 - y1), Image.Resampling.LANCZOS), (x1, y1))
     if keep_unmasked and mask is not None:
         return composite(original, canvas, mask, feather)
     return canvas.convert("RGB") if canvas.size == original.size else canvas.resize(original.size,
                                                                                       Image.Resampling.LANCZOS)
+
+
+def _check_box(box: object, size: tuple[int, int]) -> tuple[int, int, int, int]:
+    """``box`` as ``(x1, y1, x2, y2)`` inside an image of ``size``, with x1 < x2 and y1 < y2; else a
+    ValueError naming it."""
+    try:
+        x1, y1, x2, y2 = (int(v) for v in box)  # type: ignore[union-attr]
+        ok = all(float(v) == int(v) for v in box)  # type: ignore[union-attr]
+    except (TypeError, ValueError):
+        raise ValueError(f"stitch: box must be four whole numbers (x1, y1, x2, y2), got {box!r}") from None
+    if not ok or not (0 <= x1 < x2 <= size[0] and 0 <= y1 < y2 <= size[1]):
+        raise ValueError(f"stitch: box {box!r} must satisfy 0 <= x1 < x2 <= {size[0]} and 0 <= y1 < y2 <= {size[1]} "
+                         f"(the original's size)")
+    return x1, y1, x2, y2
 
 
 def outpaint(image: Image.Image, left: int = 0, top: int = 0, right: int = 0, bottom: int = 0, *,
@@ -360,6 +378,11 @@ def outpaint(image: Image.Image, left: int = 0, top: int = 0, right: int = 0, bo
         raise ValueError("outpaint needs at least one side to grow (left, top, right or bottom > 0)")
     image = ImageOps.exif_transpose(image).convert("RGB")
     w, h = image.size
+    cw, ch = w + left + right, h + top + bottom
+    if cw * ch > MAX_CANVAS_PIXELS:
+        raise ValueError(f"outpaint would make a {cw}x{ch} canvas ({cw * ch / 1e6:,.0f} megapixels); at most "
+                         f"{MAX_CANVAS_PIXELS // 10**6} megapixels (the generated area is cropped around the mask "
+                         "and scaled to about 1 megapixel anyway)")
     arr = np.pad(np.asarray(image), ((top, bottom), (left, right), (0, 0)), mode="edge")
     mask = np.full(arr.shape[:2], 255, dtype=np.float32)
     inner = np.zeros((h, w), dtype=np.float32)
