@@ -157,14 +157,14 @@ def test_missing_comfy_kitchen_falls_back_naming_the_install(kitchen_on_cpu, mod
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
+calls: list[bool] = []  # per call of _reference_swiglu: True when it made a new tensor (out=None)
+
+
 def _reference_swiglu(x, out):
     """The one-pass SwiGLU's contract in PyTorch (x [..., 2F] -> out [..., F], out may be a slice)."""
     calls.append(out is None)
     y = PLAIN_OPS.swiglu(x)
     return y if out is None else out.copy_(y)
-
-
-calls: list[bool] = []
 
 
 def test_fused_elementwise_steps_match_plain(model, monkeypatch, caplog):
