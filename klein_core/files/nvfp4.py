@@ -6,11 +6,31 @@ format ``"nvfp4"``) or when it has a ``<layer>.weight_scale_2``. :func:`nvfp4_vi
 ``<layer>.weight`` an :class:`NVFP4TensorInfo` with its logical ``[out, in]`` shape, so every plan
 sees the bf16 file's keys and shapes. :func:`plan_nvfp4` then keeps every such Linear as an
 :class:`~klein_core.quant.nvfp4.NVFP4Linear`; anything else stored in NVFP4 is dequantised exactly.
+
+**Which layout.** Only ComfyUI's layout is read (comfy-kitchen: swizzled block scales, even element in
+the high nibble). NVIDIA ModelOpt writes the same tensor names with row-major ``[out, in/16]`` block
+scales and the even element in the low nibble; at Klein's sizes (out % 128 == 0, in % 64 == 0) the two
+scale layouts have the same shape, so the shape check cannot tell them apart (issue #28). The file's
+origin decides instead (:func:`layout_problem`):
+
+* a ``quantization_config`` header entry is ModelOpt's (its ComfyUI export writes it next to the same
+  ``_quantization_metadata`` ComfyUI writes, and swizzles the scales only when asked, recording
+  neither choice): refused;
+* otherwise a ComfyUI marker (``<layer>.comfy_quant`` or ``_quantization_metadata``) means ComfyUI's
+  layout, and so do BFL block names (``double_blocks.N`` / ``single_blocks.N``) without a marker
+  (BFL's and ComfyUI's files);
+* a file with neither (``weight_scale_2`` under diffusers or Hugging Face names: what ModelOpt's plain
+  export writes) cannot be told apart from a ModelOpt file: refused.
+
+No content check is used: the scales of both layouts are the same values in another order, and the
+nibble order changes no statistic of a 16-element block, so nothing in the data tells them apart.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -27,6 +47,11 @@ logger = logging.getLogger(__name__)
 
 FORMAT = "nvfp4"
 _SUFFIXES = {"weight_scale": ".weight_scale", "tensor": ".weight_scale_2", "input": ".input_scale"}
+_MODELOPT_KEY = "quantization_config"  # ModelOpt's hf_quant_config, written into the header by its export
+_COMFY_METADATA_KEY = "_quantization_metadata"
+_BFL_BLOCK = re.compile(r"(?:^|\.)(?:double_blocks|single_blocks)\.\d+\.")
+_FIX = ("Use ComfyUI's or BFL's NVFP4 file of the model (comfy-kitchen layout), its fp8 or bf16 file, or "
+        "re-quantise the bf16 weights with comfy-kitchen.")
 
 
 @dataclass(frozen=True, eq=False)
@@ -47,6 +72,41 @@ def nvfp4_layers(src: WeightSource, declared: Mapping[str, dict]) -> set[str]:
     return layers
 
 
+def _header_nvfp4_layers(src: WeightSource) -> set[str]:
+    try:
+        layers = json.loads(src.metadata.get(_COMFY_METADATA_KEY) or "{}").get("layers", {})
+        return {str(k) for k, v in layers.items() if isinstance(v, dict) and v.get("format") == FORMAT}
+    except (json.JSONDecodeError, AttributeError):
+        return set()  # fp8.prepare_quantized refuses a malformed entry before NVFP4 is looked at
+
+
+def layout_problem(src: WeightSource, layers: set[str]) -> str | None:
+    """Why the NVFP4 ``layers`` of ``src`` cannot be read as ComfyUI's layout (``None`` when they can):
+    the rule in the module doc. The message names the file, a layer's block-scale tensor and the fix."""
+    if not layers:
+        return None
+    first = sorted(layers)[0]
+    where = f"'{first}{_SUFFIXES['weight_scale']}'" + (f" and {len(layers) - 1} more" if len(layers) > 1 else "")
+    if _MODELOPT_KEY in src.metadata:
+        return (f"{src.name}: the NVFP4 block scales {where} were written by NVIDIA ModelOpt (the header has a "
+                f"'{_MODELOPT_KEY}' entry). ModelOpt stores them row-major unless its export was told to "
+                "swizzle them and packs the fp4 codes low nibble first, and the file records neither, so "
+                "klein_core cannot tell how to read them (at Klein's sizes both layouts have the same shape: "
+                f"a wrong guess would load silently wrong). {_FIX}")
+    declared = _header_nvfp4_layers(src) | {layer for layer in layers if layer + ".comfy_quant" in src}
+    unmarked = sorted(layers - declared)
+    if unmarked and not any(_BFL_BLOCK.search(k) for k in src.keys()):
+        where = f"'{unmarked[0]}{_SUFFIXES['weight_scale']}'" + (
+            f" and {len(unmarked) - 1} more" if len(unmarked) > 1 else "")
+        return (f"{src.name}: the NVFP4 block scales {where} carry no ComfyUI marker ('<layer>.comfy_quant' "
+                f"or the '{_COMFY_METADATA_KEY}' header entry) and the names are not BFL's, so the file's "
+                "origin cannot be told: NVIDIA ModelOpt exports (diffusers / Hugging Face names) keep the "
+                "block scales row-major and the fp4 codes low nibble first, ComfyUI's files swizzle the "
+                "scales, and at Klein's sizes the two have the same shape. klein_core refuses rather than guess. "
+                f"{_FIX}")
+    return None
+
+
 def _scalar(src: WeightSource, key: str) -> torch.Tensor:
     t = src.get(key)
     if not t.is_floating_point() or t.numel() != 1:
@@ -56,11 +116,8 @@ def _scalar(src: WeightSource, key: str) -> torch.Tensor:
 
 def nvfp4_view_infos(src: WeightSource, layers: set[str]) -> tuple[dict[str, TensorInfo], set[str]]:
     """``(infos of the packed weights, keys to hide)`` for the NVFP4 ``layers`` of ``src``."""
-    infos: dict[str, TensorInfo] = {}
-    hidden: set[str] = set()
-    for layer in sorted(layers):
-        wkey, skey, tkey, ikey = (layer + ".weight", layer + _SUFFIXES["weight_scale"], layer + _SUFFIXES["tensor"],
-                                  layer + _SUFFIXES["input"])
+    for layer in sorted(layers):  # complete and of the right dtypes first: those errors say more
+        wkey, skey, tkey = layer + ".weight", layer + _SUFFIXES["weight_scale"], layer + _SUFFIXES["tensor"]
         missing = [k for k in (wkey, skey, tkey) if k not in src]
         if missing:
             raise WeightFormatError(f"{src.name}: NVFP4 layer '{layer}' lacks {missing}; the file is incomplete. "
@@ -69,6 +126,15 @@ def nvfp4_view_infos(src: WeightSource, layers: set[str]) -> tuple[dict[str, Ten
         if w.dtype != torch.uint8 or len(w.shape) != 2 or s.dtype not in (torch.float8_e4m3fn, torch.uint8):
             raise WeightFormatError(f"{src.name}: NVFP4 layer '{layer}' should have uint8 packed weights and fp8 "
                                     f"block scales, got {w.dtype} {list(w.shape)} and {s.dtype}.")
+    problem = layout_problem(src, layers)  # issue #28: the shape check below cannot tell the layouts apart
+    if problem is not None:
+        raise WeightFormatError(problem)
+    infos: dict[str, TensorInfo] = {}
+    hidden: set[str] = set()
+    for layer in sorted(layers):
+        wkey, skey, tkey, ikey = (layer + ".weight", layer + _SUFFIXES["weight_scale"], layer + _SUFFIXES["tensor"],
+                                  layer + _SUFFIXES["input"])
+        w, s = src.info(wkey), src.info(skey)
         out_features, in_features = w.shape[0], w.shape[1] * 2
         if tuple(s.shape) != scale_shape(out_features, in_features):
             raise WeightFormatError(
@@ -142,5 +208,5 @@ def load_nvfp4(name: str, op: Op, src: WeightSource, device: torch.device) -> di
     return state
 
 
-__all__ = ["FORMAT", "NVFP4TensorInfo", "dequantize_op", "load_nvfp4", "nvfp4_layers", "nvfp4_view_infos",
-           "plan_nvfp4", "reads_nvfp4", "swap_to_nvfp4_"]
+__all__ = ["FORMAT", "NVFP4TensorInfo", "dequantize_op", "layout_problem", "load_nvfp4", "nvfp4_layers",
+           "nvfp4_view_infos", "plan_nvfp4", "reads_nvfp4", "swap_to_nvfp4_"]

@@ -9,6 +9,10 @@ A quantised Linear stores, for a weight ``[out, in]``:
 * ``weight_scale_2``: float32 ``[]``, the per-tensor scale; ``input_scale`` (optional) is for fp4
   activations and not needed to dequantise.
 
+NVIDIA ModelOpt writes the same names with row-major ``[out, in/16]`` block scales and the even
+element in the low nibble; :func:`swizzle` / :func:`unswizzle` map between the two scale layouts,
+and :mod:`klein_core.files.nvfp4` refuses files whose layout cannot be told (issue #28).
+
 ``W[r, c] = E2M1[code] * (block_scale[r, c // 16] * weight_scale_2)``, computed in float32 in that
 order: bit for bit what comfy-kitchen's ``dequantize_nvfp4(..., output_type=torch.float32)`` gives.
 :class:`NVFP4Linear` keeps the packed weight and dequantises it for each call (one layer's weight
