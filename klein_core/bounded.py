@@ -4,6 +4,7 @@ that object is freed, so a released model's cached tensors are not kept)."""
 
 from __future__ import annotations
 
+import numbers
 import threading
 import weakref
 from collections import OrderedDict
@@ -13,12 +14,22 @@ from typing import Any, Generic, TypeVar
 V = TypeVar("V")
 
 
+def check_bound(name: str, value: object) -> int:
+    """``value`` as a whole number >= 1, else TypeError (not an int, or a bool) / ValueError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be a whole number >= 1, got {value!r} ({type(value).__name__})")
+    if value < 1:
+        raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
+    return int(value)
+
+
 class BoundedCache(Generic[V]):
-    """``key -> value`` kept least-recently-used first; ``size(value)`` gives its bytes."""
+    """``key -> value`` kept least-recently-used first; ``size(value)`` gives its bytes.
+    ``max_entries`` and ``max_bytes`` must be whole numbers >= 1 (TypeError / ValueError otherwise)."""
 
     def __init__(self, max_entries: int, max_bytes: int, size: Callable[[V], int]) -> None:
-        self.max_entries = max_entries
-        self.max_bytes = max_bytes
+        self.max_entries = check_bound("max_entries", max_entries)
+        self.max_bytes = check_bound("max_bytes", max_bytes)
         self._size = size
         self._data: OrderedDict[Hashable, tuple[weakref.ref | None, V]] = OrderedDict()
         self._lock = threading.Lock()
@@ -81,4 +92,4 @@ class BoundedCache(Generic[V]):
             total -= self._size(old)
 
 
-__all__ = ["BoundedCache"]
+__all__ = ["BoundedCache", "check_bound"]

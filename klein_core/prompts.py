@@ -14,11 +14,16 @@ tokens; the default) and ComfyUI's way (fp32 activations, prompts never cut, pad
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
 import os
+import re
+import stat
 import tempfile
+import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +31,7 @@ from typing import Any
 
 import torch
 
-from .bounded import BoundedCache
+from .bounded import BoundedCache, check_bound
 from .errors import WeightFormatError
 from .files.safetensors import open_safetensors
 from .lora.apply import has_loras
@@ -106,71 +111,232 @@ def identity_of(encoder: Any, device: torch.device | str | None = None) -> str |
                             getattr(encoder, "quantize", None))
 
 
+_FORMAT = "klein-prompt-embedding/1"  # the ``format`` metadata of entries written by this code
+_OLD_METADATA = {"encoder", "prompt"}  # all the metadata entries had before ``format`` existed
+_ENTRY = re.compile(r"[0-9a-f]{64}\.safetensors")  # only such files are read, counted and evicted
+_TMP_PREFIX = ".klein-prompt-"
+_STALE_TMP_S = 600  # a temporary file this old was left by a killed writer
+_MAX_WIDTH = 1 << 16  # far above any text encoder's width: an entry wider is not read
+_READ_TRIES = 3  # a file replaced or touched while being read is read again
+
+
+def _encoder_width(encoder: Any) -> int | None:
+    width = getattr(getattr(encoder, "config", None), "text_dim", None)
+    return width if isinstance(width, int) and not isinstance(width, bool) else None
+
+
+def _file_identity(st: os.stat_result) -> tuple[int, int, int, int]:
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+class _BadEntry(Exception):
+    """An entry that is not what this key should hold; the message says why."""
+
+
+class _OldEntry(Exception):
+    """An entry written before entries carried their key, dtype and shape."""
+
+
 class DiskPromptCache:
     """Prompt embeddings in a folder, bounded in bytes (least recently used files go first).
 
     One ``.safetensors`` file per (encoder identity, options, padded length, prompt), named by a
-    hash of them; a hit refreshes the file's time. Files that cannot be read are removed and
-    counted as misses. Safe to share between processes (files are written atomically).
+    hash of them, holding the tensor ``embedding`` and, as metadata, that hash, its dtype and its
+    width. Each read checks all of them, the shape and that every value is finite; an entry that
+    fails is removed with one warning naming it and counts as a miss. A hit refreshes the file's
+    time. Writes are atomic (a temporary file, then a rename). A folder that cannot be written is
+    logged once and then only read. Only files named like entries are read, counted or removed.
     """
 
     def __init__(self, folder: str | os.PathLike, max_bytes: int = 2 << 30) -> None:
+        self.max_bytes = check_bound("max_bytes", max_bytes)
         self.folder = Path(folder)
+        if self.folder.exists() and not self.folder.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, f"the prompt cache folder {self.folder} is a file, not a folder",
+                                     str(self.folder))
         self.folder.mkdir(parents=True, exist_ok=True)
-        self.max_bytes = int(max_bytes)
+        self.write_error: str | None = None  # why writing stopped, once it has
         self.hits = 0
         self.misses = 0
+        self._lock = threading.Lock()
+        self._kept_bad: set[tuple[Path, tuple[int, int, int, int]]] = set()  # bad entries that could not be removed
+        self._old_seen = False
+
+    def _key(self, identity: str, prompt: str, length: int, options: TextOptions) -> str:
+        key = json.dumps([identity, options.key(), length, prompt], ensure_ascii=True)
+        return hashlib.sha256(key.encode()).hexdigest()
 
     def _path(self, identity: str, prompt: str, length: int, options: TextOptions) -> Path:
-        key = json.dumps([identity, options.key(), length, prompt], ensure_ascii=True)
-        return self.folder / (hashlib.sha256(key.encode()).hexdigest() + ".safetensors")
+        return self.folder / (self._key(identity, prompt, length, options) + ".safetensors")
 
-    def get(self, identity: str, prompt: str, length: int, options: TextOptions) -> torch.Tensor | None:
-        """The embedding ``[1, length, text_dim]`` stored for this key, or None."""
-        path = self._path(identity, prompt, length, options)
-        if not path.is_file():
-            self.misses += 1
-            return None
-        try:
-            emb = open_safetensors(path).read("embedding")
-            os.utime(path)  # recently used
-        except (OSError, WeightFormatError, KeyError) as exc:
-            logger.warning("prompt cache: removing unreadable %s (%s)", path.name, exc)
-            path.unlink(missing_ok=True)
-            self.misses += 1
-            return None
-        self.hits += 1
+    def _cannot_write(self, exc: BaseException) -> None:
+        """Stop writing to the folder, with one warning naming it and ``exc``."""
+        reason = (exc.strerror if isinstance(exc, OSError) else None) or str(exc) or type(exc).__name__
+        with self._lock:
+            if self.write_error is not None:
+                return
+            self.write_error = reason
+        logger.warning("prompt cache: cannot write to %s (%s); prompt embeddings are no longer stored there "
+                       "(entries already there are still read)", self.folder, reason)
+
+    def get(self, identity: str, prompt: str, length: int, options: TextOptions,
+            width: int | None = None) -> torch.Tensor | None:
+        """The embedding ``[1, length, width]`` stored for this key, or None. ``width``: the width
+        the encoder produces, if known (an entry of another width is bad)."""
+        key = self._key(identity, prompt, length, options)
+        path = self.folder / (key + ".safetensors")
+        for _ in range(_READ_TRIES):
+            try:
+                before = _file_identity(os.stat(path))
+            except OSError:
+                break
+            if (path, before) in self._kept_bad:
+                break
+            try:
+                emb = self._read(path, key, length, width)
+            except (OSError, WeightFormatError, _BadEntry, _OldEntry) as exc:
+                try:
+                    now = _file_identity(os.stat(path))
+                except FileNotFoundError:
+                    break  # removed meanwhile (evicted by another writer): a miss
+                except OSError:
+                    now = before
+                if now != before:
+                    continue  # replaced or touched meanwhile: read the file as it is now
+                self._discard(path, before, exc)
+                break
+            if self.write_error is None:
+                try:
+                    os.utime(path)  # recently used
+                except (FileNotFoundError, PermissionError):
+                    pass  # gone, or another user's file: only its place in the eviction order is lost
+                except OSError as exc:
+                    self._cannot_write(exc)
+            self.hits += 1
+            return emb
+        self.misses += 1
+        return None
+
+    def _read(self, path: Path, key: str, length: int, width: int | None) -> torch.Tensor:
+        """The checked embedding in ``path``; raises what is wrong with it."""
+        sf = open_safetensors(path, "prompt cache entry")
+        meta = sf.metadata
+        if meta.get("format") != _FORMAT:
+            if set(meta) == _OLD_METADATA and set(sf.tensors) == {"embedding"}:
+                raise _OldEntry
+            raise _BadEntry(f"it is not a prompt cache entry (format {meta.get('format')!r}, expected {_FORMAT!r})")
+        if set(sf.tensors) != {"embedding"}:
+            raise _BadEntry(f"it holds the tensors {sorted(sf.tensors)[:8]}, not one tensor 'embedding'")
+        if meta.get("key") != key:
+            raise _BadEntry("its key does not match: it was written for another prompt, encoder or options")
+        info = sf.tensors["embedding"]
+        if not info.dtype.is_floating_point:
+            raise _BadEntry(f"dtype {str(info.dtype).removeprefix('torch.')} is not a floating-point type")
+        if meta.get("dtype") != str(info.dtype).removeprefix("torch."):
+            raise _BadEntry(f"dtype {str(info.dtype).removeprefix('torch.')}, but {meta.get('dtype')!r} was written")
+        stored_width = meta.get("width", "")
+        if not re.fullmatch(r"[0-9]{1,9}", stored_width):
+            raise _BadEntry(f"its width metadata {stored_width!r} is not a number")
+        expected_width = width if width is not None else int(stored_width)
+        if width is not None and int(stored_width) != width:
+            raise _BadEntry(f"it was written with width {stored_width}; the encoder produces {width}")
+        expected = (1, length, expected_width)
+        if tuple(info.shape) != expected:
+            raise _BadEntry(f"shape {list(info.shape)}, expected {list(expected)}")
+        if not 0 < expected_width <= _MAX_WIDTH:
+            raise _BadEntry(f"width {expected_width} is not a text encoder's")
+        emb = sf.read("embedding")
+        if not bool(torch.isfinite(emb).all()):
+            raise _BadEntry("it holds NaN or infinite values")
         return emb
 
+    def _discard(self, path: Path, seen: tuple[int, int, int, int], exc: BaseException) -> None:
+        """Remove the bad (or outdated) entry ``path`` last seen as ``seen``; a warning names it."""
+        removed = False
+        if self.write_error is None:
+            try:
+                st = os.stat(path)
+                if not stat.S_ISDIR(st.st_mode):  # a folder in an entry's place is left alone
+                    if _file_identity(st) == seen:  # not a good entry written meanwhile
+                        path.unlink()
+                    removed = True
+            except FileNotFoundError:
+                removed = True
+            except OSError as err:
+                self._cannot_write(err)
+        if not removed:
+            self._kept_bad.add((path, seen))
+        if isinstance(exc, _OldEntry):
+            logger.debug("prompt cache: %s was written by an older version; encoding its prompt again", path)
+            if not self._old_seen:
+                self._old_seen = True
+                logger.info("prompt cache: entries in %s written by an older version are encoded again once",
+                            self.folder)
+            return
+        reason = str(exc).removeprefix(f"{path}: ").removesuffix(" Download it again.") or type(exc).__name__
+        if removed:
+            logger.warning("prompt cache: removing unreadable entry %s (%s); its prompt is encoded again", path, reason)
+        else:
+            logger.warning("prompt cache: ignoring unreadable entry %s (%s); it cannot be removed, so its prompt is "
+                           "encoded each time", path, reason)
+
     def put(self, identity: str, prompt: str, length: int, options: TextOptions, emb: torch.Tensor) -> None:
-        """Store an embedding; a folder that cannot be written is logged, never raised (the
-        embedding was computed and is returned either way)."""
+        """Store an embedding ``[1, length, width]``. A folder that cannot be written is logged once,
+        never raised, and not written again."""
+        from safetensors import SafetensorError
         from safetensors.torch import save_file
 
-        path = self._path(identity, prompt, length, options)
+        if (not isinstance(emb, torch.Tensor) or emb.dim() != 3 or emb.shape[0] != 1 or emb.shape[1] != length
+                or not emb.dtype.is_floating_point):
+            raise ValueError(f"DiskPromptCache.put: expected a float embedding [1, {length}, width], got "
+                             f"{getattr(emb, 'dtype', type(emb).__name__)} {list(getattr(emb, 'shape', []))}")
+        if self.write_error is not None:
+            return
+        key = self._key(identity, prompt, length, options)
+        tensor = emb.detach().to("cpu").contiguous()
+        metadata = {"format": _FORMAT, "key": key, "dtype": str(tensor.dtype).removeprefix("torch."),
+                    "width": str(tensor.shape[2]), "encoder": identity, "prompt": prompt[:2000]}
         tmp = None
         try:
-            fd, tmp = tempfile.mkstemp(dir=self.folder, suffix=".tmp")
+            fd, tmp = tempfile.mkstemp(dir=self.folder, prefix=_TMP_PREFIX, suffix=".tmp")
             os.close(fd)
-            save_file({"embedding": emb.detach().to("cpu").contiguous()}, tmp,
-                      metadata={"prompt": prompt[:2000], "encoder": identity.split("|", 1)[0]})
-            os.replace(tmp, path)  # atomic: a reader never sees half a file
+            save_file({"embedding": tensor}, tmp, metadata=metadata)
+            os.replace(tmp, self.folder / (key + ".safetensors"))  # atomic: a reader never sees half a file
+            tmp = None
             self._evict()
-        except OSError as exc:
-            logger.warning("prompt cache: cannot write to %s (%s); this prompt is cached in memory only",
-                           self.folder, exc.strerror or exc)
+        except (OSError, SafetensorError) as exc:
+            self._cannot_write(exc)
         finally:
-            if tmp is not None and os.path.exists(tmp):
-                os.unlink(tmp)
+            if tmp is not None:
+                try:
+                    os.unlink(tmp)
+                except OSError:
+                    pass
+
+    def _entries(self, clean: bool = False) -> list[tuple[int, int, Path]]:
+        """(modification time, size, path) of every entry; with ``clean``, temporary files left by
+        killed writers are removed on the way."""
+        found = []
+        stale = time.time() - _STALE_TMP_S
+        for p in self.folder.iterdir():
+            is_tmp = p.name.startswith(_TMP_PREFIX) and p.name.endswith(".tmp")
+            if not (is_tmp or _ENTRY.fullmatch(p.name)):
+                continue
+            try:
+                st = p.lstat()
+                if not stat.S_ISREG(st.st_mode):
+                    continue
+                if is_tmp:
+                    if clean and st.st_mtime < stale:
+                        p.unlink()
+                    continue
+            except FileNotFoundError:
+                continue
+            found.append((st.st_mtime_ns, st.st_size, p))
+        return found
 
     def _evict(self) -> None:
-        files = []
-        for p in self.folder.glob("*.safetensors"):
-            try:
-                st = p.stat()
-            except OSError:
-                continue
-            files.append((st.st_mtime_ns, st.st_size, p))
+        files = self._entries(clean=True)
         total = sum(size for _, size, _ in files)
         for _, size, p in sorted(files):
             if total <= self.max_bytes:
@@ -179,7 +345,11 @@ class DiskPromptCache:
             total -= size
 
     def size_bytes(self) -> int:
-        return sum(p.stat().st_size for p in self.folder.glob("*.safetensors"))
+        """Bytes the entries take (0 for a folder that cannot be listed)."""
+        try:
+            return sum(size for _, size, _ in self._entries())
+        except OSError:
+            return 0
 
 
 class PromptCache(BoundedCache[torch.Tensor]):
@@ -188,12 +358,14 @@ class PromptCache(BoundedCache[torch.Tensor]):
     Entries of an encoder loaded from a file are keyed by its identity (:func:`encoder_identity`),
     so :meth:`cached` can answer before the encoder is loaded; other entries hold a weak reference
     to their encoder, so a freed or reloaded encoder never serves stale embeddings. Entries own
-    their memory; the cache is bounded by entry count and by bytes.
+    their memory; the cache is bounded by entry count and by bytes. Embeddings with NaN or infinite
+    values are returned but never cached.
     """
 
     def __init__(self, max_entries: int = 32, max_bytes: int = 1 << 30, disk: DiskPromptCache | None = None) -> None:
-        super().__init__(max_entries, max_bytes, lambda t: t.numel() * t.element_size())
+        super().__init__(max_entries, max_bytes, lambda t: t.numel() * t.element_size())  # both checked there
         self.disk = disk
+        self._widths: dict[str, int] = {}  # encoder identity -> the width it produced (learned by encode)
 
     def clear(self) -> None:
         """Forget the in-memory entries (the disk cache, if any, is kept)."""
@@ -205,30 +377,42 @@ class PromptCache(BoundedCache[torch.Tensor]):
         super()._store(key, encoder, emb.clone())
 
     def _find(self, identity: str | None, encoder: Any, prompts: Sequence[str], options: TextOptions,
-              length: int) -> dict[str, torch.Tensor | None]:
+              length: int, width: int | None) -> dict[str, torch.Tensor | None]:
         owner = None if identity is not None else encoder
         found: dict[str, torch.Tensor | None] = {}
         with self._lock:
             for p in prompts:
-                found[p] = self._lookup((identity or id(encoder), p, length, options.key()), owner)
+                key = (identity or id(encoder), p, length, options.key())
+                emb = self._lookup(key, owner)
+                if emb is not None and width is not None and emb.shape[-1] != width:
+                    self._data.pop(key, None)  # read from disk before the width was known: check it there
+                    emb = None
+                found[p] = emb
         if identity is not None and self.disk is not None:
             for p in [p for p, e in found.items() if e is None]:
-                emb = self.disk.get(identity, p, length, options)
+                emb = self.disk.get(identity, p, length, options, width)
                 if emb is not None:
                     found[p] = emb
                     with self._lock:
                         self._store((identity, p, length, options.key()), None, emb)
         return found
 
-    def cached(self, identity: str | None, prompts: Sequence[str],
-               options: TextOptions = TextOptions()) -> torch.Tensor | None:
+    def cached(self, identity: str | None, prompts: Sequence[str], options: TextOptions = TextOptions(), *,
+               width: int | None = None) -> torch.Tensor | None:
         """Embeddings ``[len(prompts), length, text_dim]`` when every prompt is cached (in memory or
         on disk) for the encoder with this identity, else None; the encoder need not be loaded.
-        Embeddings read from disk are on the CPU."""
+        ``width``: its text width, if known (else the width it was last seen to produce). Embeddings
+        read from disk are on the CPU."""
         if identity is None or not prompts:
             return None
-        found = self._find(identity, None, prompts, options, options.length(prompts))
-        if any(e is None for e in found.values()):
+        width = width if width is not None else self._widths.get(identity)
+        found = self._find(identity, None, prompts, options, options.length(prompts), width)
+        embs = list(found.values())
+        if any(e is None for e in embs):
+            return None
+        if len({(e.shape[-1], e.dtype) for e in embs}) > 1:  # type: ignore[union-attr]
+            # Entries that disagree cannot all be the encoder's: the encoder, which knows its width, decides.
+            logger.debug("prompt cache: cached embeddings of %d prompts differ in width or dtype", len(embs))
             return None
         self.hits += len(prompts)
         return torch.cat([found[p] for p in prompts])  # type: ignore[misc]
@@ -245,7 +429,14 @@ class PromptCache(BoundedCache[torch.Tensor]):
             logger.debug("prompt cache bypassed: the text encoder carries LoRAs")
             return _encode(encoder, list(prompts), options, length)
         identity = identity if identity is not None else identity_of(encoder)
-        found = self._find(identity, encoder, prompts, options, length)
+        width = _encoder_width(encoder)
+        if identity is not None and width is not None:
+            with self._lock:
+                self._widths.pop(identity, None)
+                self._widths[identity] = width
+                while len(self._widths) > 64:
+                    del self._widths[next(iter(self._widths))]
+        found = self._find(identity, encoder, prompts, options, length, width)
         device = encoder.embed_tokens.weight.device
         found = {p: None if e is None else e.to(device) for p, e in found.items()}
         todo = [p for p, e in found.items() if e is None]
@@ -254,12 +445,15 @@ class PromptCache(BoundedCache[torch.Tensor]):
             self.misses += len(todo)
             embs = _encode(encoder, todo, options, length)
             owner = None if identity is not None else encoder
+            keep = []
             with self._lock:
                 for p, e in zip(todo, embs):
                     found[p] = e[None]
-                    self._store((identity or id(encoder), p, length, options.key()), owner, e[None])
+                    if bool(torch.isfinite(e).all()):  # garbage is returned (the caller names it), never cached
+                        keep.append(p)
+                        self._store((identity or id(encoder), p, length, options.key()), owner, e[None])
             if identity is not None and self.disk is not None:
-                for p in todo:
+                for p in keep:
                     self.disk.put(identity, p, length, options, found[p])  # type: ignore[arg-type]
         return torch.cat([found[p] for p in prompts])  # type: ignore[misc]
 
