@@ -8,6 +8,7 @@ composite and are binarised (at 0.5) for the sampler, as diffusers does.
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 
@@ -17,6 +18,8 @@ import torch.nn.functional as F
 from PIL import Image, ImageOps
 
 from .images import MAX_REFERENCE_AREA, MIN_REFERENCE_SIDE, _to_rgb_array, reference_size
+
+logger = logging.getLogger(__name__)
 
 MaskInput = Image.Image | torch.Tensor | np.ndarray
 
@@ -56,29 +59,76 @@ def check_strength(strength: float) -> float:
 # ----- masks ----------------------------------------------------------------------------------------
 
 
+def _range(a: np.ndarray) -> str:
+    return "NaN" if np.isnan(a).any() else f"{float(np.min(a)):g}..{float(np.max(a)):g}"
+
+
+def _pil_levels(mask: Image.Image) -> np.ndarray | None:
+    """The 0..1 values of a PIL mask that ``convert("L")`` would misread, else None (convert it)."""
+    if mask.mode == "F" or mask.mode.startswith("I"):
+        a = np.asarray(mask, dtype=np.float64)
+        if not np.isfinite(a).all() or a.min() < 0 or a.max() > 65535 or (mask.mode == "F" and a.max() > 255):
+            limit = "0..1 (or 0..255)" if mask.mode == "F" else "0..65535"
+            raise ValueError(f"mask (a mode {mask.mode} image) must hold values within {limit}; got {_range(a)}")
+        if mask.mode.startswith("I;16"):
+            scale = 65535.0
+        else:
+            scale = 1.0 if a.max() <= 1 else 255.0 if a.max() <= 255 else 65535.0
+        return (a / scale).astype(np.float32)
+    if mask.mode in ("RGBA", "LA", "PA"):
+        colour, alpha = np.asarray(mask.convert("L")), np.asarray(mask.getchannel("A"))
+        if colour.min() == colour.max() and alpha.min() != alpha.max():
+            logger.warning("the %s mask's colour is uniform and only its alpha varies: the alpha is used, "
+                           "transparent = repaint (as ComfyUI reads a mask from alpha)", mask.mode)
+            return 1 - alpha.astype(np.float32) / 255.0
+    return None
+
+
+def _pil_grey(mask: Image.Image) -> tuple[Image.Image, bool]:
+    """``(the mask in mode L, whether that is plain convert("L"))``."""
+    levels = _pil_levels(mask)
+    if levels is not None:
+        return Image.fromarray(np.round(levels * 255).astype(np.uint8), "L"), False
+    try:
+        return mask.convert("L"), True
+    except (ValueError, OSError) as exc:
+        raise ValueError(f"mask: a mode {mask.mode} image cannot be read as a grey mask ({exc})") from None
+
+
 def mask_array(mask: MaskInput) -> np.ndarray:
-    """A mask as float32 ``[H, W]`` in [0, 1]: PIL images in any mode (converted to L), or a tensor /
-    array ``[H, W]``, ``[1, H, W]`` or ``[1, 1, H, W]`` already in [0, 1]."""
+    """A mask as float32 ``[H, W]`` in [0, 1]: a PIL image, or a tensor / array ``[H, W]``,
+    ``[1, H, W]`` or ``[1, 1, H, W]`` already in [0, 1] (else ValueError naming the range found).
+
+    PIL: 8-bit modes are converted to L (/255, as diffusers). Float (F) and 32-bit (I) masks whose
+    values all lie in 0..1 are 0..1 masks, else 0..255 (I: else 0..65535); 16-bit (I;16) are /65535.
+    An RGBA/LA mask of one colour whose alpha alone varies is read from alpha as ComfyUI does
+    (transparent = repaint), with a warning; diffusers would ignore the alpha.
+    """
     if isinstance(mask, Image.Image):
-        return np.asarray(mask.convert("L"), dtype=np.float32) / 255.0
+        levels = _pil_levels(mask)
+        return levels if levels is not None else np.asarray(_pil_grey(mask)[0], dtype=np.float32) / 255.0
     if isinstance(mask, torch.Tensor):
         mask = mask.detach().float().cpu().numpy()
     if not isinstance(mask, np.ndarray):
         raise TypeError(f"mask must be a PIL image, a tensor or an array, got {type(mask).__name__}")
+    if mask.dtype == object or not (np.issubdtype(mask.dtype, np.number) or mask.dtype == bool):
+        raise TypeError(f"mask must hold numbers, got an array of {mask.dtype}")
     a = np.asarray(mask, dtype=np.float32)
     while a.ndim > 2 and a.shape[0] == 1:
         a = a[0]
     if a.ndim != 2:
         raise ValueError(f"mask must be one [H, W] mask, got shape {list(np.shape(mask))}")
+    if a.size == 0:
+        raise ValueError(f"mask is empty (shape {list(np.shape(mask))})")
     if not np.isfinite(a).all() or a.min() < 0 or a.max() > 1:
-        raise ValueError("mask values must be finite and within 0..1 (1 = repaint, 0 = keep)")
+        raise ValueError(f"mask values must be finite and within 0..1 (1 = repaint, 0 = keep); got {_range(a)}")
     return a
 
 
 def mask_image(mask: MaskInput) -> Image.Image:
-    """The mask as an 8-bit grey PIL image (PIL masks are kept as they are, converted to L)."""
+    """The mask as an 8-bit grey PIL image (see :func:`mask_array` for how PIL modes are read)."""
     if isinstance(mask, Image.Image):
-        return mask.convert("L")
+        return _pil_grey(mask)[0]
     return Image.fromarray(np.round(mask_array(mask) * 255).astype(np.uint8), "L")
 
 
@@ -181,6 +231,8 @@ class InitImage:
             check_strength(self.strength)
         if isinstance(self.feather, bool) or not isinstance(self.feather, int) or self.feather < 0:
             raise ValueError(f"feather must be a whole number of pixels >= 0, got {self.feather!r}")
+        if self.mask is not None and not isinstance(self.mask, Image.Image):
+            mask_array(self.mask)  # a tensor / array mask out of 0..1 is refused here, before any work
 
     @property
     def resolved_strength(self) -> float:
@@ -233,7 +285,8 @@ def prepare_inpaint(image: Image.Image, mask: MaskInput | None = None, *, crop_p
     if w < MIN_REFERENCE_SIDE or h < MIN_REFERENCE_SIDE:
         raise ValueError(f"the image is {w}x{h}; both sides must be at least {MIN_REFERENCE_SIDE} px")
     width, height = processing_size(w, h, multiple)
-    m_img = mask_image(mask) if mask is not None else None
+    m_img, plain = _pil_grey(mask) if isinstance(mask, Image.Image) else (
+        None if mask is None else mask_image(mask), False)
     box = None
     original, work = image, image
     if crop_padding is None and w * h > MAX_REFERENCE_AREA:  # diffusers' 1-megapixel step, sides int()
@@ -250,8 +303,9 @@ def prepare_inpaint(image: Image.Image, mask: MaskInput | None = None, *, crop_p
     pixels = torch.from_numpy(_to_rgb_array(_resized(work, width, height, box))).permute(2, 0, 1)[None] * 2 - 1
     mask_px = None
     if m_img is not None:
-        # diffusers resizes the mask as given, then converts it to grey
-        source = mask if isinstance(mask, Image.Image) else m_img
+        # diffusers resizes the mask as given, then converts it to grey (masks convert("L") misreads:
+        # their grey version)
+        source = mask if plain else m_img
         m = np.asarray(_resized(source, width, height, box).convert("L"), dtype=np.float32) / 255.0
         mask_px = torch.from_numpy((m >= 0.5).astype(np.float32))[None, None]
     return InpaintInputs(pixels, mask_px, box, original, m_img)
@@ -272,8 +326,11 @@ def mask_for_latents(mask: torch.Tensor, height: int, width: int, downscale: int
         m = m[None]
     if m.ndim != 3:
         raise ValueError(f"mask must be [batch, height, width] or [height, width], got {list(mask.shape)}")
+    if m.numel() == 0:
+        raise ValueError(f"mask is empty (shape {list(mask.shape)})")
     if not torch.isfinite(m).all() or m.min() < 0 or m.max() > 1:
-        raise ValueError("mask values must be finite and within 0..1 (1 = repaint, 0 = keep)")
+        raise ValueError("mask values must be finite and within 0..1 (1 = repaint, 0 = keep); got "
+                         f"{_range(m.cpu().numpy())}")
     m = m[:, None]
     size = (height * downscale, width * downscale)
     if tuple(m.shape[-2:]) != size:

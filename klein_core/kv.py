@@ -5,13 +5,16 @@ only among themselves (:meth:`~klein_core.models.transformer.Flux2Transformer.re
 keys and values depend on the weights and the reference tokens (and positions), never on the prompt,
 the seed, the noise or the step. So a second edit of the same pictures, with another prompt or seed,
 can skip the reference pass: :class:`ReferenceKVCache` keeps the last results, keyed by the model
-object and a digest of the reference tokens.
+object, the state of its weights (:func:`weights_state`) and a digest of the reference tokens.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import logging
+import threading
+import weakref
 
 import torch
 
@@ -32,20 +35,58 @@ def _digest(*tensors: torch.Tensor) -> str:
     return h.hexdigest()
 
 
+# A serial number per weight storage, for as long as it lives: a storage freed and another one made
+# at the same address (the CUDA allocator reuses them at once) gets a new number, so a key made of
+# serials is never matched by other weights. Weakly keyed: nothing is kept alive.
+_serials: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_next_serial = itertools.count(1)
+_serials_lock = threading.Lock()
+
+
+def _serial(t: torch.Tensor) -> int:
+    storage = t.untyped_storage()
+    with _serials_lock:
+        n = _serials.get(storage)
+        if n is None:
+            n = _serials[storage] = next(_next_serial)
+        return n
+
+
+def weights_state(model: torch.nn.Module) -> tuple | None:
+    """A cheap token that changes whenever ``model``'s parameters or buffers change: new tensors
+    (``load_state_dict(assign=True)``, ``.data =``, ``.to()``) or writes in place (``load_state_dict``,
+    ``copy_``, which bump the tensors' version counters). No weights are read. Inference tensors
+    (made under ``torch.inference_mode``, as in ComfyUI) have no version counter: their in-place
+    writes are not seen, new tensors are. None when a tensor has no storage to follow (such a model
+    is not cached)."""
+    try:
+        return tuple((_serial(t), t.data_ptr(), -1 if t.is_inference() else t._version)
+                     for t in itertools.chain(model.parameters(), model.buffers()))
+    except (RuntimeError, NotImplementedError, TypeError):  # storage-less tensor subclasses
+        return None
+
+
 class ReferenceKVCache(BoundedCache[ReferenceKV]):
     """The last reference keys/values, bounded by entries and bytes; entries live on the device
-    they were computed on. A model carrying LoRAs is never served from it (its outputs change with
-    them); a freed or reloaded model never sees another model's entries (weak reference check).
+    they were computed on. An entry is served only to the very model it was made for (weak
+    reference check) with the very weights it had (:func:`weights_state`: a reload or in-place
+    change misses, and drops that model's older entries); a model carrying LoRAs is never served.
+    ``max_entries`` / ``max_bytes``: whole numbers >= 1 (TypeError / ValueError otherwise).
     """
 
     def __init__(self, max_entries: int = 1, max_bytes: int = 8 << 30) -> None:
-        super().__init__(max_entries, max_bytes, lambda kv: kv.nbytes())
+        super().__init__(max_entries, max_bytes, lambda kv: kv.nbytes())  # the bounds are checked there
 
     def get(self, model: Flux2Transformer, refs: ReferenceTokens, timestep: float = 0.0) -> ReferenceKV:
         """The keys/values of ``refs`` under ``model``: from the cache, or computed and kept."""
-        if has_loras(model) or self.max_entries < 1:
+        if has_loras(model):  # branches do not change the weights, so the key cannot see them
             return model.reference_kv(refs.tokens, refs.ids, timestep=timestep)
-        key = (id(model), str(model.dtype), str(model.device), float(timestep), _digest(refs.tokens, refs.ids))
+        weights = weights_state(model)
+        if weights is None:
+            logger.debug("reference keys/values not cached: the model's weights cannot be followed")
+            return model.reference_kv(refs.tokens, refs.ids, timestep=timestep)
+        key = (id(model), str(model.dtype), str(model.device), float(timestep), weights,
+               _digest(refs.tokens, refs.ids))
         with self._lock:
             hit = self._lookup(key, model)
         if hit is not None:
@@ -55,10 +96,20 @@ class ReferenceKVCache(BoundedCache[ReferenceKV]):
         self.misses += 1
         kv = model.reference_kv(refs.tokens, refs.ids, timestep=timestep)
         with self._lock:
+            self._drop_stale(model, weights)
             self._store(key, model, kv)
         return kv
+
+    def _drop_stale(self, model: Flux2Transformer, weights: tuple) -> None:
+        """Forget ``model``'s entries made with other weights (they can never hit again); under the lock."""
+        stale = [k for k, (ref, _) in self._data.items()
+                 if k[0] == id(model) and k[4] != weights and ref is not None and ref() is model]
+        for k in stale:
+            del self._data[k]
+        if stale:
+            logger.debug("dropped %d reference key/value entries made with the model's previous weights", len(stale))
 
 
 default_kv_cache = ReferenceKVCache()
 
-__all__ = ["ReferenceKVCache", "default_kv_cache"]
+__all__ = ["ReferenceKVCache", "default_kv_cache", "weights_state"]

@@ -52,7 +52,12 @@ def _one_mask(mask: torch.Tensor, image: torch.Tensor, node: str) -> torch.Tenso
         raise ValueError(f"{node}: the mask is {m.shape[1]}x{m.shape[0]} but the image is {image.shape[2]}x"
                          f"{image.shape[1]}; use a mask of the image's size (LoadImage's own mask, or Upscale "
                          f"Image on the mask).")
-    return m.float().clamp(0, 1)
+    m = m.float()
+    if m.numel() and (not torch.isfinite(m).all() or m.min() < 0 or m.max() > 1):
+        found = "NaN/inf" if not torch.isfinite(m).all() else f"{float(m.min()):g}..{float(m.max()):g}"
+        raise ValueError(f"{node}: the mask's values must lie within 0..1 (1 = repaint, 0 = keep); got {found}. "
+                         f"Fix the node that made the mask (a MASK is 0..1).")
+    return m
 
 
 class KleinInpaintCrop(io.ComfyNode):
