@@ -114,7 +114,7 @@ def main() -> int:
 
     def run() -> dict[str, float]:
         res = klein_core.generate(tr, te, vae, prompt=PROMPT, references=refs, width=case.size, height=case.size,
-                                  steps=case.steps, guidance=case.guidance, distilled=case.distilled, noise=noise,
+                                  steps=case.steps, guidance=case.guidance, kind="distilled" if case.distilled else "base", noise=noise,
                                   cache=None)
         if device.type == "cuda":
             torch.cuda.synchronize(device)

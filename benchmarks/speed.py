@@ -523,7 +523,7 @@ def run_ours(components: tuple[Flux2Transformer, Qwen3TextEncoder, Flux2VAE], ca
     t0 = time.perf_counter()
     res = klein_core.generate(
         tr, te, vae, prompt=PROMPT, references=refs, width=case.size, height=case.size, steps=case.steps,
-        guidance=case.guidance, distilled=case.distilled, noise=noise, cache=None,
+        guidance=case.guidance, kind="distilled" if case.distilled else "base", noise=noise, cache=None,
         callback=lambda i, n, lat: probe.step_done(),
     )
     probe.clock.sync()

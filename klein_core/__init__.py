@@ -8,7 +8,7 @@ names and where the rest lives; ``tests/test_public_api.py`` freezes ``__all__``
 grows on purpose.
 """
 
-from .engine import Conditioning, Engine, GenerationResult, generate
+from .engine import Engine, GenerationResult, generate
 from .errors import GenerationCancelled, KleinOutOfMemory, NonFiniteWeights, WeightFormatError
 from .loading import load_text_encoder, load_transformer, load_vae
 from .lora import LoRA, apply_loras, load_lora, with_loras
@@ -16,7 +16,7 @@ from .models.qwen3 import Qwen3Config, Qwen3TextEncoder
 from .models.transformer import Flux2Transformer, TransformerConfig
 from .models.vae import Flux2VAE, VAEConfig
 from .prompts import COMFYUI_TEXT, DiskPromptCache, PromptCache, TextOptions
-from .request import GenerationRequest, Settings
+from .request import Conditioning, GenerationRequest, Settings
 
 __version__ = "0.1.0"
 

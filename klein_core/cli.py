@@ -5,8 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+import stat
 import sys
 import time
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -25,7 +28,7 @@ from .images import oriented_size, reference_size
 from .inpaint import outpaint
 from .loading import as_dtype
 from .prompts import DiskPromptCache, PromptCache, TextOptions, default_prompt_cache, encoder_identity
-from .request import MAX_STEPS, as_device, guess_model_kind, resolve_size
+from .request import MAX_STEPS, as_device, guess_model_kind, reference_mode, resolve_size
 from .sampling import MAX_SEED
 from .variants import check_text_width
 
@@ -281,22 +284,47 @@ def _check_request(args: argparse.Namespace, refs: list[Image.Image]) -> None:
         raise CLIError("--outpaint makes its own mask; give --mask or --outpaint, not both")
 
 
+def _open_image(flag: str, path: Path) -> Image.Image:
+    """The picture at ``path``, fully read (pixels decoded now); else one CLIError naming ``flag`` and
+    ``path``: missing, not a regular file, unreadable, not an image, truncated or damaged, or over
+    PIL's decompression-bomb limit (``Image.MAX_IMAGE_PIXELS``)."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise CLIError(f"{flag} {path}: no such file") from None
+    except OSError as exc:
+        raise CLIError(f"{flag} {path}: cannot read it ({exc.strerror or exc})") from None
+    if stat.S_ISDIR(st.st_mode):
+        raise CLIError(f"{flag} {path}: is a folder, not an image file")
+    if not stat.S_ISREG(st.st_mode):
+        raise CLIError(f"{flag} {path}: not a regular file")
+    img = None
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)  # PIL only warns up to twice the limit
+            img = Image.open(path)
+            img.load()
+        return img
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+        msg = f"{flag} {path}: too large to read safely ({exc})"
+    except Image.UnidentifiedImageError:
+        msg = f"{flag} {path}: not an image file (or a format PIL cannot read)"
+    except OSError as exc:
+        msg = f"{flag} {path}: cannot read it ({exc.strerror or exc})" if exc.errno is not None else \
+            f"{flag} {path}: the image is damaged or truncated ({exc})"
+    except Exception as exc:  # noqa: BLE001 (PIL's decoders raise many kinds for a damaged file)
+        msg = f"{flag} {path}: the image is damaged ({type(exc).__name__}: {exc})"
+    if img is not None:
+        img.close()
+    raise CLIError(msg)
+
+
 def _init_image(args: argparse.Namespace) -> tuple[Image.Image, Image.Image | None] | None:
     """--image / --mask / --outpaint as (picture, mask), read before any model loads."""
     if args.image is None:
         return None
-    images = []
-    for flag, path in (("--image", args.image), ("--mask", args.mask)):
-        if path is None:
-            images.append(None)
-            continue
-        try:
-            img = Image.open(path)
-            img.load()
-        except (OSError, ValueError) as exc:
-            raise CLIError(f"cannot read {flag} {path}: {exc}") from None
-        images.append(img)
-    image, mask = images
+    image = _open_image("--image", args.image)
+    mask = None if args.mask is None else _open_image("--mask", args.mask)
     if args.outpaint is not None:
         try:
             left, top, right, bottom = (int(v) for v in args.outpaint.split(","))
@@ -312,10 +340,7 @@ def run_generate(args: argparse.Namespace) -> int:
     dtype = as_dtype(args.dtype, "--dtype") or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     refs = []
     for r in args.ref:
-        try:
-            refs.append(Image.open(r))
-        except (OSError, ValueError) as exc:
-            raise CLIError(f"cannot read reference image {r}: {exc}") from None
+        refs.append(_open_image("--ref", r))
     init = _init_image(args)
     _check_request(args, refs)
     text = TextOptions(max_tokens=None if args.max_tokens == "whole" else 512,
@@ -334,20 +359,20 @@ def run_generate(args: argparse.Namespace) -> int:
         transformer, text_encoder, vae = build_tiny_components()
         transformer, text_encoder, vae = (m.to(device=device, dtype=dtype) for m in (transformer, text_encoder, vae))
         names = {"transformer": "demo", "text_encoder": "demo", "vae": "demo"}
-        distilled = not args.base
+        kind = "base" if args.base else "distilled"
         _write(sys.stderr, "--demo: tiny random models built in memory (no download) check the install; "
                            "the image will be noise.\n")
     else:
         from .loading import load_text_encoder, load_transformer, load_vae
 
         tr_path, te_path, vae_path = resolve_files(args)
-        kind = guess_model_kind(tr_path)  # the name, or a diffusers repo's model_index.json and folder name
-        distilled = not args.base and (args.distilled or kind != "base")
-        if args.ref_mode is None and kind == "kv":
+        guessed = guess_model_kind(tr_path)  # the name, or a diffusers repo's model_index.json and folder name
+        kind = "base" if args.base else "distilled" if args.distilled and guessed == "base" else guessed
+        if args.ref_mode is None and guessed == "kv":  # a 9B-KV file runs its references in KV mode, --base or not
             args.ref_mode = "kv"
         transformer = load_transformer(tr_path, device=device, dtype=dtype, quantize=args.quantize)
         if args.prompt_cache is not None and not args.lora:  # LoRAs may change the encoder: encode anew
-            cfg = not distilled and (args.guidance is None or args.guidance > 1)
+            cfg = kind == "base" and (args.guidance is None or args.guidance > 1)
             cond = Engine(prompt_cache=cache, text=text).cached_prompts(
                 [args.prompt], args.negative_prompt if cfg else None,
                 identity=encoder_identity(te_path, dtype, device))
@@ -369,7 +394,7 @@ def run_generate(args: argparse.Namespace) -> int:
     result = generate(
         transformer, text_encoder, vae, prompt=args.prompt, negative_prompt=args.negative_prompt,
         references=refs, width=args.width, height=args.height, steps=args.steps, guidance=args.guidance,
-        seed=args.seed, batch_size=args.batch, distilled=distilled, callback=_Progress(args.quiet),
+        seed=args.seed, batch_size=args.batch, kind=kind, callback=_Progress(args.quiet),
         cache=cache, text=text, prompt_embeds=cond.positive if cond is not None else None,
         image=init[0] if init else None, mask=init[1] if init else None, strength=args.strength,
         mask_crop_padding=args.crop_padding, composite=not args.no_composite, feather=args.feather,
@@ -380,9 +405,10 @@ def run_generate(args: argparse.Namespace) -> int:
     params = {
         "prompt": args.prompt, "negative_prompt": args.negative_prompt, "width": result.width,
         "height": result.height, "steps": result.steps, "guidance": result.guidance, "seed": args.seed,
-        "model_kind": "distilled" if distilled else "base", "references": [str(r) for r in args.ref],
+        "model_kind": kind, "references": [str(r) for r in args.ref],
         "demo": bool(args.demo), **names, "loras": [f"{p.name}:{s:g}" for p, s in args.lora],
-        "text_precision": args.text_precision, "max_tokens": args.max_tokens, "ref_mode": args.ref_mode,
+        "text_precision": args.text_precision, "max_tokens": args.max_tokens,
+        "ref_mode": reference_mode(kind, args.ref_mode),
         "speed": args.speed,
         **({"image": str(args.image), "mask": str(args.mask) if args.mask else None, "strength": args.strength,
             "outpaint": args.outpaint} if args.image else {}),

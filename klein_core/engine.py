@@ -20,8 +20,8 @@ import gc
 import logging
 import time
 import traceback
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
@@ -42,13 +42,15 @@ from .inpaint import (
 )
 from .kv import ReferenceKVCache, default_kv_cache
 from .memory.placement import StagePlacer
-from .memory.planner import MODES, MemoryPlan, MemoryRequest, plan_for
+from .memory.planner import MODES, MakeRoom, MemoryPlan, MemoryRequest, plan_for
 from .memory.tiling import TILE_SIDES, decode_in_tiles, encode_in_tiles
 from .models.qwen3 import Qwen3TextEncoder
 from .models.transformer import Flux2Transformer, TransformerConfig
 from .models.vae import Flux2VAE
 from .prompts import PromptCache, TextOptions, default_prompt_cache, encode_prompts, identity_of
 from .request import (
+    MODEL_KINDS,
+    Conditioning,
     GenerationRequest,
     ModelKind,
     Resolved,
@@ -84,19 +86,6 @@ def check_compatible(transformer: Any | None, text_encoder: Any | None = None, v
         )
 
 
-@dataclass(frozen=True)
-class Conditioning:
-    """Prompt embeddings ``positive [P, L, text_dim]`` and, for CFG, ``negative [1 or P, L, text_dim]``."""
-
-    positive: torch.Tensor
-    negative: torch.Tensor | None = None
-
-    def __post_init__(self) -> None:
-        check_tensor(self.positive, "the prompt embeddings", 3)
-        if self.negative is not None:
-            check_tensor(self.negative, "the negative prompt embeddings", 3)
-
-
 @dataclass
 class GenerationResult:
     """What a generation returns. ``latents`` are normalised ``[B, 128, H/16, W/16]``."""
@@ -116,12 +105,23 @@ class GenerationResult:
 @dataclass(frozen=True)
 class InitLatents:
     """Where denoising starts: the clean latents of an image ``[1 or B, 128, h, w]`` (normalised, as
-    the VAE encoder gives them), the strength (the share of the schedule that runs, in (0, 1]) and
-    optionally which latent positions to repaint, ``mask`` ``[1 or B, 1, h, w]`` in [0, 1]."""
+    the VAE encoder gives them), the strength (the share of the schedule that runs, in (0, 1]),
+    optionally which latent positions to repaint, ``mask`` ``[1 or B, 1, h, w]`` in [0, 1], and
+    whether a single image also joins the sequence as the first reference (time offset 10, as
+    diffusers' Klein inpaint pipeline)."""
 
     latents: torch.Tensor
     strength: float = 1.0
     mask: torch.Tensor | None = None
+    as_reference: bool = False
+
+
+def with_init_reference(references: Sequence[torch.Tensor], init: InitLatents | None) -> list[torch.Tensor]:
+    """The references a run uses: the init image's latents first when it joins as a reference (a
+    single image only; a batch of init images only seeds the noise)."""
+    if init is not None and init.as_reference and init.latents.shape[0] == 1:
+        return [init.latents, *references]
+    return list(references)
 
 
 UNUSED_NEGATIVE = "the negative prompt is not used"
@@ -161,6 +161,10 @@ def check_denoise_inputs(
         if init.mask is not None:
             check_tensor(init.mask, "the inpaint mask", 4, 1)
             require_finite(init.mask, "the inpaint mask")
+            low, high = float(init.mask.min()), float(init.mask.max())
+            if low < 0 or high > 1:  # a blend weight outside [0, 1] would extrapolate, not blend
+                raise ValueError(f"the inpaint mask must lie in [0, 1] (1 = repaint), got values from {low:g} to "
+                                 f"{high:g}")
             if init.mask.shape[-2:] != init.latents.shape[-2:] or init.mask.shape[0] not in (1, n_images):
                 raise ValueError(f"the inpaint mask {list(init.mask.shape)} must be [1 or {n_images}, 1, h, w] on "
                                  f"the latent grid of the image {list(init.latents.shape)}")
@@ -175,13 +179,13 @@ def check_denoise_inputs(
         check_text_width(conditioning.negative.shape[-1], config.context_dim,
                          encoded_by="The negative prompt embedding", model=f"the {config.variant} transformer")
         require_finite(conditioning.negative, "the negative prompt embeddings")
-    for i, ref in enumerate(references):
+    for i, ref in enumerate(with_init_reference(references, init)):
         check_tensor(ref, f"reference latent {i + 1}", 4, channels)
         require_finite(ref, f"reference latent {i + 1}")
     if (negative_prompt or conditioning.negative is not None) and not run.cfg:
         why = (f"guidance {run.guidance:g} is not above 1" if kind == "base" else
                "distilled Klein models run without CFG (for a base model: model_kind base on the loader node, "
-               "--base in the CLI, distilled=False in Python)")
+               "--base in the CLI, kind='base' in Python)")
         logger.warning("%s: %s", UNUSED_NEGATIVE, why)
     if run.cfg and conditioning.negative is None:
         raise ValueError("CFG (a base model with guidance > 1) needs a negative prompt embedding")
@@ -223,9 +227,11 @@ def release_failed_attempt(exc: BaseException, device: torch.device) -> None:
 
 
 @contextlib.contextmanager
-def explain_oom(stage: str, device: torch.device, w: int, h: int, batch: int, n_refs: int) -> Iterator[None]:
-    """Turn an out-of-memory error in ``stage`` into :class:`KleinOutOfMemory` naming what to lower,
-    after releasing the memory the failed attempt held."""
+def explain_oom(stage: str, device: torch.device, w: int | None = None, h: int | None = None, batch: int = 1,
+                n_refs: int = 0) -> Iterator[None]:
+    """Turn an out-of-memory error in ``stage`` into :class:`KleinOutOfMemory` naming what to lower
+    (the output size ``w`` x ``h`` when the stage depends on it), after releasing the memory the
+    failed attempt held. The one place that explains running out of memory."""
     try:
         yield
     except RuntimeError as exc:
@@ -233,7 +239,7 @@ def explain_oom(stage: str, device: torch.device, w: int, h: int, batch: int, n_
             raise
         release_failed_attempt(exc, device)
         del exc
-        hints = [f"a lower resolution than {w}x{h}"]
+        hints = [f"a lower resolution than {w}x{h}"] if w and h else []
         if batch > 1:
             hints.append(f"a smaller batch (now {batch} images per step including CFG)")
         if n_refs:
@@ -261,32 +267,32 @@ def decode_to_pixels(vae: Any, latents: torch.Tensor, *, tile: int | None = None
 
 
 def encode_references(
-    vae: Any, images: Sequence[Image.Image | torch.Tensor], *, tile: int | None = None
+    vae: Any, images: Sequence[Image.Image | torch.Tensor], *, tile: int | None = None, first: int = 1
 ) -> list[torch.Tensor]:
     """VAE-encode each reference once: a list of normalised latents ``[1, 128, h, w]``.
 
     PIL images are preprocessed with :func:`~klein_core.images.prepare_reference_image`; tensors
     must already be ``[1, 3, H, W]`` in [-1, 1] with H and W multiples of 16. ``tile``: encode in
-    tiles of this many latent positions.
+    tiles of this many latent positions; ``first``: the number of the first image in messages.
     """
     out = []
-    for i, img in enumerate(as_list(images, "references")):
-        img = as_reference(img, i + 1)
+    for n, img in enumerate(as_list(images, "references"), start=first):
+        img = as_reference(img, n)
         if isinstance(img, Image.Image):
             try:
                 px = prepare_reference_image(img, vae.config.downscale)
             except (OSError, SyntaxError) as exc:  # PIL reads lazily: a truncated or corrupt file fails here
-                raise ValueError(f"reference {i + 1}: cannot read the image ({exc}); the file is truncated or "
+                raise ValueError(f"reference {n}: cannot read the image ({exc}); the file is truncated or "
                                  "corrupt.") from None
             except ValueError as exc:
-                raise ValueError(f"reference {i + 1}: {exc}") from None
+                raise ValueError(f"reference {n}: {exc}") from None
         else:
             px = img
         if not isinstance(px, torch.Tensor) or px.ndim != 4 or px.shape[0] != 1:
-            raise ValueError(f"reference {i + 1}: expected a PIL image or a [1, 3, H, W] tensor")
-        require_finite(px, f"reference {i + 1}")
+            raise ValueError(f"reference {n}: expected a PIL image or a [1, 3, H, W] tensor")
+        require_finite(px, f"reference {n}")
         latent = encode_in_tiles(vae, px, tile)
-        check_output(latent, f"The VAE encoder (reference {i + 1})", vae, _overflow_cause(vae.dtype))
+        check_output(latent, f"The VAE encoder (reference {n})", vae, _overflow_cause(vae.dtype))
         out.append(latent)
     return out
 
@@ -327,14 +333,16 @@ def memory_request(width: int, height: int, references: Sequence[tuple[int, int]
 
 
 class Engine:
-    """Loaded Klein components and what runs them.
+    """Loaded Klein components and what runs them: the one seam between the nodes, the CLI and the
+    stages. Each stage method plans memory once per call (or takes the ``plan`` of a caller that
+    runs several stages); :meth:`generate` plans once for all four.
 
     Args:
         transformer, text_encoder, vae: loaded components; any may be absent, and a stage that
             needs a missing one says so.
         kind: ``"distilled"`` (4 steps, no CFG), ``"base"`` (50 steps, CFG 4) or ``"kv"`` (Klein
-            9B-KV: distilled, references in KV mode); None: from the transformer's file name
-            ("base" -> base, "kv" as a word -> kv), else distilled. Weights cannot tell.
+            9B-KV: distilled, references in KV mode); None: from the transformer's file or folder
+            (:func:`~klein_core.request.guess_model_kind`), else distilled. Weights cannot tell.
         device: the compute device (default: where the transformer, else the first component, is).
         memory: ``"auto"`` plans placement for the free memory of ``device`` per call (all
             resident off CUDA); ``"resident"``, ``"swap"``, ``"blocks"`` or ``"minimum"`` force
@@ -348,9 +356,12 @@ class Engine:
         kv_cache: where KV-mode reference keys/values are kept across runs
             (:class:`~klein_core.kv.ReferenceKVCache`; None: computed anew every run).
         speed: put the transformer and the VAE on one of :data:`klein_core.accel.SPEEDS`
-            ("fast": best attention and fused kernels; "compile": also ``torch.compile``;
-            "plain": the reference path) before anything runs; None (default) leaves them as
-            they are. The nodes and the CLI pass "fast" unless told otherwise.
+            ("fast", "compile", "plain") before anything runs; None (default) leaves them as they are.
+        make_room: the host's hook ``make_room(nbytes, device)``, called once per plan before the free
+            memory is measured (:func:`~klein_core.memory.planner.plan_for`), so the host can unload
+            its own models; ComfyUI's nodes pass one.
+        check_cancel: called before each image a VAE stage encodes or decodes; raises to stop (the
+            denoising steps report through their ``callback``).
     """
 
     def __init__(
@@ -367,12 +378,16 @@ class Engine:
         ref_mode: str | None = None,
         kv_cache: ReferenceKVCache | None = default_kv_cache,
         speed: str | None = None,
+        make_room: MakeRoom | None = None,
+        check_cancel: Callable[[], object] | None = None,
     ) -> None:
         memory = "auto" if memory is None else memory
         if speed is not None:
             check_speed(speed)
         if not isinstance(memory, MemoryPlan) and memory not in MODES:
             raise ValueError(f"memory must be one of {MODES} or a MemoryPlan, got {memory!r}")
+        if kind is not None and kind not in MODEL_KINDS:
+            raise ValueError(f"kind must be one of {MODEL_KINDS} or None, got {kind!r}")
         check_compatible(transformer, text_encoder, vae)
         self.transformer = transformer
         self.text_encoder = text_encoder
@@ -392,6 +407,8 @@ class Engine:
         self.text = text
         self.ref_mode = reference_mode(self.kind, ref_mode)  # the explicit mode wins; else from the kind
         self.kv_cache = kv_cache
+        self.make_room = make_room
+        self.check_cancel = check_cancel
         if speed is not None:  # after every check: bad arguments leave the models untouched
             apply_speed(transformer, vae, speed)
 
@@ -403,7 +420,7 @@ class Engine:
             plan = self.memory
         else:
             plan = plan_for(request, self.transformer, self.text_encoder, self.vae, device=self.device,
-                            mode=self.memory)
+                            mode=self.memory, make_room=self.make_room)
             reason = plan.reason if plan.reason.startswith(plan.name) else f"{plan.name} ({plan.reason})"
             logger.info("memory mode %s -> %s", self.memory, reason)
         if not plan.fits:
@@ -419,6 +436,10 @@ class Engine:
         with placer.stage(component) as placed:
             yield placed
 
+    def _next_image(self) -> None:
+        if self.check_cancel is not None:
+            self.check_cancel()
+
     # -- stages ---------------------------------------------------------------------------------
 
     def _text_groups(self, prompts: Sequence[str], negative_prompt: str | None) -> tuple[list[list[str]], int]:
@@ -429,6 +450,12 @@ class Engine:
         if self.text.truncate or negative_prompt is None:  # one batch for both: every text is as long
             return [prompts + ([negative_prompt] if negative_prompt is not None else [])], len(prompts)
         return [prompts, [negative_prompt]], len(prompts)  # whole prompts: each its own length, as ComfyUI
+
+    def _text_width(self) -> int | None:
+        """The embeddings' width, when a loaded component says it (cache entries are checked against it)."""
+        if self.text_encoder is not None:
+            return self.text_encoder.config.text_dim
+        return self.transformer.config.context_dim if self.transformer is not None else None
 
     @staticmethod
     def _conditioning(embeds: list[torch.Tensor], n: int, negative: bool) -> Conditioning:
@@ -448,7 +475,7 @@ class Engine:
         if cache is None or identity is None:
             return None
         groups, n = self._text_groups(prompts, negative_prompt)
-        embeds = [cache.cached(identity, g, self.text) for g in groups]
+        embeds = [cache.cached(identity, g, self.text, width=self._text_width()) for g in groups]
         if any(e is None for e in embeds):
             return None
         return self._conditioning(embeds, n, negative_prompt is not None)  # type: ignore[arg-type]
@@ -461,51 +488,60 @@ class Engine:
         (at least 512; the negative prompt then has its own length). Cached prompts are not
         encoded again, and when every one is cached the encoder is not even placed."""
         groups, n = self._text_groups(prompts, negative_prompt)
-        if plan is None:
-            plan = self.plan(memory_request(1024, 1024, batch=sum(map(len, groups)), denoise=False, decode=False))
         cache = self.prompt_cache
         identity = identity_of(self.text_encoder, self.device) if self.text_encoder is not None else None
-        embeds = [cache.cached(identity, g, self.text) if cache is not None else None for g in groups]
+        embeds = [cache.cached(identity, g, self.text, width=self._text_width()) if cache is not None else None
+                  for g in groups]
         if any(e is None for e in embeds):  # the encoder is placed only when something is not cached
-            with self._stage("text_encoder", plan) as te:
-                embeds = [e if e is not None else
-                          encode_prompts(te, g, cache=cache, options=self.text, identity=identity)
-                          for e, g in zip(embeds, groups)]
-                for emb in embeds:
-                    check_output(emb, "The text encoder", te, _overflow_cause(emb.dtype))
+            if plan is None:
+                texts = [t for g in groups for t in g]
+                plan = self.plan(memory_request(1024, 1024, batch=len(texts), denoise=False, decode=False,
+                                                text_length=self.text.length(texts)))
+            with explain_oom("encoding the prompts", self.device, batch=sum(map(len, groups))):
+                with self._stage("text_encoder", plan) as te:
+                    embeds = [e if e is not None else
+                              encode_prompts(te, g, cache=cache, options=self.text, identity=identity)
+                              for e, g in zip(embeds, groups)]
+                    for emb in embeds:
+                        check_output(emb, "The text encoder", te, _overflow_cause(emb.dtype))
         return self._conditioning([e.to(self.device) for e in embeds], n, negative_prompt is not None)  # type: ignore[union-attr]
 
     def encode_references(self, images: Sequence[Image.Image | torch.Tensor], *,
-                          plan: MemoryPlan | None = None) -> list[torch.Tensor]:
-        """Stage 2: each reference VAE-encoded once, ``[1, 128, h, w]`` per image."""
-        images = [as_reference(img, i + 1) for i, img in enumerate(as_list(images, "references"))]
+                          plan: MemoryPlan | None = None, first: int = 1) -> list[torch.Tensor]:
+        """Stage 2: each reference VAE-encoded once, ``[1, 128, h, w]`` per image. ``first``: the
+        number of the first image in messages (``reference 3`` when two came before)."""
+        images = [as_reference(img, first + i) for i, img in enumerate(as_list(images, "references"))]
         if not images:
             return []
         if plan is None:
             sizes = reference_pixel_sizes(images, (), self.downscale)
             plan = self.plan(memory_request(1024, 1024, sizes, encode_text=False, denoise=False, decode=False))
-        with self._stage("vae", plan) as vae:
-            return encode_references(vae, images, tile=plan.vae_tile)
+        out = []
+        with explain_oom("encoding the references", self.device, n_refs=len(images)):
+            with self._stage("vae", plan) as vae:
+                for i, image in enumerate(images):
+                    self._next_image()
+                    out += encode_references(vae, [image], tile=plan.vae_tile, first=first + i)
+        return out
 
     def encode_pixels(self, pixels: torch.Tensor, *, plan: MemoryPlan | None = None) -> torch.Tensor:
         """VAE-encode images ``[B, 3, H, W]`` in [-1, 1] (H, W multiples of 16) to normalised latents
         ``[B, 128, H/16, W/16]``, one image at a time, tiled as the plan says."""
         if pixels.ndim != 4:
             raise ValueError(f"pixels must be [B, 3, H, W], got {list(pixels.shape)}")
+        h, w = pixels.shape[-2:]
         if plan is None:
-            h, w = pixels.shape[-2:]
             plan = self.plan(memory_request(1024, 1024, [(w, h)], encode_text=False, denoise=False, decode=False))
         require_finite(pixels, "the pixels to encode")
-        with self._stage("vae", plan) as vae:
-            latents = torch.cat([encode_in_tiles(vae, pixels[i : i + 1], plan.vae_tile) for i in range(len(pixels))])
-            check_output(latents, "The VAE encoder", vae, _overflow_cause(vae.dtype))
-        return latents
-
-    def resolve(self, settings: Settings, references: Sequence[torch.Tensor] = ()) -> Resolved:
-        """``settings`` with this engine's model-kind defaults and the size rules applied."""
-        first = reference_pixel_sizes((), references[:1], self.downscale)[0] if references else None
-        return resolve(settings, self.kind, first, multiple=self.downscale,
-                       size_from=size_source("reference 1", references[0]) if references else None)
+        latents = []
+        with explain_oom("encoding the image", self.device, w, h):
+            with self._stage("vae", plan) as vae:
+                for i in range(len(pixels)):
+                    self._next_image()
+                    latents.append(encode_in_tiles(vae, pixels[i : i + 1], plan.vae_tile))
+                out = torch.cat(latents)
+                check_output(out, "The VAE encoder", vae, _overflow_cause(vae.dtype))
+        return out
 
     def schedule(self, run: Resolved) -> torch.Tensor:
         """The sigmas ``[steps + 1]`` a run with these settings follows (for previews and progress)."""
@@ -522,7 +558,7 @@ class Engine:
         negative_prompt: bool = False,
     ) -> Resolved:
         """Every check of a denoising request, once, before any compute (see :func:`check_denoise_inputs`);
-        returns the resolved settings."""
+        returns the resolved settings (this engine's model-kind defaults and size rules applied)."""
         tr = self.transformer
         if tr is None:
             raise ValueError("denoising needs a transformer; none was given")
@@ -536,7 +572,9 @@ class Engine:
             run = resolve(settings, self.kind, size, multiple=self.downscale,
                           size_from=f"the init image latents ({size[0]}x{size[1]} px)")
         else:
-            run = self.resolve(settings, references)
+            first = reference_pixel_sizes((), references[:1], self.downscale)[0] if references else None
+            run = resolve(settings, self.kind, first, multiple=self.downscale,
+                          size_from=size_source("reference 1", references[0]) if references else None)
         check_denoise_inputs(tr.config, self.kind, conditioning, references, run, noise=noise, init=init,
                              negative_prompt=negative_prompt, downscale=self.downscale)
         return run
@@ -552,6 +590,7 @@ class Engine:
         plan: MemoryPlan | None = None,
         init: InitLatents | None = None,
         negative_prompt: bool = False,
+        ref_mode: str | None = None,
     ) -> tuple[torch.Tensor, Resolved]:
         """Stage 3: latents ``[P * batch, 128, H/16, W/16]`` from the prompts' embeddings and the
         encoded references; returns them with the resolved settings.
@@ -561,14 +600,21 @@ class Engine:
         ``init``: image-to-image / inpainting (:class:`InitLatents`): the size comes from its
         latents; the first ``int(steps * (1 - strength))`` steps are skipped (diffusers' rule).
         ``negative_prompt``: a negative prompt was given but not encoded (said once if unused).
+        ``ref_mode``: this call's reference mode (None: the engine's).
         Everything is checked first, once (:meth:`check_inputs`).
         """
         references = as_list(references, "reference_latents")
+        mode = self.ref_mode if ref_mode is None else reference_mode(self.kind, ref_mode)
         run = self.check_inputs(conditioning, references, settings, noise=noise, init=init,
                                 negative_prompt=negative_prompt)
+        if init is not None and init.as_reference and init.latents.shape[0] > 1:
+            logger.warning("the init image joins the references only as a single image; the %d images given only "
+                           "seed the noise", init.latents.shape[0])
+        references = with_init_reference(references, init)
         tr = self.transformer
         assert tr is not None  # check_inputs refused otherwise
         prompt = conditioning.positive
+        down = self.downscale
         n_images = prompt.shape[0] * run.batch_size
         with explain_oom("preparing the batch", self.device, run.width, run.height, n_images, len(references)):
             txt = prompt.repeat_interleave(run.batch_size, dim=0)
@@ -577,165 +623,164 @@ class Engine:
                 negative = conditioning.negative
                 neg = negative.expand(prompt.shape[0], -1, -1) if negative.shape[0] == 1 else negative
                 neg = neg.repeat_interleave(run.batch_size, dim=0)
-        down = self.downscale
         width, height = run.width, run.height
         if noise is not None:
             width, height = noise.shape[-1] * down, noise.shape[-2] * down
-        else:
-            with explain_oom("drawing the noise", self.device, width, height, txt.shape[0], len(references)):
-                noise = make_noise(run.seed, txt.shape[0], tr.config.in_channels, height // down, width // down)
         if len(references) > PUBLISHED_REFERENCE_LIMIT:
             logger.warning("%d references: Klein is published for at most %d", len(references),
                            PUBLISHED_REFERENCE_LIMIT)
-        refs = reference_tokens(list(references))
         if plan is None:
             sizes = reference_pixel_sizes((), references, down)
             plan = self.plan(memory_request(width, height, sizes, batch=txt.shape[0], cfg=run.cfg,
-                                            encode_text=False, decode=False, reference_kv=self.ref_mode == "kv",
+                                            encode_text=False, decode=False, reference_kv=mode == "kv",
                                             text_length=txt.shape[1]))
-        sigmas = get_schedule(run.steps, noise.shape[-1] * noise.shape[-2])  # = self.schedule(run) for seeded noise
-        image = mask = None
-        if init is not None:
-            sigmas = sigmas[run.steps - steps_to_run(run.steps, init.strength):]  # at least one step for strength > 0
-            image, mask = init.latents, init.mask
         with explain_oom("denoising", self.device, width, height, txt.shape[0] * (2 if run.cfg else 1),
                          len(references)):
+            if noise is None:
+                noise = make_noise(run.seed, txt.shape[0], tr.config.in_channels, height // down, width // down)
+            refs = reference_tokens(list(references))
+            sigmas = get_schedule(run.steps, noise.shape[-1] * noise.shape[-2])  # = self.schedule(run) for seeded noise
+            image = mask = None
+            if init is not None:
+                sigmas = sigmas[run.steps - steps_to_run(run.steps, init.strength):]  # >= 1 step for strength > 0
+                image, mask = init.latents, init.mask
             with self._stage("transformer", plan) as model:
                 ref_kv = None
-                if refs is not None and self.ref_mode == "kv":  # once per run, or from an earlier run
+                if refs is not None and mode == "kv":  # once per run, or from an earlier run
                     ref_kv = (self.kv_cache.get(model, refs) if self.kv_cache is not None
                               else model.reference_kv(refs.tokens, refs.ids))
                 latents = denoise(model, noise, txt, sigmas, neg_txt=neg, guidance=run.guidance, refs=refs,
-                                  callback=callback, image=image, mask=mask, ref_mode=self.ref_mode, ref_kv=ref_kv)
+                                  callback=callback, image=image, mask=mask, ref_mode=mode, ref_kv=ref_kv)
         check_output(latents, "The sampler", tr, _overflow_cause(tr.dtype))
         return latents, run
 
     def decode(self, latents: torch.Tensor, *, plan: MemoryPlan | None = None) -> torch.Tensor:
-        """Stage 4: pixels ``[B, 3, 16h, 16w]`` in [0, 1] (CPU float32). Decoded whole or in the
-        plan's tiles; if the device still runs out of memory, smaller tiles are tried in turn."""
+        """Stage 4: pixels ``[B, 3, H, W]`` in [0, 1] (CPU float32) from latents ``[B, 128, h, w]``,
+        one image at a time, tiled as the plan says; if the device still runs out of memory, smaller
+        tiles are tried in turn."""
+        down = self.downscale
+        width, height = latents.shape[-1] * down, latents.shape[-2] * down
         if plan is None:
-            down = self.downscale
-            plan = self.plan(memory_request(latents.shape[-1] * down, latents.shape[-2] * down,
-                                            batch=latents.shape[0], encode_text=False, denoise=False))
+            plan = self.plan(memory_request(width, height, encode_text=False, denoise=False))
         require_finite(latents, "the latents to decode")
-        tiles = [plan.vae_tile] + [t for t in TILE_SIDES if plan.vae_tile is None or t < plan.vae_tile]
-        with self._stage("vae", plan) as vae:
-            for i, tile in enumerate(tiles):
-                try:
-                    pixels = decode_to_pixels(vae, latents, tile=tile, clamp=False)
-                    check_output(pixels, "The VAE decoder", vae, _overflow_cause(vae.decoder_dtype))
-                    return pixels.clamp(0, 1)
-                except RuntimeError as exc:
-                    if not is_out_of_memory(exc) or i == len(tiles) - 1:
-                        raise
-                    release_failed_attempt(exc, self.device)
-                    del exc
-                    logger.warning("out of GPU memory decoding %s; retrying in tiles of %d latents",
-                                   "whole" if tile is None else f"in tiles of {tile}", tiles[i + 1])
+        frames = []
+        with explain_oom("VAE decoding", self.device, width, height):
+            with self._stage("vae", plan) as vae:
+                tile = plan.vae_tile
+                for i in range(latents.shape[0]):
+                    self._next_image()
+                    pixels, tile = self._decode_one(vae, latents[i : i + 1], tile)
+                    frames.append(pixels)
+        return torch.cat(frames)
+
+    def _decode_one(self, vae: Any, latents: torch.Tensor, tile: int | None) -> tuple[torch.Tensor, int | None]:
+        """One image decoded, and the tile size that worked (kept for the next image)."""
+        tiles = [tile] + [t for t in TILE_SIDES if tile is None or t < tile]
+        for i, tile in enumerate(tiles):
+            try:
+                pixels = decode_to_pixels(vae, latents, tile=tile, clamp=False)
+                check_output(pixels, "The VAE decoder", vae, _overflow_cause(vae.decoder_dtype))
+                return pixels.clamp(0, 1), tile
+            except RuntimeError as exc:
+                if not is_out_of_memory(exc) or i == len(tiles) - 1:
+                    raise
+                release_failed_attempt(exc, self.device)
+                del exc
+                logger.warning("out of GPU memory decoding %s; retrying in tiles of %d latents",
+                               "whole" if tile is None else f"in tiles of {tile}", tiles[i + 1])
         raise AssertionError("unreachable")
 
     # -- composition ----------------------------------------------------------------------------
 
-    def memory_request(self, request: GenerationRequest, *, encode_text: bool = True,
-                       init: InpaintInputs | None = None, text_length: int | None = None) -> MemoryRequest:
-        """What the planner needs to know about ``request``, worked out before anything runs.
-        ``text_length``: the prompt embeddings' length when they are given; else the length the
-        prompts are encoded at (512, or longer with ``TextOptions(max_tokens=None)``)."""
-        sizes = reference_pixel_sizes(request.references, (), self.downscale)
+    def memory_request(self, request: GenerationRequest, *, init: InpaintInputs | None = None) -> MemoryRequest:
+        """What the planner needs to know about ``request``, worked out before anything runs
+        (``init``: its init image, prepared)."""
+        sizes = reference_pixel_sizes(request.references, request.reference_latents, self.downscale)
         first = sizes[0] if sizes else None
-        size_from = size_source("reference 1", request.references[0]) if sizes else None
+        size_from = None
+        if request.reference_latents:
+            size_from = size_source("reference latent 1", request.reference_latents[0])
+        elif request.references:
+            size_from = size_source("reference 1", request.references[0])
         if init is not None:  # the image sets the size, and (as a reference) joins the sequence
             first = init.size
             size_from = size_source("the init image", init.original)
             sizes = ([init.size] if request.init.as_reference else []) + sizes  # type: ignore[union-attr]
         run = resolve(request.settings, self.kind, first, multiple=self.downscale, warn=False, size_from=size_from)
-        if text_length is None:
-            texts = [*request.prompts, *([request.negative_prompt] if run.cfg else [])]
-            text_length = self.text.length(texts)
+        cond = request.conditioning
+        if cond is not None:
+            text_length = max(e.shape[1] for e in (cond.positive, cond.negative) if e is not None)
+        else:
+            text_length = self.text.length([*request.prompts, *([request.negative_prompt] if run.cfg else [])])
+        mode = self.ref_mode if request.ref_mode is None else reference_mode(self.kind, request.ref_mode)
         return memory_request(run.width, run.height, sizes, batch=len(request.prompts) * run.batch_size,
-                              cfg=run.cfg, encode_text=encode_text, decode=request.output != "latent",
-                              reference_kv=self.ref_mode == "kv", text_length=text_length)
+                              cfg=run.cfg, encode_text=cond is None or (run.cfg and cond.negative is None),
+                              decode=request.output != "latent", reference_kv=mode == "kv",
+                              text_length=text_length)
 
     def generate(self, request: GenerationRequest, *, callback: StepCallback | None = None) -> GenerationResult:
-        """Run the four stages for ``request``; one memory plan covers them all."""
-        return self.run(request, callback=callback)
-
-    def run(
-        self,
-        request: GenerationRequest,
-        *,
-        callback: StepCallback | None = None,
-        conditioning: Conditioning | None = None,
-        reference_latents: Sequence[torch.Tensor] = (),
-        noise: torch.Tensor | None = None,
-    ) -> GenerationResult:
-        """:meth:`generate` with stages' results given instead of computed: ``conditioning``
-        (skips stage 1), already encoded ``reference_latents`` (put before ``request.references``)
-        and explicit starting ``noise``."""
-        timings: dict[str, float] = {}
-        request = replace(request, references=tuple(as_reference(r, i + 1) for i, r in enumerate(request.references)))
-        reference_latents = [check_tensor(lat, f"reference latent {i + 1}", 4)
-                             for i, lat in enumerate(as_list(reference_latents, "reference_latents"))]
-        init = request.init
-        prepared = None
+        """Run the four stages for ``request`` under one memory plan; stages whose result the request
+        carries (``conditioning``, ``reference_latents``) are skipped. ``callback(step, total,
+        latents)`` after each denoising step; return False to cancel."""
+        if not isinstance(request, GenerationRequest):
+            raise TypeError(f"request must be a GenerationRequest, got {type(request).__name__}")
+        cond = request.conditioning
+        if cond is None and self.text_encoder is None:
+            raise ValueError("pass a text_encoder, or prompt embeddings (conditioning)")
+        if (request.references or request.init is not None) and self.vae is None:
+            raise ValueError(f"{'references' if request.references else 'an init image'} need a vae to encode them")
+        init, prepared = request.init, None
         if init is not None:
-            if self.vae is None:
-                raise ValueError("an init image needs a vae to encode it")
             prepared = prepare_inpaint(init.image, init.mask, crop_padding=init.crop_padding, multiple=self.downscale)
-        given = None if conditioning is None else max(
-            e.shape[1] for e in (conditioning.positive, conditioning.negative) if e is not None)
-        memory = self.memory_request(request, encode_text=conditioning is None, init=prepared, text_length=given)
-        if reference_latents:
-            extra = tuple(reference_pixel_sizes((), reference_latents, self.downscale))
-            memory = replace(memory, references=_on_grid(extra) + memory.references)
+        memory = self.memory_request(request, init=prepared)
+        if cond is not None and memory.cfg and cond.negative is None and self.text_encoder is None:
+            raise ValueError("CFG needs a text_encoder for the negative prompt, or a negative embedding")
         plan = self.plan(memory)
-        unused_negative = bool(request.negative_prompt) and conditioning is None and not memory.cfg
-        t0 = time.perf_counter()
-        n_refs = len(reference_latents) + len(request.references)
-        if conditioning is None:
-            with explain_oom("encoding the prompts", self.device, memory.width, memory.height, memory.batch, n_refs):
-                conditioning = self.encode_prompts(request.prompts, request.negative_prompt if memory.cfg else None,
-                                                   plan=plan)
-        _sync(self.device)
-        timings["text"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        with explain_oom("encoding the references", self.device, memory.width, memory.height, 1, n_refs):
-            refs = list(reference_latents) + self.encode_references(request.references, plan=plan)
+        timings: dict[str, float] = {}
+        with _timed(timings, "text", self.device):
+            if cond is None:
+                cond = self.encode_prompts(request.prompts, request.negative_prompt if memory.cfg else None, plan=plan)
+            elif memory.cfg and cond.negative is None:
+                cond = Conditioning(cond.positive, self.encode_prompts([request.negative_prompt], plan=plan).positive)
+        with _timed(timings, "references", self.device):
+            given = list(request.reference_latents)
+            refs = given + self.encode_references(request.references, plan=plan, first=len(given) + 1)
             start = None
             if init is not None and prepared is not None:
                 image_latents = self.encode_pixels(prepared.pixels, plan=plan)
                 h, w = image_latents.shape[-2:]
                 mask = latent_mask(prepared.mask, h, w) if prepared.mask is not None else None
-                start = InitLatents(image_latents, init.resolved_strength, mask)
-                if init.as_reference:  # first, at time offset 10, as diffusers' Klein inpaint pipeline
-                    refs = [image_latents, *refs]
-        _sync(self.device)
-        timings["references"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        latents, run = self.denoise(conditioning, refs, request.settings, noise=noise, callback=callback, plan=plan,
-                                    init=start, negative_prompt=unused_negative)
-        _sync(self.device)
-        timings["denoise"] = time.perf_counter() - t0
-        ref_sizes = reference_pixel_sizes((), refs, self.downscale)
+                start = InitLatents(image_latents, init.resolved_strength, mask, as_reference=init.as_reference)
+        unused_negative = bool(request.negative_prompt) and request.conditioning is None and not memory.cfg
+        with _timed(timings, "denoise", self.device):
+            latents, run = self.denoise(cond, refs, request.settings, noise=request.noise, callback=callback,
+                                        plan=plan, init=start, negative_prompt=unused_negative,
+                                        ref_mode=request.ref_mode)
+        ref_sizes = reference_pixel_sizes((), with_init_reference(refs, start), self.downscale)
         width, height = latents.shape[-1] * self.downscale, latents.shape[-2] * self.downscale
         result = GenerationResult(latents, None, None, width, height, run.steps, run.guidance, run.seed, timings,
                                   ref_sizes)
         if request.output == "latent":
             return result
-        if self.vae is None:
-            raise ValueError("decoding needs a vae (or pass output='latent')")
-        t0 = time.perf_counter()
-        with explain_oom("VAE decoding", self.device, width, height, latents.shape[0], len(refs)):
+        with _timed(timings, "decode", self.device):
             result.pixels = self.decode(latents, plan=plan)
-        result.images = to_pil(result.pixels)
-        if prepared is not None and init is not None and (
-                prepared.box is not None or (prepared.original_mask is not None and init.composite)):
-            # back into the picture: the crop resized into its box; only masked pixels changed
-            result.images = [stitch(prepared.original, img, prepared.box, prepared.original_mask,
-                                    feather=init.feather, keep_unmasked=init.composite) for img in result.images]
-            result.width, result.height = result.images[0].size
-        timings["decode"] = time.perf_counter() - t0
+            result.images = to_pil(result.pixels)
+            if prepared is not None and init is not None and (
+                    prepared.box is not None or (prepared.original_mask is not None and init.composite)):
+                # back into the picture: the crop resized into its box; only masked pixels changed
+                result.images = [stitch(prepared.original, img, prepared.box, prepared.original_mask,
+                                        feather=init.feather, keep_unmasked=init.composite) for img in result.images]
+                result.width, result.height = result.images[0].size
         return result
+
+
+@contextlib.contextmanager
+def _timed(timings: dict[str, float], name: str, device: torch.device) -> Iterator[None]:
+    """``timings[name]``: the seconds the block took, the device's queued work included."""
+    t0 = time.perf_counter()
+    yield
+    _sync(device)
+    timings[name] = time.perf_counter() - t0
 
 
 def generate(
@@ -755,7 +800,7 @@ def generate(
     guidance: float | None = None,
     seed: int = 0,
     batch_size: int = 1,
-    distilled: bool | None = None,
+    kind: ModelKind | None = None,
     noise: torch.Tensor | None = None,
     callback: StepCallback | None = None,
     output: Literal["pil", "latent"] = "pil",
@@ -774,7 +819,8 @@ def generate(
     kv_cache: ReferenceKVCache | None = default_kv_cache,
     speed: str | None = None,
 ) -> GenerationResult:
-    """Generate images with FLUX.2 Klein (an :class:`Engine` run with keyword arguments).
+    """Generate images with FLUX.2 Klein: an :class:`Engine` and a :class:`GenerationRequest` built
+    from keyword arguments, then :meth:`Engine.generate`.
 
     Args:
         transformer, text_encoder, vae: loaded components (``load_transformer`` etc.). The text
@@ -788,45 +834,24 @@ def generate(
         width, height: output size in pixels; default from the first reference, else 1024.
         steps, guidance: default 4 / 1.0 (distilled) or 50 / 4.0 (base).
         seed: 0..2^64-1; noise is drawn on the CPU in float32 like ComfyUI's RandomNoise.
-        distilled: the model kind; None (default) reads it from the transformer's file name or
-            diffusers folder ("base" in it -> base model; Klein 9B-KV is recognised too), else
-            distilled. Weights cannot tell.
+        kind: "distilled", "base" or "kv" (Klein 9B-KV); None (default) reads it from the
+            transformer's file name or diffusers folder, else distilled. Weights cannot tell.
         noise: explicit starting latents ``[B, 128, H/16, W/16]`` instead of seeded noise.
         callback: ``callback(step, total, latents)`` after each step; return False to cancel
             (raises :class:`~klein_core.errors.GenerationCancelled`); exceptions it raises propagate.
         output: "pil" decodes to images; "latent" returns latents only.
-        memory: "auto" (default) plans placement for the free memory of ``device`` (everything
-            stays where it is off CUDA); "resident", "swap", "blocks" or "minimum" force one; a
-            :class:`~klein_core.memory.planner.MemoryPlan` is used as given. See :class:`Engine`.
-        device: the compute device (default: the transformer's).
-        text: how prompts are encoded (:class:`~klein_core.prompts.TextOptions`): cut at 512 tokens
-            in the model dtype (BFL, diffusers; the default), or ``COMFYUI_TEXT`` (whole prompts,
-            fp32 activations, as ComfyUI's own nodes).
+        cache, memory, device, text, ref_mode, kv_cache, speed: see :class:`Engine`.
         image, mask, strength, image_as_reference, mask_crop_padding, composite, feather:
             image-to-image (``image``, ``strength``) and inpainting (with ``mask``: white =
             repaint); see :class:`~klein_core.inpaint.InitImage`. The size comes from the image.
-        ref_mode, kv_cache: how references take part ("joint", "timestep_zero", "kv"; default from
-            the model kind) and where KV-mode reference keys/values are kept; see :class:`Engine`.
-        speed: "fast", "compile" or "plain" switches the transformer and VAE (in place) before the
-            run; None (default) runs them as they are. See :class:`Engine`.
     Returns:
         :class:`GenerationResult` with latents, images/pixels (if decoded) and per-stage timings.
     """
-    if distilled is not None and not isinstance(distilled, bool):
-        raise TypeError(f"distilled (the model kind) must be True, False or None, got {distilled!r}")
-    kind = None if distilled is None else ("distilled" if distilled else "base")
     engine = Engine(transformer, text_encoder, vae, kind=kind, device=device, memory=memory, prompt_cache=cache,
-                    text=text, ref_mode=ref_mode, kv_cache=kv_cache, speed=speed)
-    settings = Settings(width, height, steps, guidance, seed, batch_size)
+                    text=text, kv_cache=kv_cache, speed=speed)
     conditioning = None
     if prompt_embeds is not None:
         conditioning = Conditioning(prompt_embeds, negative_embeds)
-        prompt = [""] * prompt_embeds.shape[0]
-    elif text_encoder is None:
-        raise ValueError("pass a text_encoder, or prompt_embeds")
-    references = as_list(references, "references")
-    if references and vae is None:
-        raise ValueError("references need a vae to encode them")
     init = None
     if image is not None:
         init = InitImage(image, mask, strength, image_as_reference, mask_crop_padding, composite, feather)
@@ -838,17 +863,15 @@ def generate(
         if given:
             raise ValueError(f"{', '.join(given)} need{'s' if len(given) == 1 else ''} an image to start from "
                              "(image=)")
-    request = GenerationRequest(as_prompts(prompt), negative_prompt, tuple(references), settings, output, init)
-    run = resolve(settings, engine.kind, warn=False) if conditioning is not None else None
-    if conditioning is not None and run is not None and run.cfg and negative_embeds is None:
-        if text_encoder is None:
-            raise ValueError("CFG needs a text_encoder for the negative prompt, or negative_embeds")
-        conditioning = Conditioning(prompt_embeds, engine.encode_prompts([negative_prompt]).positive)
-    return engine.run(request, callback=callback, conditioning=conditioning,
-                      reference_latents=as_list(reference_latents, "reference_latents"), noise=noise)
+    request = GenerationRequest(
+        as_prompts(prompt) if conditioning is None or prompt else "", negative_prompt,
+        tuple(as_list(references, "references")), Settings(width, height, steps, guidance, seed, batch_size),
+        output, init, conditioning, tuple(as_list(reference_latents, "reference_latents")), noise, ref_mode)
+    return engine.generate(request, callback=callback)
 
 
 __all__ = [
-    "Conditioning", "Engine", "GenerationResult", "check_compatible", "decode_to_pixels", "encode_references",
-    "explain_oom", "generate", "reference_pixel_sizes", "release_failed_attempt",
+    "Engine", "GenerationResult", "InitLatents", "check_compatible", "check_denoise_inputs", "decode_to_pixels",
+    "encode_references", "explain_oom", "generate", "reference_pixel_sizes", "release_failed_attempt",
+    "with_init_reference",
 ]

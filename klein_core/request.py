@@ -247,14 +247,35 @@ def resolve(settings: Settings, kind: ModelKind, first_reference: tuple[int, int
 
 
 @dataclass(frozen=True)
-class GenerationRequest:
-    """One generation, as a user describes it (see :meth:`klein_core.engine.Engine.generate`).
+class Conditioning:
+    """Prompt embeddings ``positive [P, L, text_dim]`` and, for CFG, ``negative [1 or P, L, text_dim]``."""
 
-    ``prompt``: one prompt or several (each gets ``settings.batch_size`` images);
-    ``negative_prompt``: used by base models with guidance > 1; ``references``: PIL images (or
-    prepared ``[1, 3, H, W]`` tensors in [-1, 1]) to edit from; ``output``: "pil" decodes,
-    "latent" stops at the latents; ``init``: an image to start from, and a mask to repaint
-    (:class:`~klein_core.inpaint.InitImage`).
+    positive: torch.Tensor
+    negative: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return int(self.positive.shape[0])
+
+    def __post_init__(self) -> None:
+        check_tensor(self.positive, "the prompt embeddings", 3)
+        if self.negative is not None:
+            check_tensor(self.negative, "the negative prompt embeddings", 3)
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One generation, as a user describes it: the one way into :meth:`klein_core.engine.Engine.generate`.
+
+    ``prompt``: one prompt or several (each gets ``settings.batch_size`` images); may be left empty
+    when ``conditioning`` is given. ``negative_prompt``: used by base models with guidance > 1.
+    ``references``: PIL images (or prepared ``[1, 3, H, W]`` tensors in [-1, 1]) to edit from;
+    ``reference_latents``: references already VAE-encoded, ``[1, 128, h, w]`` each (placed before
+    ``references``). ``output``: "pil" decodes, "latent" stops at the latents. ``init``: an image to
+    start from, and a mask to repaint (:class:`~klein_core.inpaint.InitImage`).
+    ``conditioning``: prompt embeddings instead of prompts (stage 1 skipped; a base model with CFG
+    and no negative embedding still encodes ``negative_prompt``). ``noise``: the starting latents
+    ``[P * batch, 128, H/16, W/16]`` instead of seeded noise. ``ref_mode``: how references take
+    part for this request ("joint", "timestep_zero", "kv"; None: the engine's).
     """
 
     prompt: str | tuple[str, ...] = ""
@@ -263,24 +284,43 @@ class GenerationRequest:
     settings: Settings = Settings()
     output: Literal["pil", "latent"] = "pil"
     init: InitImage | None = None  # image-to-image / inpainting: where denoising starts
-
+    conditioning: Conditioning | None = None
+    reference_latents: tuple[torch.Tensor, ...] = ()
+    noise: torch.Tensor | None = None
+    ref_mode: str | None = None
 
     def __post_init__(self) -> None:
+        if self.conditioning is not None and not isinstance(self.conditioning, Conditioning):
+            raise TypeError(f"conditioning must be a Conditioning, got {type(self.conditioning).__name__}")
         prompts = self.prompts
         if not prompts:
             raise ValueError("prompt list is empty")
         for i, p in enumerate(prompts):
             if not isinstance(p, str):
                 raise TypeError(f"prompt {i + 1} must be a str, got {type(p).__name__}")
+        if self.conditioning is not None and self.prompt not in ("", ()) and len(prompts) != len(self.conditioning):
+            raise ValueError(f"{len(prompts)} prompt(s) but {len(self.conditioning)} prompt embedding(s) in "
+                             "conditioning: leave prompt empty when giving embeddings")
         if not isinstance(self.negative_prompt, str):
             raise TypeError(f"negative_prompt must be a str, got {type(self.negative_prompt).__name__}")
         if self.output not in OUTPUTS:
             raise ValueError(f"output must be one of {OUTPUTS}, got {self.output!r}")
         if self.init is not None and not isinstance(self.init, InitImage):
             raise TypeError(f"init must be an InitImage, got {type(self.init).__name__}")
+        if not isinstance(self.reference_latents, tuple):
+            raise TypeError(f"reference_latents must be a tuple of tensors, got {type(self.reference_latents).__name__}")
+        for i, lat in enumerate(self.reference_latents):
+            check_tensor(lat, f"reference latent {i + 1}", 4)
+        if self.noise is not None:
+            check_tensor(self.noise, "the given noise", 4)
+        if self.ref_mode is not None and self.ref_mode not in REFERENCE_MODES:
+            raise ValueError(f"ref_mode must be one of {REFERENCE_MODES} or None, got {self.ref_mode!r}")
 
     @property
     def prompts(self) -> tuple[str, ...]:
+        """The prompts; with ``conditioning`` and no prompt, one empty prompt per embedding."""
+        if self.conditioning is not None and self.prompt in ("", ()):
+            return ("",) * len(self.conditioning)
         return (self.prompt,) if isinstance(self.prompt, str) else tuple(self.prompt)
 
 
@@ -366,7 +406,7 @@ def as_prompts(prompt: str | Sequence[str]) -> tuple[str, ...]:
 
 __all__ = [
     "BASE_DEFAULTS", "DEFAULT_SIZE", "DISTILLED_DEFAULTS", "MAX_PIXELS", "MIN_SIDE", "MODEL_KINDS", "OUTPUTS",
-    "GenerationRequest", "ModelKind", "Resolved", "Settings", "as_device", "as_list", "as_prompts", "as_reference",
+    "Conditioning", "GenerationRequest", "ModelKind", "Resolved", "Settings", "as_device", "as_list", "as_prompts", "as_reference",
     "check_size", "check_tensor", "guess_model_kind", "indexed_device",
     "resolve", "resolve_size",
 ]

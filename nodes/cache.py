@@ -20,6 +20,7 @@ import os
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,16 +60,17 @@ def prompt_cache() -> kc.PromptCache:
         return prompts
     try:
         mb = float(os.environ.get(PROMPT_CACHE_MB_ENV, "") or PROMPT_CACHE_MB)
-        if not mb > 0:
+        if not (0 < mb < float("inf")):
             raise ValueError
     except ValueError:
         logger.warning("Klein: %s=%r is not a positive number of MiB; using %d", PROMPT_CACHE_MB_ENV,
                        os.environ.get(PROMPT_CACHE_MB_ENV), PROMPT_CACHE_MB)
         mb = PROMPT_CACHE_MB
     disk = prompts.disk
-    if disk is None or str(disk.folder) != str(Path(folder).expanduser()) or disk.max_bytes != int(mb * 2**20):
+    max_bytes = max(1 << 20, int(mb * 2**20))  # at least 1 MiB: a smaller bound holds no embedding
+    if disk is None or str(disk.folder) != str(Path(folder).expanduser()) or disk.max_bytes != max_bytes:
         try:
-            prompts.disk = kc.DiskPromptCache(Path(folder).expanduser(), max_bytes=int(mb * 2**20))
+            prompts.disk = kc.DiskPromptCache(Path(folder).expanduser(), max_bytes=max_bytes)
         except OSError as exc:
             logger.warning("Klein: the prompt cache folder %s=%s cannot be used (%s); caching in memory only",
                            PROMPT_CACHE_ENV, folder, exc.strerror or exc)
@@ -99,10 +101,10 @@ class ModelRef:
 
     __repr__ = __str__
 
-    def get(self, memory_required: int = 0) -> torch.nn.Module:
-        """The loaded model, on its device, with ``memory_required`` more bytes free there for its
-        activations (ComfyUI frees them); loaded or moved back on demand."""
-        return acquire(self, memory_required)
+    def get(self) -> torch.nn.Module:
+        """The loaded model, on its device; loaded or moved back on demand (the engine asks ComfyUI for
+        its activations' memory when it plans, through :func:`room_for`)."""
+        return acquire(self)
 
 
 def model_ref(role: str, path: str, name: str, device: torch.device, dtype: torch.dtype,
@@ -116,9 +118,9 @@ def weight_bytes(ref: ModelRef) -> int:
     return module_bytes(weightless(ref.path, ref.role, dtype=ref.dtype, quantize=ref.quantize))
 
 
-def acquire(ref: ModelRef, memory_required: int = 0) -> torch.nn.Module:
+def acquire(ref: ModelRef) -> torch.nn.Module:
     """Return the model for ``ref`` on ``ref.device``, loading it (and dropping the previous one of
-    its role) if needed; ComfyUI makes room for it and its activations first."""
+    its role) if needed; ComfyUI makes room for its weights first."""
     with _lock:
         held = _resident.get(ref.role)
         if held is None or held[0] != ref:
@@ -126,7 +128,7 @@ def acquire(ref: ModelRef, memory_required: int = 0) -> torch.nn.Module:
                 logger.info("Klein: dropping the %s %s for %s", ref.role, held[0].name, ref.name)
                 del _resident[ref.role], held
             device = torch.device(ref.device)
-            host.make_room(weight_bytes(ref) + memory_required, device)  # ComfyUI frees its models first
+            host.make_room(weight_bytes(ref), device)  # ComfyUI frees its models first
             t0 = time.perf_counter()
             extra = {"quantize": ref.quantize} if ref.quantize else {}
             model = LOADERS[ref.role](ref.path, device=ref.device, dtype=ref.dtype, **extra)
@@ -136,8 +138,27 @@ def acquire(ref: ModelRef, memory_required: int = 0) -> torch.nn.Module:
             logger.info("Klein: loaded %s %s on %s as %s in %.2fs", ref.role.replace("_", " "), ref.name,
                         ref.device, str(ref.dtype).removeprefix("torch."), time.perf_counter() - t0)
         _, model, handle = _resident[ref.role]
-        host.use_models([handle], memory_required)  # back on its device if ComfyUI offloaded it
+        host.use_models([handle])  # back on its device if ComfyUI offloaded it
         return model
+
+
+def room_for(refs: list) -> Callable[[int, torch.device], None]:
+    """The engine's ``make_room`` hook for a node run: ComfyUI frees ``nbytes`` on the device by
+    unloading other models, keeping the models of ``refs`` (model refs, or handles over one, such as
+    a LoRA's, with ``.base``) where they are."""
+    bases = []
+    for ref in refs:
+        while not isinstance(ref, ModelRef) and hasattr(ref, "base"):
+            ref = ref.base
+        bases.append(ref)
+
+    def make_room(nbytes: int, device: torch.device) -> None:
+        with _lock:
+            handles = [held[2] for ref in bases if isinstance(ref, ModelRef)
+                       and (held := _resident.get(ref.role)) is not None and held[0] == ref]
+        host.use_models(handles, nbytes)
+
+    return make_room
 
 
 def resident() -> dict[str, str]:

@@ -1,18 +1,20 @@
-"""Small helpers shared by the nodes: model files by folder, and errors that name the node input."""
+"""Small helpers shared by the nodes: model files by folder, errors that name the node input, and
+the engine a node runs (:func:`open_engine`)."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+import klein_core as kc
 from klein_core.files.identify import probe
-from klein_core.memory.planner import MemoryRequest, ModelSizes, estimate
 
-from . import host
+from . import cache, host
 
 logger = logging.getLogger(__name__)
 
@@ -99,9 +101,13 @@ def resize_image(images: torch.Tensor, width: int, height: int) -> torch.Tensor:
     return x.clamp(0, 1).movedim(1, -1).to(images.dtype)
 
 
-def activation_bytes(stage: str, request: MemoryRequest, **configs: object) -> int:
-    """klein_core's estimate of what ``stage`` ("text", "references", "denoise", "decode") needs beyond
-    its weights, from the components' configs: what a node asks ComfyUI to free before running."""
-    sizes = ModelSizes.from_configs(configs.get("transformer"), configs.get("text_encoder"), configs.get("vae"))
-    stage_estimate = estimate(request, sizes).stages.get(stage)
-    return stage_estimate.activations if stage_estimate is not None else 0
+def open_engine(node: str, models: Mapping[str, tuple[str, cache.ModelRef]], **engine_kw: Any) -> kc.Engine:
+    """The one way a node runs klein_core: load ``models`` (role -> (node input, model ref)), errors
+    named by node and input, and an :class:`~klein_core.Engine` over them whose memory plan (made once
+    per stage call) asks ComfyUI to make room through its model management."""
+    loaded = {}
+    for role, (input_name, ref) in models.items():
+        with errors_named(node, input_name, ref.name):
+            loaded[role] = ref.get()
+    refs = [ref for _, ref in models.values()]
+    return kc.Engine(**loaded, make_room=cache.room_for(refs), check_cancel=host.check_interrupt, **engine_kw)

@@ -8,14 +8,12 @@ import torch
 from comfy_api.latest import io
 
 import klein_core as kc
-from klein_core.loading import weightless
-from klein_core.memory.planner import MemoryRequest
 from klein_core.prompts import encoder_identity
 from klein_core.tokenizer import count_tokens
 from klein_core.variants import encoder_name
 
 from . import cache, host, notices
-from .common import activation_bytes, check_choices, check_widget, errors_named, model_file
+from .common import check_choices, check_widget, model_file, open_engine
 from .types import KleinConditioning, KleinCondType
 
 logger = logging.getLogger(__name__)
@@ -87,12 +85,8 @@ class KleinTextEncode(io.ComfyNode):
         if embeds is None:
             path = model_file(NODE, "text_encoder", "text_encoders", text_encoder, expect="text_encoder")
             ref = cache.model_ref("text_encoder", path, text_encoder, device, dtype)
-            with errors_named(NODE, "text_encoder", text_encoder):
-                request = MemoryRequest(batch=2, denoise=False, decode=False,
-                                        text_length=options.length([prompt, negative_prompt]))
-                encoder = ref.get(activation_bytes("text", request,
-                                                   text_encoder=weightless(path, "text_encoder").config))
-            engine = kc.Engine(text_encoder=encoder, device=device, prompt_cache=prompts, text=options)
+            engine = open_engine(NODE, {"text_encoder": ("text_encoder", ref)}, device=device, prompt_cache=prompts,
+                                 text=options)
             with notices.ignoring("klein_core.tokenizer"):  # cut prompts were reported above, by input name
                 embeds = engine.encode_prompts([prompt], negative_prompt)
         else:

@@ -55,9 +55,8 @@ class LoRAModelRef:
     def __str__(self) -> str:
         return f"{self.name} + " + " + ".join(f"{lora.name.rsplit('/', 1)[-1]}:{s:g}" for lora, s in self.loras)
 
-    def get(self, memory_required: int = 0) -> nn.Module:
-        # Any handle with get() works as the base; the pack's ModelRef also takes the memory to free.
-        model = self.base.get(memory_required) if memory_required else self.base.get()
+    def get(self) -> nn.Module:
+        model = self.base.get()  # any handle with get() works as the base
         patched = self._patched.get(model)
         if patched is None:
             patched = kc.with_loras(model, self.loras)

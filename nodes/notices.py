@@ -5,7 +5,8 @@
   the node (ComfyUI's progress text) and returned in the node's UI output under ``"warnings"``, so
   API clients find it in ``/history/<prompt_id>``. The server log keeps its line too.
 * Errors: messages that reach API clients carry file names, never absolute server paths (the
-  server log keeps the original exception as the cause).
+  server log keeps the original exception as the cause). Running out of memory gets the node's name and
+  the memory_mode hint, here for every node.
 
 Use :func:`reported` on a node's ``execute``.
 """
@@ -19,6 +20,8 @@ import re
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
+
+from klein_core.errors import KleinOutOfMemory
 
 from . import host
 
@@ -117,6 +120,16 @@ def _show_on_node(messages: list[str]) -> None:
     host.show_node_text("\n".join(f"\u26a0 {m}" for m in messages))
 
 
+OOM_HINT = "In Klein Model Loader, memory_mode blocks or minimum needs the least GPU memory."
+
+
+def _display_name(cls: type) -> str:
+    try:
+        return cls.define_schema().display_name or cls.__name__
+    except Exception:  # a schema that cannot be built here: the class name still says which node
+        return cls.__name__
+
+
 def reported(execute: Callable[..., Any]) -> Callable[..., Any]:
     """Decorate a V3 node's ``execute`` (under ``@classmethod``): warnings logged while it runs
     reach the user (node text and ``ui["warnings"]``); errors lose absolute paths."""
@@ -126,6 +139,8 @@ def reported(execute: Callable[..., Any]) -> Callable[..., Any]:
         with collecting() as messages:
             try:
                 out = execute(cls, *args, **kwargs)
+            except KleinOutOfMemory as exc:  # the engine explained it; the node says which widget helps
+                raise KleinOutOfMemory(f"{_display_name(cls)}: {scrub_paths(str(exc))} {OOM_HINT}") from exc
             except Exception as exc:
                 clean = _without_paths(exc)
                 if clean is None:

@@ -10,11 +10,10 @@ from comfy_api.latest import io, ui
 from PIL import Image
 
 import klein_core as kc
-from klein_core.images import PUBLISHED_REFERENCE_LIMIT, reference_size
-from klein_core.memory.planner import MemoryRequest
+from klein_core.images import PUBLISHED_REFERENCE_LIMIT
 
 from . import host, notices
-from .common import activation_bytes
+from .common import open_engine
 from .types import KleinReferences, KleinRefsType, KleinVAE, KleinVAEType, Reference
 
 logger = logging.getLogger(__name__)
@@ -40,17 +39,20 @@ def frames_to_pil(image: torch.Tensor) -> list[Image.Image]:
     return [Image.fromarray(np.ascontiguousarray(frame)) for frame in arr]  # L, LA, RGB or RGBA
 
 
-def encode_frame(engine: kc.Engine, pil: Image.Image, number: int) -> Reference:
-    """Preprocess like ``prepare_reference_image`` and VAE-encode once (``number`` counts in the stack)."""
+def encode_frames(engine: kc.Engine, frames: list[Image.Image], first: int) -> list[Reference]:
+    """Preprocess like ``prepare_reference_image`` and VAE-encode each frame once (one memory plan);
+    ``first`` is the number of the first frame in the stack."""
     try:
-        latent = engine.encode_references([pil])[0]
+        latents = engine.encode_references(frames, first=first)
     except ValueError as exc:
-        raise ValueError(f"{NODE}: image frame for ref {number}: {exc}. Use a larger or less elongated "
-                         f"image, or crop it first.") from exc
+        raise ValueError(f"{NODE}: image frame for {exc}. Use a larger or less elongated image, or crop it "
+                         "first.") from exc
     down = engine.downscale
-    w, h = pil.size
-    latent = latent.to(host.intermediate_device())
-    return Reference(latent, latent.shape[-1] * down, latent.shape[-2] * down, w, h)
+    out = []
+    for pil, latent in zip(frames, latents):
+        latent = latent.to(host.intermediate_device())
+        out.append(Reference(latent, latent.shape[-1] * down, latent.shape[-2] * down, *pil.size))
+    return out
 
 
 class KleinReferenceStacker(io.ComfyNode):
@@ -83,15 +85,8 @@ class KleinReferenceStacker(io.ComfyNode):
                 references: KleinReferences | None = None) -> io.NodeOutput:
         items = list(references.items) if references is not None else []
         frames = frames_to_pil(image)
-        largest = max(frames, key=lambda p: p.width * p.height)
-        size = reference_size(largest.width, largest.height)
-        request = MemoryRequest(references=(size,) if min(size) >= 16 else (), encode_text=False, denoise=False,
-                                decode=False)
-        vae_model = vae.ref.get(activation_bytes("references", request, vae=vae.config))
-        engine = kc.Engine(vae=vae_model, device=vae_model.device, speed=vae.speed)
-        for pil in frames:
-            host.check_interrupt()
-            items.append(encode_frame(engine, pil, len(items) + 1))
+        engine = open_engine(NODE, {"vae": ("vae", vae.ref)}, speed=vae.speed)
+        items += encode_frames(engine, frames, len(items) + 1)
         if len(items) > PUBLISHED_REFERENCE_LIMIT:
             logger.warning("%s: %d references; Klein is published for at most %d", NODE, len(items),
                            PUBLISHED_REFERENCE_LIMIT)

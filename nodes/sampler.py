@@ -10,17 +10,15 @@ import torch
 from comfy_api.latest import io
 
 import klein_core as kc
-from klein_core.engine import InitLatents, check_denoise_inputs
+from klein_core.engine import InitLatents, check_denoise_inputs, with_init_reference
 from klein_core.files.identify import matching_text_encoders
 from klein_core.inpaint import mask_for_latents, steps_to_run
-from klein_core.memory.planner import MemoryRequest
-from klein_core.request import reference_mode as pick_reference_mode
 from klein_core.request import resolve
 from klein_core.sampling import MAX_SEED
 from klein_core.variants import TextWidthMismatch, variant_for_text_width
 
 from . import cache, host, notices
-from .common import activation_bytes, check_widget, errors_named, flux2_samples
+from .common import check_widget, flux2_samples, open_engine
 from .encode import NODE as ENCODER_NODE
 from .preview import StepReporter
 from .types import (
@@ -55,9 +53,10 @@ def encoder_mismatch(model: KleinModel, cond: KleinConditioning, exc: TextWidthM
                         model=f"the model {model.name} ({model.config.variant})")
 
 
-def start_from(latent: dict | None, mask: torch.Tensor | None, denoise: float,
-               channels: int) -> InitLatents | None:
-    """The sampler's optional latent / mask / denoise inputs as klein_core InitLatents (None: from noise)."""
+def init_from_latent(latent: dict | None, mask: torch.Tensor | None, denoise: float, channels: int,
+                     as_reference: bool) -> InitLatents | None:
+    """The sampler's optional latent / mask / denoise / latent_as_reference inputs as klein_core
+    InitLatents (None: from noise)."""
     if latent is None:
         if mask is not None:
             raise ValueError(f"{NODE}: mask needs latent: connect the image to inpaint through Flux2 VAE Encode "
@@ -74,7 +73,7 @@ def start_from(latent: dict | None, mask: torch.Tensor | None, denoise: float,
             raise ValueError(f"{NODE}: mask: {exc}.") from exc
     if not isinstance(denoise, (int, float)) or not math.isfinite(denoise) or not 0 < denoise <= 1:
         raise ValueError(f"{NODE}: denoise must be a number from 0.01 to 1, got {denoise!r}.")
-    return InitLatents(samples.float(), float(denoise), lat_mask)
+    return InitLatents(samples.float(), float(denoise), lat_mask, as_reference=bool(as_reference))
 
 
 def settings(width: int, height: int, steps: int, guidance: float, seed: int, batch_size: int) -> kc.Settings:
@@ -158,13 +157,7 @@ class KleinSampler(io.ComfyNode):
                 latent_as_reference: bool = True, reference_mode: str = "auto") -> io.NodeOutput:
         check_widget(NODE, "reference_mode", reference_mode, REFERENCE_MODES)
         refs = [r.latent for r in references.items] if references is not None else []
-        init = start_from(latent, mask, denoise, model.config.in_channels)
-        if init is not None and latent_as_reference:
-            if init.latents.shape[0] == 1:
-                refs = [init.latents, *refs]  # first, at time offset 10, as diffusers' Klein inpainting
-            else:
-                logger.warning("%s: latent_as_reference needs a single image; the %d images in latent only seed "
-                               "the noise", NODE, init.latents.shape[0])
+        init = init_from_latent(latent, mask, denoise, model.config.in_channels, latent_as_reference)
         if init is not None and (width or height):
             raise ValueError(f"{NODE}: width/height: the output takes the size of latent "
                              f"({init.latents.shape[-1] * 16}x{init.latents.shape[-2] * 16}); set both to 0.")
@@ -181,33 +174,21 @@ class KleinSampler(io.ComfyNode):
             raise ValueError(f"{NODE}: width/height: {exc} Set both to 0 to use the first reference's size "
                              f"(1024x1024 without references).") from exc
         negative = conditioning.negative if run.cfg else None
+        cond = kc.Conditioning(conditioning.positive, negative)
         try:  # the engine's one check, before the model is loaded: a mismatch costs no load
-            check_denoise_inputs(model.config, model.kind, kc.Conditioning(conditioning.positive, negative), refs,
-                                 run, init=init, negative_prompt=conditioning.has_negative)
+            check_denoise_inputs(model.config, model.kind, cond, refs, run, init=init,
+                                 negative_prompt=conditioning.has_negative)
         except TextWidthMismatch as exc:
             raise ValueError(str(encoder_mismatch(model, conditioning, exc))) from None  # as ComfyUI shows it
-        ref_mode = pick_reference_mode(model.kind, REFERENCE_MODES[reference_mode])
-        request = MemoryRequest(run.width, run.height, references=tuple((r.shape[-1] * 16, r.shape[-2] * 16)
-                                                                         for r in refs),
-                                batch=run.batch_size, cfg=run.cfg, encode_text=False, decode=False,
-                                reference_kv=ref_mode == "kv", text_length=max(
-                                    e.shape[1] for e in (conditioning.positive, conditioning.negative)
-                                    if e is not None))
-        with errors_named(NODE, "model", model.name):  # ComfyUI frees what the run needs first
-            transformer = model.ref.get(activation_bytes("denoise", request, transformer=model.config))
-        engine = kc.Engine(transformer, kind=model.kind, device=host.torch_device(), memory=model.memory,
-                           prompt_cache=None, ref_mode=ref_mode, kv_cache=cache.kv, speed=model.speed)
+        engine = open_engine(NODE, {"transformer": ("model", model.ref)}, kind=model.kind, device=host.torch_device(),
+                             memory=model.memory, prompt_cache=None, ref_mode=REFERENCE_MODES[reference_mode],
+                             kv_cache=cache.kv, speed=model.speed)
         logger.info("%s: %s %dx%d, %d steps, guidance %.2f, seed %d, batch %d, %d reference(s) (%s)", NODE,
-                    model.kind, run.width, run.height, run.steps, run.guidance, run.seed, run.batch_size, len(refs),
-                    engine.ref_mode)
+                    model.kind, run.width, run.height, run.steps, run.guidance, run.seed, run.batch_size,
+                    len(with_init_reference(refs, init)), engine.ref_mode)
         kv_hits = cache.kv.hits
-        try:
-            total = steps_to_run(run.steps, init.strength) if init is not None else run.steps
-            latents, _ = engine.denoise(kc.Conditioning(conditioning.positive, negative), refs, run,
-                                        callback=StepReporter(total, host.torch_device()), init=init)
-        except kc.KleinOutOfMemory as exc:
-            raise kc.KleinOutOfMemory(f"{NODE}: {exc} Lower width/height, use fewer references or a smaller "
-                                      "batch, or set memory_mode to blocks/minimum.") from None
+        total = steps_to_run(run.steps, init.strength) if init is not None else run.steps
+        latents, _ = engine.denoise(cond, refs, run, callback=StepReporter(total, host.torch_device()), init=init)
         if cache.kv.hits > kv_hits:
             logger.info("%s: reference keys/values reused from the previous run (reference pass skipped)", NODE)
         return io.NodeOutput({"samples": latents.to(host.intermediate_device(), torch.float32)})

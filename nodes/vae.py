@@ -7,12 +7,10 @@ import logging
 import torch
 from comfy_api.latest import io
 
-import klein_core as kc
 from klein_core.inpaint import processing_size
-from klein_core.memory.planner import MemoryRequest
 
 from . import host, notices
-from .common import activation_bytes, check_widget, flux2_samples, resize_image
+from .common import check_widget, flux2_samples, open_engine, resize_image
 from .types import KleinVAE, KleinVAEType
 
 logger = logging.getLogger(__name__)
@@ -51,16 +49,8 @@ class KleinVAEDecode(io.ComfyNode):
         latents = flux2_samples(samples, vae.config.latent_channels, DECODE_NODE, "samples",
                                 " (connect Klein Sampler or another FLUX.2 latent; SD, SDXL and FLUX.1 latents "
                                 "need their own VAE and VAE Decode)")
-        down = vae.config.downscale
-        request = MemoryRequest(latents.shape[-1] * down, latents.shape[-2] * down, encode_text=False,
-                                denoise=False)
-        model = vae.ref.get(activation_bytes("decode", request, vae=vae.config))  # one frame at a time
-        engine = kc.Engine(vae=model, device=model.device, speed=vae.speed)
-        frames = []
-        for i in range(latents.shape[0]):  # one at a time: decoding memory grows with the batch
-            host.check_interrupt()
-            frames.append(engine.decode(latents[i:i + 1]))  # tiles if the device runs short
-        image = torch.cat(frames).permute(0, 2, 3, 1).contiguous()
+        engine = open_engine(DECODE_NODE, {"vae": ("vae", vae.ref)}, speed=vae.speed)
+        image = engine.decode(latents).permute(0, 2, 3, 1).contiguous()  # one image at a time, tiled if short
         return io.NodeOutput(image.to(host.intermediate_device()))
 
 
@@ -98,8 +88,6 @@ class KleinVAEEncode(io.ComfyNode):
         else:
             px = center_crop(pixels, down)
         rgb = px[..., :3] if px.shape[-1] >= 3 else px[..., :1].expand(*px.shape[:-1], 3)  # gray -> RGB
-        request = MemoryRequest(references=((px.shape[2], px.shape[1]),), encode_text=False, denoise=False,
-                                decode=False)
-        model = vae.ref.get(activation_bytes("references", request, vae=vae.config))
-        latents = kc.Engine(vae=model, device=model.device, speed=vae.speed).encode_pixels(rgb.permute(0, 3, 1, 2).float() * 2 - 1)
+        engine = open_engine(ENCODE_NODE, {"vae": ("vae", vae.ref)}, speed=vae.speed)
+        latents = engine.encode_pixels(rgb.permute(0, 3, 1, 2).float() * 2 - 1)
         return io.NodeOutput({"samples": latents.to(host.intermediate_device(), torch.float32)})

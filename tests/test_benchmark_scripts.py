@@ -41,4 +41,4 @@ def test_profile_run_reports_stages_and_host_profile(tmp_path):
     stages = report["unprofiled"]["engine_stages_ms"]
     assert set(stages) >= {"text", "denoise", "decode"} and all(v > 0 for k, v in stages.items() if k != "references")
     assert report["wall_ms"] > 0 and report["gpu_busy_ms"] == 0  # no CUDA kernels on the CPU
-    assert any("engine.py" in line and "run" in line for line in report["cprofile_cumulative"])
+    assert any("engine.py" in line and "(generate)" in line for line in report["cprofile_cumulative"])

@@ -84,18 +84,18 @@ def test_unused_negative_prompt_is_told_once_per_run(tiny, caplog, how):
         kc.generate(tr, te, **kw)
     assert _ignored(caplog) == ["the negative prompt is not used: distilled Klein models run without CFG (for a "
                                 "base model: model_kind base on the loader node, --base in the CLI, "
-                                "distilled=False in Python)"]
+                                "kind='base' in Python)"]
 
 
 def test_negative_prompt_unused_by_a_base_model_at_guidance_1(tiny, caplog):
     tr, te, _ = tiny
     with caplog.at_level(logging.WARNING):
-        kc.generate(tr, te, prompt="x", negative_prompt="blurry", distilled=False, guidance=1.0, width=64,
+        kc.generate(tr, te, prompt="x", negative_prompt="blurry", kind="base", guidance=1.0, width=64,
                     height=64, steps=1, output="latent")
     assert _ignored(caplog) == ["the negative prompt is not used: guidance 1 is not above 1"]
     caplog.clear()
     with caplog.at_level(logging.WARNING):
-        kc.generate(tr, te, prompt="x", negative_prompt="blurry", distilled=False, guidance=2.0, width=64,
+        kc.generate(tr, te, prompt="x", negative_prompt="blurry", kind="base", guidance=2.0, width=64,
                     height=64, steps=1, output="latent")
     assert not _ignored(caplog)
 

@@ -255,7 +255,7 @@ def test_kv_file_runs_in_kv_mode(models, tmp_path):
                    str(p["vae"]), "--prompt", "x", "--ref", str(ref), "--steps", "2", "--out", str(out), "-q"])
     assert rc == 0
     meta = json.loads(Image.open(out).text["parameters"])
-    assert meta["ref_mode"] == "kv" and meta["model_kind"] == "distilled" and meta["guidance"] == 1.0
+    assert meta["ref_mode"] == "kv" and meta["model_kind"] == "kv" and meta["guidance"] == 1.0
 
 
 def test_gguf_and_quantize_from_the_command_line(models, tmp_path):

@@ -96,7 +96,7 @@ def test_inpaint_base_model_with_cfg(components, parity):
                         num_inference_steps=4, guidance_scale=3.0, prompt_embeds=emb, negative_prompt_embeds=neg,
                         output_type="latent")
     res = kc.generate(ours_tr, None, ours_vae, prompt_embeds=emb, negative_embeds=neg, image=image, mask=mask,
-                      steps=4, guidance=3.0, seed=2, distilled=False, output="latent")
+                      steps=4, guidance=3.0, seed=2, kind="base", output="latent")
     diff = parity("inpaint pipeline fp32, base model CFG 3", _diff(res, ref))
     assert diff <= TOL, diff
 

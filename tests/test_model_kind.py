@@ -162,7 +162,7 @@ def test_cli_runs_a_diffusers_kv_folder_in_kv_mode(files, tmp_path):
     paths, repo, _ = files
     assert cli.main(_args(paths, repo / "transformer", tmp_path)) == 0
     meta = json.loads(Image.open(tmp_path / "o.png").text["parameters"])
-    assert meta["ref_mode"] == "kv" and meta["model_kind"] == "distilled" and meta["guidance"] == 1.0
+    assert meta["ref_mode"] == "kv" and meta["model_kind"] == "kv" and meta["guidance"] == 1.0
 
 
 @pytest.mark.parametrize("where, extra, distilled, ref_mode", [
@@ -185,4 +185,4 @@ def test_cli_choices_for_a_diffusers_kv_folder(files, tmp_path, monkeypatch, whe
     monkeypatch.setattr(cli, "generate", generate)
     with pytest.raises(_Stop):
         cli.main(_args(paths, source, tmp_path, *extra))
-    assert seen["distilled"] is distilled and seen["ref_mode"] == ref_mode
+    assert seen["kind"] == ("kv" if distilled else "base") and seen["ref_mode"] == ref_mode

@@ -330,7 +330,7 @@ def test_reference_stacker_batches_and_chaining(comfy):
 def test_reference_stacker_error_names_the_node_and_reference(comfy):
     _, vae = _load(comfy)
     refs, _ = _stack(comfy, _as_loadimage(_random_image(96, 96)), vae)
-    with pytest.raises(ValueError, match=r"Klein Reference Stacker: image frame for ref 2: .*at least 64 px"):
+    with pytest.raises(ValueError, match=r"Klein Reference Stacker: image frame for reference 2: .*at least 64 px"):
         _stack(comfy, torch.rand(1, 40, 40, 3), vae, refs)
     with pytest.raises(ValueError, match=r"Klein Reference Stacker: image must be an IMAGE"):
         _stack(comfy, torch.rand(1, 64, 64, 5), vae)
@@ -570,10 +570,37 @@ def test_loads_ask_comfy_for_memory_first(comfy, monkeypatch):
     assert weights == module_bytes(model.ref.get())  # the header-only estimate is the real size
     real = [e for e in events if e[0] != "load" or e[2] != "meta"]  # header-only (meta) builds read no data
     assert real[:2] == [("make_room", weights, "cpu"), ("load", "transformer", "cpu")]
+    cond = _encode(comfy, "a tower")
+    engines = []
+    real_engine = kc.Engine
+    monkeypatch.setattr(kc, "Engine", lambda *a, **k: engines.append(real_engine(*a, **k)) or engines[-1])
+    _sample(comfy, model, cond, width=128, height=96)
+    (engine,) = engines
+    # The engine asks ComfyUI for its activations' memory when it plans (on CUDA; this host is a CPU):
+    # through load_models_gpu with the sampler's own model, so ComfyUI frees others and keeps it.
     events.clear()
-    _sample(comfy, model, _encode(comfy, "a tower"), width=128, height=96)
-    sampler_use = [e for e in events if e[0] == "use_models"][-1]
-    assert sampler_use[1] > 0  # the sampler asked ComfyUI for its activation memory too
+    engine.make_room(12345, torch.device("cpu"))
+    assert events == [("use_models", 12345)]
+    assert engine.check_cancel is comfy.host.check_interrupt
+
+
+def test_each_node_run_plans_memory_once(comfy, monkeypatch):
+    import klein_core.memory.planner as planner
+
+    model, vae = _load(comfy)
+    _encode(comfy, "warm up")
+    estimates = []
+    real = planner.estimate
+    monkeypatch.setattr(planner, "estimate", lambda *a, **k: estimates.append(1) or real(*a, **k))
+    cond = _encode(comfy, "a tower at dusk")  # not cached: the encoder runs
+    assert len(estimates) == 1
+    refs, _ = _stack(comfy, torch.cat([_as_loadimage(_random_image(96, 96, seed=s)) for s in (1, 2)]), vae)
+    assert len(estimates) == 2  # two frames, one plan
+    latents = _sample(comfy, model, cond, width=128, height=96, references=refs)
+    assert len(estimates) == 3
+    with torch.inference_mode():
+        comfy.vae.KleinVAEDecode.execute({"samples": torch.cat([latents] * 2)}, vae)
+    assert len(estimates) == 4  # two images, one plan
 
 
 @pytest.mark.parametrize("mode", ["resident", "swap", "blocks", "minimum"])

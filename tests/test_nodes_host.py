@@ -285,6 +285,21 @@ def test_unusable_prompt_cache_folder_is_a_warning_not_a_failure(comfy, tmp_path
     assert all(str(tmp_path) not in w for w in _warnings(out))
 
 
+
+@pytest.mark.parametrize("value", ["0", "-5", "nan", "inf", "lots", "1e-9"])
+def test_prompt_cache_size_setting_never_breaks_the_encoder(comfy, tmp_path, monkeypatch, value):  # noqa: F811
+    monkeypatch.setenv("KLEIN_PROMPT_CACHE", str(tmp_path / "prompt_cache"))
+    monkeypatch.setenv("KLEIN_PROMPT_CACHE_MB", value)
+    out = _encode_out(comfy, "a kite over dunes")
+    assert out.args[0].positive.shape == (1, 512, 96)
+    disk = comfy.cache.prompt_cache().disk
+    if value == "1e-9":  # a positive size too small to hold anything: the smallest usable bound
+        assert disk.max_bytes == 1 << 20 and not _warnings(out)
+    else:
+        assert disk.max_bytes == comfy.cache.PROMPT_CACHE_MB << 20
+        assert any("KLEIN_PROMPT_CACHE_MB" in w and "not a positive number" in w for w in _warnings(out))
+
+
 # ----- image to image and inpainting in the nodes ------------------------------------------------------
 
 

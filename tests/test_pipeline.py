@@ -215,7 +215,7 @@ def test_defaults_and_bad_arguments(tiny, caplog):
     tr, te, vae = tiny
     kw = dict(prompt="x", width=64, height=64, output="latent")
     assert kc.generate(tr, te, vae, **kw).steps == 4
-    base = kc.generate(tr, te, vae, distilled=False, steps=1, **kw)
+    base = kc.generate(tr, te, vae, kind="base", steps=1, **kw)
     assert base.guidance == 4.0
     with caplog.at_level(logging.WARNING):
         kc.generate(tr, te, vae, guidance=3.0, negative_prompt="bad", steps=1, **kw)

@@ -93,7 +93,7 @@ def test_distilled_text_to_image(components, parity):
     noise = make_noise(42, 1, 4 * LATENT_CH, h // 4, w // 4)
     ref = _run_reference(_pipe(tr, vae, True), prompt_embeds=emb, width=w, height=h, num_inference_steps=4,
                          guidance_scale=1.0, latents=noise)
-    res = generate(ours_tr, None, ours_vae, prompt_embeds=emb, width=w, height=h, seed=42, distilled=True,
+    res = generate(ours_tr, None, ours_vae, prompt_embeds=emb, width=w, height=h, seed=42, kind="distilled",
                    output="latent")
     ours = pack(res.latents)
     diff = parity("pipeline fp32, distilled t2i", (ours - ref).abs().max().item())
@@ -109,12 +109,12 @@ def test_base_cfg_with_negative_prompt_batched(components, parity):
     ref = _run_reference(_pipe(tr, vae, False), prompt_embeds=emb, negative_prompt_embeds=neg, width=w, height=h,
                          num_inference_steps=5, guidance_scale=4.0, latents=noise, num_images_per_prompt=2)
     res = generate(ours_tr, None, ours_vae, prompt_embeds=emb, negative_embeds=neg, width=w, height=h, seed=7,
-                   steps=5, guidance=4.0, batch_size=2, distilled=False, output="latent")
+                   steps=5, guidance=4.0, batch_size=2, kind="base", output="latent")
     diff = parity("pipeline fp32, base CFG + negative, batch 2", (pack(res.latents) - ref).abs().max().item())
     assert diff <= 1e-4, f"base CFG: max abs diff {diff:.3e}"
     # and CFG really changed the result (guards against the negative branch being dropped)
     plain = generate(ours_tr, None, ours_vae, prompt_embeds=emb, width=w, height=h, seed=7, steps=5,
-                     guidance=1.0, batch_size=2, distilled=False, output="latent")
+                     guidance=1.0, batch_size=2, kind="base", output="latent")
     assert (plain.latents - res.latents).abs().max().item() > 1e-2
 
 

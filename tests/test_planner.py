@@ -433,9 +433,53 @@ def test_engine_tells_the_planner_the_prompt_length():
     base = kc.Engine(tr, te, vae, kind="base", prompt_cache=None, text=kc.COMFYUI_TEXT)
     cfg = kc.GenerationRequest(prompt="a fox", negative_prompt=long_prompt)  # the negative is the longer one
     assert base.memory_request(cfg).text_length == n
-    assert default.memory_request(req, text_length=700).text_length == 700  # given embeddings
+    given = kc.GenerationRequest(conditioning=kc.Conditioning(torch.zeros(1, 700, tr.config.context_dim)))
+    assert default.memory_request(given).text_length == 700  # given embeddings: their length
+    assert not default.memory_request(given).encode_text  # and no text stage
     sizes = ModelSizes.from_modules(tr, te, vae)
     longer = estimate(whole.memory_request(req), sizes).stages
     shorter = estimate(default.memory_request(req), sizes).stages
     assert longer["text"].activations > shorter["text"].activations
     assert longer["denoise"].activations > shorter["denoise"].activations
+
+
+def _fake_cuda(monkeypatch, free: list[int]) -> None:
+    """A CUDA device 0 whose driver reports ``free[0]`` bytes free (read at each query)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free[0], 80 << 30))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 0)
+
+
+def test_the_host_is_asked_to_make_room_once_before_the_free_memory_is_measured(monkeypatch):
+    from klein_core.memory.planner import DEFAULT_RESERVE_BYTES, ModelSizes, plan_for
+
+    import klein_core as kc
+
+    tr, te, vae = demo.build_tiny_components()
+    req = MemoryRequest(256, 256, batch=1, text_length=512)
+    fastest = choose_plan(estimate(req, ModelSizes.from_modules(tr, te, vae)), 1 << 62)
+    free = [64 << 20]  # a host's own models hold the rest
+    _fake_cuda(monkeypatch, free)
+    assert not plan_for(req, tr, te, vae, device="cuda").fits  # without the hook nothing fits
+
+    calls = []
+
+    def make_room(nbytes: int, device: torch.device) -> None:
+        calls.append((nbytes, device))
+        free[0] += nbytes  # the host unloads its models
+
+    plan = plan_for(req, tr, te, vae, device="cuda", make_room=make_room)
+    # the components are on the CPU, so the fastest plan's whole peak (weights too) is asked for
+    assert calls == [(fastest.peak_bytes + DEFAULT_RESERVE_BYTES, torch.device("cuda"))]
+    assert plan.fits and plan.name == "resident" and plan.free_bytes == free[0]
+
+    calls.clear()
+    free[0] = 64 << 20
+    engine = kc.Engine(tr, te, vae, prompt_cache=None, make_room=make_room)
+    engine.device = torch.device("cuda", 0)  # planned as if on the (fake) GPU; nothing runs
+    assert engine.plan(req).fits and len(calls) == 1
+    calls.clear()
+    kc.Engine(tr, te, vae, prompt_cache=None, make_room=make_room).plan(req)  # on the CPU: nothing to free
+    assert calls == []

@@ -180,7 +180,7 @@ def test_generate_inputs_property(tiny, width, height, steps, guidance, seed, di
     ValueError/TypeError before any compute; never an obscure error or garbage."""
     tr, te, vae = tiny
     kw = dict(prompt="p", width=width, height=height, steps=steps, guidance=guidance, seed=seed,
-              distilled=distilled, output="latent")
+              kind="distilled" if distilled else "base", output="latent")
     w = 1024 if width is None else width
     h = 1024 if height is None else height
     ok = (

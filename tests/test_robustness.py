@@ -136,7 +136,7 @@ INPUT_SITES = {  # input -> (generate keyword arguments that carry it, words the
     "reference latents": (lambda bad: {"reference_latents": [bad(torch.zeros(1, 128, 4, 4))]}, "reference latent 1"),
     "noise": (lambda bad: {"noise": bad(torch.zeros(1, 128, 4, 4))}, "the given noise"),
     "prompt embeddings": (lambda bad: {"prompt_embeds": bad(torch.zeros(1, 512, 96))}, "the prompt embeddings"),
-    "negative embeddings": (lambda bad: {"prompt_embeds": torch.zeros(1, 512, 96), "distilled": False,
+    "negative embeddings": (lambda bad: {"prompt_embeds": torch.zeros(1, 512, 96), "kind": "base",
                                          "negative_embeds": bad(torch.zeros(1, 512, 96))},
                             "the negative prompt embeddings"),
 }
@@ -219,7 +219,7 @@ def test_a_batch_too_large_for_the_host_is_out_of_memory(tiny, reference, batch)
 
 @pytest.mark.parametrize("option,value,words", [
     ("memory", "bogus", "memory must be one of"), ("output", "Latent", "output must be one of"),
-    ("memory", 3, "memory must be one of"), ("distilled", "yes", "model kind"),
+    ("memory", 3, "memory must be one of"), ("kind", "yes", "kind must be one of"),
 ])
 def test_options_are_checked(tiny, option, value, words):
     with pytest.raises((ValueError, TypeError), match=words):

@@ -302,7 +302,7 @@ def test_reference_modes(model, parity, ref_mode, bound):
 
 def test_through_generate_with_a_base_model(parity):
     tr, te, vae = _smooth_in_time(tiny_transformer()), tiny_text_encoder(), tiny_vae()
-    kw = dict(prompt="a fox", negative_prompt="", width=64, height=64, steps=20, distilled=False, seed=3,
+    kw = dict(prompt="a fox", negative_prompt="", width=64, height=64, steps=20, kind="base", seed=3,
               output="latent", cache=None)
     exact = kc.generate(tr, te, vae, **kw).latents
     cache = enable_step_cache(tr, threshold=0.3)

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -498,6 +498,18 @@ def _reason(est: MemoryEstimate, plan: MemoryPlan, resident_peak: int, budget: i
             f"{resident_peak / GB:.2f} GB")
 
 
+def _bytes_on(device: torch.device, modules: Sequence[nn.Module]) -> int:
+    """Bytes the parameters and buffers of ``modules`` occupy on ``device`` (shared tensors once)."""
+    mine = 0
+    seen: set[int] = set()
+    for m in modules:
+        for t in [*m.parameters(), *m.buffers()]:
+            if t.device == device and id(t) not in seen:
+                seen.add(id(t))
+                mine += t.numel() * t.element_size()
+    return mine
+
+
 def free_device_bytes(device: torch.device | str, modules: Sequence[nn.Module] = ()) -> int:
     """Memory a plan may use on ``device``: free memory reported by the driver, plus what
     PyTorch's allocator holds cached, plus what ``modules`` already occupy there (the estimate
@@ -507,14 +519,12 @@ def free_device_bytes(device: torch.device | str, modules: Sequence[nn.Module] =
         raise ValueError(f"free_device_bytes needs a CUDA device, got {device}")
     free, _ = torch.cuda.mem_get_info(device)
     cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    mine = 0
-    seen: set[int] = set()
-    for m in modules:
-        for t in [*m.parameters(), *m.buffers()]:
-            if t.device == device and id(t) not in seen:
-                seen.add(id(t))
-                mine += t.numel() * t.element_size()
-    return int(free + cached + mine)
+    return int(free + cached + _bytes_on(device, modules))
+
+
+MakeRoom = Callable[[int, torch.device], None]
+"""A host's hook ``make_room(nbytes, device)``: free ``nbytes`` more on ``device`` (for example by
+unloading the host's own models) without moving the components being planned."""
 
 
 def plan_for(
@@ -526,16 +536,20 @@ def plan_for(
     device: torch.device | str = "cuda",
     mode: str = "auto",
     free_bytes: int | None = None,
+    make_room: MakeRoom | None = None,
 ) -> MemoryPlan:
-    """Plan a request for loaded components on ``device`` (what a sampler calls before running).
+    """Plan a request for loaded components on ``device``: one estimate, one choice.
 
-    ``free_bytes`` defaults to :func:`free_device_bytes` on CUDA. Other devices (CPU, MPS) have no
-    memory to measure: ``"auto"`` keeps everything resident there, and a forced mode is applied as
-    asked (the same placement code runs, with host-to-host copies).
+    ``free_bytes`` defaults to :func:`free_device_bytes` on CUDA; before measuring it,
+    ``make_room`` (if given) is asked for what the fastest plan of ``mode`` needs beyond the
+    components already there, so a host can unload its own models first. Other devices (CPU, MPS)
+    have no memory to measure: ``"auto"`` keeps everything resident there, and a forced mode is
+    applied as asked (the same placement code runs, with host-to-host copies).
     """
     device = torch.device(device)
     if mode not in MODES:
         raise ValueError(f"memory mode must be one of {MODES}, got {mode!r}")
+    modules = [m for m in (transformer, text_encoder, vae) if m is not None]
     est = estimate(request, ModelSizes.from_modules(transformer, text_encoder, vae))
     if free_bytes is None:
         if device.type != "cuda":
@@ -545,7 +559,12 @@ def plan_for(
                 return replace(plan, peak_bytes=est.peak(plan), reason=reason)
             free_bytes = 1 << 62
         else:
-            free_bytes = free_device_bytes(device, [m for m in (transformer, text_encoder, vae) if m is not None])
+            if make_room is not None:
+                fastest = choose_plan(est, 1 << 62, mode=mode)  # the first candidate: its peak is the wish
+                wanted = fastest.peak_bytes + DEFAULT_RESERVE_BYTES - _bytes_on(indexed_device(device), modules)
+                if wanted > 0:
+                    make_room(wanted, device)
+            free_bytes = free_device_bytes(device, modules)
     plan = choose_plan(est, free_bytes, mode=mode)
     if device.type != "cuda":
         plan = replace(plan, reason=f"{plan.name}: forced mode on {device.type} (no memory to measure); "
@@ -583,6 +602,7 @@ def weights_home(
 
 __all__ = [
     "MODES",
+    "MakeRoom",
     "PLACEMENT_ORDER",
     "ComponentSize",
     "MemoryEstimate",

@@ -125,7 +125,7 @@ def test_full_4b_public_paths(gpu, full4b, parity):
     refs = reference_images([(1024, 1024), (1024, 1024)])
     edit = kc.generate(tr, te, vae, prompt="make it night", references=refs, seed=7, cache=None)
     _check_result(edit, gpu, 1024, 1024)
-    base = kc.generate(tr, te, vae, prompt="a castle", negative_prompt="blurry", distilled=False, guidance=4.0,
+    base = kc.generate(tr, te, vae, prompt="a castle", negative_prompt="blurry", kind="base", guidance=4.0,
                        steps=8, seed=7, cache=None, output="latent")
     assert torch.isfinite(base.latents).all() and base.latents.shape == (1, 128, 64, 64)
     for name, res in (("t2i 1024", t2i), ("edit 1024 + 2 refs", edit), ("base CFG 8 steps", base)):
