@@ -3,7 +3,7 @@
 Builds full-size random-weight components directly on the GPU (built on the meta device, then
 ``to_empty`` + in-place random init, so a 9B model appears in seconds without a checkpoint), then
 for every case and memory mode runs one warm-up and one measured generation stage by stage (text
-encoder -> reference encode -> denoise -> decode) through :class:`klein_core.engine.Engine` with the plan,
+encoder -> reference encode -> denoise -> decode) through :class:`klein_core.pipeline.engine.Engine` with the plan,
 recording ``torch.cuda.max_memory_allocated`` and wall time per stage next to the estimate of
 :mod:`klein_core.memory.planner`. ``--cap-gb`` limits the allocator with
 ``torch.cuda.set_per_process_memory_fraction`` to emulate a smaller card (``auto`` then plans for
@@ -50,7 +50,7 @@ from torch import nn  # noqa: E402
 
 from klein_core import testing as demo  # noqa: E402
 from klein_core.accel.speed import DEFAULT_SPEED, SPEEDS, apply_speed, describe_speed  # noqa: E402
-from klein_core.engine import Engine  # noqa: E402
+from klein_core.pipeline.engine import Engine  # noqa: E402
 from klein_core.errors import KleinOutOfMemory  # noqa: E402
 from klein_core.memory.placement import pin_memory_  # noqa: E402
 from klein_core.memory.planner import (  # noqa: E402
@@ -63,7 +63,7 @@ from klein_core.memory.planner import (  # noqa: E402
 )
 from klein_core.models import Flux2Transformer, Flux2VAE, Qwen3Config, Qwen3TextEncoder, TransformerConfig, VAEConfig  # noqa: E402
 from klein_core.quant.fp8 import quantize_model_  # noqa: E402
-from klein_core.request import Settings, indexed_device  # noqa: E402
+from klein_core.pipeline.request import Settings, indexed_device  # noqa: E402
 
 GB = 1e9
 QWEN_VOCAB = 151936

@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import klein_core
 from benchmarks.speed import PROMPT, SEED, _cases, _images, _spec, build_ours
 from klein_core.accel import speed
-from klein_core.sampling import make_noise
+from klein_core.pipeline.sampling import make_noise
 
 FAMILIES = (  # (family, substrings of the kernel name, lower case), first match wins
     ("attention", ("attn", "fmha", "flash", "cudnn_generated_fort_native_sdpa", "sdpa")),

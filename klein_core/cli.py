@@ -19,18 +19,18 @@ from PIL.PngImagePlugin import PngInfo
 
 from . import __version__
 from .accel.speed import DEFAULT_SPEED, SPEEDS, describe_speed
-from .engine import Engine, GenerationResult, generate
+from .pipeline.engine import Engine, GenerationResult, generate
 from .errors import GenerationCancelled, WeightFormatError
 from .files.gguf import is_gguf
 from .files.identify import matching_text_encoders, probe
 from .files.safetensors import open_safetensors
-from .images import oriented_size, reference_size
-from .inpaint import outpaint
-from .loading import as_dtype
-from .prompts import DiskPromptCache, PromptCache, TextOptions, default_prompt_cache, encoder_identity
-from .request import MAX_STEPS, as_device, guess_model_kind, reference_mode, resolve_size
-from .sampling import MAX_SEED
-from .variants import check_text_width
+from .pipeline.images import oriented_size, reference_size
+from .pipeline.inpaint import outpaint
+from .files.loaders import as_dtype
+from .pipeline.prompts import DiskPromptCache, PromptCache, TextOptions, default_prompt_cache, encoder_identity
+from .pipeline.request import MAX_STEPS, as_device, guess_model_kind, reference_mode, resolve_size
+from .pipeline.sampling import MAX_SEED
+from .models.variants import check_text_width
 
 logger = logging.getLogger("klein_core.cli")
 
@@ -363,7 +363,7 @@ def run_generate(args: argparse.Namespace) -> int:
         _write(sys.stderr, "--demo: tiny random models built in memory (no download) check the install; "
                            "the image will be noise.\n")
     else:
-        from .loading import load_text_encoder, load_transformer, load_vae
+        from .files.loaders import load_text_encoder, load_transformer, load_vae
 
         tr_path, te_path, vae_path = resolve_files(args)
         guessed = guess_model_kind(tr_path)  # the name, or a diffusers repo's model_index.json and folder name

@@ -27,8 +27,8 @@ from pathlib import Path
 import torch
 
 import klein_core as kc
-from klein_core.kv import ReferenceKVCache
-from klein_core.loading import LOADERS, weightless
+from klein_core.pipeline.reference_kv import ReferenceKVCache
+from klein_core.files.loaders import LOADERS, meta_model
 from klein_core.memory.placement import module_bytes
 
 from . import host
@@ -115,7 +115,7 @@ def model_ref(role: str, path: str, name: str, device: torch.device, dtype: torc
 def weight_bytes(ref: ModelRef) -> int:
     """Device bytes the model of ``ref`` will take (its weights' real dtypes, fp8 included), from
     the file header alone."""
-    return module_bytes(weightless(ref.path, ref.role, dtype=ref.dtype, quantize=ref.quantize))
+    return module_bytes(meta_model(ref.path, ref.role, dtype=ref.dtype, quantize=ref.quantize))
 
 
 def acquire(ref: ModelRef) -> torch.nn.Module:

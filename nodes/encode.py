@@ -8,9 +8,9 @@ import torch
 from comfy_api.latest import io
 
 import klein_core as kc
-from klein_core.prompts import encoder_identity
-from klein_core.tokenizer import count_tokens
-from klein_core.variants import encoder_name
+from klein_core.pipeline.prompts import encoder_identity
+from klein_core.pipeline.tokenizer import count_tokens
+from klein_core.models.variants import encoder_name
 
 from . import cache, host, notices
 from .common import check_choices, check_widget, model_file, open_engine
@@ -87,7 +87,7 @@ class KleinTextEncode(io.ComfyNode):
             ref = cache.model_ref("text_encoder", path, text_encoder, device, dtype)
             engine = open_engine(NODE, {"text_encoder": ("text_encoder", ref)}, device=device, prompt_cache=prompts,
                                  text=options)
-            with notices.ignoring("klein_core.tokenizer"):  # cut prompts were reported above, by input name
+            with notices.ignoring("klein_core.pipeline.tokenizer"):  # cut prompts were reported above, by input name
                 embeds = engine.encode_prompts([prompt], negative_prompt)
         else:
             logger.info("%s: prompt embeddings from the cache; %s not loaded", NODE, text_encoder)

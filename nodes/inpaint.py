@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from comfy_api.latest import io
 
-from klein_core.inpaint import composite_pixels, crop_region, crop_size, feather_mask
+from klein_core.pipeline.inpaint import composite_pixels, crop_region, crop_size, feather_mask
 
 from . import host, notices
 from .common import resize_image

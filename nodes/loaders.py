@@ -7,13 +7,13 @@ import logging
 import torch
 from comfy_api.latest import io
 
-from klein_core.engine import check_compatible
-from klein_core.loading import weightless
+from klein_core.pipeline.engine import check_compatible
+from klein_core.files.loaders import meta_model
 from klein_core.memory.placement import module_bytes
 from klein_core.memory.planner import weights_home
-from klein_core.quant.formats import describe_formats, kept_from_file
+from klein_core.quant.formats import describe_formats, prequantized_layers
 from klein_core.quant.fp8 import scaled_mm_available
-from klein_core.request import guess_model_kind
+from klein_core.pipeline.request import guess_model_kind
 
 from . import cache, host, notices
 from .common import check_choices, check_widget, errors_named, model_file
@@ -49,7 +49,7 @@ def report_weight_choice(weight_dtype: str, model_name: str, transformer: torch.
     """Say (as node warnings) where ``weight_dtype`` does not do what its name says for this file on
     this GPU: a storage choice (fp8 / q8 / q4) that leaves a quantised file's layers as stored, or
     fp8 on a GPU without fp8 matmuls (memory saved, but every layer upcast when it runs)."""
-    kept = kept_from_file(transformer, QUANTIZE.get(weight_dtype))
+    kept = prequantized_layers(transformer, QUANTIZE.get(weight_dtype))
     if kept:
         logger.warning("%s: %s stores %s; weight_dtype %s re-quantises only float weights, so those stay as "
                        "stored (choose bf16 to silence this)", NODE, model_name, describe_formats(kept),
@@ -69,7 +69,7 @@ def transformer_home(memory_mode: str, device: torch.device, path: str, dtype: t
     models first so the decision sees the memory it can have."""
     if device.type == "cpu":
         return device
-    meta = weightless(path, "transformer", dtype=dtype, quantize=quantize)
+    meta = meta_model(path, "transformer", dtype=dtype, quantize=quantize)
     host.make_room(module_bytes(meta), device)
     return weights_home(meta, device, mode=memory_mode, free_bytes=host.free_bytes(device))
 

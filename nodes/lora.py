@@ -85,7 +85,7 @@ def patch_model(model: Any, lora: kc.LoRA, strength: float) -> Any:
     ref = getattr(model, "ref", None)
     if ref is not None and callable(getattr(ref, "get", None)):
         config = getattr(model, "config", None)
-        if config is not None:  # check the fit now (on a weightless model), not at sampling time
+        if config is not None:  # check the fit now (on a meta_model model), not at sampling time
             with torch.device("meta"):
                 check_loras(kc.Flux2Transformer(config), [(lora, strength)])
         if isinstance(ref, LoRAModelRef):  # chained loaders: one copy carrying every LoRA

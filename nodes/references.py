@@ -10,7 +10,7 @@ from comfy_api.latest import io, ui
 from PIL import Image
 
 import klein_core as kc
-from klein_core.images import PUBLISHED_REFERENCE_LIMIT
+from klein_core.pipeline.images import PUBLISHED_REFERENCE_LIMIT
 
 from . import host, notices
 from .common import open_engine

@@ -10,12 +10,12 @@ import torch
 from comfy_api.latest import io
 
 import klein_core as kc
-from klein_core.engine import InitLatents, check_denoise_inputs, with_init_reference
+from klein_core.pipeline.engine import InitLatents, check_denoise_inputs, with_init_reference
 from klein_core.files.identify import matching_text_encoders
-from klein_core.inpaint import mask_for_latents, steps_to_run
-from klein_core.request import resolve
-from klein_core.sampling import MAX_SEED
-from klein_core.variants import TextWidthMismatch, variant_for_text_width
+from klein_core.pipeline.inpaint import comfy_mask_to_latents, steps_to_run
+from klein_core.pipeline.request import resolve
+from klein_core.pipeline.sampling import MAX_SEED
+from klein_core.models.variants import TextWidthMismatch, variant_for_text_width
 
 from . import cache, host, notices
 from .common import check_widget, flux2_samples, open_engine
@@ -68,7 +68,7 @@ def init_from_latent(latent: dict | None, mask: torch.Tensor | None, denoise: fl
     lat_mask = None
     if mask is not None:
         try:
-            lat_mask = mask_for_latents(mask, samples.shape[-2], samples.shape[-1])
+            lat_mask = comfy_mask_to_latents(mask, samples.shape[-2], samples.shape[-1])
         except ValueError as exc:
             raise ValueError(f"{NODE}: mask: {exc}.") from exc
     if not isinstance(denoise, (int, float)) or not math.isfinite(denoise) or not 0 < denoise <= 1:

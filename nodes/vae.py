@@ -7,7 +7,7 @@ import logging
 import torch
 from comfy_api.latest import io
 
-from klein_core.inpaint import processing_size
+from klein_core.pipeline.inpaint import processing_size
 
 from . import host, notices
 from .common import check_widget, flux2_samples, open_engine, resize_image

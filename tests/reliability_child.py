@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 
 import klein_core as kc
-from klein_core.loading import LOADERS
-from klein_core.sampling import position_ids, text_position_ids
+from klein_core.files.loaders import LOADERS
+from klein_core.pipeline.sampling import position_ids, text_position_ids
 
 MUTATIONS = ("truncate to half", "truncate to the header", "rewrite in place with zeros",
              "rewrite in place with random bytes", "replace by another file", "delete")

@@ -229,8 +229,8 @@ def _tiling_calls():
         "encode_tiled/tile": lambda v: t.encode_tiled(vae, px, tile=v, overlap=16),
         "encode_tiled/overlap": lambda v: t.encode_tiled(vae, px, tile=64, overlap=v),
         "encode_tiled/pixels": lambda v: t.encode_tiled(vae, v),
-        "decode_in_tiles/tile": lambda v: t.decode_in_tiles(vae, z, v),
-        "encode_in_tiles/tile": lambda v: t.encode_in_tiles(vae, px, v),
+        "tiling.decode/tile": lambda v: t.decode(vae, z, v),
+        "tiling.encode/tile": lambda v: t.encode(vae, px, v),
     }
 
 
@@ -288,7 +288,7 @@ def test_explicit_sizes_keep_their_message(tiny):
 
 
 def test_resolve_size_names_its_source():
-    from klein_core.request import resolve_size
+    from klein_core.pipeline.request import resolve_size
 
     assert resolve_size(None, None, (768, 512), size_from="reference 1 (768x512 px)") == (768, 512)
     with pytest.raises(ValueError, match=r"^reference 1 \(40x40 px\) is too small .* width and height under 64"):

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 import klein_core as kc
-import klein_core.engine as engine_module
-from klein_core.engine import InitLatents
+import klein_core.pipeline.engine as engine_module
+from klein_core.pipeline.engine import InitLatents
 from klein_core.testing import build_tiny_components
-from klein_core.variants import TextWidthMismatch
+from klein_core.models.variants import TextWidthMismatch
 
 IGNORED = "negative prompt is not used"
 

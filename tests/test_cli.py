@@ -106,7 +106,7 @@ def test_help_lists_the_options_and_defaults(capsys):
 
 def test_device_and_size_errors_are_one_line_before_loading(models, monkeypatch, capsys):
     _, p = models
-    import klein_core.loading as loading
+    import klein_core.files.loaders as loading
 
     def never(*a, **k):
         raise AssertionError("a model was loaded before the request was checked")
@@ -192,7 +192,7 @@ def test_empty_models_folder_and_unrelated_file_say_what_to_do(tmp_path, models,
 
 
 def test_prompt_cache_skips_the_text_encoder_on_the_second_run(models, tmp_path, monkeypatch, capsys):
-    import klein_core.loading as loading
+    import klein_core.files.loaders as loading
 
     _, p = models
     loads = []

@@ -20,7 +20,7 @@ from klein_core.memory.placement import BlockOffloader
 from klein_core.models.transformer import DoubleStreamBlock, SingleStreamBlock
 from klein_core.quant import ggml
 from klein_core.quant.fp8 import FLOAT8_DTYPES, FP8Linear, quantize_fp8
-from klein_core.request import as_device, indexed_device
+from klein_core.pipeline.request import as_device, indexed_device
 from klein_core.testing.tiny import tiny_text_encoder, tiny_transformer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -175,7 +175,7 @@ def test_out_of_memory_frees_the_failed_frames_before_emptying_the_cache(monkeyp
     import weakref
 
     import klein_core as kc
-    from klein_core import engine
+    from klein_core.pipeline import engine
 
     refs, alive_at_collect = [], []
 

@@ -21,7 +21,7 @@ import klein_core
 from klein_core import testing as demo
 from klein_core.accel import fast
 from klein_core.models.block_ops import PLAIN_OPS
-from klein_core.sampling import position_ids, text_position_ids
+from klein_core.pipeline.sampling import position_ids, text_position_ids
 from script_module import load_script
 
 REPO = Path(__file__).resolve().parent.parent
@@ -444,7 +444,7 @@ def test_speed_benchmark_says_clearly_when_diffusers_is_missing(monkeypatch):
 def test_kitchen_group_norm_widths():
     """comfy-kitchen 0.2.36's CUDA GroupNorm takes C % 8 == 0 with C / 8 dividing 256 (its source):
     the FLUX.2 VAE's 128/256/512 qualify, the small decoder's 96 and oversized batches do not."""
-    from klein_core.accel.kitchen import kitchen_serves_group_norm
+    from klein_core.accel.comfy_kitchen import kitchen_serves_group_norm
 
     assert all(kitchen_serves_group_norm(c, 32, 1) for c in (32, 128, 256, 512))
     assert not kitchen_serves_group_norm(96, 32, 1)

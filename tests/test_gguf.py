@@ -18,15 +18,15 @@ from safetensors.torch import save_file
 
 import klein_core as kc
 from klein_core.files.identify import probe
-from klein_core.loading import weightless
+from klein_core.files.loaders import meta_model
 from klein_core.memory.placement import module_bytes
 from klein_core.memory.planner import weights_home
 from klein_core.models.transformer import Flux2Transformer, TransformerConfig
 from klein_core.quant.ggml import GGMLLinear, GGMLType, dequantize, ggml_layers, quantize
-from klein_core.sampling import position_ids, text_position_ids
+from klein_core.pipeline.sampling import position_ids, text_position_ids
 from klein_core.testing import tiny_text_encoder
-from klein_core.tokenizer import tokenize_prompts
-from klein_core.variants import KLEIN_4B, KLEIN_9B
+from klein_core.pipeline.tokenizer import tokenize_prompts
+from klein_core.models.variants import KLEIN_4B, KLEIN_9B
 
 gguf = require("gguf")
 T = gguf.GGMLQuantizationType
@@ -138,7 +138,7 @@ def test_prefixed_names_and_weightless_size(tmp_path, float_transformer):
     _write_gguf(path, {"model.diffusion_model." + k: (v, _kind(k, v, "Q8_0")) for k, v in sd.items()}, None)
     info = probe(path)
     assert info.kind == "transformer" and info.text_width == 96
-    meta = weightless(path, "transformer", dtype=torch.bfloat16)
+    meta = meta_model(path, "transformer", dtype=torch.bfloat16)
     real = kc.load_transformer(path, dtype=torch.bfloat16)
     assert module_bytes(meta) == module_bytes(real)  # the planner counts the blocks' real bytes
     bf16 = kc.load_transformer(float_transformer.state_dict(), dtype=torch.bfloat16)
@@ -181,7 +181,7 @@ def test_quantize_on_load(tmp_path, float_transformer, mode, qtype, max_rel, par
     ratio = module_bytes(q_bf16) / module_bytes(kc.load_transformer(path, dtype=torch.bfloat16))
     parity(f"quantize='{mode}': resident bytes / bf16 bytes (tiny model, not a diff)", ratio)
     assert ratio < (0.75 if mode == "q8" else 0.55)  # tiny: the unquantised embedders weigh a lot here
-    assert module_bytes(weightless(path, "transformer", dtype=torch.bfloat16, quantize=mode)) == \
+    assert module_bytes(meta_model(path, "transformer", dtype=torch.bfloat16, quantize=mode)) == \
         module_bytes(kc.load_transformer(path, dtype=torch.bfloat16, quantize=mode))
 
 

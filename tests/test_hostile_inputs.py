@@ -8,7 +8,7 @@ from PIL import Image
 
 import klein_core as kc
 from klein_core import cli
-from klein_core.inpaint import MAX_CANVAS_PIXELS, outpaint, stitch
+from klein_core.pipeline.inpaint import MAX_CANVAS_PIXELS, outpaint, stitch
 from klein_core.testing import build_tiny_components
 
 

@@ -9,7 +9,7 @@ import torch
 from extras import require
 from PIL import Image, ImageDraw
 
-from klein_core import inpaint
+from klein_core.pipeline import inpaint
 
 diffusers = require("diffusers")
 

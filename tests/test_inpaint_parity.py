@@ -15,7 +15,7 @@ from PIL import Image, ImageDraw
 from test_pipeline_parity import CTX, LATENT_CH, _embeds, _image, components  # noqa: F401 (fixture)
 
 import klein_core as kc
-from klein_core.sampling import pack
+from klein_core.pipeline.sampling import pack
 
 diffusers = require("diffusers")
 TOL = 2e-5  # about twice the largest measured (1.0e-5, base CFG inpaint)

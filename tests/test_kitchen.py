@@ -11,8 +11,8 @@ import pytest
 import torch
 from extras import require
 
-from klein_core.accel import kitchen
-from klein_core.accel.kitchen import KitchenOps, freqs_cis
+from klein_core.accel import comfy_kitchen as kitchen
+from klein_core.accel.comfy_kitchen import KitchenOps, freqs_cis
 from klein_core.models.block_ops import PLAIN_OPS
 from klein_core.models.transformer_math import rope_cos_sin
 from klein_core.quant.fp8 import dequantize, quantize_fp8

@@ -14,8 +14,8 @@ from test_pipeline_parity import CTX, LATENT_CH, _embeds, _image, components  # 
 from test_pipeline_parity import _run_reference as _reference
 
 import klein_core as kc
-from klein_core.kv import ReferenceKVCache
-from klein_core.sampling import make_noise, pack, position_ids, reference_tokens, text_position_ids
+from klein_core.pipeline.reference_kv import ReferenceKVCache
+from klein_core.pipeline.sampling import make_noise, pack, position_ids, reference_tokens, text_position_ids
 
 diffusers = require("diffusers")
 TOL = 2e-5  # about twice the largest measured (5.4e-6 KV, 4.6e-6 timestep zero)
@@ -130,7 +130,7 @@ def test_kv_cache_lets_a_freed_models_entries_go():
 
 
 def test_bounded_cache_order_and_owners():
-    from klein_core.bounded import BoundedCache
+    from klein_core.pipeline.bounded_cache import BoundedCache
 
     class Owner:
         pass

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import klein_core as kc
-from klein_core.bounded import BoundedCache
-from klein_core.kv import ReferenceKVCache, weights_state
-from klein_core.sampling import reference_tokens
+from klein_core.pipeline.bounded_cache import BoundedCache
+from klein_core.pipeline.reference_kv import ReferenceKVCache, weights_state
+from klein_core.pipeline.sampling import reference_tokens
 from klein_core.testing import tiny_transformer
 
 

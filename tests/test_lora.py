@@ -30,10 +30,10 @@ from torch import nn
 from klein_core import cli
 from klein_core.testing import TINY_4B, TINY_9B, tiny_text_encoder, tiny_transformer
 from klein_core.lora import AppliedLoRAs, LoRA, apply_loras, check_loras, load_lora, with_loras
-from klein_core.loading import load_text_encoder, load_transformer
+from klein_core.files.loaders import load_text_encoder, load_transformer
 from klein_core.errors import WeightFormatError
 from klein_core.models.transformer import Flux2Transformer, TransformerConfig
-from klein_core.sampling import position_ids, text_position_ids
+from klein_core.pipeline.sampling import position_ids, text_position_ids
 
 diffusers = require("diffusers")
 require("peft")

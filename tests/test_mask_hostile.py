@@ -15,12 +15,12 @@ from PIL import Image
 from test_nodes import comfy  # noqa: F401 (fixture)
 
 from klein_core import cli
-from klein_core.inpaint import (
+from klein_core.pipeline.inpaint import (
     InitImage,
     crop_for_inpaint,
     crop_region,
     mask_array,
-    mask_for_latents,
+    comfy_mask_to_latents,
     mask_image,
     prepare_inpaint,
 )
@@ -79,7 +79,7 @@ def test_alpha_only_rgba_mask_is_read_from_alpha_as_comfyui_does(caplog):
     rgba = np.dstack([np.full((H, W, 3), 255, np.uint8), alpha])
     mask = Image.fromarray(rgba, "RGBA")
     assert np.asarray(mask.convert("L")).min() == 255  # what convert("L") (diffusers) would see: all repaint
-    with caplog.at_level(logging.WARNING, logger="klein_core.inpaint"):
+    with caplog.at_level(logging.WARNING, logger="klein_core.pipeline.inpaint"):
         got = mask_array(mask)
     assert np.abs(got - RAMP).max() <= 1 / 255
     assert "only its alpha varies" in caplog.text and "transparent = repaint" in caplog.text
@@ -87,7 +87,7 @@ def test_alpha_only_rgba_mask_is_read_from_alpha_as_comfyui_does(caplog):
     # a mask whose colour carries the signal is converted as before, alpha or not, without a warning
     caplog.clear()
     coloured = Image.fromarray(np.dstack([np.repeat(np.asarray(_as_l(RAMP))[..., None], 3, 2), alpha]), "RGBA")
-    with caplog.at_level(logging.WARNING, logger="klein_core.inpaint"):
+    with caplog.at_level(logging.WARNING, logger="klein_core.pipeline.inpaint"):
         assert np.array_equal(np.asarray(mask_image(coloured)), np.asarray(coloured.convert("L")))
     assert caplog.text == ""
 
@@ -122,14 +122,14 @@ def test_tensor_masks_out_of_range_are_refused_where_they_enter(kind, found):
         "mask_array": lambda: mask_array(m), "mask_image": lambda: mask_image(m),
         "array": lambda: mask_array(m.numpy()), "prepare_inpaint": lambda: prepare_inpaint(_photo(), m),
         "crop_region": lambda: crop_region(m, W, H), "crop_for_inpaint": lambda: crop_for_inpaint(_photo(), m),
-        "InitImage": lambda: InitImage(_photo(), m), "mask_for_latents": lambda: mask_for_latents(m, H // 16, W // 16),
+        "InitImage": lambda: InitImage(_photo(), m), "comfy_mask_to_latents": lambda: comfy_mask_to_latents(m, H // 16, W // 16),
     }
     for name, enter in entries.items():
         with pytest.raises(ValueError, match=msg):
             enter()
             pytest.fail(f"{name} took a mask with {kind} values")
     ok = torch.from_numpy(RAMP.copy())
-    assert prepare_inpaint(_photo(), ok).mask.any() and mask_for_latents(ok, H // 16, W // 16).any()
+    assert prepare_inpaint(_photo(), ok).mask.any() and comfy_mask_to_latents(ok, H // 16, W // 16).any()
 
 
 @pytest.mark.parametrize("kind,found", BAD)

@@ -14,8 +14,8 @@ from safetensors.torch import load_file, save_file
 
 import klein_core as kc
 from klein_core import cli
-from klein_core.engine import Engine
-from klein_core.request import guess_model_kind
+from klein_core.pipeline.engine import Engine
+from klein_core.pipeline.request import guess_model_kind
 from klein_core.testing import write_tiny_model_files
 
 

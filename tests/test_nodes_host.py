@@ -16,11 +16,11 @@ from extras import require
 from test_nodes import M4B, M4B_BASE, Q4B, VAE, _load, _sample, comfy, progress  # noqa: F401 (fixtures)
 
 import klein_core as kc
-from klein_core.engine import InitLatents
-from klein_core.inpaint import mask_for_latents
+from klein_core.pipeline.engine import InitLatents
+from klein_core.pipeline.inpaint import comfy_mask_to_latents
 from klein_core.memory.placement import module_bytes
-from klein_core.prompts import encode_prompts
-from klein_core.tokenizer import count_tokens
+from klein_core.pipeline.prompts import encode_prompts
+from klein_core.pipeline.tokenizer import count_tokens
 
 LONG = " ".join(f"word{i}" for i in range(700))
 
@@ -112,7 +112,7 @@ def test_reference_sizes_text_and_warnings_share_the_ui(comfy, monkeypatch):  # 
     real = kc.Engine.encode_references
 
     def warn_then_encode(self, images, **kw):
-        logging.getLogger("klein_core.engine").warning("a warning from the core")
+        logging.getLogger("klein_core.pipeline.engine").warning("a warning from the core")
         return real(self, images, **kw)
 
     monkeypatch.setattr(kc.Engine, "encode_references", warn_then_encode)
@@ -330,7 +330,7 @@ def test_sampler_mask_keeps_the_unmasked_latents(comfy):  # noqa: F811
     mask = torch.zeros(1, 96, 128)
     mask[:, 16:64, 32:96] = 1
     got = _sample(comfy, model, cond, width=0, height=0, steps=3, latent=latent, mask=mask)
-    lat_mask = mask_for_latents(mask, 6, 8)
+    lat_mask = comfy_mask_to_latents(mask, 6, 8)
     keep = (lat_mask == 0).expand_as(got)
     src = latent["samples"].to(torch.bfloat16).float()  # the bf16 model's latents: the image's, rounded
     assert torch.equal(got[keep], src[keep])

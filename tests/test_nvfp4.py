@@ -14,11 +14,11 @@ from layout_files import manifests, write_safetensors
 from safetensors.torch import save_file
 
 import klein_core as kc
-from klein_core.loading import weightless
+from klein_core.files.loaders import meta_model
 from klein_core.memory.placement import module_bytes
 from klein_core.quant import nvfp4
 from klein_core.quant.fp8 import block_linear_names
-from klein_core.sampling import position_ids, text_position_ids
+from klein_core.pipeline.sampling import position_ids, text_position_ids
 from klein_core.testing import tiny_transformer
 
 ck = require("comfy_kitchen")
@@ -120,7 +120,7 @@ def test_nvfp4_files_load_and_stay_nvfp4(tmp_path, marker, parity):
     rel = ((_run(loaded) - ref).norm() / ref.norm()).item()
     parity(f"NVFP4 tiny transformer vs the bf16 model (relative L2, not a diff; {marker})", rel)
     assert 0 < rel < 0.005  # measured 1.8e-3
-    meta = weightless(path, "transformer", dtype=torch.bfloat16)
+    meta = meta_model(path, "transformer", dtype=torch.bfloat16)
     assert module_bytes(meta) == module_bytes(kc.load_transformer(path, dtype=torch.bfloat16))
 
 
@@ -198,7 +198,7 @@ def test_resident_bytes_of_a_9b_nvfp4_transformer(tmp_path, parity):
                                                   "layers": {la: {"format": "nvfp4"} for la in layers}})}
     path = tmp_path / "flux-2-klein-9b-nvfp4.safetensors"
     write_safetensors(path, tensors, meta)
-    model = weightless(path, "transformer", dtype=torch.bfloat16)
+    model = meta_model(path, "transformer", dtype=torch.bfloat16)
     assert len(nvfp4.nvfp4_layers(model)) == len(layers) == 112
     size = module_bytes(model)
     parity("Klein 9B NVFP4 transformer resident (GiB, meta path; not a diff)", size / 2**30)

@@ -10,10 +10,10 @@ import torch
 from PIL import Image
 
 import klein_core as kc
-from klein_core.images import prepare_reference_image, reference_size
-from klein_core.prompts import encode_prompts
-from klein_core.request import resolve_size
-from klein_core.sampling import make_noise, pack, reference_tokens
+from klein_core.pipeline.images import prepare_reference_image, reference_size
+from klein_core.pipeline.prompts import encode_prompts
+from klein_core.pipeline.request import resolve_size
+from klein_core.pipeline.sampling import make_noise, pack, reference_tokens
 from klein_core.testing import build_tiny_components
 
 
@@ -247,7 +247,7 @@ def test_to_pil_rounds_like_numpy_half_to_even():
     product, round half to even), including values exactly halfway between two levels."""
     import numpy as np
 
-    from klein_core.images import to_pil
+    from klein_core.pipeline.images import to_pil
 
     g = torch.Generator().manual_seed(0)
     px = torch.rand(2, 3, 17, 23, generator=g)

@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 
 import klein_core
 from klein_core import generate, load_transformer, load_vae
-from klein_core.sampling import compute_empirical_mu, denoise, get_schedule, make_noise, pack
+from klein_core.pipeline.sampling import compute_empirical_mu, denoise, get_schedule, make_noise, pack
 
 diffusers = require("diffusers")
 

@@ -34,7 +34,7 @@ from klein_core.models.qwen3 import Qwen3Config, Qwen3TextEncoder
 from klein_core.models.transformer import Flux2Transformer, TransformerConfig
 from klein_core.models.vae import Flux2VAE, VAEConfig
 from klein_core.quant.fp8 import quantize_model_
-from klein_core.sampling import position_ids, text_position_ids
+from klein_core.pipeline.sampling import position_ids, text_position_ids
 from script_module import load_script
 
 REPO = Path(__file__).resolve().parent.parent

@@ -25,10 +25,10 @@ from safetensors.torch import save_file
 
 import klein_core as kc
 from klein_core.files.safetensors import open_safetensors
-from klein_core.prompts import encode_prompts, identity_of
+from klein_core.pipeline.prompts import encode_prompts, loaded_encoder_identity
 from klein_core.testing import write_tiny_model_files
 
-LOGGER = "klein_core.prompts"
+LOGGER = "klein_core.pipeline.prompts"
 PROMPT = "a lighthouse at dusk"
 
 
@@ -130,7 +130,7 @@ def test_a_spoiled_entry_is_named_removed_and_encoded_again(encoder, fresh, tmp_
     assert _entries(tmp_path) == [path] and torch.equal(_valid(path), fresh)
     caplog.clear()
     restarted = kc.DiskPromptCache(tmp_path)
-    assert torch.equal(kc.PromptCache(disk=restarted).cached(identity_of(encoder), [PROMPT]), fresh)
+    assert torch.equal(kc.PromptCache(disk=restarted).cached(loaded_encoder_identity(encoder), [PROMPT]), fresh)
     assert restarted.hits == 1 and _warnings(caplog) == []
 
 
@@ -140,7 +140,7 @@ def test_a_spoiled_entry_is_a_miss_without_the_encoder(encoder, tmp_path, caplog
     path = _stored(encoder, tmp_path)
     spoil(path, _valid(path))
     with caplog.at_level(logging.WARNING, logger=LOGGER):
-        assert kc.PromptCache(disk=kc.DiskPromptCache(tmp_path)).cached(identity_of(encoder), [PROMPT]) is None
+        assert kc.PromptCache(disk=kc.DiskPromptCache(tmp_path)).cached(loaded_encoder_identity(encoder), [PROMPT]) is None
     [warning] = _warnings(caplog)
     assert str(path) in warning and says in warning and not path.exists()
 
@@ -148,7 +148,7 @@ def test_a_spoiled_entry_is_a_miss_without_the_encoder(encoder, tmp_path, caplog
 def test_a_width_the_encoder_does_not_produce_is_refused_where_it_is_known(encoder, fresh, tmp_path, caplog):
     """An entry consistent in itself but of another width: refused when the width is given, once the
     cache has seen the encoder, and by encode (which drops it from memory too)."""
-    identity = identity_of(encoder)
+    identity = loaded_encoder_identity(encoder)
     path = _stored(encoder, tmp_path)
     wrong = torch.randn(1, 512, 100)
     _rewrite(path, {"embedding": wrong}, width="100")
@@ -174,7 +174,7 @@ def test_a_width_the_encoder_does_not_produce_is_refused_where_it_is_known(encod
 
 
 def test_entries_of_different_widths_are_never_concatenated(encoder, tmp_path):
-    identity = identity_of(encoder)
+    identity = loaded_encoder_identity(encoder)
     kc.PromptCache(disk=kc.DiskPromptCache(tmp_path)).encode(encoder, ["one", "two"])
     path = _stored(encoder, tmp_path, "two")
     _rewrite(path, {"embedding": torch.zeros(1, 512, 100)}, width="100")
@@ -265,8 +265,8 @@ def test_a_hit_in_a_read_only_folder_is_served(encoder, fresh, tmp_path, caplog,
     monkeypatch.setattr(os, "utime", read_only)
     disk = kc.DiskPromptCache(tmp_path)
     with caplog.at_level(logging.WARNING, logger=LOGGER):
-        got = kc.PromptCache(disk=disk).cached(identity_of(encoder), [PROMPT])
-        again = kc.PromptCache(disk=disk).cached(identity_of(encoder), [PROMPT])
+        got = kc.PromptCache(disk=disk).cached(loaded_encoder_identity(encoder), [PROMPT])
+        again = kc.PromptCache(disk=disk).cached(loaded_encoder_identity(encoder), [PROMPT])
     assert torch.equal(got, fresh) and torch.equal(again, fresh) and disk.hits == 2
     [warning] = _warnings(caplog)
     assert str(tmp_path) in warning and "Read-only file system" in warning and path.exists()

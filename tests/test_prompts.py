@@ -16,8 +16,8 @@ import torch
 
 import klein_core as kc
 from klein_core.lora import has_loras
-from klein_core.prompts import encode_prompts, encoder_identity, identity_of
-from klein_core.sampling import (
+from klein_core.pipeline.prompts import encode_prompts, encoder_identity, loaded_encoder_identity
+from klein_core.pipeline.sampling import (
     denoise,
     get_schedule,
     make_noise,
@@ -27,7 +27,7 @@ from klein_core.sampling import (
     unpack,
 )
 from klein_core.testing import build_tiny_components, write_tiny_model_files
-from klein_core.tokenizer import count_tokens
+from klein_core.pipeline.tokenizer import count_tokens
 
 LONG = " ".join(f"word{i}" for i in range(700))  # well over 512 tokens after the chat template
 
@@ -121,7 +121,7 @@ def test_disk_cache_answers_a_fresh_process_without_opening_the_encoder(model_fi
     disk = tmp_path / "prompt_cache"
     first = kc.PromptCache(disk=kc.DiskPromptCache(disk))
     te = kc.load_text_encoder(path)
-    identity = identity_of(te, "cpu")
+    identity = loaded_encoder_identity(te, "cpu")
     assert identity == encoder_identity(path, torch.float32, "cpu")
     options = kc.TextOptions(max_tokens=None)
     fresh = first.encode(te, ["a lighthouse at dusk", LONG], options, identity=identity)
@@ -166,7 +166,7 @@ def test_disk_cache_is_bounded_and_survives_bad_files(encoder, tmp_path, caplog)
         cache.encode(encoder, [p])
         time.sleep(0.02)  # distinct modification times
     assert len(list(disk.folder.glob("*.safetensors"))) == 2 and disk.size_bytes() <= disk.max_bytes
-    identity = identity_of(encoder)
+    identity = loaded_encoder_identity(encoder)
     restarted = kc.PromptCache(disk=disk)
     assert restarted.cached(identity, ["one"]) is None  # the least recently used went first
     assert restarted.cached(identity, ["two", "three"]) is not None
@@ -195,7 +195,7 @@ def test_text_encoder_with_loras_is_never_served_from_the_cache(model_files, tmp
     save_file(lora_sd, str(tmp_path / "te_lora.safetensors"))
     lora = kc.load_lora(tmp_path / "te_lora.safetensors")
     with kc.apply_loras(te, lora):
-        assert has_loras(te) and identity_of(te) is None
+        assert has_loras(te) and loaded_encoder_identity(te) is None
         adapted = cache.encode(te, ["a cat"])
         assert not torch.allclose(adapted, plain)
         assert torch.equal(adapted, encode_prompts(te, ["a cat"], cache=None))

@@ -21,7 +21,7 @@ from klein_core.files.fp8 import QuantTensorInfo, prepare_quantized, quantize_st
 from klein_core.files.materialize import materialize
 from klein_core.files.opening import open_weights
 from klein_core.files.transformer_layout import bfl_to_diffusers, plan_transformer
-from klein_core.loading import load_text_encoder, load_transformer
+from klein_core.files.loaders import load_text_encoder, load_transformer
 from klein_core.models.transformer import Flux2Transformer
 from klein_core.quant.fp8 import (
     E4M3_MAX,
@@ -32,7 +32,7 @@ from klein_core.quant.fp8 import (
     quantize_model_,
     scaled_mm_available,
 )
-from klein_core.sampling import position_ids, text_position_ids
+from klein_core.pipeline.sampling import position_ids, text_position_ids
 
 F8 = torch.float8_e4m3fn
 
@@ -361,7 +361,7 @@ def test_fp8_auto_matmul_only_on_the_shapes_where_it_measured_faster(monkeypatch
 def test_stored_formats_are_counted_and_named():
     from torch import nn
 
-    from klein_core.quant.formats import describe_formats, kept_from_file, stored_formats
+    from klein_core.quant.formats import describe_formats, prequantized_layers, stored_formats
     from klein_core.quant.ggml import GGMLLinear
     from klein_core.quant.nvfp4 import NVFP4Linear
 
@@ -373,5 +373,5 @@ def test_stored_formats_are_counted_and_named():
     assert next(iter(counts)) == "GGUF Q8_0"  # most common first
     assert describe_formats({"fp8 e4m3fn": 80}) == "80 layers in fp8 e4m3fn"
     assert describe_formats({"fp8 e4m3fn": 1, "NVFP4": 2}) == "1 layer in fp8 e4m3fn and 2 in NVFP4"
-    assert kept_from_file(model, "q8") == {"fp8 e4m3fn": 1, "fp8 e5m2": 1, "GGUF Q4_K": 1, "NVFP4": 1}
-    assert kept_from_file(model, None) == {} and kept_from_file(nn.Linear(2, 2), "fp8") == {}
+    assert prequantized_layers(model, "q8") == {"fp8 e4m3fn": 1, "fp8 e5m2": 1, "GGUF Q4_K": 1, "NVFP4": 1}
+    assert prequantized_layers(model, None) == {} and prequantized_layers(nn.Linear(2, 2), "fp8") == {}

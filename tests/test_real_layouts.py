@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import save_file
 
 import klein_core as kc
-from klein_core import variants
+from klein_core.models import variants
 from klein_core.files import identify as catalog
 from klein_core.files.safetensors import SafetensorsFile, open_safetensors
 from klein_core.quant.fp8 import fp8_layers

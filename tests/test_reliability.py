@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 import klein_core as kc
 from klein_core.errors import WeightFormatError
 from klein_core.files.opening import open_weights
-from klein_core.images import prepare_reference_image, reference_size
+from klein_core.pipeline.images import prepare_reference_image, reference_size
 from klein_core.memory.planner import MemoryRequest, ModelSizes, choose_plan, estimate
 from klein_core.testing import TINY_9B, build_tiny_components, tiny_text_encoder, tiny_transformer, tiny_vae
 
@@ -237,7 +237,7 @@ def test_out_of_memory_message_names_settings(tiny, monkeypatch):
     def oom(*a, **k):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
 
-    monkeypatch.setattr(kc.engine, "denoise", oom)
+    monkeypatch.setattr(kc.pipeline.engine, "denoise", oom)
     with pytest.raises(kc.KleinOutOfMemory) as exc:
         kc.generate(tr, te, vae, prompt="x", width=512, height=384, batch_size=2, steps=1,
                     reference_latents=[torch.zeros(1, 128, 4, 4)])
@@ -278,7 +278,7 @@ def test_request_that_cannot_fit_is_refused_up_front_with_the_estimate(tiny, mon
     plan = choose_plan(estimate(request, ModelSizes.from_modules(tr, te, vae)), free_bytes=10**6)
     assert not plan.fits and "short by" in plan.reason
     called = []
-    monkeypatch.setattr(kc.engine, "denoise", lambda *a, **k: called.append(1))
+    monkeypatch.setattr(kc.pipeline.engine, "denoise", lambda *a, **k: called.append(1))
     with pytest.raises(kc.KleinOutOfMemory, match="refused before running.*estimated peak.*short by"):
         kc.generate(tr, te, vae, prompt="x", reference_latents=refs, memory=plan, device="cpu")
     assert not called  # nothing ran

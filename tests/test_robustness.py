@@ -35,8 +35,8 @@ from safetensors.torch import save_file
 
 import klein_core as kc
 from klein_core.files.opening import open_weights
-from klein_core.images import prepare_reference_image
-from klein_core.prompts import encode_prompts
+from klein_core.pipeline.images import prepare_reference_image
+from klein_core.pipeline.prompts import encode_prompts
 from klein_core.testing import build_tiny_components, write_tiny_model_files
 
 HERE = Path(__file__).resolve().parent

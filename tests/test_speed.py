@@ -13,7 +13,7 @@ from klein_core import testing as demo
 from klein_core.accel import fast, speed
 from klein_core.cli import main as cli_main
 from klein_core.models.block_ops import PLAIN_OPS
-from klein_core.sampling import position_ids, text_position_ids
+from klein_core.pipeline.sampling import position_ids, text_position_ids
 
 
 def _inputs(model, seed: int = 0):

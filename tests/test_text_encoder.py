@@ -19,10 +19,10 @@ from extras import require
 from safetensors.torch import save_file
 
 from klein_core.files.opening import open_weights
-from klein_core.files.plan import check_plan
-from klein_core.files.qwen3_layout import build_load_plan, checkpoint_shapes
+from klein_core.files.key_map import check_key_map
+from klein_core.files.qwen3_layout import qwen3_key_map, checkpoint_shapes
 from klein_core.files.source import WeightSource
-from klein_core.loading import load_text_encoder
+from klein_core.files.loaders import load_text_encoder
 from klein_core.models.qwen3 import Qwen3Config, Qwen3TextEncoder
 
 transformers = require("transformers")
@@ -230,7 +230,7 @@ def test_unused_tensors_are_never_read(layout, files, state_dict):
 
 def test_plan_ignores_unused_and_module_names_follow_hf(state_dict):
     src = open_weights(state_dict, component="text encoder")
-    plan = build_load_plan(src)
+    plan = qwen3_key_map(src)
     assert "model.norm.weight" in plan.ignored and "lm_head.weight" in plan.ignored
     assert sum(k.startswith("model.layers.27.") for k in plan.ignored) == 11
     assert not plan.unexpected
@@ -266,11 +266,11 @@ def test_config_from_real_klein_shapes(hidden, inter, lm_head, variant, text_dim
     assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (32, 8, 128)
     assert (cfg.intermediate_size, cfg.vocab_size, cfg.num_layers_in_file) == (inter, 151936, 36)
     assert (cfg.num_layers_run, cfg.rope_theta, cfg.rms_norm_eps) == (27, 1e6, 1e-6)
-    plan = build_load_plan(src)
+    plan = qwen3_key_map(src)
     assert len(plan.ops) == 1 + 27 * 11 and len(plan.ignored) == 9 * 11 + 1 + lm_head
     with torch.device("meta"):
         module = Qwen3TextEncoder(cfg)
-    check_plan(module, plan, src, "text encoder")  # the full-size key/shape table fits
+    check_key_map(module, plan, src, "text encoder")  # the full-size key/shape table fits
 
 
 def test_config_reads_either_hf_rope_style():

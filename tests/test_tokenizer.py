@@ -1,9 +1,9 @@
-"""Parity of ``klein_core.tokenizer`` with the official Qwen3 tokenizer (transformers), offline.
+"""Parity of ``klein_core.pipeline.tokenizer`` with the official Qwen3 tokenizer (transformers), offline.
 
 The reference is built by ``transformers.Qwen2Tokenizer.from_pretrained`` from a temporary folder
 holding copies of the shipped ``vocab.json`` / ``merges.txt`` plus a ``tokenizer_config.json``
 with the added tokens of Qwen3's official ``tokenizer_config.json`` (same ids, same ``special`` and
-``normalized`` flags). It does not use any code of ``klein_core.tokenizer``.
+``normalized`` flags). It does not use any code of ``klein_core.pipeline.tokenizer``.
 """
 
 from __future__ import annotations
@@ -22,12 +22,12 @@ from extras import require
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from klein_core import tokenizer as kt
+from klein_core.pipeline import tokenizer as kt
 
 transformers = require("transformers")
 
 DATA_DIR = Path(__file__).resolve().parents[1] / "klein_core" / "data" / "qwen3"
-LOGGER_NAME = "klein_core.tokenizer"
+LOGGER_NAME = "klein_core.pipeline.tokenizer"
 
 # Qwen3's added tokens as listed in the official tokenizer_config.json ("added_tokens_decoder").
 _OFFICIAL_ADDED = [

@@ -17,9 +17,9 @@ from safetensors.torch import save_file
 from tiny_reference import CTX, tiny_diffusers_transformer
 
 import klein_core
-from klein_core.loading import load_transformer
+from klein_core.files.loaders import load_transformer
 from klein_core.models.transformer import TransformerConfig
-from klein_core.sampling import position_ids, text_position_ids
+from klein_core.pipeline.sampling import position_ids, text_position_ids
 
 diffusers = require("diffusers")
 
@@ -240,7 +240,7 @@ def test_wrong_text_width_names_the_encoder(layouts):
 
 
 def test_position_ids_layout():
-    ids = klein_core.sampling.position_ids(2, 3, t=10)
+    ids = klein_core.pipeline.sampling.position_ids(2, 3, t=10)
     assert ids.dtype == torch.long and ids.shape == (6, 4)
     assert ids.tolist() == [[10, 0, 0, 0], [10, 0, 1, 0], [10, 0, 2, 0], [10, 1, 0, 0], [10, 1, 1, 0], [10, 1, 2, 0]]
     assert text_position_ids(3).tolist() == [[0, 0, 0, 0], [0, 0, 0, 1], [0, 0, 0, 2]]

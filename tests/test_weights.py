@@ -13,7 +13,7 @@ from torch import nn
 from klein_core.errors import WeightFormatError
 from klein_core.files.materialize import materialize
 from klein_core.files.opening import open_weights
-from klein_core.files.plan import Cat, LoadPlan, Reshape, SwapHalves, Take, build_plan
+from klein_core.files.key_map import Cat, KeyMap, Reshape, SwapHalves, Take, build_key_map
 from klein_core.files.source import read_safetensors_header
 
 
@@ -124,7 +124,7 @@ def test_materialize_strict_and_dtype():
     sd = {"lin.weight": torch.randn(2, 3), "norm.weight": torch.ones(2, dtype=torch.bfloat16),
           "norm.bias": torch.zeros(2, dtype=torch.bfloat16)}
     src = open_weights(sd, component="tiny")
-    plan = build_plan(src, lambda k: k)
+    plan = build_key_map(src, lambda k: k)
     m = materialize(_Tiny, plan, src, component="tiny")
     assert {p.dtype for p in m.parameters()} == {torch.float32}  # mixed file -> one dtype (the dominant)
     assert not m.training and not any(p.requires_grad for p in m.parameters())
@@ -133,16 +133,16 @@ def test_materialize_strict_and_dtype():
     bad = dict(sd, **{"lin.weight": torch.randn(2, 4)})
     src = open_weights(bad, component="tiny")
     with pytest.raises(ValueError, match=r"lin\.weight \(file \[2, 4\], model \[2, 3\]\)"):
-        materialize(_Tiny, build_plan(src, lambda k: k), src, component="tiny")
+        materialize(_Tiny, build_key_map(src, lambda k: k), src, component="tiny")
     with pytest.raises(ValueError, match="Missing 1 tensors: 'norm.bias'"):
         partial = {k: v for k, v in sd.items() if k != "norm.bias"}
         s2 = open_weights(partial, component="tiny")
-        materialize(_Tiny, build_plan(s2, lambda k: k), s2, component="tiny")
+        materialize(_Tiny, build_key_map(s2, lambda k: k), s2, component="tiny")
 
 
 def test_duplicate_targets_refused():
     src = open_weights({"quant_conv.weight": torch.ones(1), "encoder.quant_conv.weight": torch.ones(1)},
                        component="VAE")
     with pytest.raises(ValueError, match="two copies"):
-        build_plan(src, lambda k: k.replace("encoder.", ""))
-    assert isinstance(LoadPlan().ops, dict) and Take("a").sources() == ["a"]
+        build_key_map(src, lambda k: k.replace("encoder.", ""))
+    assert isinstance(KeyMap().ops, dict) and Take("a").sources() == ["a"]

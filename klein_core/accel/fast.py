@@ -49,7 +49,7 @@ from ..models.block_ops import PLAIN_OPS, BlockOps, QKPart
 from ..models.transformer import Flux2Transformer
 from ..models.transformer_math import rope_tables
 from ..models.vae import Flux2VAE, GroupNormAct
-from .kitchen import INSTALL_HINT, KitchenOps, group_norm_silu, kitchen_available, kitchen_serves_group_norm
+from .comfy_kitchen import INSTALL_HINT, KitchenOps, group_norm_silu, kitchen_available, kitchen_serves_group_norm
 from .triton_swiglu import swiglu as triton_swiglu
 from .triton_swiglu import triton_available
 
@@ -201,7 +201,7 @@ def _resolve_attention(
 class _BoundOps(BlockOps):
     """The fast ops resolved for one device and dtype; each step falls back to the plain one.
 
-    ``fused``: comfy-kitchen's steps (:class:`~klein_core.accel.kitchen.KitchenOps`, with only the
+    ``fused``: comfy-kitchen's steps (:class:`~klein_core.accel.comfy_kitchen.KitchenOps`, with only the
     ones that passed their checks switched on), or None for the plain norms and RoPE.
     """
 

@@ -5,7 +5,7 @@
     from klein_core.accel import enable_step_cache, disable_step_cache, relative_l2
 
     cache = enable_step_cache(transformer, threshold=0.08)  # attaches transformer.step_cache
-    latents = klein_core.sampling.denoise(transformer, ...)  # or klein_core.generate(...)
+    latents = klein_core.pipeline.sampling.denoise(transformer, ...)  # or klein_core.generate(...)
     cache.last_run                                          # StepCacheStats: forwards computed / skipped
     disable_step_cache(transformer)                         # every block runs again (bit-identical)
 
@@ -37,7 +37,7 @@ Passes: the batched CFG forward ``[pos; neg]`` is one pass, so both halves skip 
 measure covers the whole batch). When CFG runs two forwards (prompts of different lengths), each
 keeps its own state, keyed by the input shapes (image tokens, text tokens), device and dtype,
 which are fixed for a pass within a run and differ between the two passes. A new run must start
-afresh: :func:`klein_core.sampling.denoise` calls :meth:`StepCache.start_run` before its first
+afresh: :func:`klein_core.pipeline.sampling.denoise` calls :meth:`StepCache.start_run` before its first
 step; other callers must do the same. As a safety net, a forward whose timestep is above the
 previous one of its pass starts that pass afresh.
 

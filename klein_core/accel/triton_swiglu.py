@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from .kitchen import _device_guard
+from .comfy_kitchen import _device_guard
 
 _BLOCK = 1024
 _kernel: Any = None

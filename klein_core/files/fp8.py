@@ -51,7 +51,7 @@ from ..quant.fp8 import (
     quantize_fp8,
 )
 from . import nvfp4 as nvfp4_files
-from .plan import Cat, DecodingView, Op, SwapHalves, Take
+from .key_map import Cat, DecodingView, Op, SwapHalves, Take
 from .source import TensorInfo, WeightSource
 
 logger = logging.getLogger(__name__)

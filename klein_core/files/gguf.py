@@ -44,7 +44,7 @@ from ..errors import WeightFormatError
 from ..models.layers import replace_module
 from ..quant.fp8 import block_linear_names
 from ..quant.ggml import BLOCKS, FLOAT_TYPES, QUANTIZE_TYPES, GGMLLinear, GGMLType, dequantize, quantize
-from .plan import DecodingView, Op, Take, quantizable_linears
+from .key_map import DecodingView, Op, Take, quantizable_linears
 from .safetensors import SafetensorsFile, StoredTensor, _identity, _open_regular
 from .source import TensorInfo, WeightSource
 

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..variants import encoder_name, transformer_name
+from ..models.variants import encoder_name, transformer_name
 from .gguf import gguf_header, is_gguf
 from .safetensors import NotSafetensors, open_safetensors
 

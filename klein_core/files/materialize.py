@@ -12,7 +12,7 @@ from ..quant.fp8 import is_fp8
 from . import fp8 as fp8_files
 from . import gguf as gguf_files
 from . import nvfp4 as nvfp4_files
-from .plan import LoadPlan, check_plan
+from .key_map import KeyMap, check_key_map
 from .source import WeightSource
 
 logger = logging.getLogger(__name__)
@@ -20,7 +20,7 @@ logger = logging.getLogger(__name__)
 
 def materialize(
     factory: Callable[[], nn.Module],
-    plan: LoadPlan,
+    plan: KeyMap,
     src: WeightSource,
     *,
     component: str,
@@ -58,7 +58,7 @@ def materialize(
         dtype = torch.bfloat16 if quantized_file else _dominant_float_dtype(plan, src)
     with torch.device("meta"):
         module = factory()
-    check_plan(module, plan, src, component)
+    check_key_map(module, plan, src, component)
     # Packed layers (GGML blocks, NVFP4) stay as stored or are dequantised: quantise="fp8" / "q8" /
     # "q4" converts float weights only (a packed tensor read as float would be its raw bytes).
     packed = {k for k, op in plan.ops.items() if gguf_files.reads_ggml(op, src) or nvfp4_files.reads_nvfp4(op, src)}
@@ -88,7 +88,7 @@ def materialize(
             else:
                 state.update(gguf_files.load_ggml(name, ggml[name], op, src, device, dtype))
             continue
-        if device.type == "meta":  # a weightless model: shapes and dtypes only, no tensor data read
+        if device.type == "meta":  # a meta_model model: shapes and dtypes only, no tensor data read
             stored = src.dtype(op.sources()[0])
             if gguf_files.reads_ggml(op, src) or nvfp4_files.reads_nvfp4(op, src):
                 stored = torch.float32  # dequantised while loading
@@ -130,7 +130,7 @@ def materialize(
     return module
 
 
-def _dominant_float_dtype(plan: LoadPlan, src: WeightSource) -> torch.dtype:
+def _dominant_float_dtype(plan: KeyMap, src: WeightSource) -> torch.dtype:
     """The floating dtype holding most of the plan's stored bytes (float32 if there is none;
     bfloat16 if every float tensor is float8, the dtype fp8 checkpoints are made from)."""
     sizes: dict[torch.dtype, int] = {}

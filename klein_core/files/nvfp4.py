@@ -40,7 +40,7 @@ from torch import nn
 from ..errors import WeightFormatError
 from ..models.layers import replace_module
 from ..quant.nvfp4 import BLOCK, NVFP4Linear, dequantize, scale_shape
-from .plan import DecodingView, Op, Take, quantizable_linears
+from .key_map import DecodingView, Op, Take, quantizable_linears
 from .source import TensorInfo, WeightSource
 
 logger = logging.getLogger(__name__)

@@ -1,7 +1,7 @@
 """Qwen3 checkpoint layouts: ComfyUI / Hugging Face files, prefixed all-in-one checkpoints, shards.
 
 Every layout is viewed with Hugging Face ``Qwen3ForCausalLM`` names (``model.layers.N...``) by
-:func:`normalise_keys`; :func:`build_load_plan` then maps them onto the encoder's names and marks
+:func:`normalise_keys`; :func:`qwen3_key_map` then maps them onto the encoder's names and marks
 layers 27 and above, the final norm and ``lm_head`` as ignored, so they are never read.
 """
 
@@ -14,7 +14,7 @@ from typing import Any
 
 from ..models.qwen3 import LAYER_KEY, OUTPUT_LAYERS
 from .identify import what_is
-from .plan import LoadPlan, build_plan
+from .key_map import KeyMap, build_key_map
 from .source import WeightSource
 
 logger = logging.getLogger(__name__)
@@ -68,11 +68,11 @@ def _rename(key: str) -> str | None:
     return key[len("model.") :] if key.startswith("model.") else None
 
 
-def build_load_plan(src: WeightSource) -> LoadPlan:
+def qwen3_key_map(src: WeightSource) -> KeyMap:
     """Plan for a source with HF keys (``model.embed_tokens.weight``, ``model.layers.N...``): every
     key maps to the same name without ``model.``; layers >= 27, ``model.norm`` and ``lm_head`` go to
     ``plan.ignored`` and are never read."""
-    return build_plan(src, _rename, ignore=_is_unused)
+    return build_key_map(src, _rename, ignore=_is_unused)
 
 
 def read_hf_config(folder: Path) -> dict[str, Any] | None:

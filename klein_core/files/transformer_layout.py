@@ -16,9 +16,9 @@ from collections.abc import Mapping
 import torch
 
 from ..models.transformer import TransformerConfig
-from ..variants import DEV_TEXT_WIDTH
+from ..models.variants import DEV_TEXT_WIDTH
 from .identify import what_is
-from .plan import Cat, LoadPlan, Op, SwapHalves, Take
+from .key_map import Cat, KeyMap, Op, SwapHalves, Take
 from .source import WeightSource
 
 logger = logging.getLogger(__name__)
@@ -68,17 +68,17 @@ def _find_prefix(keys: list[str], markers: tuple[str, ...]) -> str | None:
     return None
 
 
-def _plan_bfl(src: WeightSource) -> LoadPlan:
-    return LoadPlan(ops={k: Take(k) for k in src.keys()})
+def _plan_bfl(src: WeightSource) -> KeyMap:
+    return KeyMap(ops={k: Take(k) for k in src.keys()})
 
 
-def diffusers_to_bfl(src: WeightSource) -> LoadPlan:
+def diffusers_to_bfl(src: WeightSource) -> KeyMap:
     """Plan that reads a diffusers ``Flux2Transformer2DModel`` state dict into BFL names.
 
     q/k/v projections are concatenated into the fused ``qkv``; the final layer's (scale, shift)
     halves are swapped back to BFL's (shift, scale). Keys that fit no rule are ``unexpected``.
     """
-    plan = LoadPlan()
+    plan = KeyMap()
     used: set[str] = set()
 
     def add(name: str, op: Op) -> None:
@@ -131,7 +131,7 @@ def bfl_to_diffusers(state: Mapping[str, torch.Tensor], config: TransformerConfi
     return out
 
 
-def plan_transformer(src: WeightSource) -> tuple[LoadPlan, TransformerConfig, str, WeightSource]:
+def plan_transformer(src: WeightSource) -> tuple[KeyMap, TransformerConfig, str, WeightSource]:
     """Detect the layout of ``src``, plan it into BFL names and infer the config.
 
     Returns ``(plan, config, layout, view)``: layout is ``"bfl"`` or ``"diffusers"`` and ``view``

@@ -13,7 +13,7 @@ import torch
 from ..models.vae import VAEConfig
 from .identify import what_is
 from .opening import open_weights
-from .plan import LoadPlan, Op, Reshape, build_plan
+from .key_map import KeyMap, Op, Reshape, build_key_map
 from .source import WeightSource
 
 logger = logging.getLogger(__name__)
@@ -162,13 +162,13 @@ def _infer_config(src: WeightSource, layout: str, shapes: Mapping[str, tuple[int
         raise ValueError(f"{src.name}: {exc}") from None
 
 
-def prepare_vae(src: WeightSource) -> tuple[WeightSource, LoadPlan, VAEConfig, str]:
+def prepare_vae(src: WeightSource) -> tuple[WeightSource, KeyMap, VAEConfig, str]:
     layout = _layout(src)
     rename = _diffusers_rename(src) if layout == _DIFFUSERS else _bfl_rename(src)
     ignore = lambda k: k == "bn.num_batches_tracked"  # noqa: E731
     # two names for one tensor (e.g. 'quant_conv.weight' and 'encoder.quant_conv.weight') are
-    # refused by build_plan, naming both
-    plan = build_plan(src, rename, ignore=ignore)
+    # refused by build_key_map, naming both
+    plan = build_key_map(src, rename, ignore=ignore)
     shapes = {name: op.shape(src) for name, op in plan.ops.items()}
     cfg = _infer_config(src, layout, shapes)
     logger.debug("%s: %s, %s layout, %s", src.name, cfg.variant, layout, cfg)

@@ -25,7 +25,7 @@ from ..models.transformer import Flux2Transformer
 from ..quant.fp8 import FLOAT8_DTYPES
 from ..quant.ggml import GGMLLinear
 from ..quant.nvfp4 import NVFP4Linear
-from ..variants import encoder_model, model_for_hidden
+from ..models.variants import encoder_model, model_for_hidden
 from .formats import TEXT_ENCODER, TRANSFORMER, module_hidden
 from .patches import MODES, LoRA, LoRAPatch, log_skipped
 
@@ -165,7 +165,7 @@ _PACKED = (GGMLLinear, NVFP4Linear)
 
 
 def _weight_of(module: nn.Module | None) -> torch.Tensor | None:
-    """A module's weight, or for a packed Linear (GGML blocks, NVFP4) a weightless stand-in with
+    """A module's weight, or for a packed Linear (GGML blocks, NVFP4) a meta_model stand-in with
     its shape and compute dtype (on the meta device: branches work, merging is refused)."""
     if isinstance(module, _PACKED):
         return torch.empty((module.out_features, module.in_features), dtype=module.compute_dtype, device="meta")

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..request import indexed_device
+from ..pipeline.request import indexed_device
 
 logger = logging.getLogger(__name__)
 

@@ -40,7 +40,7 @@ from ..models.qwen3 import Qwen3TextEncoder
 from ..models.transformer import Flux2Transformer
 from ..models.vae import Flux2VAE
 from ..quant.fp8 import block_linear_names
-from ..request import indexed_device
+from ..pipeline.request import indexed_device
 from .placement import find_block_lists, module_bytes
 from .tiling import TILE_SIDES, tile_overlap
 
@@ -579,7 +579,7 @@ def weights_home(
     """Where a component's weights should live between runs: ``device`` when the plan for a typical
     request keeps it resident there, else the CPU (its stages then copy or stream it in).
 
-    ``model`` may be weightless (``load_transformer(path, device="meta")``): only its tensors'
+    ``model`` may be meta_model (``load_transformer(path, device="meta")``): only its tensors'
     sizes and dtypes are read. ``free_bytes`` defaults to the free memory of ``device``.
     """
     device = torch.device(device)

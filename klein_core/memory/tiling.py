@@ -175,21 +175,21 @@ def encode_tiled(
     return _tiled(run, pixels.shape[-2] // d, pixels.shape[-1] // d, tile // d, overlap // d, 1)
 
 
-def decode_in_tiles(vae, latents: torch.Tensor, tile: int | None) -> torch.Tensor:
+def decode(vae, latents: torch.Tensor, tile: int | None = None) -> torch.Tensor:
     """Decode whole (``tile`` None) or in tiles of ``tile`` latent positions, with the policy's overlap."""
     if tile is None:
         return vae.decode(latents)
-    _count("decode_in_tiles", "tile", tile, 1)
+    _count("tiling.decode", "tile", tile, 1)
     return decode_tiled(vae, latents, tile=tile, overlap=tile_overlap(tile))
 
 
-def encode_in_tiles(vae, pixels: torch.Tensor, tile: int | None) -> torch.Tensor:
+def encode(vae, pixels: torch.Tensor, tile: int | None = None) -> torch.Tensor:
     """Encode whole (``tile`` None) or in tiles of ``tile`` latent positions (16x that in pixels)."""
     if tile is None:
         return vae.encode(pixels)
-    _count("encode_in_tiles", "tile", tile, 1)
+    _count("tiling.encode", "tile", tile, 1)
     return encode_tiled(vae, pixels, tile=16 * tile, overlap=16 * tile_overlap(tile))
 
 
-__all__ = ["DECODE_OVERLAP", "DECODE_TILE", "ENCODE_OVERLAP", "ENCODE_TILE", "TILE_SIDES", "decode_in_tiles",
-           "decode_tiled", "encode_in_tiles", "encode_tiled", "tile_overlap", "tile_starts"]
+__all__ = ["DECODE_OVERLAP", "DECODE_TILE", "ENCODE_OVERLAP", "ENCODE_TILE", "TILE_SIDES", "decode",
+           "decode_tiled", "encode", "encode_tiled", "tile_overlap", "tile_starts"]

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..variants import encoder_name
+from .variants import encoder_name
 from .layers import RMSNorm, attention, computing_in_calls
 
 logger = logging.getLogger(__name__)

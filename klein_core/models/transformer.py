@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..variants import transformer_name
+from .variants import transformer_name
 from .block_ops import PLAIN_OPS, BlockOps, QKPart
 from .layers import rms_norm
 from .transformer_math import NORM_EPS, ROPE_THETA, TIME_CHANNELS, modulate, rope_tables, timestep_embedding
@@ -410,7 +410,7 @@ class Flux2Transformer(nn.Module):
         if img.ndim != 3 or img.shape[-1] != cfg.in_channels:
             raise ValueError(f"img must be [B, N, {cfg.in_channels}], got {list(img.shape)}")
         # Shapes only: what the embeddings are and where they came from is checked once per run
-        # (klein_core.engine.check_denoise_inputs); this turns a direct call's opaque matmul error
+        # (klein_core.pipeline.engine.check_denoise_inputs); this turns a direct call's opaque matmul error
         # into a clear one.
         if txt.ndim != 3 or txt.shape[-1] != cfg.context_dim:
             raise ValueError(f"txt must be [B, L, {cfg.context_dim}] (this {cfg.variant} transformer expects "
@@ -485,7 +485,7 @@ class Flux2Transformer(nn.Module):
 
         What this returns depends only on the weights and the references, never on the prompt, the
         noise or the step, so one result serves every step and every later run with the same
-        references (see :class:`klein_core.kv.ReferenceKVCache`).
+        references (see :class:`klein_core.pipeline.reference_kv.ReferenceKVCache`).
         """
         if ref.ndim != 3 or ref.shape[-1] != self.config.in_channels:
             raise ValueError(f"reference tokens must be [B, N, {self.config.in_channels}], got {list(ref.shape)}")

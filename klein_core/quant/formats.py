@@ -40,7 +40,7 @@ def describe_formats(counts: dict[str, int]) -> str:
     return parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
 
 
-def kept_from_file(model: nn.Module, quantize: str | None) -> dict[str, int]:
+def prequantized_layers(model: nn.Module, quantize: str | None) -> dict[str, int]:
     """The quantised layers of ``model`` that an on-load ``quantize`` choice (``"fp8"``, ``"q8"``,
     ``"q4"``) did not make: the file stored them so, and they stay as stored. ``{}`` when the choice
     made every quantised layer, or when no such choice was made."""
@@ -50,4 +50,4 @@ def kept_from_file(model: nn.Module, quantize: str | None) -> dict[str, int]:
     return {fmt: n for fmt, n in stored_formats(model).items() if fmt != made}
 
 
-__all__ = ["MADE_BY", "describe_formats", "kept_from_file", "layer_format", "stored_formats"]
+__all__ = ["MADE_BY", "describe_formats", "prequantized_layers", "layer_format", "stored_formats"]

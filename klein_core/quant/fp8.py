@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..models.layers import replace_module
-from ..request import indexed_device
+from ..pipeline.request import indexed_device
 from .ggml import const, divide
 
 logger = logging.getLogger(__name__)

@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..request import indexed_device
+from ..pipeline.request import indexed_device
 from .ggml import _CHUNK, const
 
 logger = logging.getLogger(__name__)

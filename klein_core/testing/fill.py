@@ -10,7 +10,7 @@ from torch import nn
 from ..models.qwen3 import Qwen3Config
 from ..models.transformer import TransformerConfig
 from ..models.vae import VAEConfig
-from ..variants import Variant
+from ..models.variants import Variant
 
 # Qwen3-4B / Qwen3-8B MLP widths (by hidden size): the one size the Variant table does not give
 _ENCODER_MLP = {2560: 9728, 4096: 12288}

@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from klein_core.request import as_device
+from klein_core.pipeline.request import as_device
 
 from .helpers import GIB, Target, build_full_4b, load_small, make_target
 

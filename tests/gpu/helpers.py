@@ -118,7 +118,7 @@ def transformer_inputs(model, target: Target, h: int, w: int, *, txt_len: int = 
                        batch: int = 1, seed: int = 0) -> dict[str, torch.Tensor]:
     """Random forward inputs for ``model`` on the target: an ``h x w`` latent grid (+ one reference
     grid at time offset 10), ``txt_len`` text tokens; drawn in fp32 on the CPU, then moved."""
-    from klein_core.sampling import position_ids, text_position_ids
+    from klein_core.pipeline.sampling import position_ids, text_position_ids
 
     g = torch.Generator().manual_seed(seed)
     ids = position_ids(h, w)
@@ -185,7 +185,7 @@ def peak_bytes(device: torch.device, fn):
 def full_4b_configs():
     """The Klein 4B transformer, its Qwen3-4B encoder (as the file holds it) and the FLUX.2 VAE configs."""
     from klein_core.testing.fill import full_size_configs
-    from klein_core.variants import KLEIN_4B
+    from klein_core.models.variants import KLEIN_4B
 
     return full_size_configs(KLEIN_4B)
 

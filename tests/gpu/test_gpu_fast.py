@@ -21,7 +21,7 @@ import torch
 
 import klein_core as kc
 from klein_core.accel import fast
-from klein_core.accel.kitchen import kitchen_available
+from klein_core.accel.comfy_kitchen import kitchen_available
 
 from .helpers import forward, load_small, rel_l2, tag, transformer_inputs
 
@@ -244,7 +244,7 @@ def test_flash_packages_reported():
 def test_images_from_device_pixels_match_the_cpu(gpu):
     """``to_pil`` rounds on the device and copies through pinned memory: the same bytes as from the
     CPU, halfway values and clamped ends included."""
-    from klein_core.images import to_pil
+    from klein_core.pipeline.images import to_pil
 
     g = torch.Generator().manual_seed(4)
     px = torch.rand(2, 3, 37, 53, generator=g)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import klein_core as kc
-from klein_core.engine import decode_to_pixels, encode_references
+from klein_core.pipeline.engine import decode_to_pixels, encode_references
 from klein_core.memory.planner import MemoryPlan
 from klein_core.memory.tiling import decode_tiled, encode_tiled
 

@@ -29,7 +29,7 @@ PIPE = "tests/test_pipeline_parity.py"
 MUTANTS: tuple[Mutant, ...] = (
     # ----- the four escapes of issue #33 -----
     Mutant(
-        "kv-cache-key-ignores-picture", "klein_core/kv.py",
+        "kv-cache-key-ignores-picture", "klein_core/pipeline/reference_kv.py",
         "_digest(refs.tokens, refs.ids)", "_digest(refs.ids)",
         (f"{ESC}::test_kv_cache_serves_a_new_picture_of_the_same_size_its_own_keys",),
         "a new picture of the same size would be edited with the previous picture's keys/values",
@@ -41,7 +41,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "hidden states 10/19 instead of the spec's 9/18",
     ),
     Mutant(
-        "schedule-mu-boundary", "klein_core/sampling.py",
+        "schedule-mu-boundary", "klein_core/pipeline/sampling.py",
         "if image_seq_len > 4300:", "if image_seq_len > 4096:",
         (f"{ESC}::test_empirical_mu_equals_diffusers",),
         "sizes of 4097..4300 tokens (1024x1056) get the large-image mu",
@@ -54,45 +54,45 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     # ----- sampling -----
     Mutant(
-        "noise-ignores-seed", "klein_core/sampling.py",
+        "noise-ignores-seed", "klein_core/pipeline/sampling.py",
         'torch.Generator(device="cpu").manual_seed(seed)', 'torch.Generator(device="cpu").manual_seed(0)',
         ("tests/test_pipeline.py::test_noise_matches_comfyui_random_noise",),
         "every seed gives the same picture",
     ),
     Mutant(
-        "schedule-time-shift", "klein_core/sampling.py",
+        "schedule-time-shift", "klein_core/pipeline/sampling.py",
         "e = torch.full_like(sigmas, math.exp(mu))", "e = torch.full_like(sigmas, mu)",
         (f"{PIPE}::test_schedule_matches_published_table",),
         "mu used as the shift instead of e^mu",
     ),
     Mutant(
-        "cfg-formula", "klein_core/sampling.py",
+        "cfg-formula", "klein_core/pipeline/sampling.py",
         "    return v_neg + job.guidance * (v_pos - v_neg)", "    return v_pos + job.guidance * (v_pos - v_neg)",
         (f"{PIPE}::test_base_cfg_with_negative_prompt_batched",),
         "classifier-free guidance from the positive branch",
     ),
     Mutant(
-        "euler-step-sign", "klein_core/sampling.py",
+        "euler-step-sign", "klein_core/pipeline/sampling.py",
         "latents = (latents.float() + job.dts[i] * v).to(dtype)",
         "latents = (latents.float() - job.dts[i] * v).to(dtype)",
         (f"{PIPE}::test_distilled_text_to_image",),
         "the Euler step walks the wrong way",
     ),
     Mutant(
-        "reference-time-offset", "klein_core/sampling.py",
+        "reference-time-offset", "klein_core/pipeline/sampling.py",
         "REF_TIME_OFFSET = 10", "REF_TIME_OFFSET = 1",
         (f"{PIPE}::test_two_references_of_different_sizes",),
         "references at RoPE time 1, 2... instead of 10, 20...",
     ),
     Mutant(
-        "position-ids-h-w-swapped", "klein_core/sampling.py",
+        "position-ids-h-w-swapped", "klein_core/pipeline/sampling.py",
         "ids[:, 1] = hh.reshape(-1)\n    ids[:, 2] = ww.reshape(-1)",
         "ids[:, 1] = ww.reshape(-1)\n    ids[:, 2] = hh.reshape(-1)",
         (f"{PIPE}::test_distilled_text_to_image",),
         "image tokens' RoPE rows and columns exchanged (unseen on square images)",
     ),
     Mutant(
-        "inpaint-keeps-the-wrong-region", "klein_core/sampling.py",
+        "inpaint-keeps-the-wrong-region", "klein_core/pipeline/sampling.py",
         "return blend.known * proper + blend.keep * latents.float()",
         "return blend.keep * proper + blend.known * latents.float()",
         ("tests/test_inpaint_parity.py::test_inpaint_without_and_with_a_reference",),
@@ -174,32 +174,32 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     # ----- caches -----
     Mutant(
-        "kv-cache-ignores-loras", "klein_core/kv.py",
+        "kv-cache-ignores-loras", "klein_core/pipeline/reference_kv.py",
         "if has_loras(model):  # branches", "if False:  # branches",
         ("tests/test_kv.py::test_loras_on_the_model_bypass_the_kv_cache",
          "tests/test_kv_hostile.py::test_applying_and_removing_a_lora_never_serves_the_other_weights[branch]"),
         "a model with LoRAs served the keys/values of the model without them",
     ),
     Mutant(
-        "bounded-cache-serves-other-owner", "klein_core/bounded.py",
+        "bounded-cache-serves-other-owner", "klein_core/pipeline/bounded_cache.py",
         "if hit is None or (hit[0] is not None and hit[0]() is not owner):", "if hit is None:",
         (f"{ESC}::test_bounded_cache_serves_an_entry_only_to_its_owner",),
         "an entry served to another owner than the one it was made for",
     ),
     Mutant(
-        "prompt-cache-ignores-activations", "klein_core/prompts.py",
+        "prompt-cache-ignores-activations", "klein_core/pipeline/prompts.py",
         "return (self.max_tokens, str(self.activations))", "return (self.max_tokens,)",
         ("tests/test_prompts.py::test_cache_keys_include_the_options",),
         "ComfyUI-way (fp32) embeddings served for the BFL way and back",
     ),
     Mutant(
-        "prompt-disk-cache-ignores-mtime", "klein_core/prompts.py",
+        "prompt-disk-cache-ignores-mtime", "klein_core/pipeline/prompts.py",
         'f"{f.name}:{(st := f.stat()).st_size}:{st.st_mtime_ns}"', 'f"{f.name}:{f.stat().st_size}"',
         ("tests/test_prompts.py::test_disk_cache_misses_when_the_encoder_file_changes",),
         "a replaced encoder file of the same size keeps serving the old file's embeddings",
     ),
     Mutant(
-        "prompt-identity-ignores-dtype", "klein_core/prompts.py",
+        "prompt-identity-ignores-dtype", "klein_core/pipeline/prompts.py",
         """return f"{files}|{str(dtype).removeprefix('torch.')}|{quantize}|{torch.device(device).type}\"""",
         """return f"{files}|{quantize}|{torch.device(device).type}\"""",
         (f"{ESC}::test_prompt_cache_identity_keys_on_dtype_and_quantisation",),

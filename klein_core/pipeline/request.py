@@ -264,14 +264,14 @@ class Conditioning:
 
 @dataclass(frozen=True)
 class GenerationRequest:
-    """One generation, as a user describes it: the one way into :meth:`klein_core.engine.Engine.generate`.
+    """One generation, as a user describes it: the one way into :meth:`klein_core.pipeline.engine.Engine.generate`.
 
     ``prompt``: one prompt or several (each gets ``settings.batch_size`` images); may be left empty
     when ``conditioning`` is given. ``negative_prompt``: used by base models with guidance > 1.
     ``references``: PIL images (or prepared ``[1, 3, H, W]`` tensors in [-1, 1]) to edit from;
     ``reference_latents``: references already VAE-encoded, ``[1, 128, h, w]`` each (placed before
     ``references``). ``output``: "pil" decodes, "latent" stops at the latents. ``init``: an image to
-    start from, and a mask to repaint (:class:`~klein_core.inpaint.InitImage`).
+    start from, and a mask to repaint (:class:`~klein_core.pipeline.inpaint.InitImage`).
     ``conditioning``: prompt embeddings instead of prompts (stage 1 skipped; a base model with CFG
     and no negative embedding still encodes ``negative_prompt``). ``noise``: the starting latents
     ``[P * batch, 128, H/16, W/16]`` instead of seeded noise. ``ref_mode``: how references take

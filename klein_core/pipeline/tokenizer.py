@@ -112,7 +112,7 @@ def chat_template(prompt: str) -> str:
 
 def _read_data_file(name: str) -> str:
     """Return the text of a shipped Qwen3 vocabulary file (installed package or plain checkout)."""
-    package = __package__ or ""
+    package = (__package__ or "").rpartition(".")[0]  # the data lives in klein_core/data, beside this package
     if package:
         try:
             resource = importlib.resources.files(package)
@@ -123,7 +123,7 @@ def _read_data_file(name: str) -> str:
                 return resource.read_text(encoding="utf-8")
         except (ModuleNotFoundError, FileNotFoundError, NotADirectoryError, TypeError):
             logger.debug("importlib.resources lookup of %s failed; trying the module path", name)
-    path = Path(__file__).resolve().parent.joinpath(*_DATA_SUBDIR, name)
+    path = Path(__file__).resolve().parents[1].joinpath(*_DATA_SUBDIR, name)
     if not path.is_file():
         raise FileNotFoundError(
             f"Qwen3 tokenizer file {name!r} not found in package data (looked in {path}); "

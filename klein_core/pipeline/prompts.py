@@ -31,10 +31,10 @@ from typing import Any
 
 import torch
 
-from .bounded import BoundedCache, check_bound
-from .errors import WeightFormatError
-from .files.safetensors import open_safetensors
-from .lora.apply import has_loras
+from .bounded_cache import BoundedCache, check_bound
+from ..errors import WeightFormatError
+from ..files.safetensors import open_safetensors
+from ..lora.apply import has_loras
 from .tokenizer import MAX_LENGTH, count_tokens, tokenize_prompts
 
 logger = logging.getLogger(__name__)
@@ -100,7 +100,7 @@ def encoder_identity(source: str | os.PathLike, dtype: torch.dtype, device: torc
     return f"{files}|{str(dtype).removeprefix('torch.')}|{quantize}|{torch.device(device).type}"
 
 
-def identity_of(encoder: Any, device: torch.device | str | None = None) -> str | None:
+def loaded_encoder_identity(encoder: Any, device: torch.device | str | None = None) -> str | None:
     """:func:`encoder_identity` of a loaded encoder computing on ``device`` (default: where its
     embedding table is); None for encoders not loaded from a file or carrying LoRAs."""
     source = getattr(encoder, "source", None)
@@ -421,14 +421,14 @@ class PromptCache(BoundedCache[torch.Tensor]):
                identity: str | None = None) -> torch.Tensor:
         """Embeddings ``[len(prompts), length, text_dim]``; only prompts found in neither cache are
         encoded. ``options`` may be a plain max length (the older signature). ``identity`` (see
-        :func:`identity_of`) defaults to the encoder's own, on the device its weights are on."""
+        :func:`loaded_encoder_identity`) defaults to the encoder's own, on the device its weights are on."""
         if isinstance(options, int):
             options = TextOptions(max_tokens=options)
         length = options.length(prompts)
         if has_loras(encoder):  # its outputs change with the LoRAs: nothing cached is valid for it
             logger.debug("prompt cache bypassed: the text encoder carries LoRAs")
             return _encode(encoder, list(prompts), options, length)
-        identity = identity if identity is not None else identity_of(encoder)
+        identity = identity if identity is not None else loaded_encoder_identity(encoder)
         width = _encoder_width(encoder)
         if identity is not None and width is not None:
             with self._lock:
@@ -476,7 +476,7 @@ def encode_prompts(
 
     ``options`` (:class:`TextOptions`) chooses the BFL / diffusers or the ComfyUI way; without it,
     prompts are cut at ``max_length`` and encoded in the model dtype. ``identity``: the cache key
-    of the encoder (:func:`identity_of` with the compute device); default: derived from it.
+    of the encoder (:func:`loaded_encoder_identity` with the compute device); default: derived from it.
     """
     if isinstance(prompts, str):
         raise TypeError("prompts must be a list of strings; wrap a single prompt as [prompt]")
@@ -487,4 +487,4 @@ def encode_prompts(
 
 
 __all__ = ["COMFYUI_TEXT", "DiskPromptCache", "PromptCache", "TextOptions", "default_prompt_cache", "encode_prompts",
-           "encoder_identity", "identity_of"]
+           "encoder_identity", "loaded_encoder_identity"]

@@ -15,15 +15,15 @@ from pathlib import Path
 
 import torch
 
-from .files.materialize import materialize
-from .files.opening import open_weights
-from .files.qwen3_layout import COMPONENT, build_load_plan, normalise_keys, read_hf_config
-from .files.source import WeightSource
-from .files.transformer_layout import plan_transformer
-from .files.vae_layout import open_vae_source, prepare_vae
-from .models.qwen3 import Qwen3Config, Qwen3TextEncoder
-from .models.transformer import Flux2Transformer
-from .models.vae import Flux2VAE
+from .materialize import materialize
+from .opening import open_weights
+from .qwen3_layout import COMPONENT, qwen3_key_map, normalise_keys, read_hf_config
+from .source import WeightSource
+from .transformer_layout import plan_transformer
+from .vae_layout import open_vae_source, prepare_vae
+from ..models.qwen3 import Qwen3Config, Qwen3TextEncoder
+from ..models.transformer import Flux2Transformer
+from ..models.vae import Flux2VAE
 
 logger = logging.getLogger(__name__)
 
@@ -106,7 +106,7 @@ def load_text_encoder(
         hf_config = read_hf_config(Path(source).expanduser())
     src = normalise_keys(open_weights(source, component=COMPONENT, subfolder="text_encoder"))
     config = Qwen3Config.from_source(src, hf_config)
-    plan = build_load_plan(src)
+    plan = qwen3_key_map(src)
     model = materialize(
         lambda: Qwen3TextEncoder(config), plan, src, component=COMPONENT, device=device, dtype=dtype,
         quantize=quantize,
@@ -169,7 +169,7 @@ def load_vae(
 LOADERS = {"transformer": load_transformer, "text_encoder": load_text_encoder, "vae": load_vae}
 
 
-def weightless(source: Source, component: str, *, dtype: torch.dtype | str | None = None,
+def meta_model(source: Source, component: str, *, dtype: torch.dtype | str | None = None,
                quantize: str | None = None) -> torch.nn.Module:
     """The module a load would give, built on the meta device without reading tensor data: its
     config, layer types (fp8 layers included) and the exact bytes of its weights
@@ -178,4 +178,4 @@ def weightless(source: Source, component: str, *, dtype: torch.dtype | str | Non
     return LOADERS[component](source, device="meta", dtype=dtype, **kwargs)
 
 
-__all__ = ["LOADERS", "as_dtype", "load_text_encoder", "load_transformer", "load_vae", "weightless"]
+__all__ = ["LOADERS", "as_dtype", "load_text_encoder", "load_transformer", "load_vae", "meta_model"]

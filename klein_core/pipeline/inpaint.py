@@ -33,7 +33,7 @@ def processing_size(width: int, height: int, multiple: int = 16) -> tuple[int, i
     """The size an init image is generated at: scaled to at most 1 megapixel (``int`` of each side,
     as diffusers), then each side rounded down to a multiple of ``multiple`` (by resizing, not
     cropping: the image keeps its content edge to edge). The numbers are a reference's
-    (:func:`~klein_core.images.reference_size`)."""
+    (:func:`~klein_core.pipeline.images.reference_size`)."""
     return reference_size(width, height, multiple)
 
 
@@ -311,13 +311,13 @@ def prepare_inpaint(image: Image.Image, mask: MaskInput | None = None, *, crop_p
     return InpaintInputs(pixels, mask_px, box, original, m_img)
 
 
-def latent_mask(mask: torch.Tensor, height: int, width: int) -> torch.Tensor:
+def resize_mask_to_latents(mask: torch.Tensor, height: int, width: int) -> torch.Tensor:
     """A pixel mask ``[B, 1, H, W]`` on the latent grid ``[B, 1, height, width]`` (bilinear, as
     diffusers: edge positions get fractions)."""
     return F.interpolate(mask.float(), size=(height, width), mode="bilinear")
 
 
-def mask_for_latents(mask: torch.Tensor, height: int, width: int, downscale: int = 16) -> torch.Tensor:
+def comfy_mask_to_latents(mask: torch.Tensor, height: int, width: int, downscale: int = 16) -> torch.Tensor:
     """A pixel mask (ComfyUI MASK ``[B, H, W]`` or ``[H, W]``, 1 = repaint) for latents of
     ``height x width`` positions: resized to the latents' pixel size if needed, binarised at 0.5,
     then onto the latent grid as diffusers does. Returns ``[B, 1, height, width]``."""
@@ -338,7 +338,7 @@ def mask_for_latents(mask: torch.Tensor, height: int, width: int, downscale: int
     binary = (m >= 0.5).float()
     if not binary.any():
         raise ValueError("the mask is empty (all black): there is nothing to repaint")
-    return latent_mask(binary, height, width)
+    return resize_mask_to_latents(binary, height, width)
 
 
 # ----- back into the picture -----------------------------------------------------------------------
@@ -484,6 +484,6 @@ def crop_for_inpaint(image: Image.Image, mask: MaskInput, *, padding: int = 32, 
 
 __all__ = [
     "DEFAULT_STRENGTH_IMAGE_TO_IMAGE", "DEFAULT_STRENGTH_INPAINT", "InitImage", "InpaintInputs", "check_strength", "composite",
-    "composite_pixels", "crop_for_inpaint", "crop_region", "crop_size", "feather_mask", "latent_mask", "mask_array", "mask_for_latents", "mask_image", "outpaint",
+    "composite_pixels", "crop_for_inpaint", "crop_region", "crop_size", "feather_mask", "resize_mask_to_latents", "mask_array", "comfy_mask_to_latents", "mask_image", "outpaint",
     "prepare_inpaint", "processing_size", "stitch", "steps_to_run",
 ]

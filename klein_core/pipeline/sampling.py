@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import GenerationCancelled
-from .models.transformer import Flux2Transformer, ReferenceKV
+from ..errors import GenerationCancelled
+from ..models.transformer import Flux2Transformer, ReferenceKV
 
 logger = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 A component describes each internal tensor as an op over source tensors (:class:`Take`,
 :class:`Cat`, :class:`SwapHalves`, :class:`Reshape`) whose output shape is known from the header
-alone, so :func:`check_plan` reports missing, unexpected and misshaped tensors (naming the file
+alone, so :func:`check_key_map` reports missing, unexpected and misshaped tensors (naming the file
 and the first keys) before a single weight is loaded.
 """
 
@@ -132,7 +132,7 @@ class DecodingView:
 
 
 @dataclass
-class LoadPlan:
+class KeyMap:
     """How to fill a module: ``ops[internal_name]``, plus the source keys deliberately not read
     (``ignored``) and those the component did not understand (``unexpected``)."""
 
@@ -141,15 +141,15 @@ class LoadPlan:
     unexpected: list[str] = field(default_factory=list)
 
 
-def build_plan(
+def build_key_map(
     src: WeightSource,
     rename: Callable[[str], str | Op | None],
     *,
     ignore: Callable[[str], bool] = lambda k: False,
-) -> LoadPlan:
+) -> KeyMap:
     """Map every source key through ``rename`` (-> internal name, an Op for the internal name via
     a (name, op) tuple, or None for "not understood"), skipping keys for which ``ignore`` is True."""
-    plan = LoadPlan()
+    plan = KeyMap()
     for key in src.keys():
         if ignore(key):
             plan.ignored.append(key)
@@ -174,7 +174,7 @@ def _first(items: Iterable[str], n: int = 5) -> str:
     return shown + (f" and {len(items) - n} more" if len(items) > n else "")
 
 
-def check_plan(module: nn.Module, plan: LoadPlan, src: WeightSource, component: str) -> None:
+def check_key_map(module: nn.Module, plan: KeyMap, src: WeightSource, component: str) -> None:
     """Compare a plan with a (meta) module; raise ValueError naming the file and first bad keys."""
     state = module.state_dict()
     expected = {k: tuple(v.shape) for k, v in state.items()}

@@ -4,10 +4,10 @@ A generation is four stages, each a method of :class:`Engine`:
 
 1. :meth:`Engine.encode_prompts`: prompts -> tokens -> Qwen3 embeddings (:class:`Conditioning`);
 2. :meth:`Engine.encode_references`: reference images -> VAE latents, each encoded once;
-3. :meth:`Engine.denoise`: noise -> latents along the Euler schedule (:mod:`klein_core.sampling`);
+3. :meth:`Engine.denoise`: noise -> latents along the Euler schedule (:mod:`klein_core.pipeline.sampling`);
 4. :meth:`Engine.decode`: latents -> pixels.
 
-:meth:`Engine.generate` composes them for one :class:`~klein_core.request.GenerationRequest`, and
+:meth:`Engine.generate` composes them for one :class:`~klein_core.pipeline.request.GenerationRequest`, and
 the module-level :func:`generate` keeps the original keyword API. The engine is the one owner of
 placement: for each call it plans (:mod:`klein_core.memory.planner`) and applies the plan
 (:class:`~klein_core.memory.placement.StagePlacer`); callers never move components themselves.
@@ -27,27 +27,28 @@ from typing import Any, Literal
 import torch
 from PIL import Image
 
-from .accel.speed import apply_speed, check_speed
-from .checks import check_output, require_finite
-from .errors import KleinOutOfMemory
+from ..accel.speed import apply_speed, check_speed
+from ..checks import check_output, require_finite
+from ..errors import KleinOutOfMemory
 from .images import PUBLISHED_REFERENCE_LIMIT, oriented_size, prepare_reference_image, reference_size, to_pil
 from .inpaint import (
     InitImage,
     InpaintInputs,
     check_strength,
-    latent_mask,
+    resize_mask_to_latents,
     prepare_inpaint,
     steps_to_run,
     stitch,
 )
-from .kv import ReferenceKVCache, default_kv_cache
-from .memory.placement import StagePlacer
-from .memory.planner import MODES, MakeRoom, MemoryPlan, MemoryRequest, plan_for
-from .memory.tiling import TILE_SIDES, decode_in_tiles, encode_in_tiles
-from .models.qwen3 import Qwen3TextEncoder
-from .models.transformer import Flux2Transformer, TransformerConfig
-from .models.vae import Flux2VAE
-from .prompts import PromptCache, TextOptions, default_prompt_cache, encode_prompts, identity_of
+from .reference_kv import ReferenceKVCache, default_kv_cache
+from ..memory.placement import StagePlacer
+from ..memory.planner import MODES, MakeRoom, MemoryPlan, MemoryRequest, plan_for
+from ..memory import tiling
+from ..memory.tiling import TILE_SIDES
+from ..models.qwen3 import Qwen3TextEncoder
+from ..models.transformer import Flux2Transformer, TransformerConfig
+from ..models.vae import Flux2VAE
+from .prompts import PromptCache, TextOptions, default_prompt_cache, encode_prompts, loaded_encoder_identity
 from .request import (
     MODEL_KINDS,
     Conditioning,
@@ -65,7 +66,7 @@ from .request import (
     resolve,
 )
 from .sampling import StepCallback, denoise, get_schedule, make_noise, reference_tokens
-from .variants import check_text_width
+from ..models.variants import check_text_width
 
 logger = logging.getLogger(__name__)
 
@@ -143,11 +144,11 @@ def check_denoise_inputs(
     ``check_inputs``): the embeddings' text width and finiteness, the references, the init image and
     its mask, the noise, and the one notice that a negative prompt goes unused. Needs only the
     transformer's config, so a host can refuse a request before loading the weights. What passes is
-    trusted below (:mod:`klein_core.sampling`, the transformer).
+    trusted below (:mod:`klein_core.pipeline.sampling`, the transformer).
 
     ``negative_prompt``: a negative prompt was given but not encoded (the notice is the same as for
     a given negative embedding that the run does not use). A text width that does not fit raises
-    :class:`~klein_core.variants.TextWidthMismatch` (a ValueError), which a caller may restate.
+    :class:`~klein_core.models.variants.TextWidthMismatch` (a ValueError), which a caller may restate.
     """
     channels = config.in_channels
     n_images = conditioning.positive.shape[0] * run.batch_size
@@ -262,7 +263,7 @@ def decode_to_pixels(vae: Any, latents: torch.Tensor, *, tile: int | None = None
     ``tile``: decode in overlapping tiles of this many latent positions (see ``memory.tiling``);
     ``clamp=False`` keeps values outside [0, 1] (and NaN) for checking.
     """
-    px = decode_in_tiles(vae, latents, tile).float() / 2 + 0.5
+    px = tiling.decode(vae, latents, tile).float() / 2 + 0.5
     return (px.clamp(0, 1) if clamp else px).cpu()  # clamped where it was decoded (a GPU's threads)
 
 
@@ -271,7 +272,7 @@ def encode_references(
 ) -> list[torch.Tensor]:
     """VAE-encode each reference once: a list of normalised latents ``[1, 128, h, w]``.
 
-    PIL images are preprocessed with :func:`~klein_core.images.prepare_reference_image`; tensors
+    PIL images are preprocessed with :func:`~klein_core.pipeline.images.prepare_reference_image`; tensors
     must already be ``[1, 3, H, W]`` in [-1, 1] with H and W multiples of 16. ``tile``: encode in
     tiles of this many latent positions; ``first``: the number of the first image in messages.
     """
@@ -291,7 +292,7 @@ def encode_references(
         if not isinstance(px, torch.Tensor) or px.ndim != 4 or px.shape[0] != 1:
             raise ValueError(f"reference {n}: expected a PIL image or a [1, 3, H, W] tensor")
         require_finite(px, f"reference {n}")
-        latent = encode_in_tiles(vae, px, tile)
+        latent = tiling.encode(vae, px, tile)
         check_output(latent, f"The VAE encoder (reference {n})", vae, _overflow_cause(vae.dtype))
         out.append(latent)
     return out
@@ -342,19 +343,19 @@ class Engine:
             needs a missing one says so.
         kind: ``"distilled"`` (4 steps, no CFG), ``"base"`` (50 steps, CFG 4) or ``"kv"`` (Klein
             9B-KV: distilled, references in KV mode); None: from the transformer's file or folder
-            (:func:`~klein_core.request.guess_model_kind`), else distilled. Weights cannot tell.
+            (:func:`~klein_core.pipeline.request.guess_model_kind`), else distilled. Weights cannot tell.
         device: the compute device (default: where the transformer, else the first component, is).
         memory: ``"auto"`` plans placement for the free memory of ``device`` per call (all
             resident off CUDA); ``"resident"``, ``"swap"``, ``"blocks"`` or ``"minimum"`` force
             one; a :class:`~klein_core.memory.planner.MemoryPlan` is used as given. Components
             meant to be offloaded should be loaded on the CPU (pinned: ``pin_memory_``).
-        prompt_cache: a :class:`~klein_core.prompts.PromptCache` (None: no caching).
-        text: how prompts are encoded (:class:`~klein_core.prompts.TextOptions`).
-        ref_mode: how references take part (``klein_core.sampling.REFERENCE_MODES``): "joint"
+        prompt_cache: a :class:`~klein_core.pipeline.prompts.PromptCache` (None: no caching).
+        text: how prompts are encoded (:class:`~klein_core.pipeline.prompts.TextOptions`).
+        ref_mode: how references take part (``klein_core.pipeline.sampling.REFERENCE_MODES``): "joint"
             (Klein 4B/9B), "timestep_zero" (ComfyUI's index_timestep_zero) or "kv" (Klein 9B-KV:
             reference keys/values computed once); None: "kv" for kind "kv", else "joint".
         kv_cache: where KV-mode reference keys/values are kept across runs
-            (:class:`~klein_core.kv.ReferenceKVCache`; None: computed anew every run).
+            (:class:`~klein_core.pipeline.reference_kv.ReferenceKVCache`; None: computed anew every run).
         speed: put the transformer and the VAE on one of :data:`klein_core.accel.SPEEDS`
             ("fast", "compile", "plain") before anything runs; None (default) leaves them as they are.
         make_room: the host's hook ``make_room(nbytes, device)``, called once per plan before the free
@@ -466,12 +467,12 @@ class Engine:
     def cached_prompts(self, prompts: Sequence[str], negative_prompt: str | None = None, *,
                        identity: str | None = None) -> Conditioning | None:
         """Stage 1 from the prompt cache alone: the embeddings if every text is cached (in memory or
-        on disk), else None. ``identity`` names the encoder (:func:`~klein_core.prompts.encoder_identity`
+        on disk), else None. ``identity`` names the encoder (:func:`~klein_core.pipeline.prompts.encoder_identity`
         of its file, dtype and this device), so the encoder need not be loaded; default: the
         engine's text encoder's. Embeddings read from disk are on the CPU."""
         cache = self.prompt_cache
         if identity is None and self.text_encoder is not None:
-            identity = identity_of(self.text_encoder, self.device)
+            identity = loaded_encoder_identity(self.text_encoder, self.device)
         if cache is None or identity is None:
             return None
         groups, n = self._text_groups(prompts, negative_prompt)
@@ -489,7 +490,7 @@ class Engine:
         encoded again, and when every one is cached the encoder is not even placed."""
         groups, n = self._text_groups(prompts, negative_prompt)
         cache = self.prompt_cache
-        identity = identity_of(self.text_encoder, self.device) if self.text_encoder is not None else None
+        identity = loaded_encoder_identity(self.text_encoder, self.device) if self.text_encoder is not None else None
         embeds = [cache.cached(identity, g, self.text, width=self._text_width()) if cache is not None else None
                   for g in groups]
         if any(e is None for e in embeds):  # the encoder is placed only when something is not cached
@@ -538,7 +539,7 @@ class Engine:
             with self._stage("vae", plan) as vae:
                 for i in range(len(pixels)):
                     self._next_image()
-                    latents.append(encode_in_tiles(vae, pixels[i : i + 1], plan.vae_tile))
+                    latents.append(tiling.encode(vae, pixels[i : i + 1], plan.vae_tile))
                 out = torch.cat(latents)
                 check_output(out, "The VAE encoder", vae, _overflow_cause(vae.dtype))
         return out
@@ -749,7 +750,7 @@ class Engine:
             if init is not None and prepared is not None:
                 image_latents = self.encode_pixels(prepared.pixels, plan=plan)
                 h, w = image_latents.shape[-2:]
-                mask = latent_mask(prepared.mask, h, w) if prepared.mask is not None else None
+                mask = resize_mask_to_latents(prepared.mask, h, w) if prepared.mask is not None else None
                 start = InitLatents(image_latents, init.resolved_strength, mask, as_reference=init.as_reference)
         unused_negative = bool(request.negative_prompt) and request.conditioning is None and not memory.cfg
         with _timed(timings, "denoise", self.device):
@@ -843,7 +844,7 @@ def generate(
         cache, memory, device, text, ref_mode, kv_cache, speed: see :class:`Engine`.
         image, mask, strength, image_as_reference, mask_crop_padding, composite, feather:
             image-to-image (``image``, ``strength``) and inpainting (with ``mask``: white =
-            repaint); see :class:`~klein_core.inpaint.InitImage`. The size comes from the image.
+            repaint); see :class:`~klein_core.pipeline.inpaint.InitImage`. The size comes from the image.
     Returns:
         :class:`GenerationResult` with latents, images/pixels (if decoded) and per-stage timings.
     """
