@@ -1,0 +1,212 @@
+"""Trainable LoRA layers on the core transformer, chosen per block group.
+
+The layers are the pack's own (not peft): peft adapts whole ``nn.Linear`` modules, but the core
+fuses q/k/v into one ``qkv`` linear per stream, while diffusers' Flux2 (and so every tool that
+reads diffusers LoRAs) has separate ``to_q``/``to_k``/``to_v``. A :class:`LoRALayer` therefore holds
+one ``(A, B)`` pair per row part of its linear: three for a double block's ``qkv`` (exactly the
+function class of peft on diffusers' split projections), one elsewhere. Layers run as forward
+hooks that add ``scale * B @ A @ x`` to the frozen linear's output, so the model's modules, names
+and state dict are untouched and :meth:`LoRASet.detach` restores it exactly.
+
+Presets (core module names, see docs/training.md):
+
+* ``"style"``: every linear of the double blocks;
+* ``"structure"``: single blocks 0-12;
+* ``"full"``: every block, ranks 128 (double-block attention), 64 (double-block MLPs),
+  64 (single blocks 0-12) and 32 (single blocks 13+).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+from typing_extensions import Self
+
+from ..models.transformer import Flux2Transformer
+
+logger = logging.getLogger(__name__)
+
+_DOUBLE_ATTN = r"double_blocks\.\d+\.(img|txt)_attn\.(qkv|proj)"
+_DOUBLE_MLP = r"double_blocks\.\d+\.(img|txt)_mlp\.[02]"
+_SINGLE_0_12 = r"single_blocks\.([0-9]|1[0-2])\.linear[12]"
+_SINGLE_13_UP = r"single_blocks\.(1[3-9]|[2-9]\d|\d{3,})\.linear[12]"
+
+
+@dataclass(frozen=True)
+class TargetGroup:
+    """Linears whose core name fully matches ``pattern`` (a regex) get rank ``rank`` and ``alpha``
+    (None: alpha = rank, i.e. scale 1)."""
+
+    name: str
+    pattern: str
+    rank: int
+    alpha: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.rank < 1:
+            raise ValueError(f"group {self.name!r}: rank must be positive, got {self.rank}")
+        re.compile(self.pattern)
+
+    @property
+    def scale(self) -> float:
+        return (self.alpha if self.alpha is not None else self.rank) / self.rank
+
+
+@dataclass(frozen=True)
+class AdapterConfig:
+    """What to adapt: groups tried in order, the first match wins. ``split_qkv``: a double block's
+    fused ``qkv`` gets one factor pair per q/k/v (diffusers' layout)."""
+
+    groups: tuple[TargetGroup, ...]
+    split_qkv: bool = True
+    dtype: torch.dtype = torch.float32
+
+    @property
+    def description(self) -> dict[str, Any]:
+        return {g.name: {"pattern": g.pattern, "rank": g.rank, "alpha": g.alpha if g.alpha is not None else g.rank}
+                for g in self.groups}
+
+
+PRESETS: tuple[str, ...] = ("style", "structure", "full")
+
+
+def preset(name: str, rank: int | None = None, alpha: float | None = None,
+           patterns: Sequence[str] = ()) -> AdapterConfig:
+    """The config of a preset. ``rank``/``alpha`` override every group's; ``patterns``: custom
+    regexes over core module names (``"custom"``) used instead of a preset."""
+    if patterns:
+        r = rank or 32
+        return AdapterConfig(tuple(TargetGroup(f"custom{i}", p, r, alpha) for i, p in enumerate(patterns)))
+    if name == "style":
+        groups = [TargetGroup("double", f"{_DOUBLE_ATTN}|{_DOUBLE_MLP}", 32)]
+    elif name == "structure":
+        groups = [TargetGroup("single_0_12", _SINGLE_0_12, 32)]
+    elif name == "full":
+        groups = [TargetGroup("double_attn", _DOUBLE_ATTN, 128), TargetGroup("double_mlp", _DOUBLE_MLP, 64),
+                  TargetGroup("single_0_12", _SINGLE_0_12, 64), TargetGroup("single_13_up", _SINGLE_13_UP, 32)]
+    else:
+        raise ValueError(f"unknown preset {name!r}; choose one of {PRESETS} or give target patterns")
+    if rank is not None or alpha is not None:
+        groups = [TargetGroup(g.name, g.pattern, rank or g.rank, alpha) for g in groups]
+    return AdapterConfig(tuple(groups))
+
+
+class LoRALayer(nn.Module):
+    """LoRA factors for one linear ``[out, in]`` split into ``parts`` equal row blocks.
+
+    ``down`` ``[parts, r, in]`` (A), ``up`` ``[parts, out/parts, r]`` (B); ``delta(x) = scale *
+    cat_p(x @ A_p.T @ B_p.T)``. A starts as peft's default (Kaiming-uniform, a = sqrt(5)), B at 0.
+    """
+
+    def __init__(self, in_features: int, out_features: int, rank: int, scale: float, parts: int = 1, *,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
+                 generator: torch.Generator | None = None) -> None:
+        super().__init__()
+        if out_features % parts:
+            raise ValueError(f"{out_features} rows cannot be split in {parts} parts")
+        self.parts, self.rank, self.scale = parts, rank, float(scale)
+        bound = 1 / math.sqrt(in_features)  # kaiming_uniform_(a=sqrt(5)) on [r, in]
+        down = (torch.rand(parts, rank, in_features, generator=generator) * 2 - 1) * bound
+        self.down = nn.Parameter(down.to(device=device, dtype=dtype))
+        self.up = nn.Parameter(torch.zeros(parts, out_features // parts, rank, device=device, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.to(self.down.dtype)
+        outs = [nn.functional.linear(nn.functional.linear(h, self.down[p]), self.up[p]) * self.scale
+                for p in range(self.parts)]
+        return outs[0] if self.parts == 1 else torch.cat(outs, dim=-1)
+
+    def delta(self) -> torch.Tensor:
+        """The weight delta ``[out, in]`` float32 (scale included)."""
+        return torch.cat([self.up[p].float() @ self.down[p].float() for p in range(self.parts)]) * self.scale
+
+
+def _key(name: str) -> str:
+    return name.replace(".", "__")
+
+
+class LoRASet(nn.Module):
+    """The trainable layers, by core module name (``self.layers[_key(name)]``), plus the hooks
+    that attach them to a transformer. ``groups``: core module name -> group name."""
+
+    def __init__(self, model: Flux2Transformer, config: AdapterConfig, *, seed: int = 0) -> None:
+        super().__init__()
+        self.config = config
+        self.layers = nn.ModuleDict()
+        self.groups: dict[str, str] = {}
+        self._hooks: list[Any] = []
+        g = torch.Generator().manual_seed(seed)
+        compiled = [(grp, re.compile(grp.pattern)) for grp in config.groups]
+        device = model.device
+        for name, module in model.named_modules():
+            if not isinstance(module, nn.Linear):
+                continue
+            grp = next((grp for grp, rx in compiled if rx.fullmatch(name)), None)
+            if grp is None:
+                continue
+            parts = 3 if config.split_qkv and re.fullmatch(r"double_blocks\.\d+\.(img|txt)_attn\.qkv", name) else 1
+            self.layers[_key(name)] = LoRALayer(module.in_features, module.out_features, grp.rank, grp.scale, parts,
+                                                dtype=config.dtype, device=device, generator=g)
+            self.groups[name] = grp.name
+        if not self.groups:
+            raise ValueError(f"no linear of this {model.config.variant} transformer matches the targets "
+                             f"{[grp.pattern for grp in config.groups]}")
+        logger.info("LoRA on %d linears (%d trainable parameters)", len(self.groups),
+                    sum(p.numel() for p in self.parameters()))
+
+    def names(self) -> list[str]:
+        """Core module names adapted, in model order."""
+        return list(self.groups)
+
+    def layer(self, name: str) -> LoRALayer:
+        return self.layers[_key(name)]  # type: ignore[return-value]
+
+    def items(self) -> Iterator[tuple[str, LoRALayer]]:
+        for name in self.groups:
+            yield name, self.layer(name)
+
+    def attach(self, model: Flux2Transformer) -> LoRASet:
+        """Add every layer's output to its linear's (forward hooks). Returns self."""
+        if self._hooks:
+            raise RuntimeError("these LoRA layers are already attached; detach() first")
+        modules = dict(model.named_modules())
+        for name, layer in self.items():
+            def hook(mod: nn.Module, args: tuple[Any, ...], out: torch.Tensor, layer: LoRALayer = layer) -> torch.Tensor:
+                return out + layer(args[0]).to(out.dtype)
+            self._hooks.append(modules[name].register_forward_hook(hook))
+        return self
+
+    def detach(self) -> None:
+        """Remove the hooks: the model computes exactly as before :meth:`attach`."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
+
+class gradient_checkpointing:
+    """Context manager: every double and single block of ``model`` recomputes its activations in
+    the backward pass (``torch.utils.checkpoint``, non-reentrant) instead of keeping them."""
+
+    def __init__(self, model: Flux2Transformer, enabled: bool = True) -> None:
+        self.blocks = [*model.double_blocks, *model.single_blocks] if enabled else []
+
+    def __enter__(self) -> Self:
+        for block in self.blocks:
+            original = block.forward
+
+            def run(*args: Any, _f: Any = original, **kwargs: Any) -> Any:
+                return checkpoint(_f, *args, use_reentrant=False, **kwargs)
+            block.forward = run  # instance attribute: shadows the class method
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for block in self.blocks:
+            block.__dict__.pop("forward", None)

@@ -1,0 +1,136 @@
+"""``python -m klein_core train``: flags (or a TOML file of the same names) -> a trained LoRA.
+
+Encodes the dataset once through the caches (VAE and text encoder are then dropped), trains the
+LoRA on the frozen base transformer, writes checkpoints and the final ``.safetensors``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from ..files.loaders import load_text_encoder, load_transformer, load_vae
+from ..pipeline.prompts import encoder_identity
+from .adapters import PRESETS, LoRASet, preset
+from .data import DatasetError, Encoders, build_samples, dataset_hash, require_base_model, scan_dataset
+from .objective import WEIGHTING_SCHEMES, ObjectiveConfig
+from .save import FORMATS, save_lora
+from .trainer import OPTIMIZERS, StepReport, TrainConfig, Trainer
+
+logger = logging.getLogger(__name__)
+
+
+def add_train_args(parser: argparse.ArgumentParser) -> None:
+    """Add the ``train`` flags to ``parser``."""
+    p = parser
+    p.add_argument("config", nargs="?", help="TOML file with any of these options (flags override it)")
+    p.add_argument("--dataset", help="folder of images with .txt captions, or a .jsonl file")
+    p.add_argument("--transformer", help="the Klein *base* transformer file")
+    p.add_argument("--vae", help="FLUX.2 VAE file")
+    p.add_argument("--text-encoder", help="Qwen3 text encoder file")
+    p.add_argument("--output", help="LoRA file to write (.safetensors)")
+    p.add_argument("--preset", choices=PRESETS, default=None, help="block groups (default style)")
+    p.add_argument("--targets", action="append", default=None, help="custom regex over core module names")
+    p.add_argument("--rank", type=int, default=None)
+    p.add_argument("--alpha", type=float, default=None)
+    p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--lr", type=float, default=None)
+    p.add_argument("--batch-size", type=int, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--resolution", type=int, default=None, help="bucket area = resolution^2 (default 1024)")
+    p.add_argument("--checkpoint-every", type=int, default=None)
+    p.add_argument("--resume", default=None, help="checkpoint folder to continue from")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default=None)
+    p.add_argument("--weighting-scheme", choices=WEIGHTING_SCHEMES, default=None)
+    p.add_argument("--shift", type=float, default=None)
+    p.add_argument("--reference-dropout", type=float, default=None)
+    p.add_argument("--format", choices=FORMATS, default=None, help="key names of the saved LoRA")
+    p.add_argument("--no-gradient-checkpointing", action="store_true")
+    p.add_argument("--cache-dir", default=None, help="latent/prompt cache (default <output>.cache)")
+    p.add_argument("--device", default=None)
+
+
+def _options(args: argparse.Namespace) -> dict:
+    opts: dict = {}
+    if args.config:
+        import tomllib
+        with open(args.config, "rb") as f:
+            opts.update({k.replace("-", "_"): v for k, v in tomllib.load(f).items()})
+    for k, v in vars(args).items():
+        if k != "config" and v is not None and v is not False:
+            opts[k] = v
+    return opts
+
+
+def _progress(report: StepReport) -> None:
+    eta = time.strftime("%H:%M:%S", time.gmtime(report.eta_s)) if report.eta_s < 8.64e6 else "?"
+    sys.stderr.write(f"\rstep {report.step}/{report.total}  loss {report.loss:.4f}  {report.it_per_s:.2f} it/s  "
+                     f"ETA {eta}   ")
+    if report.step == report.total:
+        sys.stderr.write("\n")
+    sys.stderr.flush()
+
+
+def run_train(args: argparse.Namespace) -> int:
+    """Run ``train``; returns the exit code (0 done, 2 bad input)."""
+    o = _options(args)
+    missing = [k for k in ("dataset", "transformer", "vae", "text_encoder", "output") if not o.get(k)]
+    if missing:
+        sys.stderr.write(f"error: train needs {', '.join('--' + m.replace('_', '-') for m in missing)}\n")
+        return 2
+    try:
+        require_base_model(o["transformer"])
+        scan = scan_dataset(o["dataset"])
+    except DatasetError as exc:
+        sys.stderr.write(f"error: {exc}\n")
+        return 2
+    for name, reason in scan.skipped.items():
+        sys.stderr.write(f"skipped {name}: {reason}\n")
+    device = torch.device(o.get("device") or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    out = Path(o["output"])
+    from ..pipeline.engine import Engine
+    te = load_text_encoder(o["text_encoder"], device=device, dtype=dtype)
+    vae = load_vae(o["vae"], device=device, dtype=dtype)
+    engine = Engine(None, te, vae, device=device, memory="resident", prompt_cache=None)
+    encoders = Encoders(
+        image=lambda px: engine.encode_pixels(px.to(device)).float().cpu(),
+        text=lambda c: engine.encode_prompts([c]).positive.float().cpu(),
+        image_identity=f"vae:{encoder_identity(o['vae'], dtype, device)}",
+        text_identity=f"te:{encoder_identity(o['text_encoder'], dtype, device)}",
+    )
+    area = int(o.get("resolution", 1024)) ** 2
+    try:
+        samples = build_samples(scan, encoders, o.get("cache_dir") or str(out) + ".cache", area=area)
+    except DatasetError as exc:
+        sys.stderr.write(f"error: {exc}\n")
+        return 2
+    engine.text_encoder = engine.vae = None  # not needed while training: let them be freed
+    del te, vae
+    model = load_transformer(o["transformer"], device=device, dtype=dtype)
+    adapter = preset(o.get("preset", "style"), o.get("rank"), o.get("alpha"), o.get("targets") or ())
+    lora = LoRASet(model, adapter, seed=int(o.get("seed", 0)))
+    cfg = TrainConfig(
+        steps=int(o.get("steps", 1000)), learning_rate=float(o.get("lr", 1e-4)),
+        batch_size=int(o.get("batch_size", 1)), seed=int(o.get("seed", 0)),
+        checkpoint_every=int(o.get("checkpoint_every", 0)),
+        gradient_checkpointing=not o.get("no_gradient_checkpointing", False),
+        optimizer=o.get("optimizer", "adamw"), reference_dropout=float(o.get("reference_dropout", 0.0)),
+        objective=ObjectiveConfig(weighting_scheme=o.get("weighting_scheme", "none"), shift=float(o.get("shift", 1.0))),
+    )
+    trainer = Trainer(model, lora, samples, cfg, output_dir=out.parent / (out.stem + "-checkpoints"),
+                      on_step=_progress)
+    if o.get("resume"):
+        trainer.resume(o["resume"])
+    trainer.train()
+    trainer.close()
+    save_lora(out, lora, fmt=o.get("format", "diffusers"), metadata={
+        "base_model": f"{Path(o['transformer']).name} ({model.config.variant})", "steps": trainer.step,
+        "dataset_hash": dataset_hash(scan.items), "seed": cfg.seed, "learning_rate": cfg.learning_rate})
+    sys.stderr.write(f"wrote {out}\n")
+    return 0

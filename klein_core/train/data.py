@@ -1,0 +1,265 @@
+"""Training data: a folder of images with ``.txt`` captions, or a JSONL of rows (``{"image": ...,
+"caption": ...}``, edit pairs add ``"references": [...]`` and use the caption as the
+instruction); aspect-ratio buckets; and caches of latents and prompt embeddings keyed by the
+file's content hash and the encoding model's identity.
+
+Bad input fails before any model work, naming what is wrong: an empty folder, images without a
+caption (all named), a distilled model as the base, more reference tokens than the sequence
+limit. An unreadable image is skipped and reported by name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from PIL import Image
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from ..pipeline.request import guess_model_kind
+from .trainer import TrainSample
+
+logger = logging.getLogger(__name__)
+
+IMAGE_EXTS: tuple[str, ...] = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
+PIXELS_PER_TOKEN = 16  # VAE /8, then 2x2 patches
+MAX_SEQUENCE_TOKENS = 52_000  # Klein's sequence limit (text + image + reference tokens)
+
+
+class DatasetError(ValueError):
+    """The dataset cannot be used as given; the message says what to fix."""
+
+
+@dataclass(frozen=True)
+class DataItem:
+    """One training example: the target ``image``, its ``caption`` (for edit pairs the
+    instruction) and any ``references`` (edit pairs)."""
+
+    image: Path
+    caption: str
+    references: tuple[Path, ...] = ()
+
+
+@dataclass(frozen=True)
+class DatasetScan:
+    """Usable items and, by file, the ones skipped with the reason."""
+
+    items: tuple[DataItem, ...]
+    skipped: dict[str, str] = field(default_factory=dict)
+
+
+def _readable(path: Path) -> str | None:
+    """None when PIL can decode ``path``, else the reason."""
+    try:
+        with Image.open(path) as im:
+            im.load()
+        return None
+    except Exception as exc:  # noqa: BLE001 - any decode failure means: skip this file
+        return f"unreadable image ({type(exc).__name__}: {exc})"
+
+
+def _scan_folder(folder: Path) -> list[DataItem]:
+    images = sorted(p for p in folder.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_EXTS)
+    if not images:
+        raise DatasetError(f"{folder}: the folder holds no images ({', '.join(IMAGE_EXTS)}); "
+                           "put the training images and a .txt caption beside each there.")
+    missing = [p.name for p in images if not p.with_suffix(".txt").is_file()]
+    if missing:
+        raise DatasetError(f"{folder}: {len(missing)} image(s) have no caption file: "
+                           f"{', '.join(missing)}; add a .txt with the same name beside each.")
+    return [DataItem(p, p.with_suffix(".txt").read_text(encoding="utf-8").strip()) for p in images]
+
+
+def _scan_jsonl(file: Path) -> list[DataItem]:
+    items = []
+    for n, line in enumerate(file.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise DatasetError(f"{file}:{n}: not valid JSON ({exc})") from None
+        if not isinstance(row, dict) or not isinstance(row.get("image"), str):
+            raise DatasetError(f"{file}:{n}: each row needs an \"image\" path")
+        caption = row.get("caption", row.get("instruction"))
+        if not isinstance(caption, str) or not caption.strip():
+            raise DatasetError(f"{file}:{n}: image {row['image']} has no \"caption\" (or \"instruction\")")
+        refs = row.get("references", [])
+        if not isinstance(refs, list) or not all(isinstance(r, str) for r in refs):
+            raise DatasetError(f"{file}:{n}: \"references\" must be a list of image paths")
+        items.append(DataItem(file.parent / row["image"], caption.strip(), tuple(file.parent / r for r in refs)))
+    if not items:
+        raise DatasetError(f"{file}: the JSONL file holds no rows")
+    return items
+
+
+def scan_dataset(source: str | os.PathLike) -> DatasetScan:
+    """The items of a folder (images + ``.txt`` captions) or a ``.jsonl`` file. Unreadable images
+    (targets or references) are skipped and reported; every other problem raises
+    :class:`DatasetError`."""
+    path = Path(source).expanduser()
+    if not path.exists():
+        raise DatasetError(f"dataset not found: {path}")
+    items = _scan_folder(path) if path.is_dir() else _scan_jsonl(path)
+    good, skipped = [], {}
+    for item in items:
+        bad = next(((str(p), r) for p in (item.image, *item.references) if (r := _readable(p)) is not None), None)
+        if bad is None:
+            good.append(item)
+        else:
+            skipped[bad[0]] = bad[1]
+    for name, reason in skipped.items():
+        logger.warning("skipped %s: %s", name, reason)
+    if not good:
+        raise DatasetError(f"{path}: no usable images; skipped {len(skipped)}: "
+                           + "; ".join(f"{k}: {v}" for k, v in skipped.items()))
+    return DatasetScan(tuple(good), skipped)
+
+
+def bucket_size(width: int, height: int, area: int = 1024 * 1024) -> tuple[int, int]:
+    """The bucket ``(width, height)`` in pixels for an image: multiples of 16 with the image's
+    aspect ratio and about ``area`` pixels (never more)."""
+    if width < 1 or height < 1:
+        raise ValueError(f"image size must be positive, got {width}x{height}")
+    scale = math.sqrt(area / (width * height))
+    w = max(1, int(width * scale) // PIXELS_PER_TOKEN) * PIXELS_PER_TOKEN
+    h = max(1, int(height * scale) // PIXELS_PER_TOKEN) * PIXELS_PER_TOKEN
+    return w, h
+
+
+def load_pixels(path: Path, size: tuple[int, int]) -> torch.Tensor:
+    """``[1, 3, H, W]`` float32 in [-1, 1]: the image scaled to cover ``size`` and centre-cropped."""
+    with Image.open(path) as im:
+        im = im.convert("RGB")
+        w, h = size
+        s = max(w / im.width, h / im.height)
+        im = im.resize((max(w, round(im.width * s)), max(h, round(im.height * s))), Image.Resampling.LANCZOS)
+        left, top = (im.width - w) // 2, (im.height - h) // 2
+        im = im.crop((left, top, left + w, top + h))
+        t = torch.frombuffer(bytearray(im.tobytes()), dtype=torch.uint8).reshape(h, w, 3)
+    return (t.permute(2, 0, 1).float() / 127.5 - 1.0)[None]
+
+
+def content_hash(path: Path) -> str:
+    """sha256 of the file's bytes."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def dataset_hash(items: Sequence[DataItem]) -> str:
+    """sha256 over every item's content hashes and caption: names the data a LoRA was trained on."""
+    h = hashlib.sha256()
+    for it in items:
+        h.update(json.dumps([content_hash(it.image), it.caption, [content_hash(r) for r in it.references]]).encode())
+    return h.hexdigest()
+
+
+class TensorCache:
+    """A folder of ``<key>.safetensors`` entries, one tensor each, keyed by ``sha256(identity, parts)``.
+
+    ``identity`` names the encoding model (file, dtype...). An entry whose stored identity or
+    source does not match, or that cannot be read, is stale and is rebuilt.
+    """
+
+    def __init__(self, folder: str | os.PathLike, identity: str) -> None:
+        self.folder = Path(folder)
+        self.identity = identity
+        self.hits = self.builds = 0
+
+    def get(self, source: str, parts: Sequence[object], build: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """The cached tensor for ``source`` (a content hash or the text) and ``parts``, else
+        ``build()`` stored."""
+        key = hashlib.sha256(json.dumps([self.identity, source, list(map(str, parts))]).encode()).hexdigest()
+        path = self.folder / f"{key}.safetensors"
+        if path.is_file():
+            try:
+                with safe_open(str(path), "pt") as f:
+                    meta = f.metadata() or {}
+                    if meta.get("identity") == self.identity and meta.get("source") == source:
+                        self.hits += 1
+                        return f.get_tensor("value")
+                logger.info("cache entry %s is stale; rebuilding", path.name)
+            except Exception as exc:  # noqa: BLE001 - a corrupt entry is rebuilt
+                logger.warning("cache entry %s cannot be read (%s); rebuilding", path.name, exc)
+        value = build()
+        self.builds += 1
+        self.folder.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp")
+        save_file({"value": value.detach().cpu().contiguous()}, str(tmp), metadata={"identity": self.identity,
+                                                                                     "source": source})
+        os.replace(tmp, path)
+        return value
+
+
+def require_base_model(source: str | os.PathLike) -> None:
+    """Refuse a distilled (or KV) Klein model as the base: LoRAs are trained on the base model."""
+    kind = guess_model_kind(source)
+    if kind != "base":
+        raise DatasetError(
+            f"{source}: this is a {kind} Klein model; LoRAs are trained on the base model (e.g. "
+            "flux-2-klein-base-4b), because step distillation bakes the sampling schedule into the weights "
+            "and a LoRA trained on it does not transfer. Use the base model file.")
+
+
+def check_token_budget(item: DataItem, size: tuple[int, int], ref_sizes: Sequence[tuple[int, int]],
+                       text_tokens: int, limit: int = MAX_SEQUENCE_TOKENS) -> int:
+    """The sequence length of one example (text + target + reference tokens); raises when it is
+    over ``limit``, naming the reference count."""
+    tokens = text_tokens + sum((w // PIXELS_PER_TOKEN) * (h // PIXELS_PER_TOKEN) for w, h in (size, *ref_sizes))
+    if tokens > limit:
+        raise DatasetError(
+            f"{item.image}: {len(ref_sizes)} reference(s) make {tokens} tokens with the target and text, over "
+            f"the {limit}-token limit; use fewer references or a smaller reference area.")
+    return tokens
+
+
+@dataclass(frozen=True)
+class Encoders:
+    """What turns files into training tensors: ``image(pixels [1, 3, H, W]) -> latents [1, C, H/16,
+    W/16]`` and ``text(caption) -> [1, L, D]``, each with the identity its cache is keyed by."""
+
+    image: Callable[[torch.Tensor], torch.Tensor]
+    text: Callable[[str], torch.Tensor]
+    image_identity: str
+    text_identity: str
+
+
+def build_samples(scan: DatasetScan, encoders: Encoders, cache_dir: str | os.PathLike, *,
+                  area: int = 1024 * 1024, reference_area: int | None = None, text_tokens: int = 512,
+                  token_limit: int = MAX_SEQUENCE_TOKENS) -> list[TrainSample]:
+    """Encode every item (through the caches) into :class:`TrainSample` s. The token budget of every
+    item is checked first, before anything is encoded."""
+    plans = []
+    for item in scan.items:
+        with Image.open(item.image) as im:
+            size = bucket_size(im.width, im.height, area)
+        ref_sizes = []
+        for r in item.references:
+            with Image.open(r) as im:
+                ref_sizes.append(bucket_size(im.width, im.height, reference_area or area))
+        check_token_budget(item, size, ref_sizes, text_tokens, token_limit)
+        plans.append((item, size, ref_sizes))
+    latents = TensorCache(Path(cache_dir) / "latents", encoders.image_identity)
+    texts = TensorCache(Path(cache_dir) / "prompts", encoders.text_identity)
+    out = []
+    for item, size, ref_sizes in plans:
+        def enc(path: Path, sz: tuple[int, int]) -> torch.Tensor:
+            return latents.get(content_hash(path), sz, lambda: encoders.image(load_pixels(path, sz)))
+        lat = enc(item.image, size)
+        refs = tuple(enc(r, s) for r, s in zip(item.references, ref_sizes))
+        txt = texts.get(item.caption, (), lambda c=item.caption: encoders.text(c))
+        out.append(TrainSample(lat, txt, refs))
+    logger.info("encoded %d samples (latents: %d cached, %d built; prompts: %d cached, %d built)", len(out),
+                latents.hits, latents.builds, texts.hits, texts.builds)
+    return out

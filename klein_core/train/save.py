@@ -1,0 +1,102 @@
+"""Writing a trained LoRA: diffusers/PEFT names (what ``klein_core.load_lora`` and diffusers'
+``load_lora_weights`` read) or Kohya names, with the training facts in the metadata.
+
+A double block's ``qkv`` LoRA is stored as diffusers' ``to_q``/``to_k``/``to_v`` (one factor pair
+each, :class:`~klein_core.train.adapters.LoRALayer` parts); every other module maps one to one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from .adapters import LoRASet
+
+logger = logging.getLogger(__name__)
+
+FORMATS: tuple[str, ...] = ("diffusers", "kohya")
+_DOUBLE = {
+    "img_attn.qkv": ("attn.to_q", "attn.to_k", "attn.to_v"),
+    "txt_attn.qkv": ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"),
+    "img_attn.proj": ("attn.to_out.0",), "txt_attn.proj": ("attn.to_add_out",),
+    "img_mlp.0": ("ff.linear_in",), "img_mlp.2": ("ff.linear_out",),
+    "txt_mlp.0": ("ff_context.linear_in",), "txt_mlp.2": ("ff_context.linear_out",),
+}
+_SINGLE = {"linear1": ("attn.to_qkv_mlp_proj",), "linear2": ("attn.to_out",)}
+
+
+def diffusers_names(core: str, parts: int) -> tuple[str, ...]:
+    """diffusers module paths of one core module's parts (``double_blocks.0.img_attn.qkv``, 3 ->
+    ``transformer_blocks.0.attn.to_q``, ``...to_k``, ``...to_v``)."""
+    m = re.fullmatch(r"(double|single)_blocks\.(\d+)\.(.+)", core)
+    table = _DOUBLE if m and m.group(1) == "double" else _SINGLE
+    if m is None or m.group(3) not in table:
+        raise ValueError(f"no diffusers name for core module {core!r}")
+    names = table[m.group(3)]
+    if len(names) != parts:
+        raise ValueError(f"{core}: {parts} LoRA parts, diffusers has {len(names)} modules for it")
+    prefix = "transformer_blocks" if m.group(1) == "double" else "single_transformer_blocks"
+    return tuple(f"{prefix}.{m.group(2)}.{n}" for n in names)
+
+
+def lora_state_dict(lora: LoRASet, fmt: str = "diffusers",
+                    dtype: torch.dtype = torch.float32) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """``(tensors, extra metadata)`` of the LoRA in ``fmt`` (:data:`FORMATS`). diffusers: ``transformer.
+    <path>.lora_A/B.weight`` and a PEFT ``lora_adapter_metadata`` (r, lora_alpha, rank/alpha
+    patterns); Kohya: ``lora_unet_<path with _>.lora_down/lora_up.weight`` and ``.alpha``."""
+    if fmt not in FORMATS:
+        raise ValueError(f"format must be one of {FORMATS}, got {fmt!r}")
+    tensors: dict[str, torch.Tensor] = {}
+    ranks: dict[str, int] = {}
+    alphas: dict[str, float] = {}
+    for core, layer in lora.items():
+        for p, path in enumerate(diffusers_names(core, layer.parts)):
+            a = layer.down[p].detach().to("cpu", dtype).contiguous()
+            b = layer.up[p].detach().to("cpu", dtype).contiguous()
+            ranks[path], alphas[path] = layer.rank, layer.scale * layer.rank
+            if fmt == "diffusers":
+                tensors[f"transformer.{path}.lora_A.weight"] = a
+                tensors[f"transformer.{path}.lora_B.weight"] = b
+            else:
+                key = "lora_unet_" + path.replace(".", "_")
+                tensors[f"{key}.lora_down.weight"] = a
+                tensors[f"{key}.lora_up.weight"] = b
+                tensors[f"{key}.alpha"] = torch.tensor(layer.scale * layer.rank, dtype=torch.float32)
+    meta: dict[str, str] = {}
+    if fmt == "diffusers":
+        r = max(set(ranks.values()), key=list(ranks.values()).count)
+        alpha = max(set(alphas.values()), key=list(alphas.values()).count)
+        config = {"r": r, "lora_alpha": alpha, "target_modules": sorted(ranks), "peft_type": "LORA",
+                  "rank_pattern": {k: v for k, v in ranks.items() if v != r},
+                  "alpha_pattern": {k: v for k, v in alphas.items() if v != alpha},
+                  "use_rslora": False, "use_dora": False, "lora_dropout": 0.0, "bias": "none",
+                  "init_lora_weights": True}
+        meta["lora_adapter_metadata"] = json.dumps({f"transformer.{k}": v for k, v in config.items()})
+    return tensors, meta
+
+
+def save_lora(path: str | os.PathLike, lora: LoRASet, *, fmt: str = "diffusers",
+              metadata: Mapping[str, object] | None = None, dtype: torch.dtype = torch.float32) -> Path:
+    """Write the LoRA to ``path`` (a ``.safetensors`` file, written to a temporary name then moved).
+    ``metadata``: training facts (base model identity, steps, dataset hash...), stored as
+    ``klein.<key>`` strings along with the ranks and targets of every group."""
+    path = Path(path)
+    tensors, meta = lora_state_dict(lora, fmt, dtype)
+    meta["klein.format"] = f"klein-lora/1 ({fmt} names)"
+    meta["klein.targets"] = json.dumps(lora.config.description)
+    meta["klein.ranks"] = json.dumps({name: layer.rank for name, layer in lora.items()})
+    for k, v in (metadata or {}).items():
+        meta[f"klein.{k}"] = v if isinstance(v, str) else json.dumps(v)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    save_file(tensors, str(tmp), metadata=meta)
+    os.replace(tmp, path)
+    logger.info("saved LoRA (%d tensors, %s names) to %s", len(tensors), fmt, path)
+    return path

@@ -1,0 +1,280 @@
+"""The LoRA training loop: batches by shape, the objective, AdamW (8-bit when asked and
+bitsandbytes is there), gradient checkpointing, checkpoints every N steps, exact resume, and
+data-parallel gradient averaging when ``torch.distributed`` is initialised.
+
+Every random draw of step ``s`` (batch order, noise, sigmas, reference dropout) comes from
+generators seeded by ``(seed, s, sample position)``, never from global RNG state. So a checkpoint
+(LoRA weights, optimizer state, step) resumes bit-exactly, and ``W`` processes that each take
+``batch_size`` samples of one global batch see exactly the samples, noise and sigmas of one process
+with ``W * batch_size``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ..models.transformer import Flux2Transformer
+from .adapters import LoRASet, gradient_checkpointing
+from .objective import ObjectiveConfig, sample_density, sigmas_for
+from .step import StepNoise, TrainBatch, compute_loss
+
+logger = logging.getLogger(__name__)
+
+OPTIMIZERS: tuple[str, ...] = ("adamw", "adamw8bit")
+CHECKPOINT_FILE = "trainer_state.pt"
+
+
+@dataclass(frozen=True)
+class TrainSample:
+    """One cached sample: ``latents [1, C, h, w]``, ``text [1, L, D]``, ``references`` each
+    ``[1, C, h_i, w_i]``."""
+
+    latents: torch.Tensor
+    text: torch.Tensor
+    references: tuple[torch.Tensor, ...] = ()
+
+    @property
+    def shape_key(self) -> tuple:
+        return (tuple(self.latents.shape), tuple(self.text.shape), tuple(tuple(r.shape) for r in self.references))
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Loop settings. ``batch_size`` is per process; ``checkpoint_every`` 0 = no checkpoints."""
+
+    steps: int = 1000
+    learning_rate: float = 1e-4
+    batch_size: int = 1
+    seed: int = 0
+    checkpoint_every: int = 0
+    gradient_checkpointing: bool = True
+    optimizer: str = "adamw"
+    weight_decay: float = 1e-4
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    max_grad_norm: float = 1.0
+    reference_dropout: float = 0.0
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+
+    def __post_init__(self) -> None:
+        if self.steps < 1 or self.batch_size < 1:
+            raise ValueError(f"steps and batch_size must be positive, got {self.steps} and {self.batch_size}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
+        if not 0.0 <= self.reference_dropout <= 1.0:
+            raise ValueError(f"reference_dropout must be in [0, 1], got {self.reference_dropout}")
+        if not (math.isfinite(self.learning_rate) and self.learning_rate > 0):
+            raise ValueError(f"learning_rate must be a positive number, got {self.learning_rate}")
+
+
+def _seed(*parts: int) -> int:
+    h = 1469598103934665603
+    for p in parts:  # FNV-1a over the parts: distinct, stable seeds per (seed, step, position)
+        h = ((h ^ (p & 0xFFFFFFFFFFFFFFFF)) * 1099511628211) & 0xFFFFFFFFFFFFFFFF
+    return h & 0x7FFFFFFFFFFFFFFF
+
+
+def batch_order(samples: Sequence[TrainSample], batch: int, seed: int, epoch: int) -> list[list[int]]:
+    """The epoch's batches (sample indices), each of one shape (an aspect bucket): each bucket
+    shuffled and cut into batches (a short tail batch is kept), then the batches shuffled."""
+    g = torch.Generator().manual_seed(_seed(seed, epoch, 0xB))
+    buckets: dict[tuple, list[int]] = {}
+    for i, s in enumerate(samples):
+        buckets.setdefault(s.shape_key, []).append(i)
+    batches = []
+    for key in sorted(buckets, key=repr):
+        idx = buckets[key]
+        perm = [idx[j] for j in torch.randperm(len(idx), generator=g).tolist()]
+        batches += [perm[k:k + batch] for k in range(0, len(perm), batch)]
+    return [batches[j] for j in torch.randperm(len(batches), generator=g).tolist()]
+
+
+def _make_optimizer(cfg: TrainConfig, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    if cfg.optimizer == "adamw8bit":
+        try:
+            import bitsandbytes as bnb  # type: ignore[import-not-found]
+        except ImportError:
+            raise RuntimeError("optimizer 'adamw8bit' needs bitsandbytes (pip install bitsandbytes); "
+                               "use optimizer 'adamw' without it") from None
+        return bnb.optim.AdamW8bit(params, lr=cfg.learning_rate, betas=cfg.betas, eps=cfg.eps,
+                                   weight_decay=cfg.weight_decay)
+    return torch.optim.AdamW(params, lr=cfg.learning_rate, betas=cfg.betas, eps=cfg.eps,
+                             weight_decay=cfg.weight_decay)
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """What the progress callback gets after each step."""
+
+    step: int
+    total: int
+    loss: float
+    it_per_s: float
+    eta_s: float
+
+
+class Trainer:
+    """Trains ``lora`` (attached to the frozen ``model`` for the trainer's lifetime; call
+    :meth:`close` to detach) on ``samples``. ``output_dir`` receives ``checkpoint-<step>/``.
+
+    ``on_step(report)`` runs after every step; returning False stops the run (cancel).
+    """
+
+    def __init__(self, model: Flux2Transformer, lora: LoRASet, samples: Sequence[TrainSample], config: TrainConfig,
+                 *, output_dir: str | Path | None = None,
+                 on_step: Callable[[StepReport], bool | None] | None = None) -> None:
+        if not samples:
+            raise ValueError("no training samples")
+        self.model, self.lora, self.samples, self.config = model, lora, list(samples), config
+        self.output_dir = Path(output_dir) if output_dir is not None else None
+        self.on_step = on_step
+        self.step = 0
+        self.losses: list[float] = []
+        self._per_epoch: int | None = None
+        self._order: tuple[int, list[list[int]]] = (-1, [])
+        model.requires_grad_(False)
+        self.params = [p for p in lora.parameters()]
+        for p in self.params:
+            p.requires_grad_(True)
+        self.optimizer = _make_optimizer(config, self.params)
+        self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        lora.attach(model)
+
+    def close(self) -> None:
+        self.lora.detach()
+
+    # -- data ---------------------------------------------------------------------------------
+
+    def _global_batch(self, step: int) -> list[int]:
+        """Sample indices of step ``step``'s global batch (``world * batch_size`` of one shape)."""
+        want = self.config.batch_size * self.world
+        if self._per_epoch is None:  # batches per epoch depend on the bucket sizes only
+            self._per_epoch = len(batch_order(self.samples, want, self.config.seed, 0))
+        epoch, k = divmod(step, self._per_epoch)
+        if self._order[0] != epoch:
+            self._order = (epoch, batch_order(self.samples, want, self.config.seed, epoch))
+        return self._order[1][k]
+
+    def _batch(self, step: int) -> tuple[TrainBatch, StepNoise] | None:
+        cfg = self.config
+        idx = self._global_batch(step)
+        lo = self.rank * cfg.batch_size
+        mine = list(range(len(idx)))[lo:lo + cfg.batch_size]
+        if not mine:
+            return None
+        drop = cfg.reference_dropout > 0 and bool(
+            torch.rand(1, generator=torch.Generator().manual_seed(_seed(cfg.seed, step, 0xD))) < cfg.reference_dropout)
+        noise, u = [], []
+        for j in mine:
+            g = torch.Generator().manual_seed(_seed(cfg.seed, step, j))
+            noise.append(torch.randn(self.samples[idx[j]].latents.shape, generator=g))
+            u.append(sample_density(cfg.objective, 1, g))
+        pick = [self.samples[idx[j]] for j in mine]
+        refs = () if drop else tuple(torch.cat([s.references[r] for s in pick]) for r in range(len(pick[0].references)))
+        batch = TrainBatch(torch.cat([s.latents for s in pick]), torch.cat([s.text for s in pick]), refs)
+        sigmas, timesteps = sigmas_for(cfg.objective, torch.cat(u))
+        return batch, StepNoise(torch.cat(noise), sigmas, timesteps)
+
+    # -- steps --------------------------------------------------------------------------------
+
+    def _share(self, step: int) -> float:
+        """This process's share of the global batch (its samples / all samples of the step)."""
+        n = len(self._global_batch(step))
+        lo = self.rank * self.config.batch_size
+        return max(0, min(self.config.batch_size, n - lo)) / n
+
+    def train_step(self) -> float:
+        """One optimizer step; returns the global batch's mean loss."""
+        cfg = self.config
+        self.optimizer.zero_grad(set_to_none=True)
+        got = self._batch(self.step)
+        share = self._share(self.step)
+        loss_value = torch.zeros((), dtype=torch.float64)
+        if got is not None:
+            batch, rnd = got
+            with gradient_checkpointing(self.model, cfg.gradient_checkpointing):
+                loss, _ = compute_loss(self.model, batch, rnd, cfg.objective)
+                (loss * share).backward()  # the global mean = sum over processes of share * local mean
+            loss_value = loss.detach().double().cpu() * share
+        if self.world > 1:
+            for p in self.params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                dist.all_reduce(p.grad)
+            dist.all_reduce(loss_value)
+        if cfg.max_grad_norm > 0:
+            torch.nn.utils.clip_grad_norm_(self.params, cfg.max_grad_norm)
+        self.optimizer.step()
+        self.step += 1
+        value = float(loss_value)
+        if not math.isfinite(value):
+            raise FloatingPointError(f"the loss became {value} at step {self.step}; lower the learning rate")
+        self.losses.append(value)
+        return value
+
+    def train(self, until: int | None = None) -> list[float]:
+        """Run to step ``until`` (default: ``config.steps``), checkpointing every
+        ``checkpoint_every`` steps. Returns the losses of the steps run now."""
+        end = self.config.steps if until is None else min(until, self.config.steps)
+        start, t0 = self.step, time.perf_counter()
+        out = []
+        while self.step < end:
+            out.append(self.train_step())
+            every = self.config.checkpoint_every
+            if every and self.step % every == 0 and self.output_dir is not None:
+                self.save_checkpoint()
+            rate = (self.step - start) / max(time.perf_counter() - t0, 1e-9)
+            report = StepReport(self.step, self.config.steps, out[-1], rate, (self.config.steps - self.step) / rate)
+            logger.debug("step %d/%d loss %.5f %.2f it/s", report.step, report.total, report.loss, rate)
+            if self.on_step is not None and self.on_step(report) is False:
+                logger.info("training stopped at step %d", self.step)
+                break
+        return out
+
+    # -- checkpoints --------------------------------------------------------------------------
+
+    def state(self) -> dict:
+        return {"step": self.step, "lora": {k: v.detach().clone() for k, v in self.lora.state_dict().items()},
+                "optimizer": self.optimizer.state_dict(), "losses": list(self.losses),
+                "seed": self.config.seed, "torch_rng": torch.get_rng_state()}
+
+    def save_checkpoint(self, path: str | Path | None = None) -> Path:
+        """Write ``checkpoint-<step>/trainer_state.pt`` (LoRA, optimizer, step, losses, RNG) under
+        ``output_dir`` (or to ``path``); only process 0 writes. Returns the folder."""
+        folder = Path(path) if path is not None else (self.output_dir or Path(".")) / f"checkpoint-{self.step}"
+        if self.rank == 0:
+            folder.mkdir(parents=True, exist_ok=True)
+            tmp = folder / f".{CHECKPOINT_FILE}.tmp"
+            torch.save(self.state(), tmp)
+            tmp.replace(folder / CHECKPOINT_FILE)
+            logger.info("checkpoint at step %d: %s", self.step, folder)
+        return folder
+
+    def resume(self, path: str | Path) -> None:
+        """Continue from a checkpoint folder (or its ``trainer_state.pt``): weights, optimizer, step."""
+        path = Path(path)
+        file = path / CHECKPOINT_FILE if path.is_dir() else path
+        if not file.is_file():
+            raise FileNotFoundError(f"no training checkpoint at {path} (expected {CHECKPOINT_FILE})")
+        state = torch.load(file, map_location="cpu", weights_only=True)
+        if state["seed"] != self.config.seed:
+            raise ValueError(f"{file}: this checkpoint was trained with seed {state['seed']}, not "
+                             f"{self.config.seed}; resume with the same seed")
+        self.lora.load_state_dict(state["lora"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step, self.losses = int(state["step"]), list(state["losses"])
+        torch.set_rng_state(state["torch_rng"])
+        logger.info("resumed from %s at step %d", file, self.step)
+
+
+def config_dict(cfg: TrainConfig) -> dict:
+    """The config as plain JSON-able data (for metadata)."""
+    return asdict(cfg)

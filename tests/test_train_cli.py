@@ -1,0 +1,37 @@
+"""``run_train`` end to end on tiny model files: a LoRA file that load_lora reads, and the
+distilled base refused with exit code 2 before anything loads."""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from PIL import Image
+
+from klein_core.lora import load_lora
+from klein_core.testing import write_tiny_model_files
+from klein_core.train.cli import add_train_args, run_train
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    add_train_args(p)
+    return p.parse_args(list(argv))
+
+
+def test_train_cli_tiny(tmp_path, capsys):
+    paths = write_tiny_model_files(tmp_path / "models", dtype=torch.float32)
+    data = tmp_path / "data"
+    data.mkdir()
+    for i in range(2):
+        Image.new("RGB", (32, 32), (i * 90, 40, 10)).save(data / f"{i}.png")
+        (data / f"{i}.txt").write_text(f"a red square {i}")
+    common = ["--dataset", str(data), "--vae", str(paths["vae"]), "--text-encoder", str(paths["qwen_4b"]),
+              "--output", str(tmp_path / "out" / "l.safetensors"), "--steps", "2", "--resolution", "32",
+              "--rank", "2", "--device", "cpu"]
+    assert run_train(_args(*common, "--transformer", str(paths["klein_4b"]))) == 2
+    assert "distilled Klein model" in capsys.readouterr().err
+    assert run_train(_args(*common, "--transformer", str(paths["klein_base_4b"]))) == 0
+    lora = load_lora(tmp_path / "out" / "l.safetensors")
+    assert lora.metadata["klein.steps"] == "2" and len(lora.metadata["klein.dataset_hash"]) == 64
+    assert set(lora.ranks.values()) == {2} and not lora.skipped
