@@ -12,7 +12,7 @@ from extras import ALLOW_ENV, INSTALL, require
 ROOT = Path(__file__).resolve().parents[1]
 # pyproject's distribution names -> the modules they install
 MODULES = {"comfy-kitchen": "comfy_kitchen", "pytest": "pytest", "hypothesis": "hypothesis", "gguf": "gguf",
-           "transformers": "transformers", "diffusers": "diffusers", "accelerate": "accelerate", "peft": "peft",
+           "transformers": "transformers", "diffusers": "diffusers", "accelerate": "accelerate", "peft": "peft", "ray": "ray",
            "aiohttp": "aiohttp", "packaging": "packaging"}
 
 

@@ -1,0 +1,77 @@
+"""What a worker loads, given once per job or server: :class:`ModelSpec`, and :func:`open_engine`."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..pipeline.engine import Engine
+from ..pipeline.prompts import TextOptions
+from ..pipeline.request import reference_mode
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The models of a job and how they run; plain data, sent to every worker.
+
+    ``transformer`` / ``text_encoder`` / ``vae``: file paths (None with ``demo``, the tiny random
+    models). ``kind``: "distilled", "base" or "kv". ``device``: None = the worker's GPU if it has
+    one, else the CPU. ``dtype``: "bf16", "fp16", "fp32" or None (bf16 on GPU, fp32 on CPU).
+    ``max_tokens``: 512 or None (whole prompts); ``text_precision``: "model" or "fp32".
+    ``lora_dir``: where row LoRA names are looked up.
+    """
+
+    transformer: Path | None = None
+    text_encoder: Path | None = None
+    vae: Path | None = None
+    demo: bool = False
+    kind: str = "distilled"
+    device: str | None = None
+    dtype: str | None = None
+    quantize: str | None = None
+    speed: str | None = None
+    memory: str = "auto"
+    max_tokens: int | None = 512
+    text_precision: str = "model"
+    ref_mode: str | None = None
+    lora_dir: Path | None = None
+    names: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def text(self) -> TextOptions:
+        """The prompt options the engine runs with."""
+        return TextOptions(max_tokens=self.max_tokens,
+                           activations=torch.float32 if self.text_precision == "fp32" else None)
+
+    def png_params(self) -> dict:
+        """The job-wide keys of a PNG's ``parameters`` text, as the CLI writes them."""
+        return {"model_kind": self.kind, "demo": self.demo,
+                **(self.names or {"transformer": "demo", "text_encoder": "demo", "vae": "demo"}),
+                "text_precision": self.text_precision, "max_tokens": "whole" if self.max_tokens is None else "512",
+                "ref_mode": reference_mode(self.kind, self.ref_mode), "speed": self.speed}
+
+
+def open_engine(spec: ModelSpec) -> Engine:
+    """Load the three models of ``spec`` on this worker's device and return their :class:`Engine`
+    (memory planned per call for this device's free memory when ``spec.memory`` is "auto")."""
+    from ..files.loaders import as_dtype, load_text_encoder, load_transformer, load_vae
+    from ..pipeline.request import as_device
+
+    device = as_device(spec.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = as_dtype(spec.dtype, "--dtype") or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    if spec.demo:
+        from ..testing.tiny import build_tiny_components
+
+        models = [m.to(device=device, dtype=dtype) for m in build_tiny_components()]
+    else:
+        models = [load_transformer(spec.transformer, device=device, dtype=dtype, quantize=spec.quantize),
+                  load_text_encoder(spec.text_encoder, device=device, dtype=dtype),
+                  load_vae(spec.vae, device=device, dtype=dtype)]
+    logger.info("models loaded on %s (%s)", device, dtype)
+    return Engine(*models, kind=spec.kind, device=device, memory=spec.memory, text=spec.text,
+                  ref_mode=spec.ref_mode, speed=spec.speed)

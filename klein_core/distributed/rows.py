@@ -1,0 +1,283 @@
+"""Request rows: read from JSONL / CSV / Parquet, checked one by one into :class:`RowSpec`.
+
+A row is one image: ``id`` (required; letters, digits, ``._-``), ``prompt``, ``negative_prompt``,
+``width``, ``height``, ``steps``, ``guidance``, ``seed`` (default 0), ``references`` (image paths, or
+base64 images over HTTP) and ``loras`` (``NAME[:STRENGTH]`` in the job's LoRA folder). In CSV, a list
+cell is a JSON list or ``|``-separated. A row that cannot run raises :class:`RowError` with the
+message the CLI gives for the same mistake; the caller records it and goes on.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import csv
+import io
+import json
+import logging
+import re
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from PIL import Image
+
+from ..cli import CLIError, lora_arg, open_image
+from ..pipeline.images import oriented_size, reference_size
+from ..pipeline.request import MAX_STEPS, Resolved, Settings, resolve
+from ..pipeline.sampling import MAX_SEED
+from ..pipeline.tokenizer import count_tokens
+
+logger = logging.getLogger(__name__)
+
+FIELDS: tuple[str, ...] = ("id", "prompt", "negative_prompt", "width", "height", "steps", "guidance", "seed",
+                           "references", "loras")
+MAX_ID_LENGTH = 128
+MAX_REFERENCES = 10
+MAX_WHOLE_TOKENS = 8192  # with whole prompts (--max-tokens whole): a guard against runaway rows
+_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+class RowError(ValueError):
+    """A row that cannot run; ``str()`` is the user-facing message, ``row_id`` its id if it had one."""
+
+    def __init__(self, message: str, row_id: str | None = None) -> None:
+        super().__init__(message)
+        self.row_id = row_id
+
+
+@dataclass(frozen=True)
+class RowSpec:
+    """One checked row. ``references``: paths (batch) or base64 strings (serve); ``loras``: (name,
+    strength) pairs; None sizes / steps / guidance: the model kind's defaults."""
+
+    id: str
+    prompt: str = ""
+    negative_prompt: str = ""
+    width: int | None = None
+    height: int | None = None
+    steps: int | None = None
+    guidance: float | None = None
+    seed: int = 0
+    references: tuple[str, ...] = ()
+    loras: tuple[tuple[str, float], ...] = ()
+
+    def settings(self) -> Settings:
+        """The sampler settings of this row (one image)."""
+        return Settings(self.width, self.height, self.steps, self.guidance, self.seed, 1)
+
+    def shape_key(self) -> tuple:
+        """Rows with equal keys run the same shapes (sorted together so a worker's batch shares them)."""
+        return (self.width or 0, self.height or 0, self.steps or 0, len(self.references), self.loras)
+
+    def to_json(self) -> str:
+        """This row as one JSON object (seeds stay exact: JSON integers are unbounded)."""
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> RowSpec:
+        """The inverse of :meth:`to_json`."""
+        d = json.loads(text)
+        d["references"] = tuple(d["references"])
+        d["loras"] = tuple((n, float(s)) for n, s in d["loras"])
+        return cls(**d)
+
+
+# -- reading files ----------------------------------------------------------------------------------
+
+def read_rows(path: str | Path) -> Iterator[tuple[int, dict | RowError]]:
+    """``(row number from 1, raw dict or RowError)`` for each row of a ``.jsonl`` / ``.json`` (one object
+    a line), ``.csv`` or ``.parquet`` file. A line that is not a JSON object is a RowError, not the end."""
+    path = Path(path)
+    suffix = path.suffix.lower()
+    if not path.is_file():
+        raise CLIError(f"input {path}: no such file")
+    if suffix in (".jsonl", ".json", ".ndjson"):
+        with open(path, encoding="utf-8") as fh:
+            n = 0
+            for line in fh:
+                if not line.strip():
+                    continue
+                n += 1
+                try:
+                    obj = json.loads(line)
+                except ValueError as exc:
+                    yield n, RowError(f"row {n}: not valid JSON ({exc})")
+                    continue
+                yield n, obj if isinstance(obj, dict) else RowError(
+                    f"row {n}: must be a JSON object, got {type(obj).__name__}")
+    elif suffix == ".csv":
+        with open(path, encoding="utf-8", newline="") as fh:
+            for n, rec in enumerate(csv.DictReader(fh), 1):
+                yield n, {k: v for k, v in rec.items() if k is not None and v not in ("", None)}
+    elif suffix == ".parquet":
+        import pyarrow.parquet as pq  # comes with ray[data]
+
+        n = 0
+        for batch in pq.ParquetFile(path).iter_batches():
+            for rec in batch.to_pylist():
+                n += 1
+                yield n, {k: v for k, v in rec.items() if v is not None}
+    else:
+        raise CLIError(f"input {path}: use a .jsonl, .csv or .parquet file (got {suffix or 'no suffix'})")
+
+
+# -- one row's fields ---------------------------------------------------------------------------------
+
+def _int(raw: Mapping, key: str, where: str) -> int | None:
+    v = raw.get(key)
+    if v is None:
+        return None
+    if isinstance(v, str):
+        try:
+            v = int(v.strip())
+        except ValueError:
+            raise RowError(f"{where}: {key} must be an integer, got {raw[key]!r}") from None
+    if isinstance(v, float) and v.is_integer():
+        v = int(v)
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise RowError(f"{where}: {key} must be an integer, got {v!r}")
+    return v
+
+
+def _float(raw: Mapping, key: str, where: str) -> float | None:
+    v = raw.get(key)
+    if v is None:
+        return None
+    try:
+        if isinstance(v, bool):
+            raise ValueError
+        return float(v.strip() if isinstance(v, str) else v)
+    except (TypeError, ValueError):
+        raise RowError(f"{where}: {key} must be a number, got {v!r}") from None
+
+
+def _str(raw: Mapping, key: str, where: str) -> str:
+    v = raw.get(key, "")
+    if not isinstance(v, str):
+        raise RowError(f"{where}: {key} must be a string, got {type(v).__name__}")
+    return v
+
+
+def _list(raw: Mapping, key: str, where: str) -> list[str]:
+    v = raw.get(key)
+    if v is None:
+        return []
+    if isinstance(v, str):
+        text = v.strip()
+        if text.startswith("["):
+            try:
+                v = json.loads(text)
+            except ValueError:
+                raise RowError(f"{where}: {key} is not a valid JSON list: {text[:80]!r}") from None
+        else:
+            v = [p.strip() for p in text.split("|") if p.strip()]
+    if not isinstance(v, (list, tuple)) or not all(isinstance(x, str) for x in v):
+        raise RowError(f"{where}: {key} must be a list of strings, got {v!r}"[:300])
+    return list(v)
+
+
+def parse_row(raw: Mapping, number: int | None = None, *, where: str | None = None) -> RowSpec:
+    """The fields of one raw row, typed and range-checked (no file is opened). ``number``: the row's
+    place in its file; ``where``: how messages name the row (default ``row N (id 'x')``). Raises
+    :class:`RowError`."""
+    rid = raw.get("id")
+    rid = str(rid).strip() if isinstance(rid, (str, int)) and not isinstance(rid, bool) else None
+    if where is None:
+        where = (f"row {number}" if number is not None else "request") + (f" (id {rid!r})" if rid else "")
+    try:
+        unknown = sorted(set(raw) - set(FIELDS))
+        if unknown:
+            raise RowError(f"{where}: unknown field(s) {', '.join(map(repr, unknown))}; the fields are "
+                           f"{', '.join(FIELDS)}")
+        if not rid:
+            raise RowError(f"{where}: id is missing (a string naming the output file)")
+        if len(rid) > MAX_ID_LENGTH or not _ID.match(rid):
+            raise RowError(f"{where}: id must be 1 to {MAX_ID_LENGTH} letters, digits, '.', '_' or '-' "
+                           "(it names the output file), starting with a letter or digit")
+        steps, seed = _int(raw, "steps", where), _int(raw, "seed", where)
+        if steps is not None and not 1 <= steps <= MAX_STEPS:
+            raise RowError(f"{where}: steps must be from 1 to {MAX_STEPS}, got {steps}")
+        seed = 0 if seed is None else seed
+        if not 0 <= seed <= MAX_SEED:
+            raise RowError(f"{where}: seed must be from 0 to 2^64-1, got {seed}")
+        refs = _list(raw, "references", where)
+        if len(refs) > MAX_REFERENCES:
+            raise RowError(f"{where}: {len(refs)} references; at most {MAX_REFERENCES}")
+        loras = []
+        for text in _list(raw, "loras", where):
+            name, strength = lora_arg(text)
+            loras.append((str(name), strength))
+        return RowSpec(rid, _str(raw, "prompt", where), _str(raw, "negative_prompt", where),
+                       _int(raw, "width", where), _int(raw, "height", where), steps,
+                       _float(raw, "guidance", where), seed, tuple(refs), tuple(loras))
+    except RowError as exc:
+        exc.row_id = rid
+        raise
+
+
+# -- what needs files or the tokenizer ----------------------------------------------------------------
+
+def open_reference(ref: str, index: int, *, base64_data: bool = False, base_dir: Path | None = None) -> Image.Image:
+    """Reference ``index`` (from 1) as a fully read PIL image: a path (relative to ``base_dir``) or,
+    with ``base64_data``, a base64 image. Raises :class:`RowError` with the CLI's message."""
+    label = f"references[{index}]"
+    if not base64_data:
+        path = Path(ref)
+        if base_dir is not None and not path.is_absolute():
+            path = base_dir / path
+        try:
+            return open_image(label, path)
+        except CLIError as exc:
+            raise RowError(str(exc)) from None
+    try:
+        data = base64.b64decode(ref.split(",", 1)[1] if ref.startswith("data:") else ref, validate=True)
+    except (binascii.Error, ValueError):
+        raise RowError(f"{label}: not valid base64 (send the image file's bytes base64-encoded)") from None
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            img = Image.open(io.BytesIO(data))
+            img.load()
+        return img
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+        raise RowError(f"{label}: too large to read safely ({exc})") from None
+    except Image.UnidentifiedImageError:
+        raise RowError(f"{label}: not an image file (or a format PIL cannot read)") from None
+    except Exception as exc:  # noqa: BLE001 (PIL's decoders raise many kinds for a damaged file)
+        raise RowError(f"{label}: the image is damaged ({type(exc).__name__}: {exc})") from None
+
+
+def check_row(spec: RowSpec, images: Sequence[Image.Image], *, kind: str, max_tokens: int | None,
+              lora_dir: Path | None) -> Resolved:
+    """Everything about ``spec`` that can fail before a model runs, with its reference ``images``
+    opened: the size rules (as the engine applies them), the prompt length, the LoRA files.
+    Returns the resolved settings; raises :class:`RowError` (its message without the row's name)."""
+    first = reference_size(*oriented_size(images[0])) if images else None
+    source = "reference 1 ({}x{} px)".format(*oriented_size(images[0])) if images else None
+    try:
+        run = resolve(spec.settings(), kind, first, warn=False, size_from=source)
+    except (ValueError, TypeError) as exc:
+        raise RowError(str(exc), spec.id) from None
+    limit = MAX_WHOLE_TOKENS if max_tokens is None else max_tokens
+    for key in ("prompt", "negative_prompt"):
+        text = getattr(spec, key)
+        n = count_tokens(text) if len(text) < 40 * limit else None  # a token is at least one character
+        if n is None or n > limit:
+            hint = " (or run the job with --max-tokens whole)" if max_tokens is not None else ""
+            raise RowError(f"{key} is {'far more than' if n is None else n} tokens; the limit is "
+                           f"{limit}{hint}", spec.id)
+    for name, _ in spec.loras:
+        if lora_dir is None or not lora_path(lora_dir, name).is_file():
+            there = f"in {lora_dir}" if lora_dir is not None else "(give --lora-dir)"
+            raise RowError(f"LoRA {name!r} not found {there}", spec.id)
+    return run
+
+
+def lora_path(lora_dir: Path, name: str) -> Path:
+    """The file of LoRA ``name`` (``.safetensors`` added when it has no suffix), inside ``lora_dir``."""
+    p = Path(name)
+    if p.is_absolute() or ".." in p.parts:
+        return Path("/nonexistent") / p.name
+    return lora_dir / (name if p.suffix else f"{name}.safetensors")

@@ -1,0 +1,79 @@
+"""One worker's engine and how it runs one row: shared by the batch actors and the serve replicas.
+
+Each row runs as its own :class:`~klein_core.pipeline.request.GenerationRequest` (one image, its own
+seed), so its image depends only on the row and the models: rows are never fused into one forward,
+because a fused forward is not bit-identical to a single one (measured on the CPU: off by 1/255).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from PIL import Image
+
+from ..pipeline.engine import Engine, GenerationResult
+from ..pipeline.request import GenerationRequest
+from .models import ModelSpec, open_engine
+from .rows import RowSpec, lora_path
+
+logger = logging.getLogger(__name__)
+
+
+def worker_name() -> str:
+    """This process as ``host:pid`` (the manifest's ``worker``)."""
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+@dataclass
+class RowOutput:
+    """What one row produced: the result, the PNG ``parameters`` and the seconds it took."""
+
+    result: GenerationResult
+    params: dict
+    seconds: float
+
+
+class RowRunner:
+    """An :class:`Engine` loaded once from a :class:`ModelSpec`, running rows one at a time."""
+
+    def __init__(self, spec: ModelSpec, engine: Engine | None = None) -> None:
+        self.spec = spec
+        self.engine = engine if engine is not None else open_engine(spec)
+        self.worker = worker_name()
+        self._loras: dict[str, object] = {}
+
+    def run(self, row: RowSpec, images: Sequence[Image.Image], *, callback=None) -> RowOutput:
+        """Generate ``row`` (references already opened as ``images``); raises what the engine raises.
+        ``callback(step, total, latents)``: after each step, False cancels."""
+        t0 = time.perf_counter()
+        request = GenerationRequest(row.prompt, row.negative_prompt, tuple(images), row.settings())
+        handle = self._apply_loras(row) if row.loras else None
+        try:
+            result = self.engine.generate(request, callback=callback)
+        finally:
+            if handle is not None:
+                handle.remove()  # restores the exact weights for the next row
+        params = {"id": row.id, "prompt": row.prompt, "negative_prompt": row.negative_prompt,
+                  "width": result.width, "height": result.height, "steps": result.steps,
+                  "guidance": result.guidance, "seed": row.seed,
+                  "references": list(row.references),
+                  "loras": [f"{n}:{s:g}" for n, s in row.loras], **self.spec.png_params()}
+        return RowOutput(result, params, time.perf_counter() - t0)
+
+    def _apply_loras(self, row: RowSpec):
+        from ..lora import apply_loras, load_lora
+        from ..quant.ggml import ggml_layers
+
+        pairs = []
+        for name, strength in row.loras:
+            if name not in self._loras:
+                self._loras[name] = load_lora(lora_path(self.spec.lora_dir, name))
+            pairs.append((self._loras[name], strength))
+        engine = self.engine
+        mode = "branch" if ggml_layers(engine.transformer) else "merge"
+        return apply_loras((engine.transformer, engine.text_encoder), pairs, mode=mode)
