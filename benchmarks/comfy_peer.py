@@ -67,6 +67,7 @@ if str(REPO) not in sys.path:  # run as a script from a checkout
 
 from benchmarks.timing import call_times  # noqa: E402
 from klein_core.models import Flux2Transformer, TransformerConfig  # noqa: E402
+from klein_core.models.variants import KLEIN_4B, KLEIN_9B  # noqa: E402
 from klein_core.pipeline.sampling import (  # noqa: E402
     make_noise,
     pack,
@@ -76,7 +77,6 @@ from klein_core.pipeline.sampling import (  # noqa: E402
     unpack,
 )
 from klein_core.testing.fill import full_size_configs, random_fill_  # noqa: E402
-from klein_core.models.variants import KLEIN_4B, KLEIN_9B  # noqa: E402
 
 SEED = 1234  # benchmarks/speed.py's seed: the transformer gets the same random weights there
 DEFAULT_COMFY_DIR = REPO / ".comfy_host" / "ComfyUI"

@@ -45,15 +45,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.timing import call_times
-from klein_core.accel.fast import FastOps, FastSettings
 from klein_core.accel.comfy_kitchen import KitchenOps, kitchen_available
+from klein_core.accel.fast import FastOps, FastSettings
 from klein_core.models.block_ops import PLAIN_OPS, BlockOps
 from klein_core.models.transformer import DoubleStreamBlock, SingleStreamBlock, TransformerConfig
 from klein_core.models.transformer_math import rope_tables
-from klein_core.quant.fp8 import FP8Linear, quantize_fp8
-from klein_core.pipeline.sampling import position_ids, text_position_ids
-from klein_core.testing.fill import full_size_configs
 from klein_core.models.variants import KLEIN_4B, KLEIN_9B
+from klein_core.pipeline.sampling import position_ids, text_position_ids
+from klein_core.quant.fp8 import FP8Linear, quantize_fp8
+from klein_core.testing.fill import full_size_configs
 
 MODELS = {"4b": KLEIN_4B, "9b": KLEIN_9B}
 TEXT_TOKENS = 512

@@ -26,8 +26,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import klein_core as kc  # noqa: E402
-from klein_core.pipeline.reference_kv import ReferenceKVCache  # noqa: E402
 from klein_core.models.transformer import Flux2Transformer, TransformerConfig, kv_bytes  # noqa: E402
+from klein_core.pipeline.reference_kv import ReferenceKVCache  # noqa: E402
 from klein_core.pipeline.sampling import reference_tokens  # noqa: E402
 
 

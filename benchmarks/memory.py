@@ -50,7 +50,6 @@ from torch import nn  # noqa: E402
 
 from klein_core import testing as demo  # noqa: E402
 from klein_core.accel.speed import DEFAULT_SPEED, SPEEDS, apply_speed, describe_speed  # noqa: E402
-from klein_core.pipeline.engine import Engine  # noqa: E402
 from klein_core.errors import KleinOutOfMemory  # noqa: E402
 from klein_core.memory.placement import pin_memory_  # noqa: E402
 from klein_core.memory.planner import (  # noqa: E402
@@ -61,9 +60,17 @@ from klein_core.memory.planner import (  # noqa: E402
     choose_plan,
     estimate,
 )
-from klein_core.models import Flux2Transformer, Flux2VAE, Qwen3Config, Qwen3TextEncoder, TransformerConfig, VAEConfig  # noqa: E402
-from klein_core.quant.fp8 import quantize_model_  # noqa: E402
+from klein_core.models import (  # noqa: E402
+    Flux2Transformer,
+    Flux2VAE,
+    Qwen3Config,
+    Qwen3TextEncoder,
+    TransformerConfig,
+    VAEConfig,
+)
+from klein_core.pipeline.engine import Engine  # noqa: E402
 from klein_core.pipeline.request import Settings, indexed_device  # noqa: E402
+from klein_core.quant.fp8 import quantize_model_  # noqa: E402
 
 GB = 1e9
 QWEN_VOCAB = 151936

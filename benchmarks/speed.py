@@ -93,10 +93,10 @@ from klein_core.models import (
     TransformerConfig,
     VAEConfig,
 )
-from klein_core.pipeline.sampling import make_noise, pack
-from klein_core.testing.fill import full_size_configs, random_fill_
-from klein_core.pipeline.tokenizer import tokenize_prompts
 from klein_core.models.variants import KLEIN_4B, KLEIN_9B
+from klein_core.pipeline.sampling import make_noise, pack
+from klein_core.pipeline.tokenizer import tokenize_prompts
+from klein_core.testing.fill import full_size_configs, random_fill_
 
 logger = logging.getLogger("speed")
 

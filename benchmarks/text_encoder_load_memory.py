@@ -62,9 +62,9 @@ def _child(path: str, dtype_name: str) -> None:
     sys.path.insert(0, str(REPO))
     import torch
 
+    from klein_core.files.loaders import load_text_encoder
     from klein_core.files.opening import open_weights
     from klein_core.files.source import WeightSource
-    from klein_core.files.loaders import load_text_encoder
 
     base = open_weights(path, component="text encoder")
     read: list[str] = []

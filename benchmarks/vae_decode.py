@@ -43,8 +43,8 @@ if str(REPO) not in sys.path:
 from benchmarks.timing import call_times
 from klein_core.accel import fast
 from klein_core.models import Flux2VAE, VAEConfig
-from klein_core.testing.fill import full_size_configs, random_fill_
 from klein_core.models.variants import KLEIN_4B
+from klein_core.testing.fill import full_size_configs, random_fill_
 
 KERNEL_GROUPS = {  # substrings of CUDA kernel names -> what they do
     "group_norm": ("group_norm", "GroupNorm", "RowwiseMoments", "ComputeFusedParams", "group_norm_kernel"),

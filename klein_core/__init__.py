@@ -8,13 +8,13 @@ names and where the rest lives; ``tests/test_public_api.py`` freezes ``__all__``
 grows on purpose.
 """
 
-from .pipeline.engine import Engine, GenerationResult, generate
 from .errors import GenerationCancelled, KleinOutOfMemory, NonFiniteWeights, WeightFormatError
 from .files.loaders import load_text_encoder, load_transformer, load_vae
 from .lora import LoRA, apply_loras, load_lora, with_loras
 from .models.qwen3 import Qwen3Config, Qwen3TextEncoder
 from .models.transformer import Flux2Transformer, TransformerConfig
 from .models.vae import Flux2VAE, VAEConfig
+from .pipeline.engine import Engine, GenerationResult, generate
 from .pipeline.prompts import COMFYUI_TEXT, DiskPromptCache, PromptCache, TextOptions
 from .pipeline.request import Conditioning, GenerationRequest, Settings
 

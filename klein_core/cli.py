@@ -12,6 +12,7 @@ import time
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from PIL import Image
@@ -19,29 +20,35 @@ from PIL.PngImagePlugin import PngInfo
 
 from . import __version__
 from .accel.speed import DEFAULT_SPEED, SPEEDS, describe_speed
-from .pipeline.engine import Engine, GenerationResult, generate
 from .errors import GenerationCancelled, WeightFormatError
 from .files.gguf import is_gguf
 from .files.identify import matching_text_encoders, probe
+from .files.loaders import as_dtype
 from .files.safetensors import open_safetensors
+from .models.variants import check_text_width
+from .pipeline.engine import Engine, GenerationResult, generate
 from .pipeline.images import oriented_size, reference_size
 from .pipeline.inpaint import outpaint
-from .files.loaders import as_dtype
-from .pipeline.prompts import DiskPromptCache, PromptCache, TextOptions, default_prompt_cache, encoder_identity
+from .pipeline.prompts import (
+    DiskPromptCache,
+    PromptCache,
+    TextOptions,
+    default_prompt_cache,
+    encoder_identity,
+)
 from .pipeline.request import MAX_STEPS, as_device, guess_model_kind, reference_mode, resolve_size
 from .pipeline.sampling import MAX_SEED
-from .models.variants import check_text_width
 
 logger = logging.getLogger("klein_core.cli")
 
-_DTYPES = ("bf16", "fp16", "fp32")  # --dtype choices; loading.as_dtype reads them
+DTYPES = ("bf16", "fp16", "fp32")  # --dtype choices; loading.as_dtype reads them
 
 
 class CLIError(Exception):
     """A one-line, user-facing error."""
 
 
-def _write(stream, text: str) -> None:
+def write_line(stream, text: str) -> None:
     stream.write(text)
     stream.flush()
 
@@ -60,12 +67,36 @@ class _Formatter(argparse.HelpFormatter):
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="klein-generate", formatter_class=_Formatter,
-        description="FLUX.2 Klein text-to-image and editing. 'generate' is the only command and may be "
-                    "left out: 'klein-generate --prompt ...' is 'klein-generate generate --prompt ...'.",
+        description="FLUX.2 Klein text-to-image and editing. 'generate' is the default command and may be "
+                    "left out: 'klein-generate --prompt ...' is 'klein-generate generate --prompt ...'. "
+                    f"Other commands: {', '.join(COMMANDS)} (each has its own --help).",
         epilog="examples: klein-generate --demo --out out/demo.png | klein-generate --models-dir ComfyUI/models "
                "--model flux-2-klein-4b.safetensors --prompt 'a red fox' --out fox.png")
     _add_generate_args(p)
     return p
+
+
+# Commands besides generate: name -> (module, add-arguments function, run function, description). Their
+# modules are imported only when the command runs (Ray, training code).
+COMMANDS = {
+    "batch": ("klein_core.distributed.cli", "add_batch_args", "run_batch",
+              "generate a file of requests on a Ray cluster (pip install 'klein-nodes[ray]')"),
+    "serve": ("klein_core.distributed.cli", "add_serve_args", "run_serve",
+              "serve generation over HTTP with Ray Serve (pip install 'klein-nodes[ray]')"),
+    "train": ("klein_core.train.cli", "add_train_args", "run_train", "train a LoRA on a Klein base model"),
+}
+
+
+def _command(name: str, argv: list[str]) -> tuple[argparse.Namespace, Any]:
+    """The parsed arguments of command ``name`` and its run function."""
+    import importlib
+
+    module_name, add_name, run_name, description = COMMANDS[name]
+    module = importlib.import_module(module_name)
+    parser = argparse.ArgumentParser(prog=f"klein-generate {name}", description=description,
+                                     formatter_class=_Formatter)
+    getattr(module, add_name)(parser)
+    return parser.parse_args(argv), getattr(module, run_name)
 
 
 def _add_generate_args(g: argparse.ArgumentParser) -> None:
@@ -83,7 +114,7 @@ def _add_generate_args(g: argparse.ArgumentParser) -> None:
     g.add_argument("--prompt", default="", help="the prompt")
     g.add_argument("--negative-prompt", default="", help="negative prompt (base models with guidance > 1)")
     g.add_argument("--ref", action="append", default=[], type=Path, help="reference image (repeatable)")
-    g.add_argument("--lora", action="append", default=[], type=_lora_arg, metavar="FILE[:STRENGTH]",
+    g.add_argument("--lora", action="append", default=[], type=lora_arg, metavar="FILE[:STRENGTH]",
                    help="LoRA .safetensors with optional strength (default 1), merged after loading (repeatable)")
     g.add_argument("--width", type=int, default=None,
                    help="output width in pixels, a multiple of 16 (default: the first reference's, else 1024)")
@@ -98,7 +129,7 @@ def _add_generate_args(g: argparse.ArgumentParser) -> None:
     g.add_argument("--out", type=Path, default=Path("klein.png"),
                    help="output PNG; with --batch, _00, _01... are added before the suffix")
     g.add_argument("--device", default=None, help="cuda, cuda:1, cpu, mps (default: cuda if available, else cpu)")
-    g.add_argument("--dtype", choices=_DTYPES, default=None,
+    g.add_argument("--dtype", choices=DTYPES, default=None,
                    help="weights dtype (default: bf16 on GPU, fp32 on CPU)")
     g.add_argument("--speed", choices=SPEEDS, default=DEFAULT_SPEED,
                    help="fast: best attention and fused kernels on CUDA (the plain path on the CPU); compile: "
@@ -137,7 +168,7 @@ def _add_generate_args(g: argparse.ArgumentParser) -> None:
     g.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
 
 
-def _lora_arg(text: str) -> tuple[Path, float]:
+def lora_arg(text: str) -> tuple[Path, float]:
     """``FILE[:STRENGTH]``; a tail that is not a number is part of the path (``C:\\x.safetensors``)."""
     path, sep, tail = text.rpartition(":")
     if sep and path:
@@ -234,9 +265,9 @@ class _Progress:
         else:
             rate = f"{(now - self.t_first) / (step - 1):.2f} s/step"
         bar = "#" * step + "-" * (total - step)
-        _write(sys.stderr, f"\rdenoising [{bar}] {step}/{total}  {rate}   ")
+        write_line(sys.stderr, f"\rdenoising [{bar}] {step}/{total}  {rate}   ")
         if step == total:
-            _write(sys.stderr, "\n")
+            write_line(sys.stderr, "\n")
 
 
 def _save_images(result: GenerationResult, out: Path, params: dict) -> list[Path]:
@@ -284,7 +315,7 @@ def _check_request(args: argparse.Namespace, refs: list[Image.Image]) -> None:
         raise CLIError("--outpaint makes its own mask; give --mask or --outpaint, not both")
 
 
-def _open_image(flag: str, path: Path) -> Image.Image:
+def open_image(flag: str, path: Path) -> Image.Image:
     """The picture at ``path``, fully read (pixels decoded now); else one CLIError naming ``flag`` and
     ``path``: missing, not a regular file, unreadable, not an image, truncated or damaged, or over
     PIL's decompression-bomb limit (``Image.MAX_IMAGE_PIXELS``)."""
@@ -323,8 +354,8 @@ def _init_image(args: argparse.Namespace) -> tuple[Image.Image, Image.Image | No
     """--image / --mask / --outpaint as (picture, mask), read before any model loads."""
     if args.image is None:
         return None
-    image = _open_image("--image", args.image)
-    mask = None if args.mask is None else _open_image("--mask", args.mask)
+    image = open_image("--image", args.image)
+    mask = None if args.mask is None else open_image("--mask", args.mask)
     if args.outpaint is not None:
         try:
             left, top, right, bottom = (int(v) for v in args.outpaint.split(","))
@@ -340,7 +371,7 @@ def run_generate(args: argparse.Namespace) -> int:
     dtype = as_dtype(args.dtype, "--dtype") or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     refs = []
     for r in args.ref:
-        refs.append(_open_image("--ref", r))
+        refs.append(open_image("--ref", r))
     init = _init_image(args)
     _check_request(args, refs)
     text = TextOptions(max_tokens=None if args.max_tokens == "whole" else 512,
@@ -360,7 +391,7 @@ def run_generate(args: argparse.Namespace) -> int:
         transformer, text_encoder, vae = (m.to(device=device, dtype=dtype) for m in (transformer, text_encoder, vae))
         names = {"transformer": "demo", "text_encoder": "demo", "vae": "demo"}
         kind = "base" if args.base else "distilled"
-        _write(sys.stderr, "--demo: tiny random models built in memory (no download) check the install; "
+        write_line(sys.stderr, "--demo: tiny random models built in memory (no download) check the install; "
                            "the image will be noise.\n")
     else:
         from .files.loaders import load_text_encoder, load_transformer, load_vae
@@ -379,7 +410,7 @@ def run_generate(args: argparse.Namespace) -> int:
         if cond is None:
             text_encoder = load_text_encoder(te_path, device=device, dtype=dtype)
         elif not args.quiet:
-            _write(sys.stderr, f"prompt embeddings from {args.prompt_cache}; {te_path.name} not loaded\n")
+            write_line(sys.stderr, f"prompt embeddings from {args.prompt_cache}; {te_path.name} not loaded\n")
         vae = load_vae(vae_path, device=device, dtype=dtype)
         names = {"transformer": tr_path.name, "text_encoder": te_path.name, "vae": vae_path.name}
     if args.lora:
@@ -415,14 +446,14 @@ def run_generate(args: argparse.Namespace) -> int:
     }
     paths = _save_images(result, args.out, params)
     stages = ", ".join(f"{k} {v:.2f} s" for k, v in result.timings.items())
-    _write(sys.stdout, f"{len(paths)} image(s) {result.width}x{result.height} in {total:.2f} s "
+    write_line(sys.stdout, f"{len(paths)} image(s) {result.width}x{result.height} in {total:.2f} s "
                        f"(load {t_load:.2f} s; {stages}) -> {', '.join(str(p) for p in paths)}\n")
     if not args.quiet:
-        _write(sys.stderr, f"speed {describe_speed(transformer)}\n")
+        write_line(sys.stderr, f"speed {describe_speed(transformer)}\n")
     return 0
 
 
-def _log_to_stderr() -> None:
+def log_to_stderr() -> None:
     """Show klein_core's warnings on stderr in the CLI process (library users configure their own)."""
     root = logging.getLogger("klein_core")
     if not any(getattr(h, "_klein_cli", False) for h in root.handlers):
@@ -435,20 +466,23 @@ def _log_to_stderr() -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["generate"]:  # the only command, so naming it is optional
+    if argv[:1] == ["generate"]:  # the default command, so naming it is optional
         argv = argv[1:]
-    args = build_parser().parse_args(argv)
-    _log_to_stderr()
+    if argv[:1] and argv[0] in COMMANDS:
+        args, run = _command(argv[0], argv[1:])
+    else:
+        args, run = build_parser().parse_args(argv), run_generate
+    log_to_stderr()
     try:
-        return run_generate(args)
+        return run(args)
     except (CLIError, ValueError, TypeError, FileNotFoundError, WeightFormatError) as exc:
-        _write(sys.stderr, f"error: {exc}\n")
+        write_line(sys.stderr, f"error: {exc}\n")
         return 2
     except GenerationCancelled as exc:
-        _write(sys.stderr, f"cancelled: {exc}\n")
+        write_line(sys.stderr, f"cancelled: {exc}\n")
         return 130
     except KeyboardInterrupt:
-        _write(sys.stderr, "\ncancelled\n")
+        write_line(sys.stderr, "\ncancelled\n")
         return 130
 
 

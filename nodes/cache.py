@@ -1,16 +1,13 @@
 """Loaded klein_core models and prompt embeddings, shared with ComfyUI's model management.
 
 At most one model per role (transformer, text encoder, VAE) is held. Node outputs carry a
-:class:`ModelRef` (file, device, dtype), never the model itself, so ComfyUI's own output cache
-cannot keep weights alive: after :func:`release_all` the memory is really free, and the next node
-that needs the model reloads it from its file.
+:class:`ModelRef` (file, device, dtype), never the model, so ComfyUI's output cache cannot keep weights
+alive: after :func:`release_all` the memory is free, and the next node reloads the model from its file.
 
-Every loaded model is registered with ComfyUI's model management (``nodes/host.py``): before a
-model is loaded ComfyUI is asked for the memory (it unloads its own models first), and before each
-use the model is handed to ``load_models_gpu``, so when another model (an upscaler, a second
-checkpoint) needs the GPU ComfyUI can offload ours, and moves it back when we need it again. Where
-the weights live is decided by klein_core's planner (``kc.weights_home``); what runs where during a
-generation by klein_core's engine.
+Every loaded model is registered with ComfyUI's model management (``nodes/host.py``): ComfyUI is asked
+for the memory before a load and gets the model through ``load_models_gpu`` before each use, so it can
+offload ours when another model needs the GPU. Where the weights live is klein_core's planner's choice
+(``kc.weights_home``); what runs where during a generation, its engine's.
 """
 
 from __future__ import annotations
@@ -27,9 +24,9 @@ from pathlib import Path
 import torch
 
 import klein_core as kc
-from klein_core.pipeline.reference_kv import ReferenceKVCache
 from klein_core.files.loaders import LOADERS, meta_model
 from klein_core.memory.placement import module_bytes
+from klein_core.pipeline.reference_kv import ReferenceKVCache
 
 from . import host
 

@@ -8,9 +8,9 @@ import torch
 from comfy_api.latest import io
 
 import klein_core as kc
+from klein_core.models.variants import encoder_name
 from klein_core.pipeline.prompts import encoder_identity
 from klein_core.pipeline.tokenizer import count_tokens
-from klein_core.models.variants import encoder_name
 
 from . import cache, host, notices
 from .common import check_choices, check_widget, model_file, open_engine

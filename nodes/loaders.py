@@ -7,13 +7,13 @@ import logging
 import torch
 from comfy_api.latest import io
 
-from klein_core.pipeline.engine import check_compatible
 from klein_core.files.loaders import meta_model
 from klein_core.memory.placement import module_bytes
 from klein_core.memory.planner import weights_home
+from klein_core.pipeline.inputs import check_compatible
+from klein_core.pipeline.request import guess_model_kind
 from klein_core.quant.formats import describe_formats, prequantized_layers
 from klein_core.quant.fp8 import scaled_mm_available
-from klein_core.pipeline.request import guess_model_kind
 
 from . import cache, host, notices
 from .common import check_choices, check_widget, errors_named, model_file

@@ -10,12 +10,12 @@ import torch
 from comfy_api.latest import io
 
 import klein_core as kc
-from klein_core.pipeline.engine import InitLatents, check_denoise_inputs, with_init_reference
 from klein_core.files.identify import matching_text_encoders
+from klein_core.models.variants import TextWidthMismatch, variant_for_text_width
 from klein_core.pipeline.inpaint import comfy_mask_to_latents, steps_to_run
+from klein_core.pipeline.inputs import InitLatents, check_denoise_inputs, with_init_reference
 from klein_core.pipeline.request import resolve
 from klein_core.pipeline.sampling import MAX_SEED
-from klein_core.models.variants import TextWidthMismatch, variant_for_text_width
 
 from . import cache, host, notices
 from .common import check_widget, flux2_samples, open_engine

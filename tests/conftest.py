@@ -75,6 +75,9 @@ FULL_TIER: tuple[str, ...] = (
     "tests/test_fast.py::test_speed_benchmark_tiny_cpu",
     "tests/test_planner.py::test_memory_benchmark_tiny_cpu",
     "tests/test_planner.py::test_memory_benchmark_uncapped_resident_tiny_cpu",
+    # a local Ray cluster and a Ray Serve deployment (tens of seconds to start)
+    "tests/test_ray_batch.py",
+    "tests/test_ray_serve.py",
 )
 
 _TIER_STATE: dict[str, int] = {}

@@ -9,9 +9,9 @@ import sys
 from pathlib import Path
 
 import torch
+from script_module import load_script
 
 from klein_core.models.transformer import TransformerConfig
-from script_module import load_script
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -1,6 +1,5 @@
-"""Inputs are checked once, where a request enters the engine (engine.check_denoise_inputs, through
-Engine.check_inputs), before any compute; the sampler and the transformer trust what passed (issue
-#27, item 3)."""
+"""Inputs are checked once, where a request enters the engine (inputs.check_denoise_inputs, through
+Engine.check_inputs), before any compute; the sampler and the transformer trust what passed."""
 
 from __future__ import annotations
 
@@ -11,9 +10,10 @@ import torch
 
 import klein_core as kc
 import klein_core.pipeline.engine as engine_module
-from klein_core.pipeline.engine import InitLatents
-from klein_core.testing import build_tiny_components
+import klein_core.pipeline.inputs as inputs_module
 from klein_core.models.variants import TextWidthMismatch
+from klein_core.pipeline.inputs import InitLatents
+from klein_core.testing import build_tiny_components
 
 IGNORED = "negative prompt is not used"
 
@@ -27,7 +27,7 @@ def tiny():
 def counted(monkeypatch):
     """Counts Engine.check_inputs and text-width checks, and the sampler runs that started."""
     counts = {"check_inputs": 0, "text_width": 0, "sampled": 0}
-    real_check, real_width, real_denoise = kc.Engine.check_inputs, engine_module.check_text_width, engine_module.denoise
+    real_check, real_width, real_denoise = kc.Engine.check_inputs, inputs_module.check_text_width, engine_module.denoise
 
     def check_inputs(self, *args, **kw):
         counts["check_inputs"] += 1
@@ -42,7 +42,7 @@ def counted(monkeypatch):
         return real_denoise(*args, **kw)
 
     monkeypatch.setattr(kc.Engine, "check_inputs", check_inputs)
-    monkeypatch.setattr(engine_module, "check_text_width", check_text_width)
+    monkeypatch.setattr(inputs_module, "check_text_width", check_text_width)
     monkeypatch.setattr(engine_module, "denoise", denoise)
     return counts
 

@@ -17,8 +17,8 @@ import torch
 from script_module import load_script
 
 from klein_core.models import Flux2Transformer
-from klein_core.testing.fill import full_size_configs
 from klein_core.models.variants import KLEIN_4B, KLEIN_9B
+from klein_core.testing.fill import full_size_configs
 
 REPO = Path(__file__).resolve().parents[1]
 TOL_REL = 1e-5  # float32 rounding, measured ~2e-7

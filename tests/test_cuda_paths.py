@@ -18,9 +18,9 @@ from torch import nn
 from klein_core.files.fp8 import quantize_state_dict
 from klein_core.memory.placement import BlockOffloader
 from klein_core.models.transformer import DoubleStreamBlock, SingleStreamBlock
+from klein_core.pipeline.request import as_device, indexed_device
 from klein_core.quant import ggml
 from klein_core.quant.fp8 import FLOAT8_DTYPES, FP8Linear, quantize_fp8
-from klein_core.pipeline.request import as_device, indexed_device
 from klein_core.testing.tiny import tiny_text_encoder, tiny_transformer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -175,7 +175,7 @@ def test_out_of_memory_frees_the_failed_frames_before_emptying_the_cache(monkeyp
     import weakref
 
     import klein_core as kc
-    from klein_core.pipeline import engine
+    from klein_core.pipeline import oom
 
     refs, alive_at_collect = [], []
 
@@ -187,14 +187,14 @@ def test_out_of_memory_frees_the_failed_frames_before_emptying_the_cache(monkeyp
     real_collect = gc.collect
     monkeypatch.setattr(gc, "collect", lambda *a: (real_collect(*a), alive_at_collect.append(refs[0]() is not None))[0])
     with pytest.raises(kc.KleinOutOfMemory, match="while denoising; the memory was released") as err:
-        with engine.explain_oom("denoising", torch.device("cpu"), 1024, 1024, 1, 0):
+        with oom.explain_oom("denoising", torch.device("cpu"), 1024, 1024, 1, 0):
             failing_forward()
     assert alive_at_collect == [False]
     # a torch OutOfMemoryError, so hosts treat it as one (ComfyUI unloads its models on those)
     assert isinstance(err.value, torch.OutOfMemoryError) and isinstance(err.value, RuntimeError)
     # a refusal (already a KleinOutOfMemory with its own advice) passes through unchanged
     with pytest.raises(kc.KleinOutOfMemory, match="^refused before running: too big$"):
-        with engine.explain_oom("denoising", torch.device("cpu"), 1024, 1024, 1, 0):
+        with oom.explain_oom("denoising", torch.device("cpu"), 1024, 1024, 1, 0):
             raise kc.KleinOutOfMemory("refused before running: too big")
 
 

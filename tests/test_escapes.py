@@ -30,13 +30,13 @@ from safetensors.torch import save_file
 from tiny_reference import CTX, tiny_diffusers_transformer
 from torch import nn
 
-from klein_core.pipeline.bounded_cache import BoundedCache
-from klein_core.pipeline.engine import generate
-from klein_core.pipeline.reference_kv import ReferenceKVCache
 from klein_core.files.loaders import load_text_encoder, load_transformer
 from klein_core.lora.apply import apply_loras
 from klein_core.lora.read import load_lora
+from klein_core.pipeline.bounded_cache import BoundedCache
+from klein_core.pipeline.engine import generate
 from klein_core.pipeline.prompts import DiskPromptCache, PromptCache, encode_prompts, encoder_identity
+from klein_core.pipeline.reference_kv import ReferenceKVCache
 from klein_core.pipeline.sampling import (
     compute_empirical_mu,
     get_schedule,

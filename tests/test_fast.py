@@ -16,13 +16,13 @@ from pathlib import Path
 import pytest
 import torch
 from extras import require
+from script_module import load_script
 
 import klein_core
 from klein_core import testing as demo
 from klein_core.accel import fast
 from klein_core.models.block_ops import PLAIN_OPS
 from klein_core.pipeline.sampling import position_ids, text_position_ids
-from script_module import load_script
 
 REPO = Path(__file__).resolve().parent.parent
 

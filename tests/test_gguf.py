@@ -22,11 +22,11 @@ from klein_core.files.loaders import meta_model
 from klein_core.memory.placement import module_bytes
 from klein_core.memory.planner import weights_home
 from klein_core.models.transformer import Flux2Transformer, TransformerConfig
-from klein_core.quant.ggml import GGMLLinear, GGMLType, dequantize, ggml_layers, quantize
-from klein_core.pipeline.sampling import position_ids, text_position_ids
-from klein_core.testing import tiny_text_encoder
-from klein_core.pipeline.tokenizer import tokenize_prompts
 from klein_core.models.variants import KLEIN_4B, KLEIN_9B
+from klein_core.pipeline.sampling import position_ids, text_position_ids
+from klein_core.pipeline.tokenizer import tokenize_prompts
+from klein_core.quant.ggml import GGMLLinear, GGMLType, dequantize, ggml_layers, quantize
+from klein_core.testing import tiny_text_encoder
 
 gguf = require("gguf")
 T = gguf.GGMLQuantizationType

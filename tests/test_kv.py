@@ -56,7 +56,10 @@ def test_reference_kv_depends_only_on_the_references(components):
     lat = torch.randn(1, 4 * LATENT_CH, 6, 5, generator=torch.Generator().manual_seed(1))
     refs = reference_tokens([lat])
     kv = ours_tr.reference_kv(refs.tokens, refs.ids)
-    from diffusers.models.transformers.transformer_flux2 import Flux2KVAttnProcessor, Flux2KVParallelSelfAttnProcessor
+    from diffusers.models.transformers.transformer_flux2 import (
+        Flux2KVAttnProcessor,
+        Flux2KVParallelSelfAttnProcessor,
+    )
 
     for block in tr.transformer_blocks:
         block.attn.set_processor(Flux2KVAttnProcessor())

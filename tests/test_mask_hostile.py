@@ -17,10 +17,10 @@ from test_nodes import comfy  # noqa: F401 (fixture)
 from klein_core import cli
 from klein_core.pipeline.inpaint import (
     InitImage,
+    comfy_mask_to_latents,
     crop_for_inpaint,
     crop_region,
     mask_array,
-    comfy_mask_to_latents,
     mask_image,
     prepare_inpaint,
 )

@@ -1,10 +1,12 @@
+import numpy as np
 import torch
 from PIL import Image
-import numpy as np
+
 import klein_core
 from klein_core import testing as demo
 from klein_core.memory.planner import MemoryPlan
 from klein_core.quant.fp8 import fp8_layers
+
 
 def test_generate_memory_modes_equal():
     tr, te, vae = demo.build_tiny_components()

@@ -23,19 +23,18 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-
-import klein_core as kc
-from klein_core.pipeline.engine import decode_to_pixels, encode_references
-from klein_core.files.fp8 import quantize_state_dict
-from klein_core.pipeline.images import prepare_reference_image
-from klein_core.files.loaders import LOADERS
-from klein_core.memory.placement import module_bytes
-from klein_core.pipeline.prompts import encode_prompts
-from klein_core.quant.formats import stored_formats
-from klein_core.pipeline.request import Resolved
-from klein_core.testing import write_tiny_model_files
 from script_module import load_script
 
+import klein_core as kc
+from klein_core.files.fp8 import quantize_state_dict
+from klein_core.files.loaders import LOADERS
+from klein_core.memory.placement import module_bytes
+from klein_core.pipeline.images import prepare_reference_image
+from klein_core.pipeline.prompts import encode_prompts
+from klein_core.pipeline.request import Resolved
+from klein_core.pipeline.vae_io import decode_to_pixels, encode_references
+from klein_core.quant.formats import stored_formats
+from klein_core.testing import write_tiny_model_files
 
 REPO = Path(__file__).resolve().parents[1]
 PACK = "klein_pack_nodes"  # how the comfy_pack fixture (conftest.py) imports nodes/

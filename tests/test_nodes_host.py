@@ -16,9 +16,9 @@ from extras import require
 from test_nodes import M4B, M4B_BASE, Q4B, VAE, _load, _sample, comfy, progress  # noqa: F401 (fixtures)
 
 import klein_core as kc
-from klein_core.pipeline.engine import InitLatents
-from klein_core.pipeline.inpaint import comfy_mask_to_latents
 from klein_core.memory.placement import module_bytes
+from klein_core.pipeline.inpaint import comfy_mask_to_latents
+from klein_core.pipeline.inputs import InitLatents
 from klein_core.pipeline.prompts import encode_prompts
 from klein_core.pipeline.tokenizer import count_tokens
 

@@ -16,9 +16,9 @@ from safetensors.torch import save_file
 import klein_core as kc
 from klein_core.files.loaders import meta_model
 from klein_core.memory.placement import module_bytes
+from klein_core.pipeline.sampling import position_ids, text_position_ids
 from klein_core.quant import nvfp4
 from klein_core.quant.fp8 import block_linear_names
-from klein_core.pipeline.sampling import position_ids, text_position_ids
 from klein_core.testing import tiny_transformer
 
 ck = require("comfy_kitchen")

@@ -12,8 +12,8 @@ import torch
 
 from klein_core import testing as demo
 from klein_core.memory.placement import BlockOffloader, module_bytes, offload_blocks, on_device, pin_memory_
-from klein_core.quant.fp8 import quantize_model_
 from klein_core.pipeline.sampling import denoise, get_schedule, make_noise, position_ids, text_position_ids
+from klein_core.quant.fp8 import quantize_model_
 
 
 def _inputs(cfg, batch=2):

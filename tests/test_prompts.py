@@ -26,8 +26,8 @@ from klein_core.pipeline.sampling import (
     text_position_ids,
     unpack,
 )
-from klein_core.testing import build_tiny_components, write_tiny_model_files
 from klein_core.pipeline.tokenizer import count_tokens
+from klein_core.testing import build_tiny_components, write_tiny_model_files
 
 LONG = " ".join(f"word{i}" for i in range(700))  # well over 512 tokens after the chat template
 

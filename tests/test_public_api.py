@@ -92,8 +92,8 @@ def test_klein_core_fast_is_gone():
 
 def test_the_removed_aliases_have_their_replacements():
     from klein_core.accel import enable_fast_paths
-    from klein_core.pipeline.request import resolve
     from klein_core.models.variants import VARIANTS, encoder_for_text_width
+    from klein_core.pipeline.request import resolve
 
     assert callable(resolve) and callable(enable_fast_paths)
     assert all(encoder_for_text_width(v.text_width) for v in VARIANTS)

@@ -16,14 +16,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from layout_files import header_bytes, manifests, write_layout, write_safetensors
 from safetensors.torch import save_file
 
 import klein_core as kc
-from klein_core.models import variants
 from klein_core.files import identify as catalog
 from klein_core.files.safetensors import SafetensorsFile, open_safetensors
+from klein_core.models import variants
 from klein_core.quant.fp8 import fp8_layers
-from layout_files import header_bytes, manifests, write_layout, write_safetensors
 
 MANIFESTS = manifests()
 

@@ -19,8 +19,8 @@ from safetensors.torch import save_file
 import klein_core as kc
 from klein_core.errors import WeightFormatError
 from klein_core.files.opening import open_weights
-from klein_core.pipeline.images import prepare_reference_image, reference_size
 from klein_core.memory.planner import MemoryRequest, ModelSizes, choose_plan, estimate
+from klein_core.pipeline.images import prepare_reference_image, reference_size
 from klein_core.testing import TINY_9B, build_tiny_components, tiny_text_encoder, tiny_transformer, tiny_vae
 
 LOADERS = {"transformer": kc.load_transformer, "text encoder": kc.load_text_encoder, "VAE": kc.load_vae}

@@ -24,7 +24,13 @@ from klein_core.accel import (
 )
 from klein_core.accel import step_cache as sc
 from klein_core.memory.placement import BlockOffloader
-from klein_core.pipeline.sampling import denoise, get_schedule, position_ids, reference_tokens, text_position_ids
+from klein_core.pipeline.sampling import (
+    denoise,
+    get_schedule,
+    position_ids,
+    reference_tokens,
+    text_position_ids,
+)
 from klein_core.testing import tiny_text_encoder, tiny_transformer, tiny_vae
 
 STEPS = 30

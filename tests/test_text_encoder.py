@@ -18,11 +18,11 @@ import torch
 from extras import require
 from safetensors.torch import save_file
 
-from klein_core.files.opening import open_weights
 from klein_core.files.key_map import check_key_map
-from klein_core.files.qwen3_layout import qwen3_key_map, checkpoint_shapes
-from klein_core.files.source import WeightSource
 from klein_core.files.loaders import load_text_encoder
+from klein_core.files.opening import open_weights
+from klein_core.files.qwen3_layout import checkpoint_shapes, qwen3_key_map
+from klein_core.files.source import WeightSource
 from klein_core.models.qwen3 import Qwen3Config, Qwen3TextEncoder
 
 transformers = require("transformers")

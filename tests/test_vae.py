@@ -18,8 +18,8 @@ from extras import require
 from safetensors.torch import save_file
 from torch import nn
 
-from klein_core.files.vae_layout import vae_config
 from klein_core.files.loaders import load_vae
+from klein_core.files.vae_layout import vae_config
 from klein_core.models.vae import Flux2VAE, VAEConfig, patchify, unpatchify
 
 diffusers = require("diffusers")

@@ -11,9 +11,9 @@ from safetensors.torch import save_file
 from torch import nn
 
 from klein_core.errors import WeightFormatError
+from klein_core.files.key_map import Cat, KeyMap, Reshape, SwapHalves, Take, build_key_map
 from klein_core.files.materialize import materialize
 from klein_core.files.opening import open_weights
-from klein_core.files.key_map import Cat, KeyMap, Reshape, SwapHalves, Take, build_key_map
 from klein_core.files.source import read_safetensors_header
 
 

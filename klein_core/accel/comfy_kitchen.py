@@ -1,16 +1,12 @@
 """comfy-kitchen (ComfyUI's own kernel library) as the fused-kernel backend of the fast paths.
 
-Two steps of every block run through it when :func:`klein_core.accel.enable_fast_paths` asks for
-fused kernels: ``rms_rope`` (per-head RMSNorm of q and k, then interleaved RoPE, one pass) and
-``adaln`` (LayerNorm, then ``(1 + scale) * x + shift``, one pass). In the VAE,
-:func:`klein_core.accel.enable_fast_vae` runs each GroupNorm and the SiLU after it as one
-``group_norm_silu_pad3d``. comfy-kitchen picks its backend per call (its CUDA kernels on NVIDIA
-GPUs, Triton, or its eager PyTorch code on the CPU).
+When :func:`klein_core.accel.enable_fast_paths` asks for fused kernels, two steps of every block run
+through it: ``rms_rope`` (per-head RMSNorm of q and k, then interleaved RoPE) and ``adaln``
+(LayerNorm, then ``(1 + scale) * x + shift``). :func:`klein_core.accel.enable_fast_vae` runs each VAE
+GroupNorm and its SiLU as one ``group_norm_silu_pad3d``. comfy-kitchen picks its backend per call.
 
-Optional: ``pip install "klein-nodes[kernels]"``; inside ComfyUI it is already installed (ComfyUI
-requires it). Without it the fast paths run these steps on the plain PyTorch path.
-
-Why comfy-kitchen and not kernels of our own: docs/DESIGN.md.
+Optional: ``pip install "klein-nodes[kernels]"`` (ComfyUI already requires it). Without it these
+steps run on the plain PyTorch path. Why comfy-kitchen: docs/DESIGN.md.
 """
 
 from __future__ import annotations

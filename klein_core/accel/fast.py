@@ -1,34 +1,14 @@
-"""Switchboard for klein_core's fast paths.
+"""Switchboard for klein_core's fast paths: :func:`enable_fast_paths`, :func:`enable_fast_vae` and
+:func:`disable_fast_paths`.
 
-::
-
-    from klein_core.accel import enable_fast_paths, enable_fast_vae, disable_fast_paths
-
-    enable_fast_paths(transformer)                # best attention + fused kernels (comfy-kitchen)
-    enable_fast_paths(transformer, compile=True)  # + torch.compile of each block kind
-    enable_fast_vae(vae, compile=True)            # compiled VAE encoder and decoder
-    disable_fast_paths(transformer)               # back to the plain reference path
-
-The nodes and the CLI choose through :mod:`klein_core.accel.speed` (``fast`` by default, ``plain``,
-``compile``); for library users the models run the plain path until one of these is called (or
-``Engine(speed=...)`` / ``generate(speed=...)`` asks). The plain PyTorch path
-(``klein_core.models.block_ops.BlockOps``) stays the reference every fast path is checked against.
-Choices are made when the model first runs on a device and dtype, never at import: CUDA
-capabilities and optional packages (comfy_kitchen, flash_attn, flash_attn_interface) are probed then,
-the result is logged in one info line, and anything that cannot run on a GPU falls back to the
-plain path with one warning that names why. On the CPU the plain path runs, silently. Nothing here
-changes global torch settings.
-
-Attention backends (``attention=``):
-
-=========== ==================================================================================
-auto        by GPU, from :data:`AUTO_ATTENTION` (sm_90: ``sdpa_cudnn``; else ``sdpa``); plain off CUDA
-sdpa        PyTorch SDPA pinned to its flash kernels, then memory-efficient, then math
-sdpa_cudnn  PyTorch SDPA preferring cuDNN attention (then flash, efficient, math)
-flash3      ``flash_attn_interface.flash_attn_func`` (FlashAttention-3, Hopper, bf16/fp16)
-flash2      ``flash_attn.flash_attn_func`` (FlashAttention-2 package, Ampere+, bf16/fp16)
-plain       ``klein_core.models.layers.attention`` (torch's default SDPA dispatch)
-=========== ==================================================================================
+Models run the plain path (``klein_core.models.block_ops.BlockOps``, the reference every fast path is
+checked against) until one of these, or a speed from :mod:`klein_core.accel.speed`, asks. Backends are
+chosen on a model's first run per device and dtype (never at import) and logged in one line; what
+cannot run falls back to the plain path with one warning (silently on the CPU). Global torch settings
+are left alone. Attention backends (``attention=``): ``auto`` (by GPU from :data:`AUTO_ATTENTION`, else
+``sdpa``; plain off CUDA); ``sdpa`` (SDPA's flash, then memory-efficient, then math kernels);
+``sdpa_cudnn`` (SDPA preferring cuDNN); ``flash3`` (FlashAttention-3 package, Hopper, bf16/fp16);
+``flash2`` (FlashAttention-2 package, Ampere+, bf16/fp16); ``plain`` (``models.layers.attention``).
 """
 
 from __future__ import annotations
@@ -49,7 +29,13 @@ from ..models.block_ops import PLAIN_OPS, BlockOps, QKPart
 from ..models.transformer import Flux2Transformer
 from ..models.transformer_math import rope_tables
 from ..models.vae import Flux2VAE, GroupNormAct
-from .comfy_kitchen import INSTALL_HINT, KitchenOps, group_norm_silu, kitchen_available, kitchen_serves_group_norm
+from .comfy_kitchen import (
+    INSTALL_HINT,
+    KitchenOps,
+    group_norm_silu,
+    kitchen_available,
+    kitchen_serves_group_norm,
+)
 from .triton_swiglu import swiglu as triton_swiglu
 from .triton_swiglu import triton_available
 
@@ -144,13 +130,8 @@ def _flash_unavailable(backend: str, device: torch.device, dtype: torch.dtype, h
     return None
 
 
-# What ``attention="auto"`` runs on each CUDA architecture (compute capability major version). Each
-# entry is there because it measured fastest on that GPU; architectures not listed get ``sdpa``.
-#   9 (Hopper): sdpa_cudnn. H100 80GB HBM3, torch 2.11 + CUDA 13.0, 2026-11-26, benchmarks/speed.py
-#     Klein 4B bf16 1024x1024 (shared/gpu-results/2026-11-26_h100): step 65.7 ms against 74.6 ms
-#     with sdpa (flash) for text-to-image, 232 against 302 ms for an edit with two references,
-#     133 against 187 ms (plain) for a base step with CFG. FlashAttention-3 was not installed
-#     there, so it is not in the table (ask for attention="flash3" to use it).
+# What ``attention="auto"`` runs on each CUDA architecture (compute capability major version): the
+# backend that measured fastest there (docs/DESIGN.md); architectures not listed get ``sdpa``.
 AUTO_ATTENTION: dict[int, str] = {9: "sdpa_cudnn"}
 
 
@@ -323,8 +304,7 @@ def _self_check(name: str, device: torch.device, dtype: torch.dtype, head_dim: i
 
 
 # Devices whose fused steps go through comfy-kitchen. Not the CPU: there it runs its eager PyTorch
-# code (measured on 2 cores at 4B shapes: adaln 1.1-1.9x slower than the plain path, rms_rope up to
-# 2x faster) and the fast paths are for GPUs; the tests add "cpu" to run the wiring through it.
+# code (docs/DESIGN.md) and the fast paths are for GPUs; the tests add "cpu" to run the wiring through it.
 KITCHEN_DEVICES: tuple[str, ...] = ("cuda",)
 
 
@@ -568,16 +548,10 @@ def _uncompile(module: torch.nn.Module) -> None:
 def _compile_group(modules: Sequence[torch.nn.Module], what: str, **options: Any) -> None:
     """``torch.compile`` the bound ``forward`` of each of ``modules`` (in place), falling back to eager.
 
-    Only ``forward`` is replaced, not the module call, so hooks on the modules (klein_core's block
-    streaming, progress, profiling) stay eager. Modules of one class share one compiled graph:
-    their parameters are graph inputs (torch >= 2.5 inlines nn.Modules), so 20 single blocks
-    compile once. Compilation happens in the first call at each new input shape.
-
-    A compiler failure (no C++ compiler for CPU inductor, an op inductor cannot lower, a Triton
-    build problem) must not cost the user the image: the call is re-run eagerly, and if eager
-    succeeds the whole group goes back to eager with one warning naming the error. If eager fails
-    as well, that error is raised (the input was the problem, not the compiler) and compilation
-    stays on.
+    Only ``forward`` is replaced, so hooks on the modules stay eager. Modules of one class share one
+    compiled graph (their parameters are graph inputs), compiled at the first call at each new shape.
+    On a compiler failure the call is re-run eagerly: if that succeeds the group goes back to eager
+    with one warning; if not, the eager error is raised and compilation stays on.
     """
     def on_failure(exc: Exception) -> None:
         for m in modules:
@@ -624,25 +598,15 @@ def enable_fast_paths(
     compile_dynamic: bool | None = None,
     compile_backend: str = "inductor",
 ) -> FastOps:
-    """Turn on the fast paths for ``model`` (in place); returns the installed :class:`FastOps`.
+    """Turn on the fast paths for ``model`` in place (replacing earlier ones); returns its :class:`FastOps`.
 
     Args:
         attention: one of :data:`ATTENTION_BACKENDS` (see the module docstring).
-        fused_rope: comfy-kitchen's fused QK-RMSNorm + RoPE (``rms_rope``; needs CUDA and
-            comfy-kitchen, else the plain path with one line saying why).
+        fused_rope: comfy-kitchen's fused QK-RMSNorm + RoPE (needs CUDA and comfy-kitchen, else plain).
         fused_modulation: comfy-kitchen's fused modulated LayerNorm (``adaln``; same needs).
-        fused_elementwise: on CUDA, gated residuals as one ``addcmul``, SwiGLU as one pass
-            (:mod:`klein_core.accel.triton_swiglu`; needs Triton, else silu then multiply with one
-            line saying why) and the single blocks' ``[attention | mlp]`` written in place.
-        compile: ``torch.compile`` each double and single block (regional compilation: one graph
-            per block type, reused by every block). The first forward at each new input shape
-            pays the compilation, logged with its duration. The norms and RoPE are then left to
-            Inductor, which generates its own fusions for them.
-        compile_mode, compile_dynamic, compile_backend: passed to ``torch.compile`` as ``mode``,
-            ``dynamic`` and ``backend``.
-
-    Calling it again replaces the previous settings. Backends are chosen on the first forward on
-    each device/dtype and logged once.
+        fused_elementwise: on CUDA, ``addcmul`` residuals, one-pass SwiGLU (Triton), in-place concatenation.
+        compile: ``torch.compile`` each block kind (one graph per kind; compiles at each new shape, logged).
+        compile_mode, compile_dynamic, compile_backend: ``torch.compile``'s ``mode``/``dynamic``/``backend``.
     """
     if not isinstance(model, Flux2Transformer):
         raise TypeError(f"enable_fast_paths expects a Flux2Transformer, got {type(model).__name__}")
@@ -687,20 +651,13 @@ def enable_fast_vae(
     """The fast VAE (in place): fused GroupNorm + SiLU kernels, or the encoder and decoder compiled.
 
     Args:
-        compile: ``torch.compile`` the encoder and decoder, channels-last (``speed="compile"``).
-            The first call at each image size compiles (tens of seconds, logged); later calls, and
-            later processes through torch's on-disk compile cache, reuse it.
-        fused_norm: run each GroupNorm and its SiLU as one comfy-kitchen kernel (:class:`FastVAENorm`;
-            CUDA, bf16/fp16, else the plain steps). None: when not compiling (``speed="fast"``);
-            Inductor writes its own normalisation kernels.
-        channels_last: store the decoder's convolution weights and its input NHWC. None: with
-            ``compile``. The fused kernels write channels-last activations either way.
-        dtype: convert the decoder to this dtype (None keeps the VAE's; e.g. bf16 for a VAE loaded
-            in fp32).
+        compile: ``torch.compile`` encoder and decoder, channels-last (``speed="compile"``); compiles at
+            each new image size (logged), reused later and across processes via torch's disk cache.
+        fused_norm: each GroupNorm + SiLU as one comfy-kitchen kernel (CUDA, bf16/fp16, else plain).
+            None: when not compiling.
+        channels_last: store the decoder's convolution weights and input NHWC. None: with ``compile``.
+        dtype: convert the decoder to this dtype (None keeps the VAE's).
         compile_mode, compile_backend: ``torch.compile``'s ``mode`` and ``backend``.
-
-    Measurements (why the eager path fuses GroupNorm rather than only going channels-last):
-    docs/speed.md, "The VAE".
     """
     if not isinstance(vae, Flux2VAE):
         raise TypeError(f"enable_fast_vae expects a Flux2VAE, got {type(vae).__name__}")

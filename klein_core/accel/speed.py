@@ -1,24 +1,14 @@
-"""One switch over the fast paths for a whole pipeline: what the nodes' ``speed`` input and the
-CLI's ``--speed`` choose.
+"""One switch over the fast paths for a whole pipeline: the nodes' ``speed`` input, the CLI's ``--speed``.
 
-=========== ==================================================================================
-fast        (the nodes' and the CLI's default) :func:`~klein_core.accel.fast.enable_fast_paths`
-            with ``attention="auto"`` and comfy-kitchen's fused kernels, in the VAE too
-            (:func:`~klein_core.accel.fast.enable_fast_vae` with ``compile=False``: GroupNorm and
-            SiLU in one kernel, channels-last). No compilation. On the CPU this is exactly the
-            plain path.
-compile     ``fast`` plus ``torch.compile`` of each transformer block kind and of the VAE encoder
-            and decoder. The first run at each size compiles (logged; seconds to tens of
-            seconds, measured in docs/speed.md). The cache outlives the process
-            (``TORCHINDUCTOR_CACHE_DIR``, by default under the system's temp folder), so a
-            ComfyUI restart pays seconds, not the cold cost.
-plain       the reference PyTorch path: what the parity tests check against diffusers and BFL.
-=========== ==================================================================================
+* ``fast`` (the default): :func:`~klein_core.accel.fast.enable_fast_paths` with ``attention="auto"``
+  and comfy-kitchen's fused kernels, and :func:`~klein_core.accel.fast.enable_fast_vae` uncompiled
+  (GroupNorm + SiLU in one kernel, channels-last). On the CPU exactly the plain path.
+* ``compile``: ``fast`` plus ``torch.compile`` of each block kind and of the VAE encoder and decoder; the
+  first run at each size compiles (logged), and the cache (``TORCHINDUCTOR_CACHE_DIR``) outlives the process.
+* ``plain``: the reference PyTorch path that the parity tests check against diffusers and BFL.
 
-:func:`apply_speed` is idempotent: a model already at the requested speed is left as it is (no
-re-compilation, no repeated self-checks), so a caller may apply it before every run. Switching
-the fast paths by hand (:func:`~klein_core.accel.fast.enable_fast_paths` and friends) makes the
-next :func:`apply_speed` set them again.
+:func:`apply_speed` is idempotent, so a caller may apply it before every run; switching the fast
+paths by hand makes the next :func:`apply_speed` set them again.
 """
 
 from __future__ import annotations

@@ -1,60 +1,14 @@
 """Opt-in first-block step cache for base models (20-50 steps with CFG). Approximate; off by default.
 
-::
-
-    from klein_core.accel import enable_step_cache, disable_step_cache, relative_l2
-
-    cache = enable_step_cache(transformer, threshold=0.08)  # attaches transformer.step_cache
-    latents = klein_core.pipeline.sampling.denoise(transformer, ...)  # or klein_core.generate(...)
-    cache.last_run                                          # StepCacheStats: forwards computed / skipped
-    disable_step_cache(transformer)                         # every block runs again (bit-identical)
-
-Consecutive denoising steps change the transformer's output slowly over long stretches of a
-base-model schedule. Every forward still runs the first double block; the rest of the stack is
-skipped when the first block's output barely moved since the last forward that ran everything.
-
-Decision rule, per pass (one forward of the sampler per step; see "passes" below):
-
-* ``r_i``: the image-stream residual of double block 0 at step ``i`` (its output minus its input),
-  over the noisy image tokens only (reference tokens, whose output the sampler discards, would
-  dilute the measure), for the whole batch at once.
-* ``delta_i = mean|r_i - r_{i-1}| / mean|r_{i-1}|`` (relative L1, in float32), accumulated since the
-  last full forward: ``acc = acc + delta_i``.
-* The forward skips the blocks after the first when ``acc < threshold``, and none of these hold: it
-  is one of the first ``warmup`` steps, it is the run's last step, the pass has already skipped
-  ``max_consecutive_skips`` forwards in a row. A skipped forward returns ``final_layer(h0 + R)``
-  where ``h0`` are this step's image tokens after block 0 and ``R`` the residual of the remaining
-  blocks stored at the last full forward (final image tokens minus those after block 0). A full
-  forward stores a new ``R`` and sets ``acc = 0``.
-
-Why the first block's residual rather than its modulated input (TeaCache's signal): the residual
-already folds in the new latents, the timestep's modulation and the text attention, so it tracks
-the change of the block stack's output without a per-model rescaling fit (TeaCache needs a
-polynomial fitted on trained weights, which cannot be done here). Its cost is one block of the
-stack (1/25 of the 4B's blocks, 1/32 of the 9B's) on every skipped step.
-
-Passes: the batched CFG forward ``[pos; neg]`` is one pass, so both halves skip together (the
-measure covers the whole batch). When CFG runs two forwards (prompts of different lengths), each
-keeps its own state, keyed by the input shapes (image tokens, text tokens), device and dtype,
-which are fixed for a pass within a run and differ between the two passes. A new run must start
-afresh: :func:`klein_core.pipeline.sampling.denoise` calls :meth:`StepCache.start_run` before its first
-step; other callers must do the same. As a safety net, a forward whose timestep is above the
-previous one of its pass starts that pass afresh.
-
-References: "joint" and "timestep_zero" references travel in the image stream, so the stored
-residual covers them too (their outputs are dropped by the sampler); in "kv" mode the stored
-reference keys/values are constant, so nothing changes. All three are supported; the measure is
-taken over the noisy tokens only.
-
-Cost and accuracy: a skipped forward runs the embedders, block 0 and the final layer; every
-forward that may skip syncs the device once to read the measure. Measured on an H100 with random
-weights of the 4B's shape (bf16, 1024x1024, batched CFG): a full forward 190 ms, a skipped one
-10 ms; with ``threshold=0`` a 20-step run took as long as without the cache (3.81 s vs 3.80 s).
-Memory: two tensors of the image tokens' size per pass (+0.15 GiB peak in that run). The error
-grows with ``threshold`` and depends on the weights: measure it with :func:`relative_l2` against
-a run with the cache off before relying on a threshold, and report the skipped-forward counts
-(:attr:`StepCache.last_run`) next to any timing. ``threshold=0`` never skips (bit-identical to
-the plain path).
+:func:`enable_step_cache` attaches ``transformer.step_cache``, which ``sampling.denoise`` then uses;
+``cache.last_run`` counts forwards computed and skipped; :func:`disable_step_cache` runs every block again.
+Every forward runs double block 0 and accumulates ``acc += mean|r_i - r_{i-1}| / mean|r_{i-1}|``
+(float32), ``r_i`` being block 0's image-stream residual over the noisy image tokens. While
+``acc < threshold`` (outside ``warmup``, the last step and ``max_consecutive_skips``) the rest is
+skipped: the output is ``final_layer(h0 + R)``, ``R`` the other blocks' residual stored at the last full
+forward, which resets ``acc``. Each CFG pass keeps its own state; callers other than ``denoise`` must
+call :meth:`StepCache.start_run` before a run. The error depends on the threshold and the weights:
+check it with :func:`relative_l2` against an uncached run. ``threshold=0`` never skips (bit-identical).
 """
 
 from __future__ import annotations
@@ -247,20 +201,16 @@ def enable_step_cache(
     warmup: int = DEFAULT_WARMUP,
     max_consecutive_skips: int | None = None,
 ) -> StepCache:
-    """Attach a first-block step cache to ``transformer`` (in place); returns it.
+    """Attach a first-block step cache to ``transformer`` (in place, replacing any earlier one); returns it.
 
     Args:
-        threshold: skip the blocks after the first while block 0's image-stream residual has
-            changed, in accumulated relative L1 since the last full forward, by less than this.
-            Larger skips more and errs more; 0 never skips. The default (:data:`DEFAULT_THRESHOLD`)
-            is a starting point, not calibrated on trained Klein weights: check the error with
-            :func:`relative_l2` against an uncached run.
-        warmup: the first this many steps always run every block (the last step always does too).
+        threshold: skip the blocks after the first while block 0's residual has changed by less than
+            this (accumulated relative L1); 0 never skips. The default is not calibrated on trained
+            weights: check the error with :func:`relative_l2`.
+        warmup: the first this many steps always run every block (so does the last).
         max_consecutive_skips: cap on skipped forwards in a row per pass (None: no cap).
 
-    Composes with :func:`klein_core.accel.enable_fast_paths` (including ``compile=True``: the
-    blocks stay compiled one by one, the decision is eager code between them), in either order.
-    Calling it again replaces the previous cache and its state.
+    Composes with :func:`klein_core.accel.enable_fast_paths` (``compile=True`` too), in either order.
     """
     if not isinstance(transformer, Flux2Transformer):
         raise TypeError(f"enable_step_cache expects a Flux2Transformer, got {type(transformer).__name__}")

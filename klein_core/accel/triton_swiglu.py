@@ -1,12 +1,8 @@
 """SwiGLU, ``silu(gate) * up``, in one pass: the one kernel klein_core writes itself (Triton).
 
-Every MLP of the transformer applies it to ``[gate | up]`` halves of a projection (the single blocks
-to a slice of their fused in-projection). As PyTorch ops it is two passes (``silu``, then ``*``)
-with a temporary in between; here it is one read of the input and one write of the output, which
-may be a slice of a larger buffer (the single blocks write it straight into the input of their
-second projection). comfy-kitchen, which provides the other fused steps, has no such kernel for
-bf16/fp16 (0.2.36-0.2.40: SwiGLU only folded into its quantisers); why this one is ours and what
-it measured: docs/DESIGN.md.
+Every transformer MLP applies it to the ``[gate | up]`` halves of a projection. It reads the input
+once and writes the output once, possibly into a slice of a larger buffer (the single blocks write it
+straight into their second projection's input). Why it is ours, and what it measured: docs/DESIGN.md.
 
 Rounding follows the two PyTorch ops: the SiLU is rounded to the input dtype before the product.
 Triton is imported on first use only; :func:`triton_available` checks without importing it.

@@ -1,32 +1,15 @@
 """Reading fp8 checkpoints, and keeping or putting block Linears in fp8 while loading.
 
-Formats read (all per-tensor or per-output-row scaled float8; a weight ``W`` is ``q * scale``):
-
-* ComfyUI "mixed precision": ``<layer>.comfy_quant`` (uint8 bytes of a JSON object such as
-  ``{"format": "float8_e4m3fn"}``), ``<layer>.weight`` in float8 (or a uint8 container),
-  ``<layer>.weight_scale`` (fp32 scalar), optional ``<layer>.input_scale``. Unquantised layers stay
-  bf16. The file-level ``_quantization_metadata`` JSON (BFL's fp8 files, ComfyUI 0.3.7x) is read too.
-* the older ComfyUI ``scaled_fp8`` marker tensor with per-layer ``scale_weight`` / ``scale_input``;
-* BFL / ModelOpt style: float8 weights with ``weight_scale`` (+ ``input_scale``) and no marker;
-* plain float8 weights (scale 1), e.g. files saved by ComfyUI's ``weight_dtype=fp8_e4m3fn``.
-
-Other quantised formats are refused by name here (:func:`unsupported_format`).
-
-How fp8 flows through loading without touching the component loaders:
-
-1. :func:`prepare_quantized` (called by :func:`klein_core.files.opening.open_weights`) returns a
-   view of the file in which the scale and marker tensors are hidden, so every plan sees the same
-   keys and shapes as the bf16 file; a quantised weight's :class:`QuantTensorInfo` carries its
-   format and scales, and reading it returns the raw float8 data (nothing is dequantised here).
-2. :func:`klein_core.files.materialize.materialize` asks :func:`plan_fp8` which internal weights
-   stay in fp8 (by default the ``nn.Linear`` weights inside the model's repeated blocks), swaps
-   those ``nn.Linear`` modules for :class:`~klein_core.quant.fp8.FP8Linear` while the model is
-   still on the meta device (free), and fills them with :func:`load_fp8`. Other float8 tensors
-   (embedders, norms in plain-fp8 files) are dequantised to the compute dtype by :func:`dequantize_op`.
-
-``quantize="fp8"`` quantises bf16 block weights while loading, one layer at a time on the target
-device (per-tensor absmax scale, e4m3 max 448), so the bf16 model never has to exist there;
-:func:`~klein_core.quant.fp8.quantize_model_` does the same for a loaded model, with the same bytes.
+Formats read (per-tensor or per-row scaled float8, ``W = q * scale``): ComfyUI "mixed precision"
+(``<layer>.comfy_quant`` JSON or the file-level ``_quantization_metadata``, ``weight_scale``, optional
+``input_scale``), ComfyUI's older ``scaled_fp8`` marker (``scale_weight`` / ``scale_input``), BFL /
+ModelOpt float8 weights with ``weight_scale`` and no marker, and plain float8 (scale 1). Other
+quantised formats are refused by name (:func:`unsupported_format`). :func:`prepare_quantized` hides
+the scale and marker tensors, so plans see the bf16 file's keys and shapes; :func:`plan_fp8` picks the
+weights kept in fp8 (by default the blocks' ``nn.Linear`` weights, as ``quant.fp8.FP8Linear``) and
+:func:`dequantize_op` dequantises other float8 tensors. ``quantize="fp8"`` quantises bf16 block
+weights one layer at a time on the target device (per-tensor absmax, e4m3 max 448), with the same
+bytes as :func:`~klein_core.quant.fp8.quantize_model_`.
 """
 
 from __future__ import annotations

@@ -1,26 +1,15 @@
 """GGUF files (llama.cpp's format): Klein transformers and Qwen3 text encoders, quantised blocks kept.
 
-Read with the ``gguf`` package (llama.cpp's own reader; ``pip install klein-nodes[gguf]``). Names:
+Read with the ``gguf`` package (``pip install klein-nodes[gguf]``). Transformers carry BFL names
+(``double_blocks.0.img_attn.qkv.weight``; a ``model.diffusion_model.`` prefix is stripped); Qwen3's
+llama.cpp names (``blk.N.attn_q.weight``) map one by one to Hugging Face names. Shapes are GGUF's
+``ne`` reversed, or ``comfy.gguf.orig_shape.<name>``. Float tensors read as such, quantised ones as
+raw uint8 blocks with a :class:`GGMLTensorInfo`, so :func:`plan_ggml` can keep them quantised
+(:class:`~klein_core.quant.ggml.GGMLLinear`); everything else dequantises exactly.
 
-* transformers (city96 / unsloth files for ComfyUI-GGUF, stable-diffusion.cpp conversions): the BFL
-  checkpoint names (``double_blocks.0.img_attn.qkv.weight``), optionally prefixed
-  ``model.diffusion_model.`` (stripped);
-* Qwen3 (llama.cpp conversions): ``blk.N.attn_q.weight``... mapped one name at a time to the
-  Hugging Face names (``model.layers.N.self_attn.q_proj.weight``); Qwen3's q/k weights are stored
-  unpermuted, so nothing else changes.
-
-Shapes are GGUF's ``ne`` reversed (torch order), or ``comfy.gguf.orig_shape.<name>`` when a file
-carries it. Float tensors (F32, F16, BF16) read as such; quantised ones read as their raw uint8
-blocks, with a :class:`GGMLTensorInfo` saying their type, so :func:`plan_ggml` can keep them
-quantised (:class:`~klein_core.quant.ggml.GGMLLinear`) and everything else dequantises exactly.
-
-Hostile files: before gguf-py sees a file, :func:`_prescan` walks its header with bounded reads and
-checks every count (tensors, key-values, string and array lengths, dimensions, tensor extents)
-against the file's size, so a 176-byte file claiming 2^32 array elements is refused at once instead
-of walked element by element. gguf-py then parses a private in-memory copy of the header (Linux), and
-tensor data is read with file reads, never from a memory map, re-checking the file's identity
-before each read as :mod:`~klein_core.files.safetensors` does: a file truncated or rewritten after
-it was opened is refused ("changed on disk"), never a SIGBUS or silently other weights.
+Hostile files: :func:`_prescan` checks every count in the header against the file's size before
+gguf-py parses it, and tensor data is read with file reads (no memory map), re-checking the file's
+identity: a file truncated or rewritten after it was opened is refused ("changed on disk").
 """
 
 from __future__ import annotations
@@ -36,7 +25,6 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch import nn
 

@@ -15,15 +15,15 @@ from pathlib import Path
 
 import torch
 
-from .materialize import materialize
-from .opening import open_weights
-from .qwen3_layout import COMPONENT, qwen3_key_map, normalise_keys, read_hf_config
-from .source import WeightSource
-from .transformer_layout import plan_transformer
-from .vae_layout import open_vae_source, prepare_vae
 from ..models.qwen3 import Qwen3Config, Qwen3TextEncoder
 from ..models.transformer import Flux2Transformer
 from ..models.vae import Flux2VAE
+from .materialize import materialize
+from .opening import open_weights
+from .qwen3_layout import COMPONENT, normalise_keys, qwen3_key_map, read_hf_config
+from .source import WeightSource
+from .transformer_layout import plan_transformer
+from .vae_layout import open_vae_source, prepare_vae
 
 logger = logging.getLogger(__name__)
 
@@ -80,25 +80,16 @@ def load_text_encoder(
     dtype: torch.dtype | str | None = None,
     quantize: str | None = None,
 ) -> Qwen3TextEncoder:
-    """Load the Klein text encoder (the first 27 layers of Qwen3-4B or Qwen3-8B).
+    """Load the Klein text encoder (Qwen3-4B's or -8B's first 27 layers) as a :class:`Qwen3TextEncoder`.
 
     Args:
-        source: a ``.safetensors`` file (ComfyUI ``text_encoders/qwen_3_4b.safetensors``, or an
-            all-in-one checkpoint with a prefix such as ``text_encoders.qwen3_4b.transformer.``), a
-            Hugging Face folder (``config.json`` + shards, or a repo root with ``text_encoder/``), an
-            in-memory state dict, or a :class:`WeightSource`.
+        source: a ``.safetensors`` file (also an all-in-one checkpoint, its prefix found), a Hugging Face
+            folder (or repo root with ``text_encoder/``), a state dict, or a :class:`WeightSource`.
         device: where to put the weights (default CPU).
         dtype: floating dtype of the weights and of the output (default: as stored).
-        quantize: None keeps fp8 files in fp8; "fp8" quantises the decoder layers' Linears while
-            loading; "dequantize" loads everything in ``dtype``.
+        quantize: None keeps fp8 as fp8; "fp8" quantises the Linears while loading; "dequantize": all dtype.
 
-    Returns:
-        A :class:`Qwen3TextEncoder` in eval mode; ``encode(ids [B,L], mask [B,L])`` gives
-        ``[B, L, config.text_dim]``.
-
-    Raises:
-        ValueError: the source is not a Qwen3 decoder, has fewer than 27 layers, or has missing or
-            misshaped tensors (the message names the file and the keys).
+    Raises ValueError (naming the file and keys) for anything but a complete Qwen3 decoder of 27+ layers.
     """
     dtype = as_dtype(dtype, "load_text_encoder")
     hf_config = None
@@ -133,16 +124,13 @@ def load_vae(
     """Load a FLUX.2 VAE from a file, a folder (or a diffusers repo root), or a state dict.
 
     Args:
-        source: ``flux2-vae.safetensors`` (diffusers names, as ComfyUI ships it), BFL's ``ae.safetensors``, a diffusers
-            ``diffusion_pytorch_model.safetensors``, a folder holding one (or a repo root with a
-            ``vae/`` subfolder), or an in-memory state dict in any of these layouts.
+        source: ``flux2-vae.safetensors`` (as ComfyUI ships it), BFL's ``ae.safetensors``, a diffusers
+            file, a folder holding one (or a repo root with ``vae/``), or a state dict in these layouts.
         device: where to put the weights (default CPU).
-        dtype: compute dtype (default: the stored dtype of the weights). The BatchNorm statistics
-            are kept in float32.
+        dtype: compute dtype (default: as stored); the BatchNorm statistics stay float32.
 
-    Raises:
-        ValueError: the weights are not a FLUX.2 VAE (the message says what they seem to be), or
-            tensors are missing or misshaped (the message names the file and the first keys).
+    Raises ValueError for weights that are not a FLUX.2 VAE (the message says what they seem to be) or
+    missing / misshaped tensors (the message names the file and the first keys).
     """
     dtype = as_dtype(dtype, "load_vae")
     src, plan, cfg, layout = prepare_vae(open_vae_source(source))

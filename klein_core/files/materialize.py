@@ -29,21 +29,14 @@ def materialize(
     keep_fp32: Callable[[str], bool] = lambda name: False,
     quantize: str | None = None,
 ) -> nn.Module:
-    """Build ``factory()`` on the meta device and fill it from ``src`` following ``plan``.
+    """Build ``factory()`` on the meta device, fill it from ``src`` following ``plan``; eval mode, no grads.
 
-    ``dtype`` applies to floating tensors except those for which ``keep_fp32(name)`` is True,
-    which are loaded as float32. None means the stored dtype of most of the weights (a file that
-    mixes dtypes still gives a module of one dtype; float8 is a storage format, never the compute
-    dtype: an all-fp8 file computes in bfloat16). The module is returned in eval mode with
-    gradients off.
-
-    ``device="meta"`` builds the model without reading any tensor data (shapes, dtypes and fp8
-    layers as a real load would give them; for planning and for checking a file cheaply).
-
-    ``quantize`` (see :func:`klein_core.fp8_files.plan_fp8`): None keeps fp8 block weights of fp8
-    files in fp8 (as :class:`~klein_core.fp8_files.FP8Linear`) and dequantises any other float8
-    tensor; ``"fp8"`` also quantises float block weights while loading (the float copy never
-    reaches ``device``); ``"dequantize"`` loads everything in ``dtype``.
+    ``dtype`` applies to floating tensors except those where ``keep_fp32(name)``, loaded as float32. None
+    means the stored dtype of most weights (float8 is storage only: an all-fp8 file computes in bfloat16).
+    ``device="meta"`` reads no tensor data (shapes, dtypes and fp8 layers as a real load would give them).
+    ``quantize`` (:func:`klein_core.files.fp8.plan_fp8`): None keeps fp8 files' block weights in fp8
+    (:class:`~klein_core.quant.fp8.FP8Linear`) and dequantises other float8 tensors; ``"fp8"`` also
+    quantises float block weights while loading; ``"dequantize"`` loads everything in ``dtype``.
     """
     device = torch.device(device) if device is not None else torch.device("cpu")
     if dtype is not None and is_fp8(dtype):

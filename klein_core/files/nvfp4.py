@@ -1,29 +1,15 @@
 """Reading NVFP4 checkpoints (ComfyUI / BFL ``*-nvfp4`` files) and keeping their Linears in NVFP4.
 
 A layer is NVFP4 when the file declares it (``<layer>.comfy_quant`` or ``_quantization_metadata``
-format ``"nvfp4"``) or when it has a ``<layer>.weight_scale_2``. :func:`nvfp4_view_infos` (called by
-:func:`klein_core.files.fp8.prepare_quantized`) hides the scale tensors and gives each packed
-``<layer>.weight`` an :class:`NVFP4TensorInfo` with its logical ``[out, in]`` shape, so every plan
-sees the bf16 file's keys and shapes. :func:`plan_nvfp4` then keeps every such Linear as an
-:class:`~klein_core.quant.nvfp4.NVFP4Linear`; anything else stored in NVFP4 is dequantised exactly.
+format ``"nvfp4"``) or has a ``<layer>.weight_scale_2``. :func:`nvfp4_view_infos` hides the scales and
+gives each packed weight an :class:`NVFP4TensorInfo` with its logical ``[out, in]`` shape;
+:func:`plan_nvfp4` keeps each such Linear as an :class:`~klein_core.quant.nvfp4.NVFP4Linear`, and
+anything else stored in NVFP4 is dequantised exactly.
 
-**Which layout.** Only ComfyUI's layout is read (comfy-kitchen: swizzled block scales, even element in
-the high nibble). NVIDIA ModelOpt writes the same tensor names with row-major ``[out, in/16]`` block
-scales and the even element in the low nibble; at Klein's sizes (out % 128 == 0, in % 64 == 0) the two
-scale layouts have the same shape, so the shape check cannot tell them apart (issue #28). The file's
-origin decides instead (:func:`layout_problem`):
-
-* a ``quantization_config`` header entry is ModelOpt's (its ComfyUI export writes it next to the same
-  ``_quantization_metadata`` ComfyUI writes, and swizzles the scales only when asked, recording
-  neither choice): refused;
-* otherwise a ComfyUI marker (``<layer>.comfy_quant`` or ``_quantization_metadata``) means ComfyUI's
-  layout, and so do BFL block names (``double_blocks.N`` / ``single_blocks.N``) without a marker
-  (BFL's and ComfyUI's files);
-* a file with neither (``weight_scale_2`` under diffusers or Hugging Face names: what ModelOpt's plain
-  export writes) cannot be told apart from a ModelOpt file: refused.
-
-No content check is used: the scales of both layouts are the same values in another order, and the
-nibble order changes no statistic of a 16-element block, so nothing in the data tells them apart.
+Only ComfyUI's layout (swizzled block scales, even element in the high nibble) is read. The file's
+origin decides (:func:`layout_problem`): a ComfyUI marker, or BFL block names, means ComfyUI's layout;
+a ``quantization_config`` header entry (ModelOpt), or ``weight_scale_2`` under diffusers / Hugging
+Face names without a marker, is refused. Why: docs/DESIGN.md.
 """
 
 from __future__ import annotations
@@ -126,7 +112,7 @@ def nvfp4_view_infos(src: WeightSource, layers: set[str]) -> tuple[dict[str, Ten
         if w.dtype != torch.uint8 or len(w.shape) != 2 or s.dtype not in (torch.float8_e4m3fn, torch.uint8):
             raise WeightFormatError(f"{src.name}: NVFP4 layer '{layer}' should have uint8 packed weights and fp8 "
                                     f"block scales, got {w.dtype} {list(w.shape)} and {s.dtype}.")
-    problem = layout_problem(src, layers)  # issue #28: the shape check below cannot tell the layouts apart
+    problem = layout_problem(src, layers)  # the shape check below cannot tell the layouts apart
     if problem is not None:
         raise WeightFormatError(problem)
     infos: dict[str, TensorInfo] = {}

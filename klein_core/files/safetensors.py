@@ -1,16 +1,13 @@
 """The one reader of ``.safetensors`` files: header first, then tensors as owned copies.
 
-A safetensors file is ``u64 little-endian header length n`` + ``n`` bytes of JSON + the data. The
-length is whatever the JSON needs, so the file's first bytes are arbitrary: about one valid file
-in 32 starts with ``0x80`` (a pickle's first opcode) and one in 8,192 with ``PK`` (a zip's). So a
-file is always parsed as safetensors first; only a file whose header does not parse is examined
-for the magic bytes of other formats (pickle, zip, GGUF) and refused by what it is.
+A file is always parsed as safetensors first (its first bytes are a header length, so any magic
+bytes can occur by chance); only a file whose header does not parse is examined for the magic bytes
+of other formats (pickle, zip, GGUF) and refused by what it is.
 
-Tensors are read with ``readinto`` into memory the returned tensor owns (no memory map): a model
-never depends on its file's bytes after loading, so a file replaced or truncated on disk while a
-model is alive cannot crash the process (SIGBUS) or silently change its weights. Only the
-requested tensors are read. Every read re-checks the file's identity (device, inode, size,
-modification time) and refuses a file that changed since its header was read.
+Only the requested tensors are read, with ``readinto`` into memory the returned tensor owns (no
+memory map), so a file replaced or truncated on disk cannot crash the process (SIGBUS) or change a
+loaded model. Every read re-checks the file's identity (device, inode, size, modification time) and
+refuses a file that changed since its header was read.
 """
 
 from __future__ import annotations

@@ -12,8 +12,8 @@ import torch
 
 from ..models.vae import VAEConfig
 from .identify import what_is
-from .opening import open_weights
 from .key_map import KeyMap, Op, Reshape, build_key_map
+from .opening import open_weights
 from .source import WeightSource
 
 logger = logging.getLogger(__name__)

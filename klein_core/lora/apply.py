@@ -22,10 +22,10 @@ from typing_extensions import Self
 from ..checks import is_finite
 from ..models.qwen3 import Qwen3TextEncoder
 from ..models.transformer import Flux2Transformer
+from ..models.variants import encoder_model, model_for_hidden
 from ..quant.fp8 import FLOAT8_DTYPES
 from ..quant.ggml import GGMLLinear
 from ..quant.nvfp4 import NVFP4Linear
-from ..models.variants import encoder_model, model_for_hidden
 from .formats import TEXT_ENCODER, TRANSFORMER, module_hidden
 from .patches import MODES, LoRA, LoRAPatch, log_skipped
 
@@ -418,24 +418,16 @@ def apply_loras(
     *,
     mode: str = "merge",
 ) -> AppliedLoRAs:
-    """Apply LoRAs to a transformer and/or text encoder, in place.
+    """Apply LoRAs to a transformer and/or text encoder in place -> :class:`AppliedLoRAs` (``remove()``
+    restores the model bit-exactly).
 
     Args:
-        models: a :class:`Flux2Transformer`, a :class:`Qwen3TextEncoder`, or several of them (a
-            sequence or a mapping). Patches for a component not given are reported, not applied.
-        loras: ``[(lora, strength), ...]`` (a bare :class:`LoRA` means strength 1). Any finite
-            strength works, negative included; strength 0 leaves the model untouched.
-        mode: ``"merge"``: ``W += sum(strength * delta)`` computed in float32 and written back in
-            the weight dtype (no runtime cost; the order of LoRAs within one call does not matter).
-            ``"branch"``: a forward hook adds ``strength * scale * x @ A.T @ B.T`` to the module
-            output (weights untouched; cheap to add and remove).
+        models: a :class:`Flux2Transformer`, :class:`Qwen3TextEncoder` or several; others are reported.
+        loras: ``[(lora, strength), ...]`` (a bare :class:`LoRA`: strength 1); any finite strength.
+        mode: ``"merge"``: ``W += sum(strength * delta)`` in float32, written back in the weight dtype
+            (order-independent); ``"branch"``: a forward hook adds ``strength * scale * x @ A.T @ B.T``.
 
-    Returns:
-        An :class:`AppliedLoRAs` handle; ``remove()`` restores the model bit-exactly.
-
-    Raises:
-        ValueError: a LoRA does not fit the model (the message names both model sizes).
-        NotImplementedError: a target weight is float8 without a scale (not an FP8Linear).
+    Raises ValueError (a LoRA for another model size), NotImplementedError (float8 weight, no scale).
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")

@@ -1,20 +1,13 @@
 """LoRA key names: which Klein module a LoRA tensor belongs to, in every naming scheme in use.
 
-A LoRA key is ``<module path>.<suffix>``. The suffix says what the tensor is (``lora_A.weight``,
-``lora_down.weight``, ``alpha``, ``lokr_w1``, ``hada_w1_a``...); the module path names a linear
-layer of the model it was trained on, in one of these schemes (SPEC §6):
-
-* BFL / ai-toolkit / ComfyUI: ``diffusion_model.double_blocks.0.img_attn.qkv`` (the core's own
-  names, since the core uses the BFL layout);
-* diffusers / PEFT: ``transformer.transformer_blocks.0.attn.to_q`` (split q/k/v, which land on row
-  thirds of the fused ``qkv``), ``base_model.model.`` for raw PEFT saves;
-* Kohya / LyCORIS: the same paths with dots turned into underscores behind ``lora_unet_``,
-  ``lora_transformer_`` or ``lycoris_`` (``lora_unet_double_blocks_0_img_attn_qkv``);
-* text encoder: ``text_encoder.model.layers.0.self_attn.q_proj`` or ``lora_te_model_layers_0_...``.
-
-Everything here is string work on key names: no tensors, no model. :func:`resolve_module` turns a
-module path into a :class:`Target` (core component, core module name, row part, half swap) or
-says why it is not applied.
+A key is ``<module path>.<suffix>``: the suffix says what the tensor is (``lora_A.weight``,
+``lora_down.weight``, ``alpha``, ``lokr_w1``, ``hada_w1_a``...), the path names a Linear in a scheme
+of SPEC §6: BFL / ai-toolkit / ComfyUI (``diffusion_model.double_blocks.0.img_attn.qkv``, the core's
+own names); diffusers / PEFT (``transformer.transformer_blocks.0.attn.to_q``, q/k/v on row thirds of
+``qkv``; ``base_model.model.`` for raw PEFT); Kohya / LyCORIS (underscored paths behind ``lora_unet_``,
+``lora_transformer_`` or ``lycoris_``); text encoder (``text_encoder.model.layers.0.self_attn.q_proj``
+or ``lora_te_model_layers_0_...``). String work only: :func:`resolve_module` turns a module path into
+a :class:`Target` (component, module name, row part, half swap) or says why it is not applied.
 """
 
 from __future__ import annotations

@@ -17,20 +17,15 @@ MODES = ("merge", "branch")  # how apply_loras applies: into the weights, or as 
 
 @dataclass(frozen=True, eq=False)
 class LoRAPatch:
-    """One adapted core module (or one row block of a fused one).
+    """One adapted core module (or one row block of a fused one); ``tensors`` as stored, any float dtype.
 
-    ``kind`` and ``tensors`` (as stored, any float dtype):
-
-    * ``"lora"``: ``A`` ``[r, in]``, ``B`` ``[out, r]``; delta = ``scale * B @ A``.
-    * ``"lokr"``: ``lokr_w1`` ``[a, b]`` (or ``lokr_w1_a @ lokr_w1_b``) and ``lokr_w2`` ``[c, d]``
-      (or ``lokr_w2_a @ lokr_w2_b``); delta = ``scale * kron(w1, w2)``, ``[a*c, b*d]``.
-    * ``"loha"``: ``hada_w1_a`` ``[out, r]``, ``hada_w1_b`` ``[r, in]``, same for w2; delta =
-      ``scale * (w1_a @ w1_b) * (w2_a @ w2_b)`` (element-wise).
-    * ``"full"``: ``diff`` ``[out, in]``; delta = ``diff``.
-
-    ``target.part = (i, n)``: the delta covers rows ``[i*out, (i+1)*out)`` of a fused weight with
-    ``n*out`` rows (diffusers q/k/v on ``qkv``). ``target.swap_halves``: the delta's two row halves
-    are swapped before use (diffusers' final-layer order). ``keys``: the source keys used.
+    ``kind``: ``"lora"`` (``A [r, in]``, ``B [out, r]``; delta ``scale * B @ A``), ``"lokr"`` (``lokr_w1
+    [a, b]``, ``lokr_w2 [c, d]``, each possibly an ``_a @ _b`` product; delta ``scale * kron(w1, w2)``),
+    ``"loha"`` (``hada_w1_a [out, r]``, ``hada_w1_b [r, in]``, same for w2; delta ``scale * (w1_a @ w1_b)
+    * (w2_a @ w2_b)``), ``"full"`` (``diff [out, in]``). ``target.part = (i, n)``: the delta covers rows
+    ``[i*out, (i+1)*out)`` of a fused ``n*out``-row weight (diffusers q/k/v on ``qkv``);
+    ``target.swap_halves``: its row halves are swapped first (diffusers' final layer). ``keys``: the
+    source keys used.
     """
 
     target: Target

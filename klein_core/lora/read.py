@@ -1,18 +1,13 @@
 """LoRA / LyCORIS adapters for FLUX.2 Klein: read, map onto the core's modules, apply, remove.
 
-* :func:`load_lora` reads a ``.safetensors`` LoRA (pickles are refused), works out its format
-  (diffusers/PEFT, ai-toolkit/BFL, Kohya, LyCORIS LoKr/LoHa, text-encoder LoRAs) and maps every
-  tensor onto a core module (:mod:`klein_core.lora.formats`). The result, a :class:`LoRA`, holds
-  one :class:`LoRAPatch` per adapted module and, by name, every key that is not applied and why.
-* :func:`apply_loras` applies several LoRAs with strengths to a loaded transformer and/or text
-  encoder, either merged into the weights (``W += strength * delta`` in float32, written back in
-  the weight dtype) or as a branch added to the module output; the returned
-  :class:`AppliedLoRAs` handle's :meth:`~AppliedLoRAs.remove` restores the model exactly.
-* :func:`with_loras` returns a patched copy that shares every tensor with the input model and
-  leaves it untouched (for graph UIs where one base model feeds several graphs).
+* :func:`load_lora` reads a ``.safetensors`` LoRA (pickles refused), works out its format (diffusers /
+  PEFT, ai-toolkit / BFL, Kohya, LyCORIS LoKr / LoHa, text encoder) and maps it into a :class:`LoRA`:
+  one :class:`LoRAPatch` per adapted module, and every key not applied with the reason.
+* :func:`apply_loras` merges LoRAs into the weights (float32, written back in the weight dtype) or
+  adds them as output branches; :meth:`AppliedLoRAs.remove` restores the model exactly.
+* :func:`with_loras` returns a patched copy sharing every tensor with the untouched input.
 
-A LoRA made for another model is refused with a sentence naming both sizes (Klein 9B vs 4B), and
-a FLUX.1 LoRA is named as such.
+A LoRA for another model is refused naming both sizes (Klein 9B vs 4B); a FLUX.1 LoRA is named so.
 """
 
 from __future__ import annotations
@@ -228,22 +223,16 @@ def load_lora(
     *,
     metadata: Mapping[str, str] | None = None,
 ) -> LoRA:
-    """Read a LoRA and map it onto the core's module names.
+    """Read a LoRA and map it onto the core's module names; returns a :class:`LoRA`.
 
     Args:
-        source: a ``.safetensors`` file (or a folder holding exactly one), or an in-memory state
-            dict. Pickled checkpoints (``.pt``, ``.ckpt``, ``.bin``...) are refused.
-        metadata: safetensors-style metadata for a state dict (e.g. diffusers'
-            ``{"lora_adapter_metadata": json}``); merged over the file's own for a file.
+        source: a ``.safetensors`` file (or a folder holding exactly one), or a state dict; pickled
+            checkpoints (``.pt``, ``.ckpt``, ``.bin``...) are refused.
+        metadata: safetensors-style metadata for a state dict; merged over a file's own.
 
-    Returns:
-        A :class:`LoRA`. Keys that are not applied are listed in ``LoRA.skipped`` with the reason,
-        and logged as one warning.
-
-    Raises:
-        ValueError: the file is a FLUX.1 LoRA, holds no LoRA tensors, maps onto no Klein module,
-            or has factors that do not fit each other (the message names the file and keys).
-        WeightFormatError: the file is a pickle or not valid safetensors.
+    Keys not applied are listed in ``LoRA.skipped`` with the reason and logged as one warning. Raises
+    WeightFormatError for a pickle or invalid safetensors; ValueError for a FLUX.1 LoRA, no LoRA tensors,
+    no Klein module matched, or factors that do not fit (naming the file and keys).
     """
     name, tensors, meta = _read_source(source, metadata)
     peft = _peft_configs(name, meta)

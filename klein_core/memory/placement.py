@@ -1,20 +1,13 @@
 """Placing components on the compute device only while they run, and streaming blocks.
 
-Two tools, both exact (weights are copied, never converted) and both device-agnostic: on a
-CPU-only machine the same code runs with CPU-to-CPU copies and no streams, which is how the tests
-check it.
+Both tools are exact (weights are copied, never converted) and device-agnostic: on the CPU the same
+code runs with CPU-to-CPU copies and no streams, which is how the tests check it.
 
-* :func:`on_device` moves a component (text encoder, VAE, transformer) to the compute device for
-  one stage and puts its original (CPU, ideally pinned) tensors back afterwards. Weights are
-  read-only during inference, so nothing is copied back: leaving the stage just drops the device
-  copies. Used stage by stage, peak device memory is about the largest component, not the sum.
-* :class:`BlockOffloader` keeps the repeated blocks of a model (the transformer's
-  ``double_blocks``/``single_blocks``, the text encoder's ``layers``) in pinned CPU memory and
-  copies each one to the device just before its forward, while the previous block computes: the
-  copy for block ``i + 1`` is issued on a side CUDA stream from block ``i``'s forward pre-hook, so
-  the transfer hides behind compute when a block's compute takes longer than its copy. The
-  non-block weights (embedders, modulation, final layer) stay resident. At most ``prefetch + 1``
-  blocks are on the device at any time.
+* :func:`on_device` moves a component to the compute device for one stage and puts its original (CPU,
+  ideally pinned) tensors back afterwards, copying nothing back: peak memory is about the largest
+  component, not the sum.
+* :class:`BlockOffloader` keeps a model's repeated blocks in pinned CPU memory and copies block
+  ``i + 1`` on a side CUDA stream while block ``i`` computes; the non-block weights stay resident.
 """
 
 from __future__ import annotations
@@ -152,15 +145,11 @@ class BlockOffloader:
     Args:
         model: e.g. a :class:`~klein_core.models.transformer.Flux2Transformer` or a Qwen3 encoder.
         device: the compute device.
-        blocks: the block lists in forward order (default: the model's ``nn.ModuleList``
-            children, i.e. ``double_blocks`` then ``single_blocks``, or ``layers``).
-        prefetch: how many blocks ahead to copy (the device then holds at most ``prefetch + 1``
-            blocks). After the last block the first ``prefetch`` blocks of the next forward are
-            fetched, so they overlap the final layer and the sampler step.
+        blocks: the block lists in forward order (default: the model's ``nn.ModuleList`` children).
+        prefetch: how many blocks ahead to copy (at most ``prefetch + 1`` on the device); the last block
+            prefetches the next forward's first blocks.
 
-    :meth:`attach` (or ``with BlockOffloader(...)``) copies the non-block weights to ``device``,
-    moves the block weights to pinned CPU memory, and installs forward hooks on every block;
-    :meth:`detach` removes the hooks and puts every weight back in its CPU home (or on ``to``).
+    :meth:`attach` (or ``with``) installs the hooks; :meth:`detach` puts every weight back (or on ``to``).
     """
 
     def __init__(

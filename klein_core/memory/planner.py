@@ -1,28 +1,15 @@
 """Memory planner: estimate a request's peak device memory per stage and pick a placement plan.
 
-A generation runs four stages, each on one component: ``text`` (text encoder), ``references``
-(VAE encoder, one reference at a time), ``denoise`` (transformer, every step) and ``decode`` (VAE
-decoder). A stage's peak is the weights on the device during it plus its activations.
+Stages: ``text`` (text encoder), ``references`` (VAE encoder, one reference at a time), ``denoise``
+(transformer) and ``decode`` (VAE decoder); a stage's peak is the weights on the device plus its
+activations. :func:`estimate` is a pure function of the request and the component sizes;
+:func:`choose_plan` picks the first placement, fastest first, whose peak fits the free memory:
+everything resident; the VAE tiled; text encoder and transformer taking turns; the transformer's
+blocks streamed from pinned CPU memory (:class:`~klein_core.memory.placement.BlockOffloader`); the
+text encoder's layers streamed too, the VAE staged and smaller VAE tiles.
 
-:func:`estimate` is a pure function of the request and the component sizes (configs or loaded
-modules); :func:`choose_plan` picks the fastest placement whose peak fits the free memory:
-
-1. everything resident;
-2. the same with the VAE tiled;
-3. text encoder and transformer take turns on the device (each is there only for its stage);
-4. the transformer's blocks streamed from pinned CPU memory (:class:`~klein_core.memory.placement.BlockOffloader`);
-5. the text encoder's layers streamed too, the VAE staged, and smaller VAE tiles.
-
-What the activation formulas rest on (honestly): the coefficients are *structural* measurements
-on CPU, taken with :func:`klein_core.memory.trace.trace_activation_bytes`, which runs the real forward pass on the meta
-device (no data, no compute) and tracks the bytes of every tensor the eager code allocates and
-frees, with scaled-dot-product attention counted as a memory-efficient kernel (output plus a
-float32 logsumexp, as flash / memory-efficient SDPA allocate). tests/test_planner.py re-traces
-real-size Klein 4B/9B, Qwen3 and VAE configs and checks every formula against the trace. Not
-captured, because they do not exist on CPU: CUDA allocator rounding and cuBLAS/cuDNN workspaces
-(covered by ``reserve_bytes``), and whether the GPU's SDPA backend really is memory-efficient for
-the VAE's single 512-wide attention head. The GPU check is ``benchmarks/memory.py``, which compares
-these estimates with ``torch.cuda.max_memory_allocated``; no GPU figure has been measured here.
+The activation formulas follow a meta-device trace (:mod:`klein_core.memory.trace`, checked by
+tests/test_planner.py); CUDA allocator rounding and library workspaces are left to ``reserve_bytes``.
 """
 
 from __future__ import annotations
@@ -39,8 +26,8 @@ from torch import nn
 from ..models.qwen3 import Qwen3TextEncoder
 from ..models.transformer import Flux2Transformer
 from ..models.vae import Flux2VAE
-from ..quant.fp8 import block_linear_names
 from ..pipeline.request import indexed_device
+from ..quant.fp8 import block_linear_names
 from .placement import find_block_lists, module_bytes
 from .tiling import TILE_SIDES, tile_overlap
 
@@ -395,8 +382,9 @@ def estimate(request: MemoryRequest, components: ModelSizes) -> MemoryEstimate:
         stages["denoise"] = StageEstimate("transformer", act)
     if r.decode and components.vae is not None:
         dec = components.decoder_channels
-        act = vae_decode_activation_bytes(r.height, r.width, r.batch, dec, e)
-        stages["decode"] = StageEstimate("vae", act, {t: tiled_decode_bytes(r, dec, t) for t in TILE_SIDES})
+        one = replace(r, batch=1)  # the engine decodes one image at a time
+        act = vae_decode_activation_bytes(r.height, r.width, 1, dec, e)
+        stages["decode"] = StageEstimate("vae", act, {t: tiled_decode_bytes(one, dec, t) for t in TILE_SIDES})
     return MemoryEstimate(r, comps, stages)
 
 

@@ -1,15 +1,12 @@
 """Tiled VAE decode and encode: large images in bounded memory, blended without seams.
 
-The decoder's activations grow with the output area (its full-resolution 128-channel feature maps
-dominate peak memory at large sizes), so a big latent is decoded as overlapping tiles, each an
-ordinary :meth:`Flux2VAE.decode` call, and the tiles are blended with linear ramps across their
-overlaps. Encoding is the mirror image: overlapping pixel tiles, blended in latent space.
+A big latent is decoded as overlapping tiles, each an ordinary :meth:`Flux2VAE.decode` call, blended
+with linear ramps across the overlaps; encoding mirrors it (pixel tiles, blended in latent space).
+Any VAE with ``encode`` / ``decode`` and ``config.downscale`` works, including the small decoder.
 
-Tiling is not exact: the decoder's GroupNorms and its mid-block attention see one tile instead of
-the whole image, and convolutions near a tile edge see zero padding instead of the neighbour. The
-overlap moves those edges into regions another tile covers better, and the ramps make the
-remaining difference vary smoothly, so it shows no seam (tests/test_vae_tiling.py measures both).
-Any VAE with ``encode``/``decode`` and ``config.downscale`` works, including the small decoder.
+Tiling is not exact: GroupNorms and the mid-block attention see one tile, and convolutions near a tile
+edge see zero padding. The overlap and the ramps keep the difference small and smooth, with no seam
+(tests/test_vae_tiling.py measures both).
 """
 
 from __future__ import annotations

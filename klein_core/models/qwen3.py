@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .variants import encoder_name
 from .layers import RMSNorm, attention, computing_in_calls
+from .variants import encoder_name
 
 logger = logging.getLogger(__name__)
 
@@ -326,16 +326,13 @@ class Qwen3TextEncoder(nn.Module):
         """Encode token ids into Klein text features.
 
         Args:
-            input_ids: integer ``[B, L]`` token ids (any device; moved to the model's device).
-            attention_mask: ``[B, L]``, 1 for real tokens and 0 for padding (any padding side).
-                Every row needs at least one real token. Positions are ``arange(L)`` regardless.
-            activations: the dtype to compute in; None is the model dtype (BFL, diffusers);
-                ``torch.float32`` with bf16 weights is ComfyUI's way (each layer's weights cast to
-                fp32 while it runs).
+            input_ids: integer ``[B, L]`` token ids (any device; moved to the model's).
+            attention_mask: ``[B, L]``, 1 = token, 0 = padding (any side; at least one token per row).
+            activations: the compute dtype; None is the model dtype (BFL, diffusers), ``torch.float32`` with
+                bf16 weights is ComfyUI's way (each layer's weights cast to fp32 while it runs).
 
-        Returns:
-            ``[B, L, 3 * hidden]`` in the activation dtype: per token [h9 | h18 | h27], HF
-            ``hidden_states`` without the final norm. Pad positions are computed and kept.
+        Returns ``[B, L, 3 * hidden]`` in the activation dtype: per token [h9 | h18 | h27] (Hugging Face
+        ``hidden_states``, no final norm). Positions are ``arange(L)``; pad positions are computed and kept.
         """
         _check_inputs(input_ids, attention_mask, self.config.vocab_size)
         device = self.embed_tokens.weight.device

@@ -18,10 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .variants import transformer_name
 from .block_ops import PLAIN_OPS, BlockOps, QKPart
 from .layers import rms_norm
 from .transformer_math import NORM_EPS, ROPE_THETA, TIME_CHANNELS, modulate, rope_tables, timestep_embedding
+from .variants import transformer_name
 
 
 @dataclass(frozen=True)
@@ -410,7 +410,7 @@ class Flux2Transformer(nn.Module):
         if img.ndim != 3 or img.shape[-1] != cfg.in_channels:
             raise ValueError(f"img must be [B, N, {cfg.in_channels}], got {list(img.shape)}")
         # Shapes only: what the embeddings are and where they came from is checked once per run
-        # (klein_core.pipeline.engine.check_denoise_inputs); this turns a direct call's opaque matmul error
+        # (klein_core.pipeline.inputs.check_denoise_inputs); this turns a direct call's opaque matmul error
         # into a clear one.
         if txt.ndim != 3 or txt.shape[-1] != cfg.context_dim:
             raise ValueError(f"txt must be [B, L, {cfg.context_dim}] (this {cfg.variant} transformer expects "

@@ -1,23 +1,13 @@
 """The FLUX.2 autoencoder (BFL ``AutoEncoder`` / diffusers ``AutoencoderKLFlux2``), encoder and decoder.
 
-Module and parameter names follow BFL's ``flux2-vae.safetensors`` layout, with the quant convs
-inside the encoder/decoder (``encoder.quant_conv``, ``decoder.post_quant_conv``) as BFL builds
-them. Files are accepted in three layouts:
+Names follow BFL's ``flux2-vae.safetensors`` layout, with the quant convs inside the encoder and
+decoder (``encoder.quant_conv``, ``decoder.post_quant_conv``). :mod:`klein_core.files.vae_layout`
+also reads diffusers files (``flux2-vae.safetensors`` as ComfyUI ships it, Hugging Face ``vae/``
+folders) and BFL files with the quant convs at the top level.
 
-* diffusers (``AutoencoderKLFlux2``): ``encoder.down_blocks.{i}.resnets.{j}...``, 2-D attention
-  Linears, ``decoder.up_blocks`` in reverse order. This is the layout of ``flux2-vae.safetensors`` as
-  ComfyUI distributes it (F32) and of the Hugging Face repos' ``vae/`` folder (a single file, or a
-  repo root with a ``vae/`` subfolder);
-* BFL (``flux2`` ``AutoEncoder``, e.g. FLUX.2-dev's ``ae.safetensors``): ``encoder.down.{i}.block.{j}...``,
-  ``encoder.quant_conv``, ``decoder.post_quant_conv``;
-* BFL names with the quant convs at the top level (``quant_conv``, ``post_quant_conv``), as older
-  conversions write them.
-
-(The layouts are read by :mod:`klein_core.files.vae_layout`.)
-
-The 32-channel latent of the autoencoder is 2x2-patchified to 128 channels and normalised with
-the stored BatchNorm statistics (eps 1e-4); :meth:`Flux2VAE.encode` / :meth:`Flux2VAE.decode`
-include both steps, so they speak the transformer's ``[B, 128, H/16, W/16]`` latent directly.
+:meth:`Flux2VAE.encode` / :meth:`Flux2VAE.decode` include the 2x2 patchify of the 32-channel latent
+to 128 channels and the BatchNorm normalisation (stored statistics, eps 1e-4), so they speak the
+transformer's ``[B, 128, H/16, W/16]`` latent directly.
 """
 
 from __future__ import annotations

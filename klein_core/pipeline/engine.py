@@ -16,10 +16,8 @@ placement: for each call it plans (:mod:`klein_core.memory.planner`) and applies
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
 import time
-import traceback
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -30,25 +28,19 @@ from PIL import Image
 from ..accel.speed import apply_speed, check_speed
 from ..checks import check_output, require_finite
 from ..errors import KleinOutOfMemory
-from .images import PUBLISHED_REFERENCE_LIMIT, oriented_size, prepare_reference_image, reference_size, to_pil
-from .inpaint import (
-    InitImage,
-    InpaintInputs,
-    check_strength,
-    resize_mask_to_latents,
-    prepare_inpaint,
-    steps_to_run,
-    stitch,
-)
-from .reference_kv import ReferenceKVCache, default_kv_cache
+from ..memory import tiling
 from ..memory.placement import StagePlacer
 from ..memory.planner import MODES, MakeRoom, MemoryPlan, MemoryRequest, plan_for
-from ..memory import tiling
 from ..memory.tiling import TILE_SIDES
 from ..models.qwen3 import Qwen3TextEncoder
-from ..models.transformer import Flux2Transformer, TransformerConfig
+from ..models.transformer import Flux2Transformer
 from ..models.vae import Flux2VAE
+from .images import PUBLISHED_REFERENCE_LIMIT, to_pil
+from .inpaint import InitImage, InpaintInputs, prepare_inpaint, resize_mask_to_latents, steps_to_run, stitch
+from .inputs import InitLatents, check_compatible, check_denoise_inputs, with_init_reference
+from .oom import explain_oom, is_out_of_memory, release_failed_attempt
 from .prompts import PromptCache, TextOptions, default_prompt_cache, encode_prompts, loaded_encoder_identity
+from .reference_kv import ReferenceKVCache, default_kv_cache
 from .request import (
     MODEL_KINDS,
     Conditioning,
@@ -66,25 +58,9 @@ from .request import (
     resolve,
 )
 from .sampling import StepCallback, denoise, get_schedule, make_noise, reference_tokens
-from ..models.variants import check_text_width
+from .vae_io import decode_to_pixels, encode_references, overflow_cause, reference_pixel_sizes, size_source
 
 logger = logging.getLogger(__name__)
-
-
-def check_compatible(transformer: Any | None, text_encoder: Any | None = None, vae: Any | None = None) -> None:
-    """Raise ValueError, before any compute, if the components do not belong together."""
-    if transformer is None:
-        return
-    tc = transformer.config
-    if text_encoder is not None:
-        te = text_encoder.config
-        check_text_width(te.text_dim, tc.context_dim, encoded_by=f"The text encoder ({te.variant})",
-                         model=f"the {tc.variant} transformer")
-    if vae is not None and vae.config.latent_channels != tc.in_channels:
-        raise ValueError(
-            f"The VAE ({vae.config.variant}, {vae.config.latent_channels} latent channels) does not fit the "
-            f"{tc.variant} transformer ({tc.in_channels} channels): use the FLUX.2 VAE (flux2-vae.safetensors)."
-        )
 
 
 @dataclass
@@ -103,222 +79,9 @@ class GenerationResult:
     reference_sizes: list[tuple[int, int]] = field(default_factory=list)  # (width, height) in pixels
 
 
-@dataclass(frozen=True)
-class InitLatents:
-    """Where denoising starts: the clean latents of an image ``[1 or B, 128, h, w]`` (normalised, as
-    the VAE encoder gives them), the strength (the share of the schedule that runs, in (0, 1]),
-    optionally which latent positions to repaint, ``mask`` ``[1 or B, 1, h, w]`` in [0, 1], and
-    whether a single image also joins the sequence as the first reference (time offset 10, as
-    diffusers' Klein inpaint pipeline)."""
-
-    latents: torch.Tensor
-    strength: float = 1.0
-    mask: torch.Tensor | None = None
-    as_reference: bool = False
-
-
-def with_init_reference(references: Sequence[torch.Tensor], init: InitLatents | None) -> list[torch.Tensor]:
-    """The references a run uses: the init image's latents first when it joins as a reference (a
-    single image only; a batch of init images only seeds the noise)."""
-    if init is not None and init.as_reference and init.latents.shape[0] == 1:
-        return [init.latents, *references]
-    return list(references)
-
-
-UNUSED_NEGATIVE = "the negative prompt is not used"
-
-
-def check_denoise_inputs(
-    config: TransformerConfig,
-    kind: ModelKind,
-    conditioning: Conditioning,
-    references: Sequence[torch.Tensor],
-    run: Resolved,
-    *,
-    noise: torch.Tensor | None = None,
-    init: InitLatents | None = None,
-    negative_prompt: bool = False,
-    downscale: int = 16,
-) -> None:
-    """Every check of a denoising request, in one place, before any compute (diffusers'
-    ``check_inputs``): the embeddings' text width and finiteness, the references, the init image and
-    its mask, the noise, and the one notice that a negative prompt goes unused. Needs only the
-    transformer's config, so a host can refuse a request before loading the weights. What passes is
-    trusted below (:mod:`klein_core.pipeline.sampling`, the transformer).
-
-    ``negative_prompt``: a negative prompt was given but not encoded (the notice is the same as for
-    a given negative embedding that the run does not use). A text width that does not fit raises
-    :class:`~klein_core.models.variants.TextWidthMismatch` (a ValueError), which a caller may restate.
-    """
-    channels = config.in_channels
-    n_images = conditioning.positive.shape[0] * run.batch_size
-    if init is not None:
-        check_tensor(init.latents, "the init image latents", 4, channels)
-        require_finite(init.latents, "the init image latents")
-        check_strength(init.strength)
-        b = init.latents.shape[0]
-        if b not in (1, n_images):
-            raise ValueError(f"the init image batch {b} must be 1 or prompts x batch_size = {n_images}")
-        if init.mask is not None:
-            check_tensor(init.mask, "the inpaint mask", 4, 1)
-            require_finite(init.mask, "the inpaint mask")
-            low, high = float(init.mask.min()), float(init.mask.max())
-            if low < 0 or high > 1:  # a blend weight outside [0, 1] would extrapolate, not blend
-                raise ValueError(f"the inpaint mask must lie in [0, 1] (1 = repaint), got values from {low:g} to "
-                                 f"{high:g}")
-            if init.mask.shape[-2:] != init.latents.shape[-2:] or init.mask.shape[0] not in (1, n_images):
-                raise ValueError(f"the inpaint mask {list(init.mask.shape)} must be [1 or {n_images}, 1, h, w] on "
-                                 f"the latent grid of the image {list(init.latents.shape)}")
-        size = (init.latents.shape[-1] * downscale, init.latents.shape[-2] * downscale)
-        if (run.width, run.height) != size:
-            raise ValueError(f"the output size comes from the init image ({size[0]}x{size[1]}); got width/height "
-                             f"{run.width}x{run.height}: leave them unset (0 in ComfyUI)")
-    check_text_width(conditioning.positive.shape[-1], config.context_dim, encoded_by="The prompt embedding",
-                     model=f"the {config.variant} transformer")
-    require_finite(conditioning.positive, "the prompt embeddings")
-    if conditioning.negative is not None:
-        check_text_width(conditioning.negative.shape[-1], config.context_dim,
-                         encoded_by="The negative prompt embedding", model=f"the {config.variant} transformer")
-        require_finite(conditioning.negative, "the negative prompt embeddings")
-    for i, ref in enumerate(with_init_reference(references, init)):
-        check_tensor(ref, f"reference latent {i + 1}", 4, channels)
-        require_finite(ref, f"reference latent {i + 1}")
-    if (negative_prompt or conditioning.negative is not None) and not run.cfg:
-        why = (f"guidance {run.guidance:g} is not above 1" if kind == "base" else
-               "distilled Klein models run without CFG (for a base model: model_kind base on the loader node, "
-               "--base in the CLI, kind='base' in Python)")
-        logger.warning("%s: %s", UNUSED_NEGATIVE, why)
-    if run.cfg and conditioning.negative is None:
-        raise ValueError("CFG (a base model with guidance > 1) needs a negative prompt embedding")
-    if noise is not None:
-        check_tensor(noise, "the given noise", 4, channels)
-        require_finite(noise, "the given noise")
-        if noise.shape[0] != n_images:
-            raise ValueError(f"noise batch {noise.shape[0]} != prompts x batch_size = {n_images}")
-        if init is not None and noise.shape[-2:] != init.latents.shape[-2:]:
-            raise ValueError(f"the given noise {list(noise.shape)} does not match the init image latents "
-                             f"{list(init.latents.shape)}")
-
-
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def is_out_of_memory(exc: BaseException) -> bool:
-    """A device running out of memory: CUDA's OutOfMemoryError, or the CPU / MPS allocators' errors."""
-    if isinstance(exc, torch.OutOfMemoryError):
-        return True
-    text = str(exc)
-    return isinstance(exc, RuntimeError) and any(
-        s in text for s in ("can't allocate memory", "not enough memory", "MPS backend out of memory"))
-
-
-def release_failed_attempt(exc: BaseException, device: torch.device) -> None:
-    """Free what a computation that raised ``exc`` still holds, then return the cached blocks.
-
-    While ``exc`` is being handled, its traceback keeps every failed frame alive, and with them
-    their local tensors (the activations that filled the memory): ``del exc`` alone frees nothing.
-    Clearing the finished frames' locals does; the frames still running (the handler's own and its
-    callers') are left as they are."""
-    traceback.clear_frames(exc.__traceback__)
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
-@contextlib.contextmanager
-def explain_oom(stage: str, device: torch.device, w: int | None = None, h: int | None = None, batch: int = 1,
-                n_refs: int = 0) -> Iterator[None]:
-    """Turn an out-of-memory error in ``stage`` into :class:`KleinOutOfMemory` naming what to lower
-    (the output size ``w`` x ``h`` when the stage depends on it), after releasing the memory the
-    failed attempt held. The one place that explains running out of memory."""
-    try:
-        yield
-    except RuntimeError as exc:
-        if not is_out_of_memory(exc) or isinstance(exc, KleinOutOfMemory):  # already explained (a refusal)
-            raise
-        release_failed_attempt(exc, device)
-        del exc
-        hints = [f"a lower resolution than {w}x{h}"] if w and h else []
-        if batch > 1:
-            hints.append(f"a smaller batch (now {batch} images per step including CFG)")
-        if n_refs:
-            hints.append(f"fewer or smaller references (now {n_refs})")
-        hints.append("a lower-memory mode (offload the text encoder or transformer blocks, tiled VAE)")
-        where = "GPU" if device.type == "cuda" else device.type.upper()
-        raise KleinOutOfMemory(
-            f"Out of {where} memory while {stage}; the memory was released. Try " + ", or ".join(hints) + "."
-        ) from None
-
-
-def _overflow_cause(dtype: torch.dtype) -> str:
-    return ("fp16 overflow: load the model in bf16 or fp32" if dtype == torch.float16
-            else "an extreme guidance value, or weights that overflow in this dtype")
-
-
-def decode_to_pixels(vae: Any, latents: torch.Tensor, *, tile: int | None = None, clamp: bool = True) -> torch.Tensor:
-    """Decode normalised latents ``[B, 128, h, w]`` to pixels ``[B, 3, 16h, 16w]`` in [0, 1] (CPU fp32).
-
-    ``tile``: decode in overlapping tiles of this many latent positions (see ``memory.tiling``);
-    ``clamp=False`` keeps values outside [0, 1] (and NaN) for checking.
-    """
-    px = tiling.decode(vae, latents, tile).float() / 2 + 0.5
-    return (px.clamp(0, 1) if clamp else px).cpu()  # clamped where it was decoded (a GPU's threads)
-
-
-def encode_references(
-    vae: Any, images: Sequence[Image.Image | torch.Tensor], *, tile: int | None = None, first: int = 1
-) -> list[torch.Tensor]:
-    """VAE-encode each reference once: a list of normalised latents ``[1, 128, h, w]``.
-
-    PIL images are preprocessed with :func:`~klein_core.pipeline.images.prepare_reference_image`; tensors
-    must already be ``[1, 3, H, W]`` in [-1, 1] with H and W multiples of 16. ``tile``: encode in
-    tiles of this many latent positions; ``first``: the number of the first image in messages.
-    """
-    out = []
-    for n, img in enumerate(as_list(images, "references"), start=first):
-        img = as_reference(img, n)
-        if isinstance(img, Image.Image):
-            try:
-                px = prepare_reference_image(img, vae.config.downscale)
-            except (OSError, SyntaxError) as exc:  # PIL reads lazily: a truncated or corrupt file fails here
-                raise ValueError(f"reference {n}: cannot read the image ({exc}); the file is truncated or "
-                                 "corrupt.") from None
-            except ValueError as exc:
-                raise ValueError(f"reference {n}: {exc}") from None
-        else:
-            px = img
-        if not isinstance(px, torch.Tensor) or px.ndim != 4 or px.shape[0] != 1:
-            raise ValueError(f"reference {n}: expected a PIL image or a [1, 3, H, W] tensor")
-        require_finite(px, f"reference {n}")
-        latent = tiling.encode(vae, px, tile)
-        check_output(latent, f"The VAE encoder (reference {n})", vae, _overflow_cause(vae.dtype))
-        out.append(latent)
-    return out
-
-
-def reference_pixel_sizes(images: Sequence[Image.Image | torch.Tensor], latents: Sequence[torch.Tensor] = (),
-                          downscale: int = 16) -> list[tuple[int, int]]:
-    """(width, height) each reference will have, worked out before encoding: latents first, then images."""
-    sizes = [(lat.shape[-1] * downscale, lat.shape[-2] * downscale) for lat in latents]
-    for img in images:
-        if isinstance(img, Image.Image):
-            sizes.append(reference_size(*oriented_size(img), downscale))
-        else:
-            sizes.append((img.shape[-1], img.shape[-2]))
-    return sizes
-
-
-def size_source(what: str, image: Image.Image | torch.Tensor) -> str:
-    """``what`` with the image's own size, for an error that names it: ``"reference 1 (1x1 px)"``."""
-    if isinstance(image, Image.Image):
-        w, h = oriented_size(image)
-    elif isinstance(image, torch.Tensor) and image.ndim >= 2:
-        w, h = image.shape[-1], image.shape[-2]
-    else:  # not an image: refused elsewhere, by its type
-        return what
-    return f"{what} ({w}x{h} px)"
 
 
 def _on_grid(sizes: Sequence[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
@@ -504,7 +267,7 @@ class Engine:
                               encode_prompts(te, g, cache=cache, options=self.text, identity=identity)
                               for e, g in zip(embeds, groups)]
                     for emb in embeds:
-                        check_output(emb, "The text encoder", te, _overflow_cause(emb.dtype))
+                        check_output(emb, "The text encoder", te, overflow_cause(emb.dtype))
         return self._conditioning([e.to(self.device) for e in embeds], n, negative_prompt is not None)  # type: ignore[union-attr]
 
     def encode_references(self, images: Sequence[Image.Image | torch.Tensor], *,
@@ -541,7 +304,7 @@ class Engine:
                     self._next_image()
                     latents.append(tiling.encode(vae, pixels[i : i + 1], plan.vae_tile))
                 out = torch.cat(latents)
-                check_output(out, "The VAE encoder", vae, _overflow_cause(vae.dtype))
+                check_output(out, "The VAE encoder", vae, overflow_cause(vae.dtype))
         return out
 
     def schedule(self, run: Resolved) -> torch.Tensor:
@@ -652,7 +415,7 @@ class Engine:
                               else model.reference_kv(refs.tokens, refs.ids))
                 latents = denoise(model, noise, txt, sigmas, neg_txt=neg, guidance=run.guidance, refs=refs,
                                   callback=callback, image=image, mask=mask, ref_mode=mode, ref_kv=ref_kv)
-        check_output(latents, "The sampler", tr, _overflow_cause(tr.dtype))
+        check_output(latents, "The sampler", tr, overflow_cause(tr.dtype))
         return latents, run
 
     def decode(self, latents: torch.Tensor, *, plan: MemoryPlan | None = None) -> torch.Tensor:
@@ -680,7 +443,7 @@ class Engine:
         for i, tile in enumerate(tiles):
             try:
                 pixels = decode_to_pixels(vae, latents, tile=tile, clamp=False)
-                check_output(pixels, "The VAE decoder", vae, _overflow_cause(vae.decoder_dtype))
+                check_output(pixels, "The VAE decoder", vae, overflow_cause(vae.decoder_dtype))
                 return pixels.clamp(0, 1), tile
             except RuntimeError as exc:
                 if not is_out_of_memory(exc) or i == len(tiles) - 1:
@@ -871,8 +634,4 @@ def generate(
     return engine.generate(request, callback=callback)
 
 
-__all__ = [
-    "Engine", "GenerationResult", "InitLatents", "check_compatible", "check_denoise_inputs", "decode_to_pixels",
-    "encode_references", "explain_oom", "generate", "reference_pixel_sizes", "release_failed_attempt",
-    "with_init_reference",
-]
+__all__ = ["Engine", "GenerationResult", "generate", "memory_request"]

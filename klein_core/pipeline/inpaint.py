@@ -196,23 +196,15 @@ def _resized(image: Image.Image, width: int, height: int, box: tuple[int, int, i
 
 @dataclass(frozen=True)
 class InitImage:
-    """Start from an image instead of pure noise (image-to-image), optionally repainting only a
-    masked part of it (inpainting; outpainting is inpainting on a canvas from :func:`outpaint`).
+    """Start from an image (image-to-image), optionally repainting a masked part (inpainting, outpainting).
 
     Args:
-        image: the picture to start from. The output has its size (scaled to at most 1 megapixel,
-            sides multiples of 16; with a mask and ``composite``, the exact original size).
-        mask: white (1) = repaint, black (0) = keep; a PIL image or a ``[H, W]`` tensor/array in 0..1
-            of the image's size (resized to it otherwise).
-        strength: how much of the schedule runs, in (0, 1]: 1 repaints fully, 0.6 keeps the
-            composition. Default 1.0 with a mask, 0.8 without (diffusers' default).
-        as_reference: the image also joins the token sequence as the first reference (time offset
-            10, before any other reference), as diffusers' Klein inpaint pipeline does.
-        crop_padding: inpaint only a crop around the mask, grown by this many pixels and fitted to
-            the image's processing size, then stitched back (diffusers' ``padding_mask_crop``): for
-            a small mask on a large image.
-        composite: keep every unmasked pixel of the original exactly (the generated picture is
-            blended in only under the mask). On by default; has no effect without a mask.
+        image: the start picture, whose size the output keeps (at most 1 MP, sides multiples of 16).
+        mask: white (1) = repaint, black (0) = keep; PIL or ``[H, W]`` in 0..1 (resized to the image).
+        strength: share of the schedule that runs, in (0, 1]; default 1.0 with a mask, else 0.8.
+        as_reference: the image also joins as the first reference (time offset 10), as diffusers does.
+        crop_padding: inpaint only a crop around the mask grown by this many pixels, stitched back.
+        composite: keep every unmasked pixel exactly, at the original size (default; needs a mask).
         feather: with ``composite``, soften the seam over this many pixels inside the mask.
     """
 

@@ -1,15 +1,11 @@
 """Prompts -> embeddings: tokenize, encode with the Qwen3 encoder, and cache repeated prompts.
 
-Two caches, used together by :class:`PromptCache`:
-
-* in memory, a bounded LRU per loaded encoder (entries own their memory);
-* optionally on disk (:class:`DiskPromptCache`), keyed by the encoder *file's* identity (name,
-  size, modification time: read with ``stat``, the file is never opened), the weights' dtype and
-  device type, the :class:`TextOptions` and the prompt. A prompt seen before, also before a restart,
-  needs neither the text encoder's weights nor its file.
-
-:class:`TextOptions` chooses between the BFL / diffusers way (the model dtype, prompts cut at 512
-tokens; the default) and ComfyUI's way (fp32 activations, prompts never cut, padded to at least 512).
+:class:`PromptCache` combines a bounded in-memory LRU per loaded encoder (entries own their memory)
+with an optional :class:`DiskPromptCache`, keyed by the encoder file's identity (name, size,
+modification time; the file is never opened), the weights' dtype and device type, the
+:class:`TextOptions` and the prompt: a prompt seen before, even before a restart, needs neither the
+encoder's weights nor its file. :class:`TextOptions` picks the BFL / diffusers way (model dtype,
+prompts cut at 512 tokens; the default) or ComfyUI's (fp32 activations, never cut, padded to 512+).
 """
 
 from __future__ import annotations
@@ -31,10 +27,10 @@ from typing import Any
 
 import torch
 
-from .bounded_cache import BoundedCache, check_bound
 from ..errors import WeightFormatError
 from ..files.safetensors import open_safetensors
 from ..lora.apply import has_loras
+from .bounded_cache import BoundedCache, check_bound
 from .tokenizer import MAX_LENGTH, count_tokens, tokenize_prompts
 
 logger = logging.getLogger(__name__)

@@ -18,9 +18,9 @@ import weakref
 
 import torch
 
-from .bounded_cache import BoundedCache
 from ..lora.apply import has_loras
 from ..models.transformer import Flux2Transformer, ReferenceKV
+from .bounded_cache import BoundedCache
 from .sampling import ReferenceTokens
 
 logger = logging.getLogger(__name__)

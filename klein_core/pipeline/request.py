@@ -46,16 +46,10 @@ OUTPUTS: tuple[str, ...] = ("pil", "latent")
 def guess_model_kind(source: str | os.PathLike) -> ModelKind:
     """The model kind of a transformer file or folder, from what lies there (the weights cannot tell).
 
-    1. A diffusers repo (the transformer in a ``transformer/`` folder, or the repo folder itself):
-       its ``model_index.json`` names the pipeline ``Flux2KleinKVPipeline`` -> kv, or says
-       ``"is_distilled": false`` -> base (``true`` -> distilled).
-    2. The file name: "...-kv..." as a word of its own (flux-2-klein-9b-kv-fp8.safetensors) -> kv;
-       "base" in it -> base.
-    3. For a diffusers repo, its folder's name (FLUX.2-klein-9b-kv, or the Hugging Face cache's
-       models--black-forest-labs--FLUX.2-klein-9b-kv), by the same words.
-    4. Else distilled.
-
-    Cheap: reads no weights, at most one small JSON file; never raises for an odd path.
+    In order: a diffusers repo's ``model_index.json`` (``Flux2KleinKVPipeline`` -> kv, ``"is_distilled":
+    false`` -> base); the file name ("-kv-" as a word -> kv, "base" -> base); a diffusers repo folder's
+    name (also the Hugging Face cache's ``models--black-forest-labs--FLUX.2-klein-9b-kv``) by the same
+    words; else distilled. Reads no weights, at most one small JSON file; never raises for an odd path.
     """
     text = str(os.fspath(source) if isinstance(source, os.PathLike) else source).rstrip("/\\")
     root = _diffusers_root(text)
@@ -266,16 +260,13 @@ class Conditioning:
 class GenerationRequest:
     """One generation, as a user describes it: the one way into :meth:`klein_core.pipeline.engine.Engine.generate`.
 
-    ``prompt``: one prompt or several (each gets ``settings.batch_size`` images); may be left empty
-    when ``conditioning`` is given. ``negative_prompt``: used by base models with guidance > 1.
-    ``references``: PIL images (or prepared ``[1, 3, H, W]`` tensors in [-1, 1]) to edit from;
-    ``reference_latents``: references already VAE-encoded, ``[1, 128, h, w]`` each (placed before
-    ``references``). ``output``: "pil" decodes, "latent" stops at the latents. ``init``: an image to
-    start from, and a mask to repaint (:class:`~klein_core.pipeline.inpaint.InitImage`).
-    ``conditioning``: prompt embeddings instead of prompts (stage 1 skipped; a base model with CFG
-    and no negative embedding still encodes ``negative_prompt``). ``noise``: the starting latents
-    ``[P * batch, 128, H/16, W/16]`` instead of seeded noise. ``ref_mode``: how references take
-    part for this request ("joint", "timestep_zero", "kv"; None: the engine's).
+    ``prompt``: one or several (``settings.batch_size`` images each); may be empty with ``conditioning``.
+    ``negative_prompt``: for base models with guidance > 1. ``references``: PIL images (or ``[1, 3, H, W]``
+    tensors in [-1, 1]); ``reference_latents``: ``[1, 128, h, w]`` each, placed before ``references``.
+    ``output``: "pil" or "latent". ``init``: :class:`~klein_core.pipeline.inpaint.InitImage`.
+    ``conditioning``: embeddings instead of prompts (a base model with CFG and no negative embedding still
+    encodes ``negative_prompt``). ``noise``: ``[P * batch, 128, H/16, W/16]`` instead of seeded noise.
+    ``ref_mode``: "joint", "timestep_zero" or "kv" for this request (None: the engine's).
     """
 
     prompt: str | tuple[str, ...] = ""
@@ -307,6 +298,9 @@ class GenerationRequest:
             raise ValueError(f"output must be one of {OUTPUTS}, got {self.output!r}")
         if self.init is not None and not isinstance(self.init, InitImage):
             raise TypeError(f"init must be an InitImage, got {type(self.init).__name__}")
+        # references as given (paths opened once, here); anything else is refused by its number
+        object.__setattr__(self, "references", tuple(
+            as_reference(r, i + 1) for i, r in enumerate(as_list(self.references, "references"))))
         if not isinstance(self.reference_latents, tuple):
             raise TypeError(f"reference_latents must be a tuple of tensors, got {type(self.reference_latents).__name__}")
         for i, lat in enumerate(self.reference_latents):

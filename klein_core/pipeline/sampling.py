@@ -343,21 +343,16 @@ def denoise(
     ref_mode: str = "joint",
     ref_kv: ReferenceKV | None = None,
 ) -> torch.Tensor:
-    """Run the Euler flow sampler from ``noise`` along ``sigmas`` (:func:`prepare_denoise`, then
-    :func:`run_denoise`).
+    """Run the Euler sampler from ``noise`` along ``sigmas`` (:func:`prepare_denoise` + :func:`run_denoise`).
 
-    ``noise``: ``[B, C, h, w]`` starting latents (any dtype/device; cast to the model's).
-    ``txt``: ``[B, L, D]`` prompt embeddings; ``neg_txt``: ``[B, L', D]`` negative embeddings, which
-    turn on classifier-free guidance ``v = v_neg + guidance * (v_pos - v_neg)``. ``refs``: reference
-    tokens, taking part as ``ref_mode`` (:data:`REFERENCE_MODES`) says; in "kv" mode ``ref_kv`` may
-    hold their keys/values from an earlier run. ``callback(step, total, latents)`` runs after each
-    step; returning ``False`` cancels with :class:`GenerationCancelled`; a callback with a true
-    ``wants_denoised`` attribute also gets ``denoised=``, the step's estimate of the clean latents.
-    Returns ``[B, C, h, w]`` latents in the model dtype.
-
-    Image-to-image and inpainting (diffusers' ``Flux2KleinInpaintPipeline``): ``image`` ``[B or 1,
-    C, h, w]`` are clean latents and ``sigmas`` the schedule already cut by the strength; ``mask``
-    ``[B or 1, 1, h, w]`` (1 = repaint, fractions blend) keeps the rest, noised to each next sigma.
+    ``noise`` ``[B, C, h, w]`` (cast to the model's dtype and device); ``txt`` ``[B, L, D]``; ``neg_txt``
+    ``[B, L', D]`` turns on CFG, ``v = v_neg + guidance * (v_pos - v_neg)``. ``refs`` take part as
+    ``ref_mode`` (:data:`REFERENCE_MODES`) says; in "kv" mode ``ref_kv`` may hold their keys/values from
+    an earlier run. ``callback(step, total, latents)`` runs after each step (``False`` cancels with
+    :class:`GenerationCancelled`; one with ``wants_denoised`` also gets ``denoised=``). Image-to-image /
+    inpainting: ``image`` ``[B or 1, C, h, w]`` clean latents, ``sigmas`` already cut by the strength,
+    ``mask`` ``[B or 1, 1, h, w]`` (1 = repaint, fractions blend) keeps the rest, noised to each next
+    sigma. Returns ``[B, C, h, w]`` latents in the model dtype.
     """
     job = prepare_denoise(model, noise, txt, sigmas, neg_txt=neg_txt, guidance=guidance, refs=refs, image=image,
                           mask=mask, ref_mode=ref_mode, ref_kv=ref_kv)

@@ -1,22 +1,13 @@
-"""Qwen3 prompt tokenization for the FLUX.2 Klein text encoder.
+"""Qwen3 prompt tokenization for the FLUX.2 Klein text encoder, identical to the official tokenizer.
 
-FLUX.2 Klein conditions on hidden states of a Qwen3 language model. The prompt is wrapped in
-Qwen3's chat template (user turn, generation prompt, thinking disabled), tokenized with the Qwen3
-byte-level BPE and right-padded to a fixed length. This module reproduces the official Qwen3
-tokenizer exactly, built with the ``tokenizers`` library from the vocabulary files shipped in
-``klein_core/data/qwen3`` (no download, no ``transformers``):
+A prompt is wrapped in Qwen3's chat template (user turn, generation prompt, thinking disabled),
+tokenized with Qwen3's byte-level BPE and right-padded. The tokenizer is built with ``tokenizers``
+from the vocabulary in ``klein_core/data/qwen3`` (no download, no ``transformers``): NFC, the Qwen2
+regex split then the byte-level mapping, BPE of 151,643 tokens (no unknown token, no byte fallback),
+the 26 control tokens (ids 151643..151668) matched in the raw text, a byte-level decoder.
 
-* normalizer: Unicode NFC;
-* pre-tokenizer: the Qwen2 regex split (``Split``, behaviour "isolated") followed by the
-  byte-level mapping without prefix space and without the GPT-2 regex;
-* model: byte-level BPE (151,643 tokens, no unknown token, no byte fallback);
-* added tokens: the 26 Qwen3 control tokens (ids 151643..151668), matched in the raw text before
-  any normalization or BPE (``normalized=False``), exactly as in Qwen3's ``tokenizer.json``;
-* decoder: byte-level.
-
-The tokenizer is built lazily on first use (about a second) and cached for the process; building
-is guarded by a lock, and encoding with a built ``tokenizers.Tokenizer`` is safe from several
-threads at once.
+It is built on first use (about a second), under a lock, and cached for the process; encoding with
+it is safe from several threads at once.
 """
 
 from __future__ import annotations
@@ -95,9 +86,8 @@ _tokenizer_lock = threading.Lock()
 def chat_template(prompt: str) -> str:
     """Wrap ``prompt`` in Qwen3's chat template as a single user turn.
 
-    Equivalent to ``apply_chat_template([{"role": "user", "content": prompt}],
-    add_generation_prompt=True, enable_thinking=False)``: no system message, no BOS, and an empty
-    ``<think>`` block that closes the assistant's reasoning.
+    As ``apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+    enable_thinking=False)``: no system message, no BOS, an empty ``<think>`` block.
 
     Args:
         prompt: the user's prompt, used verbatim.
@@ -257,24 +247,16 @@ def _encode(texts: list[str]) -> list[list[int]]:
 def tokenize_prompts(
     prompts: list[str], max_length: int = MAX_LENGTH, *, truncate: bool = True
 ) -> tuple[torch.LongTensor, torch.LongTensor]:
-    """Template, tokenize, truncate and right-pad a batch of prompts.
-
-    Each prompt goes through :func:`chat_template`, is tokenized, cut at the end to
-    ``max_length`` tokens (a warning is logged with the number of tokens cut) and right-padded with
-    :data:`QWEN3_PAD_ID`. Identical to the Hugging Face Qwen3 tokenizer called with
-    ``padding="max_length", truncation=True, max_length=max_length`` (BFL and diffusers).
-
-    With ``truncate=False`` nothing is cut: the batch is padded to ``max_length`` or to its longest
-    prompt, whichever is longer (ComfyUI's way: at least 512 tokens, never truncated).
+    """Chat-template, tokenize, cut and right-pad ``prompts``, as the Hugging Face Qwen3 tokenizer with
+    ``padding="max_length", truncation=True`` does (BFL, diffusers).
 
     Args:
         prompts: ``B`` prompts (a list; a bare str is refused). Empty prompts are allowed.
-        max_length: ``L``, the fixed output length (>= 1); the minimum length without truncation.
-        truncate: cut prompts longer than ``max_length`` (the default) or keep them whole.
+        max_length: ``L`` (>= 1); longer prompts are cut at the end (with a warning), shorter ones padded
+            with :data:`QWEN3_PAD_ID`.
+        truncate: False cuts nothing and pads to ``max(max_length, longest)`` (ComfyUI's way).
 
-    Returns:
-        ``(input_ids, attention_mask)``, both ``torch.long`` of shape ``[B, L]``; the mask is 1
-        for real tokens and 0 for padding.
+    Returns ``(input_ids, attention_mask)``, both ``torch.long`` ``[B, L]``; the mask is 1 for real tokens.
     """
     texts = [chat_template(prompt) for prompt in _check_prompts(prompts)]
     if isinstance(max_length, bool) or not isinstance(max_length, int):

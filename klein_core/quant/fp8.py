@@ -102,16 +102,13 @@ def scaled_mm_available(device: torch.device) -> bool:
 class FP8Linear(nn.Module):
     """A Linear layer whose weight is stored in float8: ``y = x @ (weight * weight_scale)^T + bias``.
 
-    Parameters and buffers: ``weight [out, in]`` float8 (a non-trainable Parameter),
-    ``weight_scale`` fp32 ``[]`` or ``[out]``, ``input_scale`` fp32 ``[]`` or None (a calibrated
-    activation scale; without it activations are scaled dynamically), ``bias [out]`` or None.
+    State: ``weight [out, in]`` float8, ``weight_scale`` fp32 ``[]`` or ``[out]``, ``input_scale`` fp32
+    ``[]`` or None (else activations are scaled dynamically), ``bias [out]`` or None. Input ``x [..., in]``
+    in any float dtype; output ``[..., out]`` in ``x.dtype``.
 
-    ``matmul``: ``"auto"`` uses ``torch._scaled_mm`` on CUDA GPUs with compute capability >= 8.9
-    (e4m3 weights, sizes multiple of 16, half-precision activations, no full-precision hint) for
-    the widening layers where it measured faster (:attr:`scaled_mm_pays`), and otherwise upcasts
-    the weight to the activation dtype for this one layer; ``"upcast"`` and ``"scaled_mm"`` force
-    a path (``torch._scaled_mm`` also runs on CPU, which the tests use).
-    Input ``x [..., in]`` in any float dtype; output ``[..., out]`` in ``x.dtype``.
+    ``matmul``: ``"auto"`` uses ``torch._scaled_mm`` on CUDA with compute capability >= 8.9 (e4m3, sizes
+    multiple of 16, half-precision input, no full-precision hint) for the layers in :attr:`scaled_mm_pays`,
+    else upcasts the weight for this layer; ``"upcast"`` / ``"scaled_mm"`` force a path (CPU too).
     """
 
     matmul: str = "auto"
@@ -187,15 +184,10 @@ class FP8Linear(nn.Module):
 
     @property
     def scaled_mm_pays(self) -> bool:
-        """Whether ``matmul="auto"`` takes the fp8 matmul for this layer's shape.
+        """Whether ``matmul="auto"`` takes the fp8 matmul for this layer's shape: widening layers only.
 
-        Quantising the activations costs passes over ``x [tokens, in]``; the fp8 matmul saves time
-        in proportion to ``in * out``. Measured on an H100 (2026-11-26, 4608 tokens, torch 2.11,
-        ``benchmarks/kernels.py``; shared/gpu-results/2026-11-26_h100/kernels.json), ms scaled_mm /
-        upcast: 3072->9216 0.37 / 0.51, 3072->18432 0.57 / 1.05, 4096->12288 0.59 / 0.93,
-        4096->24576 0.95 / 1.85 (widening layers: scaled_mm); 3072->3072 0.24 / 0.18, 4096->4096
-        0.32 / 0.31, 9216->3072 0.55 / 0.51 (square and narrowing: upcast, which is also the more
-        exact path); 12288->4096 0.80 / 0.91 is the one narrowing layer where scaled_mm won.
+        Quantising the activations costs passes over ``x [tokens, in]``; the fp8 matmul saves time in
+        proportion to ``in * out``. The H100 measurements behind the rule: docs/DESIGN.md.
         """
         return self.out_features >= 2 * self.in_features
 

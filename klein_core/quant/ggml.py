@@ -1,13 +1,11 @@
 """GGML block quantisation (the GGUF formats) in plain PyTorch.
 
-* :func:`dequantize`: raw GGUF blocks -> float, bit for bit what ``gguf.quants.dequantize`` (numpy,
-  float32) gives, for F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K and Q6_K.
-  The arithmetic is float32 in numpy's order (scale times code, then the minimum), done in row chunks
-  so the float32 temporary stays small; the result is cast to the compute dtype.
-* :func:`quantize`: float -> Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 blocks, bit for bit what
-  ``gguf.quants.quantize`` gives (for ``quantize="q8"`` / ``"q4"`` while loading a bf16 file).
+* :func:`dequantize`: raw GGUF blocks -> float, bit for bit ``gguf.quants.dequantize`` (numpy, float32)
+  for F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K and Q6_K (float32 in
+  numpy's order, in row chunks, then cast to the compute dtype).
+* :func:`quantize`: float -> Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 blocks, bit for bit ``gguf.quants.quantize``.
 * :class:`GGMLLinear`: a Linear whose weight stays in its blocks and is dequantised for each call,
-  one layer at a time on the layer's device (what ComfyUI-GGUF does, but exact).
+  on the layer's device (as ComfyUI-GGUF does, but exact).
 
 Blocks run along a weight's rows (``in_features``): a row of ``n`` elements is ``n / block`` blocks.
 """

@@ -1,31 +1,15 @@
 """NVFP4 weights (ComfyUI / comfy-kitchen / BFL format) in plain PyTorch.
 
-A quantised Linear stores, for a weight ``[out, in]``:
+A quantised Linear ``[out, in]`` stores ``weight`` (uint8 ``[out, in/2]``, two E2M1 codes per byte, the
+even element in the high nibble), ``weight_scale`` (float8 e4m3 ``[roundup(out, 128), roundup(in/16, 4)]``,
+one scale per 16 elements of a row, cuBLAS's swizzled layout; :func:`swizzle` / :func:`unswizzle`
+convert ModelOpt's row-major ones), ``weight_scale_2`` (float32 ``[]``) and optionally ``input_scale``.
 
-* ``weight``: uint8 ``[out, in/2]``, two E2M1 (4-bit float) codes per byte, the **even** element in
-  the high nibble (comfy-kitchen's order; ModelOpt's is the other way round);
-* ``weight_scale``: float8 e4m3 ``[roundup(out, 128), roundup(in/16, 4)]``, one scale per 16
-  elements of a row, in cuBLAS's swizzled "blocked" layout (128-row x 4-column tiles);
-* ``weight_scale_2``: float32 ``[]``, the per-tensor scale; ``input_scale`` (optional) is for fp4
-  activations and not needed to dequantise.
-
-NVIDIA ModelOpt writes the same names with row-major ``[out, in/16]`` block scales and the even
-element in the low nibble; :func:`swizzle` / :func:`unswizzle` map between the two scale layouts,
-and :mod:`klein_core.files.nvfp4` refuses files whose layout cannot be told (issue #28).
-
-``W[r, c] = E2M1[code] * (block_scale[r, c // 16] * weight_scale_2)``, computed in float32 in that
-order: bit for bit what comfy-kitchen's ``dequantize_nvfp4(..., output_type=torch.float32)`` gives.
-:class:`NVFP4Linear` keeps the packed weight and dequantises it for each call (one layer's weight
-alive at a time), on any device.
-
-**Native fp4 matmul.** On a Blackwell GPU (compute capability 10.0 or newer) with comfy-kitchen
-installed (it ships inside ComfyUI), the layer instead quantises its input to NVFP4 (per-tensor scale
-``input_scale`` from the file, else the input's amax / (448 * 6), as ComfyUI does) and multiplies in
-fp4 with comfy-kitchen's ``scaled_mm_nvfp4`` (cuBLAS). Activations then carry fp4 rounding too, so the
-output differs from the dequantising path by the format's error; :func:`set_native_matmul` turns it
-off (``KLEIN_NVFP4_MATMUL=dequantize`` does the same for every model). A call that fails there (an
-unexpected shape, a library mismatch) is logged once and the layer dequantises from then on: never a
-wrong result, never an error a user cannot act on.
+``W[r, c] = E2M1[code] * (block_scale[r, c // 16] * weight_scale_2)`` in float32, in that order: bit for
+bit comfy-kitchen's ``dequantize_nvfp4(..., output_type=torch.float32)``. :class:`NVFP4Linear`
+dequantises per call on any device; on Blackwell (sm_100+) with comfy-kitchen it runs fp4
+``scaled_mm_nvfp4`` instead, which also rounds the activations to fp4 (:func:`set_native_matmul` or
+``KLEIN_NVFP4_MATMUL=dequantize`` turns it off; a failing native call falls back to dequantising).
 """
 
 from __future__ import annotations

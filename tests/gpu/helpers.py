@@ -184,8 +184,8 @@ def peak_bytes(device: torch.device, fn):
 
 def full_4b_configs():
     """The Klein 4B transformer, its Qwen3-4B encoder (as the file holds it) and the FLUX.2 VAE configs."""
-    from klein_core.testing.fill import full_size_configs
     from klein_core.models.variants import KLEIN_4B
+    from klein_core.testing.fill import full_size_configs
 
     return full_size_configs(KLEIN_4B)
 

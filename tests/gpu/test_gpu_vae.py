@@ -14,9 +14,9 @@ import pytest
 import torch
 
 import klein_core as kc
-from klein_core.pipeline.engine import decode_to_pixels, encode_references
 from klein_core.memory.planner import MemoryPlan
 from klein_core.memory.tiling import decode_tiled, encode_tiled
+from klein_core.pipeline.vae_io import decode_to_pixels, encode_references
 
 from .helpers import cpu_reference, load_small, peak_bytes, rel_l2, tag
 

@@ -1,0 +1,87 @@
+"""The VAE's side of a run as functions: references encoded once, latents decoded to pixels, and the
+pixel sizes worked out before encoding (for the memory plan and the size rules)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from PIL import Image
+
+from ..checks import check_output, require_finite
+from ..memory import tiling
+from .images import oriented_size, prepare_reference_image, reference_size
+from .request import as_list, as_reference
+
+
+def overflow_cause(dtype: torch.dtype) -> str:
+    return ("fp16 overflow: load the model in bf16 or fp32" if dtype == torch.float16
+            else "an extreme guidance value, or weights that overflow in this dtype")
+
+
+def decode_to_pixels(vae: Any, latents: torch.Tensor, *, tile: int | None = None, clamp: bool = True) -> torch.Tensor:
+    """Decode normalised latents ``[B, 128, h, w]`` to pixels ``[B, 3, 16h, 16w]`` in [0, 1] (CPU fp32).
+
+    ``tile``: decode in overlapping tiles of this many latent positions (see ``memory.tiling``);
+    ``clamp=False`` keeps values outside [0, 1] (and NaN) for checking.
+    """
+    px = tiling.decode(vae, latents, tile).float() / 2 + 0.5
+    return (px.clamp(0, 1) if clamp else px).cpu()  # clamped where it was decoded (a GPU's threads)
+
+
+def encode_references(
+    vae: Any, images: Sequence[Image.Image | torch.Tensor], *, tile: int | None = None, first: int = 1
+) -> list[torch.Tensor]:
+    """VAE-encode each reference once: a list of normalised latents ``[1, 128, h, w]``.
+
+    PIL images are preprocessed with :func:`~klein_core.pipeline.images.prepare_reference_image`; tensors
+    must already be ``[1, 3, H, W]`` in [-1, 1] with H and W multiples of 16. ``tile``: encode in
+    tiles of this many latent positions; ``first``: the number of the first image in messages.
+    """
+    out = []
+    for n, img in enumerate(as_list(images, "references"), start=first):
+        img = as_reference(img, n)
+        if isinstance(img, Image.Image):
+            try:
+                px = prepare_reference_image(img, vae.config.downscale)
+            except (OSError, SyntaxError) as exc:  # PIL reads lazily: a truncated or corrupt file fails here
+                raise ValueError(f"reference {n}: cannot read the image ({exc}); the file is truncated or "
+                                 "corrupt.") from None
+            except ValueError as exc:
+                raise ValueError(f"reference {n}: {exc}") from None
+        else:
+            px = img
+        if not isinstance(px, torch.Tensor) or px.ndim != 4 or px.shape[0] != 1:
+            raise ValueError(f"reference {n}: expected a PIL image or a [1, 3, H, W] tensor")
+        require_finite(px, f"reference {n}")
+        latent = tiling.encode(vae, px, tile)
+        check_output(latent, f"The VAE encoder (reference {n})", vae, overflow_cause(vae.dtype))
+        out.append(latent)
+    return out
+
+
+def reference_pixel_sizes(images: Sequence[Image.Image | torch.Tensor], latents: Sequence[torch.Tensor] = (),
+                          downscale: int = 16) -> list[tuple[int, int]]:
+    """(width, height) each reference will have, worked out before encoding: latents first, then images."""
+    sizes = [(lat.shape[-1] * downscale, lat.shape[-2] * downscale) for lat in latents]
+    for img in images:
+        if isinstance(img, Image.Image):
+            sizes.append(reference_size(*oriented_size(img), downscale))
+        else:
+            sizes.append((img.shape[-1], img.shape[-2]))
+    return sizes
+
+
+def size_source(what: str, image: Image.Image | torch.Tensor) -> str:
+    """``what`` with the image's own size, for an error that names it: ``"reference 1 (1x1 px)"``."""
+    if isinstance(image, Image.Image):
+        w, h = oriented_size(image)
+    elif isinstance(image, torch.Tensor) and image.ndim >= 2:
+        w, h = image.shape[-1], image.shape[-2]
+    else:  # not an image: refused elsewhere, by its type
+        return what
+    return f"{what} ({w}x{h} px)"
+
+
+__all__ = ["decode_to_pixels", "encode_references", "overflow_cause", "reference_pixel_sizes", "size_source"]
