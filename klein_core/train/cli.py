@@ -10,17 +10,13 @@ import argparse
 import logging
 import sys
 import time
-from pathlib import Path
 
-import torch
-
-from ..files.loaders import load_text_encoder, load_transformer, load_vae
-from ..pipeline.prompts import encoder_identity
-from .adapters import PRESETS, LoRASet, preset
-from .data import DatasetError, Encoders, build_samples, dataset_hash, require_base_model, scan_dataset
+from .adapters import PRESETS
+from .data import DatasetError
+from .job import TrainJob, run_job
 from .objective import WEIGHTING_SCHEMES, ObjectiveConfig
-from .save import FORMATS, save_lora
-from .trainer import OPTIMIZERS, StepReport, TrainConfig, Trainer
+from .save import FORMATS
+from .trainer import OPTIMIZERS, StepReport, TrainConfig
 
 logger = logging.getLogger(__name__)
 
@@ -83,38 +79,6 @@ def run_train(args: argparse.Namespace) -> int:
     if missing:
         sys.stderr.write(f"error: train needs {', '.join('--' + m.replace('_', '-') for m in missing)}\n")
         return 2
-    try:
-        require_base_model(o["transformer"])
-        scan = scan_dataset(o["dataset"])
-    except DatasetError as exc:
-        sys.stderr.write(f"error: {exc}\n")
-        return 2
-    for name, reason in scan.skipped.items():
-        sys.stderr.write(f"skipped {name}: {reason}\n")
-    device = torch.device(o.get("device") or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    out = Path(o["output"])
-    from ..pipeline.engine import Engine
-    te = load_text_encoder(o["text_encoder"], device=device, dtype=dtype)
-    vae = load_vae(o["vae"], device=device, dtype=dtype)
-    engine = Engine(None, te, vae, device=device, memory="resident", prompt_cache=None)
-    encoders = Encoders(
-        image=lambda px: engine.encode_pixels(px.to(device)).float().cpu(),
-        text=lambda c: engine.encode_prompts([c]).positive.float().cpu(),
-        image_identity=f"vae:{encoder_identity(o['vae'], dtype, device)}",
-        text_identity=f"te:{encoder_identity(o['text_encoder'], dtype, device)}",
-    )
-    area = int(o.get("resolution", 1024)) ** 2
-    try:
-        samples = build_samples(scan, encoders, o.get("cache_dir") or str(out) + ".cache", area=area)
-    except DatasetError as exc:
-        sys.stderr.write(f"error: {exc}\n")
-        return 2
-    engine.text_encoder = engine.vae = None  # not needed while training: let them be freed
-    del te, vae
-    model = load_transformer(o["transformer"], device=device, dtype=dtype)
-    adapter = preset(o.get("preset", "style"), o.get("rank"), o.get("alpha"), o.get("targets") or ())
-    lora = LoRASet(model, adapter, seed=int(o.get("seed", 0)))
     cfg = TrainConfig(
         steps=int(o.get("steps", 1000)), learning_rate=float(o.get("lr", 1e-4)),
         batch_size=int(o.get("batch_size", 1)), seed=int(o.get("seed", 0)),
@@ -123,14 +87,18 @@ def run_train(args: argparse.Namespace) -> int:
         optimizer=o.get("optimizer", "adamw"), reference_dropout=float(o.get("reference_dropout", 0.0)),
         objective=ObjectiveConfig(weighting_scheme=o.get("weighting_scheme", "none"), shift=float(o.get("shift", 1.0))),
     )
-    trainer = Trainer(model, lora, samples, cfg, output_dir=out.parent / (out.stem + "-checkpoints"),
-                      on_step=_progress)
-    if o.get("resume"):
-        trainer.resume(o["resume"])
-    trainer.train()
-    trainer.close()
-    save_lora(out, lora, fmt=o.get("format", "diffusers"), metadata={
-        "base_model": f"{Path(o['transformer']).name} ({model.config.variant})", "steps": trainer.step,
-        "dataset_hash": dataset_hash(scan.items), "seed": cfg.seed, "learning_rate": cfg.learning_rate})
-    sys.stderr.write(f"wrote {out}\n")
+    job = TrainJob(
+        dataset=o["dataset"], transformer=o["transformer"], vae=o["vae"], text_encoder=o["text_encoder"],
+        output=o["output"], preset=o.get("preset", "style"), rank=o.get("rank"), alpha=o.get("alpha"),
+        targets=tuple(o.get("targets") or ()), resolution=int(o.get("resolution", 1024)), config=cfg,
+        fmt=o.get("format", "diffusers"), cache_dir=o.get("cache_dir"), resume=o.get("resume"),
+        device=o.get("device"))
+    try:
+        result = run_job(job, on_step=_progress)
+    except DatasetError as exc:
+        sys.stderr.write(f"error: {exc}\n")
+        return 2
+    for name, reason in result.skipped.items():
+        sys.stderr.write(f"skipped {name}: {reason}\n")
+    sys.stderr.write(f"wrote {result.path}\n")
     return 0

@@ -1,0 +1,130 @@
+"""One training job from files: scan the dataset, encode it through the caches (the VAE and text
+encoder are then dropped), train a LoRA on the frozen base transformer, write the ``.safetensors``.
+
+Shared by the CLI (``python -m klein_core train``) and the ComfyUI node. The LoRA file is written
+only when every step ran: a cancelled or failed run leaves no file at the output path.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..files.loaders import load_text_encoder, load_transformer, load_vae
+from ..pipeline.prompts import encoder_identity
+from .adapters import LoRASet, preset
+from .data import Encoders, build_samples, dataset_hash, require_base_model, scan_dataset
+from .save import save_lora
+from .trainer import StepReport, TrainConfig, Trainer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TrainJob:
+    """What to train: files, adapter preset (``rank``/``alpha`` None = the preset's), bucket
+    ``resolution`` (area = resolution²), loop ``config``. ``cache_dir`` None = ``<output>.cache``;
+    ``checkpoint_dir`` None = ``<output stem>-checkpoints`` beside the output."""
+
+    dataset: str | os.PathLike
+    transformer: str | os.PathLike
+    vae: str | os.PathLike
+    text_encoder: str | os.PathLike
+    output: str | os.PathLike
+    preset: str = "style"
+    rank: int | None = None
+    alpha: float | None = None
+    targets: tuple[str, ...] = ()
+    resolution: int = 1024
+    config: TrainConfig = field(default_factory=TrainConfig)
+    fmt: str = "diffusers"
+    cache_dir: str | os.PathLike | None = None
+    checkpoint_dir: str | os.PathLike | None = None
+    resume: str | os.PathLike | None = None
+    device: torch.device | str | None = None
+    dtype: torch.dtype | None = None
+
+
+class TrainingStopped(RuntimeError):
+    """``on_step`` stopped the run before its last step; no LoRA was written."""
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    """The written LoRA, the loss of every step (resumed steps included) and the skipped files."""
+
+    path: Path
+    losses: list[float]
+    steps: int
+    skipped: dict[str, str]
+
+
+def run_job(job: TrainJob, *, on_step: Callable[[StepReport], bool | None] | None = None,
+            check_cancel: Callable[[], None] | None = None) -> TrainResult:
+    """Run ``job``. ``check_cancel()`` runs before each encoding and (with ``on_step``) after each
+    step; it cancels by raising. Bad input raises :class:`~klein_core.train.data.DatasetError`
+    before any model is loaded (a distilled base, an empty folder, images without captions).
+    Runs with autograd on even when called under ``torch.inference_mode()`` (as ComfyUI runs nodes)."""
+    with torch.inference_mode(False), torch.enable_grad():
+        return _run(job, on_step, check_cancel)
+
+
+def _run(job: TrainJob, on_step: Callable[[StepReport], bool | None] | None,
+         check_cancel: Callable[[], None] | None) -> TrainResult:
+    require_base_model(job.transformer)
+    scan = scan_dataset(job.dataset)
+    device = torch.device(job.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = job.dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    out = Path(job.output)
+    cancel = check_cancel or (lambda: None)
+
+    from ..pipeline.engine import Engine
+
+    te = load_text_encoder(job.text_encoder, device=device, dtype=dtype)
+    vae = load_vae(job.vae, device=device, dtype=dtype)
+    engine = Engine(None, te, vae, device=device, memory="resident", prompt_cache=None)
+
+    def image(px: torch.Tensor) -> torch.Tensor:
+        cancel()
+        return engine.encode_pixels(px.to(device)).float().cpu()
+
+    def text(caption: str) -> torch.Tensor:
+        cancel()
+        return engine.encode_prompts([caption]).positive.float().cpu()
+
+    encoders = Encoders(image, text, f"vae:{encoder_identity(job.vae, dtype, device)}",
+                        f"te:{encoder_identity(job.text_encoder, dtype, device)}")
+    cache = job.cache_dir if job.cache_dir is not None else str(out) + ".cache"
+    samples = build_samples(scan, encoders, cache, area=int(job.resolution) ** 2)
+    engine.text_encoder = engine.vae = None  # not needed while training: let them be freed
+    del te, vae
+    cancel()
+
+    model = load_transformer(job.transformer, device=device, dtype=dtype)
+    lora = LoRASet(model, preset(job.preset, job.rank, job.alpha, job.targets), seed=job.config.seed)
+
+    def step_done(report: StepReport) -> bool | None:
+        cancel()
+        return on_step(report) if on_step is not None else None
+
+    checkpoints = Path(job.checkpoint_dir) if job.checkpoint_dir is not None else \
+        out.parent / (out.stem + "-checkpoints")
+    trainer = Trainer(model, lora, samples, job.config, output_dir=checkpoints, on_step=step_done)
+    try:
+        if job.resume:
+            trainer.resume(job.resume)
+        trainer.train()
+    finally:
+        trainer.close()
+    if trainer.step < job.config.steps:
+        raise TrainingStopped(f"training stopped at step {trainer.step} of {job.config.steps}; no LoRA was written")
+    cfg = job.config
+    save_lora(out, lora, fmt=job.fmt, metadata={
+        "base_model": f"{Path(job.transformer).name} ({model.config.variant})", "steps": trainer.step,
+        "dataset_hash": dataset_hash(scan.items), "seed": cfg.seed, "learning_rate": cfg.learning_rate})
+    return TrainResult(out, list(trainer.losses), trainer.step, dict(scan.skipped))
