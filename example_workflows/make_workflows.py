@@ -13,6 +13,7 @@ the same :class:`Node` list, so they cannot disagree; so does each workflow's th
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import uuid
@@ -47,24 +48,27 @@ class Spec:
     virtual: bool = False  # frontend-only node (notes): not in the API format
 
 
+ANY_VAE = "KLEIN_VAE,VAE"  # the pack's VAE sockets take either VAE
 SPECS = {
     "KleinModelLoader": Spec(
         widgets=("model_name", "vae_name", "weight_dtype", "model_kind", "memory_mode", "speed"),
-        outputs=(("model", "KLEIN_MODEL"), ("vae", "KLEIN_VAE")), size=(340, 150)),
+        outputs=(("model", "KLEIN_MODEL"), ("vae", "KLEIN_VAE"), ("native_vae", "VAE")), size=(340, 150)),
     "KleinTextEncode": Spec(
         widgets=("text_encoder", "prompt", "negative_prompt", "precision", "max_tokens"),
-        outputs=(("conditioning", "KLEIN_COND"),), size=(420, 350)),
+        outputs=(("conditioning", "KLEIN_COND"), ("positive", "CONDITIONING"), ("negative", "CONDITIONING")),
+        size=(420, 350)),
     "KleinReferenceStacker": Spec(
-        sockets=(("image", "IMAGE", False), ("vae", "KLEIN_VAE", False), ("references", "KLEIN_REFS", True)),
+        sockets=(("image", "IMAGE", False), ("vae", ANY_VAE, False), ("references", "KLEIN_REFS", True)),
         outputs=(("references", "KLEIN_REFS"), ("sizes", "STRING")), size=(300, 100)),
     "KleinSampler": Spec(
-        sockets=(("model", "KLEIN_MODEL", False), ("conditioning", "KLEIN_COND", False),
-                 ("references", "KLEIN_REFS", True), ("latent", "LATENT", True), ("mask", "MASK", True)),
+        sockets=(("model", "KLEIN_MODEL", False), ("conditioning", "KLEIN_COND,CONDITIONING", False),
+                 ("references", "KLEIN_REFS", True), ("latent", "LATENT", True), ("mask", "MASK", True),
+                 ("negative", "CONDITIONING", True)),
         widgets=("width", "height", "steps", "guidance", "seed", "batch_size", "denoise", "latent_as_reference",
                  "reference_mode"),
         outputs=(("latent", "LATENT"),), frontend_extra=(("seed", "randomize"),), size=(320, 350)),
     "KleinVAEEncode": Spec(
-        sockets=(("pixels", "IMAGE", False), ("vae", "KLEIN_VAE", False)), widgets=("size",),
+        sockets=(("pixels", "IMAGE", False), ("vae", ANY_VAE, False)), widgets=("size",),
         outputs=(("latent", "LATENT"),), size=(300, 90)),
     "KleinInpaintCrop": Spec(
         sockets=(("image", "IMAGE", False), ("mask", "MASK", False)), widgets=("padding", "megapixels"),
@@ -76,13 +80,41 @@ SPECS = {
         sockets=(("image", "IMAGE", False),), widgets=("left", "top", "right", "bottom", "feathering"),
         outputs=(("IMAGE", "IMAGE"), ("MASK", "MASK")), size=(300, 190)),
     "KleinVAEDecode": Spec(
-        sockets=(("samples", "LATENT", False), ("vae", "KLEIN_VAE", False)), outputs=(("image", "IMAGE"),),
+        sockets=(("samples", "LATENT", False), ("vae", ANY_VAE, False)), outputs=(("image", "IMAGE"),),
         size=(240, 60)),
     "LoadImage": Spec(widgets=("image",), outputs=(("IMAGE", "IMAGE"), ("MASK", "MASK")),
                       frontend_extra=(("image", "image"),), size=(320, 330)),
     "SaveImage": Spec(sockets=(("images", "IMAGE", False),), widgets=("filename_prefix",), size=(420, 460)),
     "PreviewAny": Spec(sockets=(("source", "*", False),), size=(340, 120)),
     "Note": Spec(widgets=("text",), size=(340, 140), virtual=True),
+    "KleinLoraTrainer": Spec(
+        widgets=("dataset", "model_name", "vae_name", "text_encoder", "preset", "rank", "steps", "learning_rate",
+                 "seed", "lora_name", "resolution"),
+        outputs=(("lora_name", "STRING"), ("loss_curve", "IMAGE")), size=(380, 330)),
+    "KleinLoraLoader": Spec(sockets=(("model", "KLEIN_MODEL", False),), widgets=("lora_name", "strength"),
+                            outputs=(("model", "KLEIN_MODEL"),), size=(320, 110)),
+    "ReferenceLatent": Spec(sockets=(("conditioning", "CONDITIONING", False), ("latent", "LATENT", True)),
+                            outputs=(("CONDITIONING", "CONDITIONING"),), size=(240, 60)),
+    "KleinModelToMODEL": Spec(sockets=(("model", "KLEIN_MODEL", False),), outputs=(("MODEL", "MODEL"),),
+                              size=(260, 60)),
+    "CFGGuider": Spec(sockets=(("model", "MODEL", False), ("positive", "CONDITIONING", False),
+                               ("negative", "CONDITIONING", False)), widgets=("cfg",),
+                      outputs=(("GUIDER", "GUIDER"),), size=(270, 100)),
+    "RandomNoise": Spec(widgets=("noise_seed",), outputs=(("NOISE", "NOISE"),),
+                        frontend_extra=(("noise_seed", "fixed"),), size=(270, 90)),
+    "KSamplerSelect": Spec(widgets=("sampler_name",), outputs=(("SAMPLER", "SAMPLER"),), size=(270, 60)),
+    "Flux2Scheduler": Spec(widgets=("steps", "width", "height"), outputs=(("SIGMAS", "SIGMAS"),), size=(270, 110)),
+    "EmptyFlux2LatentImage": Spec(widgets=("width", "height", "batch_size"), outputs=(("LATENT", "LATENT"),),
+                                  size=(270, 110)),
+    "SamplerCustomAdvanced": Spec(
+        sockets=(("noise", "NOISE", False), ("guider", "GUIDER", False), ("sampler", "SAMPLER", False),
+                 ("sigmas", "SIGMAS", False), ("latent_image", "LATENT", False)),
+        outputs=(("output", "LATENT"), ("denoised_output", "LATENT")), size=(280, 330)),
+    "VAEDecode": Spec(sockets=(("samples", "LATENT", False), ("vae", "VAE", False)), outputs=(("IMAGE", "IMAGE"),),
+                      size=(240, 60)),
+    "EasyCache": Spec(sockets=(("model", "MODEL", False),),
+                      widgets=("reuse_threshold", "start_percent", "end_percent", "verbose"),
+                      outputs=(("MODEL", "MODEL"),), size=(270, 150)),
 }
 # Room each node needs below its position beyond its saved size: the sampler's latent preview grows
 # it to about 454 px (ComfyUI with --preview-method auto), Save Image shows the picture.
@@ -91,12 +123,17 @@ NODE_TITLE_HEIGHT = 30  # LiteGraph draws a node's title bar above its position
 VIEW = (1280, 720)  # the saved view fits the graph into this canvas, below the tab bar
 TAB_BAR = 56
 DISPLAY_NAMES = {
+    "KleinLoraTrainer": "Klein LoRA Trainer", "KleinLoraLoader": "Klein LoRA Loader",
     "KleinModelLoader": "Klein Model Loader", "KleinTextEncode": "Qwen3 Layer-Concat Encoder",
     "KleinReferenceStacker": "Klein Reference Stacker", "KleinSampler": "Klein Sampler",
     "KleinVAEDecode": "Flux2 VAE Decode", "LoadImage": "Load Image", "SaveImage": "Save Image",
     "PreviewAny": "Preview as Text", "Note": "Note", "KleinVAEEncode": "Flux2 VAE Encode",
     "KleinInpaintCrop": "Klein Inpaint Crop", "KleinInpaintStitch": "Klein Inpaint Stitch",
-    "ImagePadForOutpaint": "Pad Image for Outpainting",
+    "ImagePadForOutpaint": "Pad Image for Outpainting", "ReferenceLatent": "ReferenceLatent",
+    "KleinModelToMODEL": "Klein Model to MODEL", "CFGGuider": "CFGGuider", "RandomNoise": "RandomNoise",
+    "KSamplerSelect": "KSamplerSelect", "Flux2Scheduler": "Flux2Scheduler",
+    "EmptyFlux2LatentImage": "Empty Flux 2 Latent", "SamplerCustomAdvanced": "SamplerCustomAdvanced",
+    "VAEDecode": "VAE Decode", "EasyCache": "EasyCache",
 }
 
 
@@ -132,8 +169,8 @@ def _encoder(nid: int, prompt: str, negative: str = "", encoder: str = "qwen_3_4
 
 def _sampler(nid: int, size: int, steps: int, guidance: float, refs: tuple[int, int] | None = None,
              latent: tuple[int, int] | None = None, mask: tuple[int, int] | None = None,
-             denoise: float = 1.0) -> Node:
-    links = {"model": (1, 0), "conditioning": (2, 0), **({"references": refs} if refs else {}),
+             denoise: float = 1.0, conditioning: tuple[int, int] = (2, 0)) -> Node:
+    links = {"model": (1, 0), "conditioning": conditioning, **({"references": refs} if refs else {}),
              **({"latent": latent} if latent else {}), **({"mask": mask} if mask else {})}
     return Node(nid, "KleinSampler", (520, 80), {"width": size, "height": size, "steps": steps,
                                                   "guidance": guidance, "seed": 42, "batch_size": 1,
@@ -255,6 +292,85 @@ WORKFLOWS = [
                                             "picture), and the inpaint chain fills it. Only the new area and "
                                             "the feathered seam change."}),
     ]),
+    Workflow("klein_core_reference_chain", [
+        _loader(1, "flux-2-klein-4b.safetensors"),
+        _encoder(2, "Place the object from image 2 into the scene of image 1, keeping the lighting and "
+                    "perspective of image 1."),
+        Node(7, "LoadImage", (-380, 80), {"image": "klein_reference_1.png"}, title="Reference 1 (sets the size)"),
+        Node(8, "LoadImage", (-380, 470), {"image": "klein_reference_2.png"}, title="Reference 2"),
+        Node(9, "KleinVAEEncode", (40, 700), {"size": "fit 1 megapixel"}, {"pixels": (7, 0), "vae": (1, 1)}),
+        Node(10, "KleinVAEEncode", (40, 830), {"size": "fit 1 megapixel"}, {"pixels": (8, 0), "vae": (1, 1)}),
+        Node(11, "ReferenceLatent", (520, 620), links={"conditioning": (2, 1), "latent": (9, 0)}),
+        Node(12, "ReferenceLatent", (520, 730), links={"conditioning": (11, 0), "latent": (10, 0)}),
+        _sampler(3, 0, 4, 1.0, conditioning=(12, 0)),
+        *_decode_save("Klein-4B-core-refs"),
+        Node(6, "Note", (520, 850), {"text": "ComfyUI's own ReferenceLatent nodes chained on the encoder's "
+                                             "positive CONDITIONING: the Klein Sampler takes their references "
+                                             "in order (after any Reference Stacker's), as Klein's index "
+                                             "method. Width and height 0 = the size of reference 1."}),
+    ]),
+    Workflow("klein_core_sampler", [
+        _loader(1, "flux-2-klein-base-4b.safetensors"),
+        _encoder(2, "A cozy reading corner in a sunlit library, wooden shelves, a green armchair, dust floating "
+                    "in the light beams, photorealistic", "blurry, low quality, distorted, watermark, text"),
+        Node(3, "KleinModelToMODEL", (520, 80), links={"model": (1, 0)}),
+        Node(4, "CFGGuider", (520, 190), {"cfg": 4.0}, {"model": (3, 0), "positive": (2, 1), "negative": (2, 2)}),
+        Node(5, "RandomNoise", (520, 330), {"noise_seed": 42}),
+        Node(6, "KSamplerSelect", (520, 450), {"sampler_name": "euler"}),
+        Node(7, "Flux2Scheduler", (520, 540), {"steps": 50, "width": 1024, "height": 1024}),
+        Node(8, "EmptyFlux2LatentImage", (520, 680), {"width": 1024, "height": 1024, "batch_size": 1}),
+        Node(9, "SamplerCustomAdvanced", (860, 80), links={"noise": (5, 0), "guider": (4, 0), "sampler": (6, 0),
+                                                           "sigmas": (7, 0), "latent_image": (8, 0)}),
+        Node(10, "VAEDecode", (1180, 80), links={"samples": (9, 0), "vae": (1, 2)}),
+        Node(11, "SaveImage", (1180, 200), {"filename_prefix": "Klein-core-sampler"}, {"images": (10, 0)}),
+        Node(12, "Note", (40, 700), {"text": "The base model through ComfyUI's own sampler: Klein Model to MODEL "
+                                             "gives a native MODEL, so any sampler, scheduler, guider or model "
+                                             "patch (EasyCache, ...) works on it. The encoder's positive and "
+                                             "negative outputs are native CONDITIONING; the loader's native_vae "
+                                             "is ComfyUI's own VAE."}),
+    ]),
+    Workflow("klein_base_dpmpp_2m_easycache", [
+        _loader(1, "flux-2-klein-base-4b.safetensors"),
+        _encoder(2, "A red vintage bicycle leaning on a stone wall covered in ivy, morning light, photorealistic",
+                 "blurry, low quality, distorted, watermark, text"),
+        Node(3, "KleinModelToMODEL", (520, 80), links={"model": (1, 0)}),
+        Node(13, "EasyCache", (520, 190), {"reuse_threshold": 0.2, "start_percent": 0.15, "end_percent": 0.95,
+                                           "verbose": True}, {"model": (3, 0)}),
+        Node(4, "CFGGuider", (520, 370), {"cfg": 4.0}, {"model": (13, 0), "positive": (2, 1), "negative": (2, 2)}),
+        Node(5, "RandomNoise", (520, 500), {"noise_seed": 42}),
+        Node(6, "KSamplerSelect", (520, 620), {"sampler_name": "dpmpp_2m"}),
+        Node(7, "Flux2Scheduler", (860, 450), {"steps": 30, "width": 1024, "height": 1024}),
+        Node(8, "EmptyFlux2LatentImage", (860, 590), {"width": 1024, "height": 1024, "batch_size": 1}),
+        Node(9, "SamplerCustomAdvanced", (860, 80), links={"noise": (5, 0), "guider": (4, 0), "sampler": (6, 0),
+                                                           "sigmas": (7, 0), "latent_image": (8, 0)}),
+        Node(10, "VAEDecode", (1180, 80), links={"samples": (9, 0), "vae": (1, 2)}),
+        Node(11, "SaveImage", (1180, 200), {"filename_prefix": "Klein-base-dpmpp2m-easycache"}, {"images": (10, 0)}),
+        Node(12, "Note", (40, 700), {"text": "The base model with a core sampler (dpmpp_2m) and EasyCache, which "
+                                             "skips steps whose change it can predict (the log says how many). "
+                                             "Lower reuse_threshold to skip fewer steps."}),
+    ]),
+    Workflow("klein_train_then_generate", [
+        Node(7, "KleinLoraTrainer", (-420, 80), {
+            "dataset": "input/klein_lora_dataset", "model_name": "flux-2-klein-base-4b.safetensors",
+            "vae_name": "flux2-vae.safetensors", "text_encoder": "qwen_3_4b.safetensors", "preset": "style",
+            "rank": 32, "steps": 1000, "learning_rate": 0.0001, "seed": 0, "lora_name": "klein_lora",
+            "resolution": 1024}, title="Klein LoRA Trainer (base model)"),
+        Node(8, "PreviewAny", (-420, 470), links={"source": (7, 0)}, title="Trained LoRA file"),
+        Node(9, "SaveImage", (-880, 80), {"filename_prefix": "Klein-LoRA-loss"}, {"images": (7, 1)},
+             title="Loss curve"),
+        _loader(1, "flux-2-klein-4b.safetensors"),
+        Node(10, "KleinLoraLoader", (520, 600), {"lora_name": "klein_lora.safetensors", "strength": 1.0},
+             {"model": (1, 0)}),
+        _encoder(2, "A lighthouse on a rocky coast at dusk, in the trained style"),
+        dataclasses.replace(_sampler(3, 1024, 4, 1.0), links={"model": (10, 0), "conditioning": (2, 0)}),
+        *_decode_save("Klein-4B-LoRA"),
+        Node(6, "Note", (40, 700), {"text": "Put your training images with a .txt caption beside each in the "
+                                            "dataset folder on the server (here ComfyUI/input/klein_lora_dataset). "
+                                            "The trainer writes models/loras/klein_lora.safetensors from the BASE "
+                                            "model; the LoRA works on the distilled 4B too. The first run trains "
+                                            "(the LoRA Loader reports the file missing until then): refresh (R) "
+                                            "and queue again to generate with the new LoRA."}),
+    ]),
 ]
 
 
@@ -284,7 +400,7 @@ def to_ui(wf: Workflow) -> dict:
             if name in node.links:
                 src, src_slot = node.links[name]
                 out_type = SPECS[by_id[src].type].outputs[src_slot][1]
-                if typ not in (out_type, "*"):
+                if typ != "*" and out_type not in typ.split(","):
                     raise ValueError(f"{wf.name}: node {node.id}.{name} ({typ}) linked to a different type")
                 links.append([len(links) + 1, src, src_slot, node.id, slot, out_type])
                 out_links.setdefault((src, src_slot), []).append(len(links))
@@ -355,13 +471,19 @@ def to_api(wf: Workflow) -> dict:
     return graph
 
 
-TITLES = {"klein_4b_text_to_image": "Klein 4B: text to image", "klein_4b_base_cfg": "Klein 4B base: CFG + negative",
+TITLES = {"klein_train_then_generate": "Klein: train a LoRA, then generate with it",
+          "klein_core_sampler": "Klein base with ComfyUI's core sampler",
+          "klein_base_dpmpp_2m_easycache": "Klein base with dpmpp_2m and EasyCache",
+          "klein_4b_text_to_image": "Klein 4B: text to image", "klein_4b_base_cfg": "Klein 4B base: CFG + negative",
           "klein_4b_two_reference_edit": "Klein 4B: edit with two references",
           "klein_4b_img2img": "Klein 4B: image to image", "klein_4b_inpaint": "Klein 4B: inpaint",
-          "klein_4b_outpaint": "Klein 4B: outpaint", "klein_9b_kv_edit": "Klein 9B-KV: edit, references cached"}
-COLORS = {"KleinModelLoader": (70, 110, 170), "KleinTextEncode": (90, 140, 90), "KleinSampler": (170, 100, 60),
+          "klein_4b_outpaint": "Klein 4B: outpaint", "klein_9b_kv_edit": "Klein 9B-KV: edit, references cached",
+          "klein_core_reference_chain": "Core reference chain into the Klein Sampler"}
+COLORS = {"KleinLoraTrainer": (160, 70, 90), "KleinLoraLoader": (70, 110, 170),
+          "KleinModelLoader": (70, 110, 170), "KleinTextEncode": (90, 140, 90), "KleinSampler": (170, 100, 60),
           "KleinVAEDecode": (130, 90, 160), "KleinReferenceStacker": (60, 140, 140), "LoadImage": (110, 110, 110),
-          "SaveImage": (110, 110, 110), "PreviewAny": (110, 110, 110), "Note": (150, 140, 80)}
+          "SaveImage": (110, 110, 110), "PreviewAny": (110, 110, 110), "Note": (150, 140, 80),
+          "ReferenceLatent": (120, 120, 150)}
 
 
 def thumbnail(wf: Workflow, size: tuple[int, int] = (512, 384)):

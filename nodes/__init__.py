@@ -8,14 +8,16 @@ from . import cache
 from .encode import KleinTextEncode
 from .inpaint import KleinInpaintCrop, KleinInpaintStitch
 from .loaders import KleinModelLoader
+from .native_model import KleinModelToMODEL
 from .lora import KleinLoraLoader
 from .references import KleinReferenceStacker
 from .sampler import KleinSampler
+from .train import KleinLoraTrainer
 from .vae import KleinVAEDecode, KleinVAEEncode
 
 NODES: list[type[io.ComfyNode]] = [
     KleinModelLoader, KleinTextEncode, KleinReferenceStacker, KleinSampler, KleinVAEDecode, KleinVAEEncode,
-    KleinLoraLoader, KleinInpaintCrop, KleinInpaintStitch,
+    KleinLoraLoader, KleinInpaintCrop, KleinInpaintStitch, KleinModelToMODEL, KleinLoraTrainer,
 ]
 
 

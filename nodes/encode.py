@@ -22,6 +22,7 @@ NODE = "Qwen3 Layer-Concat Encoder"
 # Widget value -> klein_core TextOptions field. The first of each is the default (BFL / diffusers).
 PRECISIONS: dict[str, torch.dtype | None] = {"model dtype": None, "fp32 activations": torch.float32}
 MAX_TOKENS: dict[str, int | None] = {"512": 512, "whole prompt": None}
+NATIVE_ENCODER_KEY = "klein_encoder"  # in our CONDITIONING's options: the encoder file (the host ignores it)
 
 
 def encoder_dtype(device: torch.device) -> torch.dtype:
@@ -59,7 +60,12 @@ class KleinTextEncode(io.ComfyNode):
             ],
             outputs=[KleinCondType.Output(display_name="conditioning",
                                           tooltip="Prompt and negative embeddings [1, tokens, text width] "
-                                                  "(512 tokens, or more with max_tokens = whole prompt).")],
+                                                  "(512 tokens, or more with max_tokens = whole prompt)."),
+                     io.Conditioning.Output(display_name="positive", tooltip=(
+                         "The prompt as ComfyUI's CONDITIONING, for ReferenceLatent, ConditioningZeroOut, "
+                         "CFGGuider or Klein Sampler.")),
+                     io.Conditioning.Output(display_name="negative", tooltip=(
+                         "The negative prompt as ComfyUI's CONDITIONING (for CFG with base models)."))],
         )
 
     @classmethod
@@ -94,7 +100,15 @@ class KleinTextEncode(io.ComfyNode):
         text_dim = embeds.positive.shape[-1]
         return io.NodeOutput(KleinConditioning(embeds.positive, embeds.negative, text_encoder, text_dim,
                                                encoder_name(text_dim // 3),
-                                               has_negative=bool(negative_prompt.strip())))
+                                               has_negative=bool(negative_prompt.strip())),
+                             native_conditioning(embeds.positive, text_encoder),
+                             native_conditioning(embeds.negative, text_encoder))
+
+
+def native_conditioning(embeds: torch.Tensor, text_encoder: str) -> list:
+    """ComfyUI's CONDITIONING ``[[cond [1, L, D], {"pooled_output": None}]]`` (FLUX.2 has no pooled
+    output); ``klein_encoder`` names the file, so a mismatch found later can name it too."""
+    return [[embeds, {"pooled_output": None, NATIVE_ENCODER_KEY: text_encoder}]]
 
 
 def text_options(precision: str, max_tokens: str) -> kc.TextOptions:

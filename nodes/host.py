@@ -256,7 +256,150 @@ def full_path(folder: str, name: str) -> str | None:
     return folder_paths.get_full_path(folder, name)
 
 
+def temp_path(name: str) -> str:
+    """``name`` inside ComfyUI's temp folder (emptied when the server starts)."""
+    import folder_paths
+
+    return os.path.join(folder_paths.get_temp_directory(), name)
+
+
 def folder_paths_of(folder: str) -> list[str]:
     import folder_paths
 
     return folder_paths.get_folder_paths(folder)
+
+
+# ----- native MODEL bridge (nodes/native_model.py) --------------------------------------------------
+# A Klein transformer as ComfyUI's own MODEL: a ModelPatcher over a model_base.Flux2 whose
+# diffusion_model is the pack's adapter. Only names present in ComfyUI 0.3.75 and current ComfyUI.
+
+
+def _native_patcher_class() -> type:
+    """A ModelPatcher that always loads the bridged model whole: klein_core's layers are not
+    ``comfy.ops`` layers, so ComfyUI's low-VRAM partial loading could not cast them per layer."""
+    base = _patcher_class()
+
+    class KleinNativeModelPatcher(base):
+        def partially_load(self, device_to, extra_memory=0, *args, **kwargs):
+            return super().partially_load(device_to, 1e32, *args, **kwargs)
+
+        def patch_model(self, device_to=None, lowvram_model_memory=0, *args, **kwargs):
+            return super().patch_model(device_to, 0, *args, **kwargs)
+
+    return KleinNativeModelPatcher
+
+
+def native_flux2_model(diffusion_model: torch.nn.Module, unet_config: dict, dtype: torch.dtype,
+                       device: torch.device) -> object:
+    """``comfy.model_base.Flux2`` (FLUX.2 latent format, flow sampling, Flux conditioning: context
+    padded to 512, ``reference_latents`` as ``ref_latents``) around ``diffusion_model``, wrapped in a
+    ModelPatcher that reports its weights to ComfyUI's model management; returns the MODEL."""
+    import comfy.model_base
+    import comfy.supported_models
+
+    config = comfy.supported_models.Flux2({"image_model": "flux2", **unet_config,
+                                           "disable_unet_model_creation": True})
+    config.set_inference_dtype(dtype, None)
+    base = comfy.model_base.Flux2(config, device=device)
+    base.diffusion_model = diffusion_model
+    return _native_patcher_class()(base, load_device=device, offload_device=offload_device())
+
+
+def run_diffusion_model_wrappers(fn: Callable, owner: object, transformer_options: dict, *args, **kwargs):
+    """``fn(*args, **kwargs)`` through the DIFFUSION_MODEL wrappers in ``transformer_options`` (what
+    EasyCache and other model patches install), as ComfyUI's own Flux.forward runs them."""
+    import comfy.patcher_extension as ext
+
+    wrappers = ext.get_all_wrappers(ext.WrappersMP.DIFFUSION_MODEL, transformer_options)
+    return ext.WrapperExecutor.new_class_executor(fn, owner, wrappers).execute(*args, **kwargs)
+
+
+# ----- native interop: ComfyUI's own VAE (issue #32) ------------------------------------------------
+# The pack's VAE nodes take a native VAE (``comfy.sd.VAE``, e.g. from VAELoader) as well as KLEIN_VAE,
+# and Klein Model Loader gives one. Only ``VAE.decode`` / ``.encode`` / ``.latent_channels`` /
+# ``.downscale_ratio`` are used: ComfyUI 0.3.75 and current ComfyUI both have them.
+
+_NATIVE_VAES: dict[tuple, object] = {}
+
+
+def is_native_vae(vae: object) -> bool:
+    """Whether ``vae`` is ComfyUI's own VAE object (what VAELoader gives)."""
+    import comfy.sd
+
+    return isinstance(vae, comfy.sd.VAE)
+
+
+def native_vae_geometry(vae: object) -> tuple[int, int]:
+    """(latent channels, pixels per latent position) of a native VAE; (0, 0) when it has none (a video
+    or audio VAE: its ratio is a tuple or a function)."""
+    channels, ratio = getattr(vae, "latent_channels", 0), getattr(vae, "downscale_ratio", 0)
+    return (int(channels), int(ratio)) if isinstance(channels, int) and isinstance(ratio, int) else (0, 0)
+
+
+def native_vae_decode(vae: object, latents: torch.Tensor) -> torch.Tensor:
+    """Latents ``[B, C, h, w]`` -> IMAGE ``[B, H, W, 3]`` in 0..1 through ComfyUI's VAE (as VAEDecode)."""
+    return vae.decode(latents)
+
+
+def native_vae_encode(vae: object, pixels: torch.Tensor) -> torch.Tensor:
+    """IMAGE ``[B, H, W, 3]`` in 0..1 -> latents through ComfyUI's VAE (as VAEEncode)."""
+    return vae.encode(pixels[..., :3])
+
+
+def _flux2_ddconfig(config) -> dict:
+    """ComfyUI's AutoencoderKL ``ddconfig`` for a klein_core ``VAEConfig`` (the FLUX.2 VAE's shape)."""
+    base = config.block_channels[0]
+    if tuple(config.decoder_block_channels) != tuple(config.block_channels) or any(c % base for c in config.block_channels):
+        raise ValueError("ComfyUI's VAE needs an encoder and a decoder of the same widths (BFL's small-decoder "
+                         "file has none in ComfyUI); load flux2-vae.safetensors with VAELoader instead")
+    return {"double_z": True, "z_channels": config.z_channels, "resolution": 256, "in_channels": config.in_channels,
+            "out_ch": config.out_channels, "ch": base, "ch_mult": [c // base for c in config.block_channels],
+            "num_res_blocks": config.num_res_blocks, "attn_resolutions": [], "dropout": 0.0,
+            "batch_norm_latent": True}
+
+
+def _native_vae_class() -> type:
+    import comfy.sd
+    import comfy.utils
+
+    class KleinNativeVAE(comfy.sd.VAE):
+        """ComfyUI's VAE over a FLUX.2 VAE file, read on first use: a loader output that nothing
+        uses costs no memory."""
+
+        def __init__(self, path: str, config) -> None:  # comfy.sd.VAE.__init__ runs on first use
+            self.__dict__["_klein_pending"] = (path, config)
+
+        def __getattr__(self, name: str):
+            pending = self.__dict__.get("_klein_pending")
+            if pending is None or name.startswith("__"):
+                raise AttributeError(name)
+            self.__dict__["_klein_pending"] = None
+            path, config = pending
+            sd = comfy.utils.load_torch_file(path)
+            if config == type(config)():  # the published FLUX.2 VAE: ComfyUI's own detection
+                comfy.sd.VAE.__init__(self, sd=sd)
+            else:  # another FLUX.2 shape (test files): the same model, its sizes from klein_core's config
+                ddconfig = _flux2_ddconfig(config)
+                sd = comfy.utils.state_dict_prefix_replace(sd, {"decoder.post_quant_conv.": "post_quant_conv.",
+                                                                "encoder.quant_conv.": "quant_conv."})
+                comfy.sd.VAE.__init__(self, sd=sd, config={"params": {
+                    "ddconfig": ddconfig, "embed_dim": config.z_channels}})
+                self.latent_channels = config.z_channels * 4
+                self.downscale_ratio = self.upscale_ratio = config.downscale
+            self.throw_exception_if_invalid()
+            logger.info("Klein: %s loaded as ComfyUI's VAE", os.path.basename(path))
+            return getattr(self, name)
+
+    return KleinNativeVAE
+
+
+def native_flux2_vae(path: str, config) -> object:
+    """ComfyUI's own VAE (``comfy.sd.VAE``) for the FLUX.2 VAE file at ``path`` whose klein_core
+    ``VAEConfig`` is ``config``; one object per file state, its weights read when first used."""
+    stat = os.stat(path)
+    key = (os.path.realpath(path), stat.st_size, stat.st_mtime_ns)
+    vae = _NATIVE_VAES.get(key)
+    if vae is None:
+        _NATIVE_VAES.clear()  # one file at a time, as the pack's own model cache keeps one VAE
+        vae = _NATIVE_VAES[key] = _native_vae_class()(path, config)
+    return vae

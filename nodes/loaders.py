@@ -122,6 +122,9 @@ class KleinModelLoader(io.ComfyNode):
                                       tooltip="The transformer and its sampler defaults."),
                 KleinVAEType.Output(display_name="vae",
                                     tooltip="The FLUX.2 VAE (for references and decoding)."),
+                io.Vae.Output(display_name="native_vae",
+                              tooltip="The same FLUX.2 VAE as ComfyUI's VAE, for VAE Decode / VAE Encode and "
+                                      "other core nodes (read when a node first uses it)."),
             ],
         )
 
@@ -159,4 +162,4 @@ class KleinModelLoader(io.ComfyNode):
         logger.info("%s: %s (%s) as a %s model%s", NODE, model_name, transformer.config.variant, kind,
                     " (from the file or folder name)" if model_kind == "auto" else "")
         return io.NodeOutput(KleinModel(tref, kind, transformer.config, memory_mode, SPEEDS[speed]),
-                             KleinVAE(vref, vae.config, SPEEDS[speed]))
+                             KleinVAE(vref, vae.config, SPEEDS[speed]), host.native_flux2_vae(vae_path, vae.config))

@@ -10,11 +10,12 @@ from comfy_api.latest import io, ui
 from PIL import Image
 
 import klein_core as kc
-from klein_core.pipeline.images import PUBLISHED_REFERENCE_LIMIT
+from klein_core.pipeline.images import PUBLISHED_REFERENCE_LIMIT, prepare_reference_image
 
 from . import host, notices
 from .common import open_engine
-from .types import KleinReferences, KleinRefsType, KleinVAE, KleinVAEType, Reference
+from .types import KleinReferences, KleinRefsType, KleinVAE, Reference
+from .vae import FLUX2_GEOMETRY, is_native, vae_input
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +56,20 @@ def encode_frames(engine: kc.Engine, frames: list[Image.Image], first: int) -> l
     return out
 
 
+def encode_frames_native(vae: object, frames: list[Image.Image], first: int) -> list[Reference]:
+    """:func:`encode_frames` through ComfyUI's own FLUX.2 VAE: the same preprocessing, its encoder."""
+    out = []
+    for n, pil in enumerate(frames, start=first):
+        try:
+            px = prepare_reference_image(pil, FLUX2_GEOMETRY[1])  # [1, 3, H, W] in [-1, 1]
+        except ValueError as exc:
+            raise ValueError(f"{NODE}: image frame for reference {n}: {exc}. Use a larger or less elongated "
+                             "image, or crop it first.") from exc
+        latent = host.native_vae_encode(vae, ((px + 1) / 2).permute(0, 2, 3, 1)).to(host.intermediate_device())
+        out.append(Reference(latent.float(), px.shape[-1], px.shape[-2], *pil.size))
+    return out
+
+
 class KleinReferenceStacker(io.ComfyNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
@@ -68,7 +83,7 @@ class KleinReferenceStacker(io.ComfyNode):
             inputs=[
                 io.Image.Input("image", tooltip="Reference image(s); every frame of a batch becomes its own "
                                                 "reference. Alpha is dropped, grayscale becomes RGB."),
-                KleinVAEType.Input("vae", tooltip="The FLUX.2 VAE from Klein Model Loader."),
+                vae_input(),
                 KleinRefsType.Input("references", optional=True,
                                     tooltip="References from a previous stacker; the new ones are appended "
                                             "(the first reference sets the default output size)."),
@@ -81,12 +96,15 @@ class KleinReferenceStacker(io.ComfyNode):
 
     @classmethod
     @notices.reported
-    def execute(cls, image: torch.Tensor, vae: KleinVAE,
+    def execute(cls, image: torch.Tensor, vae: KleinVAE | object,
                 references: KleinReferences | None = None) -> io.NodeOutput:
         items = list(references.items) if references is not None else []
         frames = frames_to_pil(image)
-        engine = open_engine(NODE, {"vae": ("vae", vae.ref)}, speed=vae.speed)
-        items += encode_frames(engine, frames, len(items) + 1)
+        if is_native(vae, NODE):
+            items += encode_frames_native(vae, frames, len(items) + 1)
+        else:
+            engine = open_engine(NODE, {"vae": ("vae", vae.ref)}, speed=vae.speed)
+            items += encode_frames(engine, frames, len(items) + 1)
         if len(items) > PUBLISHED_REFERENCE_LIMIT:
             logger.warning("%s: %d references; Klein is published for at most %d", NODE, len(items),
                            PUBLISHED_REFERENCE_LIMIT)

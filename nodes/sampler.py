@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from pathlib import Path
@@ -11,7 +12,7 @@ from comfy_api.latest import io
 
 import klein_core as kc
 from klein_core.files.identify import matching_text_encoders
-from klein_core.models.variants import TextWidthMismatch, variant_for_text_width
+from klein_core.models.variants import TextWidthMismatch, encoder_name, variant_for_text_width
 from klein_core.pipeline.inpaint import comfy_mask_to_latents, steps_to_run
 from klein_core.pipeline.inputs import InitLatents, check_denoise_inputs, with_init_reference
 from klein_core.pipeline.request import resolve
@@ -19,6 +20,7 @@ from klein_core.pipeline.sampling import MAX_SEED
 
 from . import cache, host, notices
 from .common import check_widget, flux2_samples, open_engine
+from .encode import NATIVE_ENCODER_KEY
 from .encode import NODE as ENCODER_NODE
 from .preview import StepReporter
 from .types import (
@@ -35,6 +37,8 @@ logger = logging.getLogger(__name__)
 NODE = "Klein Sampler"
 REFERENCE_MODES = {"auto": None, "joint": "joint", "timestep zero": "timestep_zero", "kv": "kv"}
 MAX_SIDE = 4096  # widget limit; the pixel count is limited to 4 megapixels (e.g. 2048x2048)
+NATIVE_SOURCE = "CLIPTextEncode or another core encoder (not Qwen3 Layer-Concat Encoder)"
+NATIVE_METHODS = (None, "index")  # reference_latents_method values the sampler runs (index = Klein's own)
 
 
 def encoder_mismatch(model: KleinModel, cond: KleinConditioning, exc: TextWidthMismatch) -> TextWidthMismatch:
@@ -48,9 +52,69 @@ def encoder_mismatch(model: KleinModel, cond: KleinConditioning, exc: TextWidthM
     needed = f"{variant.encoder} ({variant.encoder_file})" if variant else f"a Qwen3 encoder with hidden size {want // 3}"
     fix = (f"set text_encoder in {ENCODER_NODE} to {' or '.join(fits)}" if fits else
            f"put {needed} into models/text_encoders and select it in {ENCODER_NODE}")
+    if cond.encoder_name == NATIVE_SOURCE:
+        fix += " and connect its positive output here (or give CLIPLoader type flux2 that file)"
     return exc.restated(fix=fix,
                         encoded_by=f"{NODE}: the conditioning was encoded with {cond.encoder_name} ({cond.variant})",
                         model=f"the model {model.name} ({model.config.variant})")
+
+
+def _native_entry(value: object, input_name: str) -> tuple[torch.Tensor, dict]:
+    """The one ``[cond [1, L, D], options]`` entry of a native CONDITIONING, refused by input name
+    when it is not one."""
+    ok = (isinstance(value, list) and len(value) == 1 and isinstance(value[0], (list, tuple)) and len(value[0]) == 2
+          and isinstance(value[0][0], torch.Tensor) and value[0][0].ndim == 3 and isinstance(value[0][1], dict))
+    if not ok:
+        n = len(value) if isinstance(value, list) else type(value).__name__
+        raise ValueError(f"{NODE}: {input_name} must be one CONDITIONING entry [1, tokens, width] (from "
+                         f"{ENCODER_NODE} or CLIPTextEncode, through ReferenceLatent / ConditioningZeroOut), got "
+                         f"{n} entries; combined or area conditioning is not supported.")
+    return value[0][0], value[0][1]
+
+
+def native_references(options: dict, channels: int) -> list[torch.Tensor]:
+    """A native CONDITIONING's ``reference_latents`` (ReferenceLatent nodes), checked to be FLUX.2
+    latents the sampler runs with Klein's index method."""
+    method = options.get("reference_latents_method")
+    if method not in NATIVE_METHODS:
+        raise ValueError(f"{NODE}: conditioning has reference_latents_method '{method}' (set by "
+                         f"FluxKontextMultiReferenceLatentMethod); Klein runs references with the index method "
+                         f"only: set it to index or remove that node.")
+    refs = []
+    for n, latent in enumerate(options.get("reference_latents") or [], start=1):
+        if not isinstance(latent, torch.Tensor) or latent.ndim != 4 or latent.shape[:2] != (1, channels):
+            shape = list(latent.shape) if isinstance(latent, torch.Tensor) else type(latent).__name__
+            raise ValueError(f"{NODE}: conditioning's reference latent {n} (from ReferenceLatent) must be one "
+                             f"FLUX.2 latent [1, {channels}, h, w] (VAE Encode with the FLUX.2 VAE, or Flux2 VAE "
+                             f"Encode, of one image), got {shape}.")
+        refs.append(latent)
+    return refs
+
+
+def text_inputs(conditioning: KleinConditioning | list, negative: list | None,
+                channels: int) -> tuple[KleinConditioning, bool, list[torch.Tensor]]:
+    """The sampler's text inputs as (the pack's conditioning, whether it has a negative, the native
+    reference latents). ``conditioning`` is KLEIN_COND or a native CONDITIONING; ``negative`` a native
+    CONDITIONING that replaces the negative."""
+    refs: list[torch.Tensor] = []
+    if isinstance(conditioning, KleinConditioning):
+        cond, has_negative = conditioning, True
+    else:
+        positive, options = _native_entry(conditioning, "conditioning")
+        refs = native_references(options, channels)
+        source = options.get(NATIVE_ENCODER_KEY) or NATIVE_SOURCE
+        width = positive.shape[-1]
+        cond = KleinConditioning(positive, positive, str(source), width,
+                                 encoder_name(width // 3) if source != NATIVE_SOURCE else f"text width {width}")
+        has_negative = False
+    if negative is not None:
+        neg, _ = _native_entry(negative, "negative")
+        if neg.shape[-1] != cond.text_dim:
+            raise ValueError(f"{NODE}: negative (text width {neg.shape[-1]}) and conditioning (text width "
+                             f"{cond.text_dim}) come from different encoders; encode both with the same "
+                             f"{ENCODER_NODE} (its positive and negative outputs).")
+        cond, has_negative = dataclasses.replace(cond, negative=neg), True
+    return cond, has_negative, refs
 
 
 def init_from_latent(latent: dict | None, mask: torch.Tensor | None, denoise: float, channels: int,
@@ -93,9 +157,11 @@ class KleinSampler(io.ComfyNode):
                         "guidance > 1.",
             inputs=[
                 KleinModelType.Input("model", tooltip="From Klein Model Loader."),
-                KleinCondType.Input("conditioning", tooltip=(
-                    "From Qwen3 Layer-Concat Encoder; the encoder must match the model (Qwen3-4B for 4B, "
-                    "Qwen3-8B for 9B).")),
+                io.MultiType.Input(KleinCondType.Input("conditioning", tooltip=(
+                    "From Qwen3 Layer-Concat Encoder (its conditioning, or its positive CONDITIONING, also "
+                    "through ReferenceLatent nodes, whose references follow the stacker's), or CLIPTextEncode "
+                    "with the flux2 CLIP; the encoder must match the model (Qwen3-4B for 4B, Qwen3-8B for "
+                    "9B).")), types=[io.Conditioning]),
                 KleinRefsType.Input("references", optional=True,
                                     tooltip="Reference images to edit from or combine (Klein Reference "
                                             "Stacker)."),
@@ -134,6 +200,10 @@ class KleinSampler(io.ComfyNode):
                     "modulated as at timestep 0 (ComfyUI's index_timestep_zero). kv = their keys/values "
                     "computed once per edit and reused by every step (and by the next run with the same "
                     "references).")),
+                io.Conditioning.Input("negative", optional=True, tooltip=(
+                    "A native CONDITIONING negative (the encoder's negative output, CLIPTextEncode, "
+                    "ConditioningZeroOut) for CFG with base models; replaces the conditioning's own. Needed "
+                    "for CFG when conditioning is a native CONDITIONING.")),
             ],
             outputs=[io.Latent.Output(display_name="latent", tooltip="FLUX.2 latents [B, 128, H/16, W/16] "
                                                                      "(ComfyUI's Flux2 layout).")],
@@ -150,13 +220,16 @@ class KleinSampler(io.ComfyNode):
 
     @classmethod
     @notices.reported
-    def execute(cls, model: KleinModel, conditioning: KleinConditioning, width: int = 0, height: int = 0,
+    def execute(cls, model: KleinModel, conditioning: KleinConditioning | list, width: int = 0, height: int = 0,
                 steps: int = 0, guidance: float = 0.0, seed: int = 0, batch_size: int = 1,
                 references: KleinReferences | None = None, latent: dict | None = None,
                 mask: torch.Tensor | None = None, denoise: float = 1.0,
-                latent_as_reference: bool = True, reference_mode: str = "auto") -> io.NodeOutput:
+                latent_as_reference: bool = True, reference_mode: str = "auto",
+                negative: list | None = None) -> io.NodeOutput:
         check_widget(NODE, "reference_mode", reference_mode, REFERENCE_MODES)
+        conditioning, has_negative, native_refs = text_inputs(conditioning, negative, model.config.in_channels)
         refs = [r.latent for r in references.items] if references is not None else []
+        refs += native_refs  # ReferenceLatent's references follow the stacker's
         init = init_from_latent(latent, mask, denoise, model.config.in_channels, latent_as_reference)
         if init is not None and (width or height):
             raise ValueError(f"{NODE}: width/height: the output takes the size of latent "
@@ -173,8 +246,11 @@ class KleinSampler(io.ComfyNode):
         except ValueError as exc:
             raise ValueError(f"{NODE}: width/height: {exc} Set both to 0 to use the first reference's size "
                              f"(1024x1024 without references).") from exc
-        negative = conditioning.negative if run.cfg else None
-        cond = kc.Conditioning(conditioning.positive, negative)
+        if run.cfg and not has_negative:
+            raise ValueError(f"{NODE}: guidance {run.guidance:g} on a base model needs a negative: connect "
+                             f"negative ({ENCODER_NODE}'s negative output, or CLIPTextEncode with an empty "
+                             f"prompt), or use {ENCODER_NODE}'s conditioning output.")
+        cond = kc.Conditioning(conditioning.positive, conditioning.negative if run.cfg else None)
         try:  # the engine's one check, before the model is loaded: a mismatch costs no load
             check_denoise_inputs(model.config, model.kind, cond, refs, run, init=init,
                                  negative_prompt=conditioning.has_negative)

@@ -1,4 +1,5 @@
-"""Flux2 VAE Decode / Encode: between ComfyUI's LATENT (FLUX.2 layout) and IMAGE."""
+"""Flux2 VAE Decode / Encode: between ComfyUI's LATENT (FLUX.2 layout) and IMAGE, through the pack's
+KLEIN_VAE or ComfyUI's own VAE (VAELoader's FLUX.2 VAE)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,30 @@ logger = logging.getLogger(__name__)
 DECODE_NODE = "Flux2 VAE Decode"
 ENCODE_NODE = "Flux2 VAE Encode"
 SIZES = ("crop to 16", "fit 1 megapixel")
+FLUX2_GEOMETRY = (128, 16)  # latent channels, pixels per latent position
+VAE_TOOLTIP = ("The FLUX.2 VAE: Klein Model Loader's vae, or ComfyUI's VAE from Load VAE (VAELoader) with "
+               "flux2-vae.safetensors.")
+
+
+def vae_input(tooltip: str = VAE_TOOLTIP) -> io.MultiType.Input:
+    """The ``vae`` socket of the pack's VAE nodes: KLEIN_VAE or ComfyUI's VAE."""
+    return io.MultiType.Input(KleinVAEType.Input("vae", tooltip=tooltip), types=[io.Vae])
+
+
+def is_native(vae: object, node: str) -> bool:
+    """False for the pack's KLEIN_VAE; True for ComfyUI's own VAE, refused (naming ``node`` and
+    VAELoader) unless it is the FLUX.2 VAE."""
+    if isinstance(vae, KleinVAE):
+        return False
+    if not host.is_native_vae(vae):
+        raise ValueError(f"{node}: vae must be the FLUX.2 VAE (KLEIN_VAE or VAE), got {type(vae).__name__}.")
+    channels, ratio = host.native_vae_geometry(vae)
+    if (channels, ratio) != FLUX2_GEOMETRY:
+        raise ValueError(f"{node}: vae is a ComfyUI VAE with {channels} latent channels and {ratio} pixels per "
+                         f"latent (from Load VAE or a checkpoint loader), not the FLUX.2 VAE ({FLUX2_GEOMETRY[0]} "
+                         f"channels, {FLUX2_GEOMETRY[1]} pixels): pick flux2-vae.safetensors in Load VAE, or "
+                         f"connect Klein Model Loader's vae.")
+    return True
 
 
 def center_crop(pixels: torch.Tensor, multiple: int) -> torch.Tensor:
@@ -38,17 +63,21 @@ class KleinVAEDecode(io.ComfyNode):
             inputs=[
                 io.Latent.Input("samples",
                                 tooltip="FLUX.2 latents [B, 128, H/16, W/16], e.g. from Klein Sampler."),
-                KleinVAEType.Input("vae", tooltip="The FLUX.2 VAE from Klein Model Loader."),
+                vae_input(),
             ],
             outputs=[io.Image.Output(display_name="image", tooltip="Images [B, H, W, 3] in 0..1.")],
         )
 
     @classmethod
     @notices.reported
-    def execute(cls, samples: dict, vae: KleinVAE) -> io.NodeOutput:
-        latents = flux2_samples(samples, vae.config.latent_channels, DECODE_NODE, "samples",
-                                " (connect Klein Sampler or another FLUX.2 latent; SD, SDXL and FLUX.1 latents "
-                                "need their own VAE and VAE Decode)")
+    def execute(cls, samples: dict, vae: KleinVAE | object) -> io.NodeOutput:
+        native = is_native(vae, DECODE_NODE)
+        latents = flux2_samples(samples, FLUX2_GEOMETRY[0] if native else vae.config.latent_channels, DECODE_NODE,
+                                "samples", " (connect Klein Sampler or another FLUX.2 latent; SD, SDXL and FLUX.1 "
+                                "latents need their own VAE and VAE Decode)")
+        if native:
+            image = host.native_vae_decode(vae, latents)
+            return io.NodeOutput(image.to(host.intermediate_device()))
         engine = open_engine(DECODE_NODE, {"vae": ("vae", vae.ref)}, speed=vae.speed)
         image = engine.decode(latents).permute(0, 2, 3, 1).contiguous()  # one image at a time, tiled if short
         return io.NodeOutput(image.to(host.intermediate_device()))
@@ -65,7 +94,7 @@ class KleinVAEEncode(io.ComfyNode):
                         "of 16).",
             inputs=[
                 io.Image.Input("pixels", tooltip="Images [B, H, W, C] in 0..1; alpha is dropped."),
-                KleinVAEType.Input("vae", tooltip="The FLUX.2 VAE from Klein Model Loader."),
+                vae_input(),
                 io.Combo.Input("size", options=list(SIZES), default=SIZES[0], optional=True, tooltip=(
                     "crop to 16 = centre-crop to multiples of 16 (ComfyUI's VAE Encode). fit 1 megapixel = "
                     "scale larger images down to about 1 megapixel and resize the sides to multiples of 16, "
@@ -76,8 +105,9 @@ class KleinVAEEncode(io.ComfyNode):
 
     @classmethod
     @notices.reported
-    def execute(cls, pixels: torch.Tensor, vae: KleinVAE, size: str = "crop to 16") -> io.NodeOutput:
-        down = vae.config.downscale
+    def execute(cls, pixels: torch.Tensor, vae: KleinVAE | object, size: str = "crop to 16") -> io.NodeOutput:
+        native = is_native(vae, ENCODE_NODE)
+        down = FLUX2_GEOMETRY[1] if native else vae.config.downscale
         if pixels.ndim != 4 or pixels.shape[1] < down or pixels.shape[2] < down:
             raise ValueError(f"{ENCODE_NODE}: pixels must be an IMAGE [batch, height, width, channels] of at "
                              f"least {down}x{down} pixels, got shape {list(pixels.shape)}.")
@@ -88,6 +118,9 @@ class KleinVAEEncode(io.ComfyNode):
         else:
             px = center_crop(pixels, down)
         rgb = px[..., :3] if px.shape[-1] >= 3 else px[..., :1].expand(*px.shape[:-1], 3)  # gray -> RGB
+        if native:
+            latents = host.native_vae_encode(vae, rgb.float())
+            return io.NodeOutput({"samples": latents.to(host.intermediate_device(), torch.float32)})
         engine = open_engine(ENCODE_NODE, {"vae": ("vae", vae.ref)}, speed=vae.speed)
         latents = engine.encode_pixels(rgb.permute(0, 3, 1, 2).float() * 2 - 1)
         return io.NodeOutput({"samples": latents.to(host.intermediate_device(), torch.float32)})

@@ -182,7 +182,7 @@ def test_diffusers_format_without_metadata_uses_alpha_equal_rank(base, tmp_path,
            base.out)
 
 
-def write_line(factors, style: str, alpha: float | None = None) -> dict[str, torch.Tensor]:
+def _lora_state_dict(factors, style: str, alpha: float | None = None) -> dict[str, torch.Tensor]:
     out = {}
     for name, (a, b) in factors.items():
         if style == "ai-toolkit":
@@ -202,7 +202,7 @@ def test_bfl_name_formats_every_linear(base, tmp_path, style, parity):
     # Every linear of the core, including the modulation linears and the final layer (BFL order).
     f = _factors(base.shapes, 4, seed=7)
     alpha = 2.0 if style != "peft" else None
-    save_file(write_line(f, style, alpha), tmp_path / "lora.safetensors")
+    save_file(_lora_state_dict(f, style, alpha), tmp_path / "lora.safetensors")
     lora, out = _apply_file(base, tmp_path / "lora.safetensors", strength=0.8)
     assert not lora.skipped and len(lora.patches) == len(base.shapes)
     assert {"ai-toolkit": "ai-toolkit/BFL LoRA", "kohya": "Kohya LoRA", "peft": "PEFT LoRA"}[style] == lora.format
@@ -218,7 +218,7 @@ def test_bfl_name_formats_match_diffusers(base, tmp_path, style, parity):
     if style == "ai-toolkit":
         names += ["double_stream_modulation_img.lin", "single_stream_modulation.lin"]
     f = _factors({n: base.shapes[n] for n in names}, 3, seed=8)
-    save_file(write_line(f, style, 1.5 if style == "kohya" else None), tmp_path / "lora.safetensors")
+    save_file(_lora_state_dict(f, style, 1.5 if style == "kohya" else None), tmp_path / "lora.safetensors")
     _, out = _apply_file(base, tmp_path / "lora.safetensors")
     _check(parity, f"{style} vs diffusers+PEFT", out, _diffusers_with(base, tmp_path / "lora.safetensors"), base.out)
 
@@ -316,7 +316,7 @@ def test_final_layer_conventions(base, tmp_path, parity):
     # must give the same model.
     f = _factors({"final_layer.adaLN_modulation.1": base.shapes["final_layer.adaLN_modulation.1"]}, 2, seed=12)
     (a, b), = f.values()
-    save_file(write_line(f, "ai-toolkit"), tmp_path / "bfl.safetensors")
+    save_file(_lora_state_dict(f, "ai-toolkit"), tmp_path / "bfl.safetensors")
     lo, hi = b.chunk(2)
     save_file({"transformer.norm_out.linear.lora_A.weight": a,
                "transformer.norm_out.linear.lora_B.weight": torch.cat([hi, lo])}, tmp_path / "diffusers.safetensors")
@@ -451,7 +451,7 @@ def test_flux1_lora_is_named(tmp_path):
 
 
 def test_unknown_and_unused_keys_reported_by_name(base, caplog):
-    sd = write_line(_factors({"img_in": base.shapes["img_in"]}, 2, seed=14), "ai-toolkit")
+    sd = _lora_state_dict(_factors({"img_in": base.shapes["img_in"]}, 2, seed=14), "ai-toolkit")
     sd["diffusion_model.double_blocks.0.img_attn.foo.lora_A.weight"] = torch.zeros(2, 32)
     sd["diffusion_model.double_blocks.0.img_attn.foo.lora_B.weight"] = torch.zeros(32, 2)
     sd["diffusion_model.img_in.dora_scale"] = torch.ones(1, 32)
@@ -501,7 +501,7 @@ def test_not_a_lora_and_pickles_refused(base, tmp_path):
 def two_loras(base):
     fa = _factors({n: s for n, s in base.shapes.items() if "double_blocks" in n}, 4, seed=20)
     fb = _factors({n: s for n, s in base.shapes.items() if "single_blocks" in n or "img_attn" in n}, 3, seed=21)
-    return (load_lora(write_line(fa, "ai-toolkit")), fa), (load_lora(write_line(fb, "kohya", alpha=1.5)), fb)
+    return (load_lora(_lora_state_dict(fa, "ai-toolkit")), fa), (load_lora(_lora_state_dict(fb, "kohya", alpha=1.5)), fb)
 
 
 def test_strength_zero_is_no_lora_exactly(base, two_loras):
@@ -614,7 +614,7 @@ def test_float8_weights_not_supported_yet(base, two_loras):
 def test_cli_lora_flag(tmp_path, capsys):
     demo = tiny_transformer(TINY_4B)  # --demo builds these weights (seed 0)
     shapes = {n: tuple(m.weight.shape) for n, m in demo.named_modules() if isinstance(m, nn.Linear)}
-    save_file(write_line(_factors(shapes, 2, seed=30), "kohya", alpha=1.0), tmp_path / "demo_lora.safetensors")
+    save_file(_lora_state_dict(_factors(shapes, 2, seed=30), "kohya", alpha=1.0), tmp_path / "demo_lora.safetensors")
     big = tiny_transformer(TINY_9B).double_blocks[0].img_attn.qkv.weight.shape
     save_file(_one_module_lora(tuple(big)), tmp_path / "big.safetensors")
     args = ["--demo", "--prompt", "x", "--width", "64", "--height", "64", "--steps", "1", "-q"]
@@ -667,8 +667,8 @@ def test_lora_loader_node(base, two_loras, pack_lora, tmp_path, monkeypatch, par
     (_, fa), (_, fb) = two_loras
     loras = tmp_path / "loras"
     loras.mkdir()
-    save_file(write_line(fa, "ai-toolkit"), loras / "a.safetensors")
-    save_file(write_line(fb, "kohya", alpha=1.5), loras / "b.safetensors")
+    save_file(_lora_state_dict(fa, "ai-toolkit"), loras / "a.safetensors")
+    save_file(_lora_state_dict(fb, "kohya", alpha=1.5), loras / "b.safetensors")
     monkeypatch.setitem(folder_paths.folder_names_and_paths, "loras", ([str(loras)], {".safetensors"}))
     folder_paths.filename_list_cache.clear()
     node = node_mod.KleinLoraLoader

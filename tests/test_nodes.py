@@ -131,7 +131,7 @@ def fake_generate(monkeypatch):
 
 def _load(comfy, model=M4B, dtype="bf16", kind="auto"):
     with torch.inference_mode():
-        return comfy.pack.KleinModelLoader.execute(model, VAE, dtype, kind).args
+        return comfy.pack.KleinModelLoader.execute(model, VAE, dtype, kind).args[:2]  # model, KLEIN_VAE
 
 
 def _encode(comfy, prompt="a red fox in the snow", negative="", encoder=Q4B):
@@ -610,7 +610,7 @@ def test_memory_modes_give_the_same_latents_and_log_the_plan(comfy, mode, caplog
         expected = _sample(comfy, auto, cond, seed=5)
     assert "memory mode auto -> resident" in caplog.text
     with torch.inference_mode():
-        model, _ = comfy.pack.KleinModelLoader.execute(M4B, VAE, "bf16", "auto", mode).args
+        model, *_ = comfy.pack.KleinModelLoader.execute(M4B, VAE, "bf16", "auto", mode).args
     assert model.memory == mode
     caplog.clear()
     with caplog.at_level(logging.INFO):

@@ -408,7 +408,7 @@ def test_gguf_files_are_listed_load_and_mix_with_safetensors(comfy):  # noqa: F8
         assert "qwen_3_4b-Q8_0.gguf" in encoder.define_schema().inputs[0].options
         assert loader.validate_inputs("gguf/flux-2-klein-4b-Q8_0.gguf") is True
         with torch.inference_mode():
-            model, _ = loader.execute("gguf/flux-2-klein-4b-Q8_0.gguf", VAE, "bf16", "auto", "auto").args
+            model, *_ = loader.execute("gguf/flux-2-klein-4b-Q8_0.gguf", VAE, "bf16", "auto", "auto").args
         assert set(ggml_layers(model.ref.get()).values()) == {"Q8_0"}
         assert comfy.cache.weight_bytes(model.ref) == module_bytes(model.ref.get())  # planner: real bytes
         # a GGUF transformer with a safetensors encoder, and a GGUF encoder with it
@@ -418,7 +418,7 @@ def test_gguf_files_are_listed_load_and_mix_with_safetensors(comfy):  # noqa: F8
             latents = _sample(comfy, model, cond, steps=2)
             assert latents.shape == (1, 128, 4, 4) and torch.isfinite(latents).all()
         with torch.inference_mode():
-            q4, _ = loader.execute(M4B, VAE, "q4", "auto", "auto").args
+            q4, *_ = loader.execute(M4B, VAE, "q4", "auto", "auto").args
         assert q4.ref.quantize == "q4" and set(ggml_layers(q4.ref.get()).values()) == {"Q4_0"}
     finally:
         comfy.cache.release_all("gguf test done")
@@ -440,7 +440,7 @@ def test_nvfp4_file_loads_in_the_loader_and_samples(comfy):  # noqa: F811
     comfy.folder_paths.filename_list_cache.clear()
     try:
         with torch.inference_mode():
-            model, _ = comfy.pack.KleinModelLoader.execute(path.name, VAE, "bf16", "auto", "auto").args
+            model, *_ = comfy.pack.KleinModelLoader.execute(path.name, VAE, "bf16", "auto", "auto").args
         assert len(nvfp4_layers(model.ref.get())) == 12  # every block Linear of the tiny model (1 + 2 blocks)
         assert comfy.cache.weight_bytes(model.ref) == module_bytes(model.ref.get())
         latents = _sample(comfy, model, _encode_out(comfy, "a fox").args[0], steps=2)

@@ -55,7 +55,7 @@ def _as_modelopt(q: torch.Tensor, bs: torch.Tensor) -> tuple[torch.Tensor, torch
     return ((q << 4) | (q >> 4)).to(torch.uint8), nvfp4.unswizzle(bs, rows, cols).contiguous()
 
 
-def write_line(path, sd: dict, layers: list[str], *, style: str, marker: str | None, modelopt_header: bool = False):
+def _write_nvfp4(path, sd: dict, layers: list[str], *, style: str, marker: str | None, modelopt_header: bool = False):
     """``sd`` (float) with ``layers`` in NVFP4: ``style`` "comfy" or "modelopt" (row-major scales, low
     nibble first); ``marker`` "metadata", "comfy_quant" or None (weight_scale_2 only)."""
     out = {k: v.to(torch.bfloat16) for k, v in sd.items()}
@@ -80,7 +80,7 @@ def write_line(path, sd: dict, layers: list[str], *, style: str, marker: str | N
 def _bfl_file(path, *, style="comfy", marker=None, modelopt_header=False) -> tuple[torch.nn.Module, list[str]]:
     model = _model()
     layers = block_linear_names(model)
-    write_line(path, model.state_dict(), layers, style=style, marker=marker, modelopt_header=modelopt_header)
+    _write_nvfp4(path, model.state_dict(), layers, style=style, marker=marker, modelopt_header=modelopt_header)
     return model, layers
 
 
@@ -148,7 +148,7 @@ def _diffusers_file(path, *, style: str, marker: str | None) -> list[str]:
     assert layers and all(nvfp4.scale_shape(*sd[f"{la}.weight"].shape) == (sd[f"{la}.weight"].shape[0],
                                                                           sd[f"{la}.weight"].shape[1] // 16)
                           for la in layers)
-    write_line(path, sd, layers, style=style, marker=marker)
+    _write_nvfp4(path, sd, layers, style=style, marker=marker)
     return layers
 
 

@@ -93,7 +93,7 @@ def _diffusers_linears(layers):
     return names
 
 
-def write_line(tmp_path, name, sd, metadata=None):
+def _write_file(tmp_path, name, sd, metadata=None):
     path = tmp_path / name
     save_file(sd, str(path), metadata=metadata)
     return path
@@ -127,7 +127,7 @@ def test_fp8_files_load_and_match_bf16(tmp_path, tiny, fmt, parity):
         dl = _diffusers_linears(layers)
         input_scales = {n: 0.02 * (1 + j % 3) for j, n in enumerate(dl)}
         file_sd = quantize_state_dict(dsd, dl, style="bfl", input_scales=input_scales)
-    path = write_line(tmp_path, "flux-2-klein-4b-fp8.safetensors", file_sd)
+    path = _write_file(tmp_path, "flux-2-klein-4b-fp8.safetensors", file_sd)
     model = load_transformer(path, dtype=torch.float32)
     assert isinstance(model, Flux2Transformer) and model.dtype == torch.float32
     assert len(fp8_layers(model)) == n_expected
@@ -152,7 +152,7 @@ def test_text_encoder_fp8mixed(tmp_path, parity):
     layers = block_linear_names(te)
     quantised = [l for l in layers if not l.endswith("o_proj")]  # a mixed file: some layers stay bf16
     file_sd = {"model." + k: v for k, v in quantize_state_dict(sd, quantised, style="comfy_quant").items()}
-    path = write_line(tmp_path, "qwen_3_8b_fp8mixed.safetensors", file_sd)
+    path = _write_file(tmp_path, "qwen_3_8b_fp8mixed.safetensors", file_sd)
     ref = load_text_encoder({"model." + k: v for k, v in sd.items()}, dtype=torch.float32)
     model = load_text_encoder(path, dtype=torch.float32)
     assert len(fp8_layers(model)) == len(quantised) and model.embed_tokens.weight.dtype == torch.float32
@@ -167,8 +167,8 @@ def test_text_encoder_fp8mixed(tmp_path, parity):
 
 def test_quantize_on_load_equals_prequantized_file(tmp_path, tiny):
     sd, layers = tiny
-    bf16_path = write_line(tmp_path, "bf16.safetensors", sd)
-    fp8_path = write_line(tmp_path, "fp8.safetensors", quantize_state_dict(sd, layers, style="comfy_quant"))
+    bf16_path = _write_file(tmp_path, "bf16.safetensors", sd)
+    fp8_path = _write_file(tmp_path, "fp8.safetensors", quantize_state_dict(sd, layers, style="comfy_quant"))
     from_file = load_transformer(fp8_path, dtype=torch.float32)
     # What load_transformer(..., quantize="fp8") does: the same plan, materialize with quantize.
     src = open_weights(bf16_path, component="transformer")
@@ -242,7 +242,7 @@ def test_nvfp4_and_other_formats_refused(tmp_path, tiny):
     bad[layer + ".weight_scale"] = torch.ones(rows, cols // 16, dtype=F8)
     bad[layer + ".weight_scale_2"] = torch.tensor(1.0)
     bad[layer + ".comfy_quant"] = torch.tensor(list(b'{"format": "nvfp4"}'), dtype=torch.uint8)
-    path = write_line(tmp_path, "flux-2-klein-base-9b-nvfp4.safetensors", bad)
+    path = _write_file(tmp_path, "flux-2-klein-base-9b-nvfp4.safetensors", bad)
     with pytest.raises(WeightFormatError, match="nvfp4") as exc:
         load_transformer(path)
     assert str(path) in str(exc.value)
@@ -251,7 +251,7 @@ def test_nvfp4_and_other_formats_refused(tmp_path, tiny):
     with pytest.raises(WeightFormatError, match=f"'mxfp8'.*'{layer}'"):
         load_transformer(mx)
     layers_meta = {"layers": {layer: {"format": "int8_blockwise"}}}
-    meta_bad = write_line(tmp_path, "m.safetensors", sd,
+    meta_bad = _write_file(tmp_path, "m.safetensors", sd,
                       metadata={"_quantization_metadata": json.dumps(layers_meta)})
     with pytest.raises(WeightFormatError, match="int8_blockwise"):
         load_transformer(meta_bad)

@@ -118,6 +118,7 @@ def check_ui_workflow(workflow: dict, object_info: dict) -> list[str]:
             problems.append(f"{where}: {typ} does not match output {src_slot} of {nodes[src]['type']}")
         dst_inputs = nodes[dst]["inputs"]
         arrives = dst_slot < len(dst_inputs) and dst_inputs[dst_slot]["link"] == link_id
-        if not arrives or dst_inputs[dst_slot]["type"] not in (typ, "*"):  # "*" takes any type
+        takes = dst_inputs[dst_slot]["type"] if arrives else ""
+        if not arrives or (takes != "*" and typ not in takes.split(",")):  # "*" any type, "A,B" either
             problems.append(f"{where}: does not arrive at input {dst_slot} of node {dst} as {typ}")
     return problems

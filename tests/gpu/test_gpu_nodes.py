@@ -125,7 +125,7 @@ def comfy_on_device(gpu, tmp_path_factory):
 
 def _sample(comfy, mode: str, cond, **kw):
     with torch.inference_mode():
-        model, _ = comfy.pack.KleinModelLoader.execute(M4B, VAE, "bf16", "auto", mode).args
+        model, *_ = comfy.pack.KleinModelLoader.execute(M4B, VAE, "bf16", "auto", mode).args
         kw = {"width": 128, "height": 96, "steps": 3, "guidance": 0.0, "seed": 5, "batch_size": 1, **kw}
         return comfy.pack.KleinSampler.execute(model, cond, **kw).args[0]["samples"]
 

@@ -1,0 +1,153 @@
+"""Klein Model to MODEL: a Klein transformer as ComfyUI's own ``MODEL``.
+
+The MODEL is a ModelPatcher over ``comfy.model_base.Flux2`` (``nodes/host.py``) whose
+``diffusion_model`` is :class:`KleinDiffusionModel`, an adapter around klein_core's
+``Flux2Transformer``. ComfyUI's samplers, schedulers, guiders and model patches (EasyCache...) then
+drive it like a native FLUX.2 model, while the weights stay klein_core's (every file format, the
+fast paths, LoRAs applied through the pack's LoRA handle).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from comfy_api.latest import io
+
+from klein_core.accel.speed import apply_speed
+from klein_core.models.transformer import Flux2Transformer
+from klein_core.models.variants import encoder_for_text_width, variant_for_text_width
+from klein_core.pipeline.sampling import REF_TIME_OFFSET, pack, position_ids, text_position_ids, unpack
+
+from . import host, notices
+from .common import errors_named
+from .encode import NODE as ENCODER_NODE
+from .types import KleinModel, KleinModelType
+
+logger = logging.getLogger(__name__)
+
+NODE = "Klein Model to MODEL"
+# ComfyUI's reference methods this model runs: "index" (FLUX.2's default: reference k at RoPE time
+# 10k, modulated at the current timestep) and "index_timestep_zero" (modulated as at timestep 0).
+REF_METHODS = ("index", "index_timestep_zero")
+
+
+class KleinDiffusionModel(torch.nn.Module):
+    """ComfyUI's Flux diffusion-model call turned into klein_core's transformer call.
+
+    ``forward(x [B, 128, h, w], timestep [B] (sigma), context [B, L, D], ref_latents=[[B or 1, 128,
+    h_k, w_k], ...])`` -> velocity ``[B, 128, h, w]``. The transformer is a submodule, so ComfyUI's
+    ModelPatcher sees, counts and moves its weights.
+    """
+
+    patch_size = 1  # what model_base.Flux reads for attention masks
+
+    def __init__(self, transformer: Flux2Transformer, model_name: str) -> None:
+        super().__init__()
+        self.transformer = transformer
+        self.model_name = model_name
+
+    @property
+    def dtype(self) -> torch.dtype:  # model_base.get_dtype() reads it
+        return self.transformer.dtype
+
+    def forward(self, x: torch.Tensor, timestep: torch.Tensor, context: torch.Tensor, y: Any = None,
+                guidance: Any = None, ref_latents: list | None = None, control: Any = None,
+                transformer_options: dict | None = None, **kwargs: Any) -> torch.Tensor:
+        # Positional, in Flux.forward's order: wrappers such as EasyCache's read args[0] and args[-1].
+        options = {} if transformer_options is None else transformer_options
+        return host.run_diffusion_model_wrappers(self._forward, self, options, x, timestep, context, y, guidance,
+                                                 ref_latents, control, options, **kwargs)
+
+    def _check_context(self, context: torch.Tensor) -> None:
+        want = self.transformer.config.context_dim
+        got = context.shape[-1]
+        if got == want:
+            return
+        made = variant_for_text_width(got)
+        made_by = f"{made.encoder} ({made.name})" if made else f"an encoder with width {got} (not a Klein Qwen3 one)"
+        raise ValueError(
+            f"{NODE}: the conditioning is {got} wide, made by {made_by}, but the model {self.model_name} takes "
+            f"{want}-wide conditioning from {encoder_for_text_width(want)}: encode the prompt with that "
+            f"encoder ({ENCODER_NODE}, or CLIPLoader type flux2) for this model.")
+
+    def _references(self, refs: list, batch: int, method: str) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Reference tokens ``[B, R, 128]`` and ids ``[R, 4]`` at RoPE times 10, 20, ... (index method)."""
+        if method not in REF_METHODS:
+            raise ValueError(f"{NODE}: reference_latents method {method!r} is not supported by the Klein model "
+                             f"{self.model_name}; use one of {', '.join(REF_METHODS)} (Edit Model Reference "
+                             f"Method node).")
+        toks, ids = [], []
+        for k, ref in enumerate(refs, start=1):
+            if ref.ndim != 4 or ref.shape[1] != self.transformer.config.in_channels:
+                raise ValueError(f"{NODE}: reference latent {k} must be FLUX.2 latents [B, "
+                                 f"{self.transformer.config.in_channels}, h, w], got {list(ref.shape)}.")
+            toks.append(pack(ref).expand(batch, -1, -1) if ref.shape[0] == 1 else pack(ref))
+            ids.append(position_ids(ref.shape[-2], ref.shape[-1], t=REF_TIME_OFFSET * k))
+        return torch.cat(toks, dim=1), torch.cat(ids)
+
+    def _forward(self, x: torch.Tensor, timestep: torch.Tensor, context: torch.Tensor, y: Any = None,
+                 guidance: Any = None, ref_latents: list | None = None, control: Any = None,
+                 transformer_options: dict | None = None, **kwargs: Any) -> torch.Tensor:
+        tr = self.transformer
+        b, c, h, w = x.shape
+        if c != tr.config.in_channels:
+            raise ValueError(f"{NODE}: the latent has {c} channels; FLUX.2 Klein takes {tr.config.in_channels} "
+                             f"(EmptyFlux2LatentImage or VAEEncode with the FLUX.2 VAE).")
+        self._check_context(context)
+        dtype, device = tr.dtype, tr.device
+        img = pack(x).to(device=device, dtype=dtype)
+        img_ids = position_ids(h, w)
+        zero_time = 0
+        if ref_latents:
+            method = kwargs.get("ref_latents_method", "index")
+            ref_tok, ref_ids = self._references(list(ref_latents), b, method)
+            img = torch.cat([img, ref_tok.to(device=device, dtype=dtype)], dim=1)
+            img_ids = torch.cat([img_ids, ref_ids])
+            zero_time = ref_tok.shape[1] if method == "index_timestep_zero" else 0
+        # ComfyUI passes sigma in fp32; klein_core's sampler gives the model sigma*1000 round-tripped
+        # through the model dtype, /1000 (SPEC §4.4): the same here, so bf16 runs match too.
+        t = ((timestep.to(device=device, dtype=torch.float32) * 1000).to(dtype) / 1000).to(dtype)
+        out = tr(img=img, img_ids=img_ids, txt=context.to(device=device, dtype=dtype),
+                 txt_ids=text_position_ids(context.shape[1]), timesteps=t.expand(b) if t.numel() == 1 else t,
+                 zero_time_tokens=zero_time)
+        return unpack(out[:, : h * w], h, w)
+
+
+def bridge(model: KleinModel) -> Any:
+    """The native MODEL for ``model``: its transformer (LoRAs applied, on its speed) in a Flux2 model_base."""
+    with errors_named(NODE, "model", model.name):
+        transformer = model.ref.get()
+    apply_speed(transformer, None, model.speed)
+    cfg = transformer.config
+    unet_config = {"in_channels": cfg.in_channels, "out_channels": cfg.in_channels, "context_in_dim": cfg.context_dim,
+                   "hidden_size": cfg.hidden_size, "num_heads": cfg.num_heads, "depth": cfg.depth,
+                   "depth_single_blocks": cfg.depth_single, "axes_dim": list(cfg.axes_dim), "theta": cfg.theta,
+                   "patch_size": 1, "guidance_embed": False}
+    diffusion = KleinDiffusionModel(transformer, model.name)
+    return host.native_flux2_model(diffusion, unet_config, transformer.dtype, host.torch_device())
+
+
+class KleinModelToMODEL(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="KleinModelToMODEL",
+            display_name=NODE,
+            category="Klein/native",
+            description="A Klein model as ComfyUI's own MODEL (FLUX.2), for KSampler, SamplerCustomAdvanced "
+                        "(any sampler; Flux2Scheduler for Klein's schedule), CFGGuider and model patches such "
+                        "as EasyCache. References come from ReferenceLatent (index method). ComfyUI loads "
+                        "it whole onto the GPU; the loader's memory_mode does not apply here.",
+            inputs=[KleinModelType.Input("model", tooltip="From Klein Model Loader (or Klein LoRA Loader).")],
+            outputs=[io.Model.Output(display_name="MODEL", tooltip="A native FLUX.2 MODEL over the Klein weights.")],
+        )
+
+    @classmethod
+    @notices.reported
+    def execute(cls, model: KleinModel) -> io.NodeOutput:
+        patcher = bridge(model)
+        logger.info("%s: %s (%s) as a native FLUX.2 MODEL, %.1f MiB of weights", NODE, model.name,
+                    model.config.variant, patcher.model_size() / 2**20)
+        return io.NodeOutput(patcher)

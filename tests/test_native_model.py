@@ -1,0 +1,303 @@
+"""Klein Model to MODEL in the real ComfyUI 0.3.75 host: the bridged MODEL sampled by ComfyUI's own
+nodes (SamplerCustomAdvanced, KSamplerSelect, Flux2Scheduler, RandomNoise, CFGGuider / BasicGuider,
+ReferenceLatent) equals the Klein Sampler, in fp32 on tiny random weights; other samplers run; bad mixes
+are refused naming both nodes.
+
+The core nodes' ``execute`` is called in-process, as tests/test_nodes.py calls the pack's nodes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import json
+import logging
+import re
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from klein_core.memory.placement import module_bytes
+from klein_core.testing import write_tiny_model_files
+
+PACK = "klein_pack_nodes"  # how the comfy_pack fixture (conftest.py) imports nodes/
+M4B, M4B_BASE = "flux-2-klein-4b.safetensors", "flux-2-klein-base-4b.safetensors"
+Q4B, Q8B, VAE = "qwen_3_4b.safetensors", "qwen_3_8b.safetensors", "flux2-vae.safetensors"
+FOLDERS = ("diffusion_models", "text_encoders", "vae")
+W, H, STEPS, SEED = 80, 64, 3, 7
+TOL = 1e-5
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def host(comfy_pack, tmp_path_factory):
+    pack, folder_paths = comfy_pack.pack, comfy_pack.folder_paths
+    models = tmp_path_factory.mktemp("native_models")
+    write_tiny_model_files(models)
+    saved = {f: folder_paths.folder_names_and_paths[f] for f in FOLDERS}
+    for f in FOLDERS:
+        folder_paths.folder_names_and_paths[f] = ([str(models / f)], saved[f][1])
+    folder_paths.filename_list_cache.clear()
+    asyncio.run(pack.comfy_entrypoint())
+    import comfy_extras.nodes_custom_sampler as cs
+    import comfy_extras.nodes_easycache as easycache
+    import comfy_extras.nodes_edit_model as edit
+    import comfy_extras.nodes_flux as flux
+
+    native = importlib.import_module(f"{PACK}.native_model")
+    cache = importlib.import_module(f"{PACK}.cache")
+    try:
+        yield SimpleNamespace(pack=pack, native=native, cs=cs, easycache=easycache, flux=flux, edit=edit, mm=comfy_pack.mm)
+    finally:
+        cache.release_all("native model tests done")
+        for f in FOLDERS:
+            folder_paths.folder_names_and_paths[f] = saved[f]
+        folder_paths.filename_list_cache.clear()
+
+
+def _load(h, name=M4B, kind="auto"):
+    """The loader's KLEIN_MODEL and KLEIN_VAE outputs (fp32)."""
+    with torch.inference_mode():
+        model, vae = h.pack.KleinModelLoader.execute(name, VAE, "fp32", kind).args[:2]  # (later outputs: others')
+    return model, vae
+
+
+def _encode(h, prompt="a red fox in the snow", negative="", encoder=Q4B):
+    with torch.inference_mode():
+        return h.pack.KleinTextEncode.execute(encoder, prompt, negative).args[0]
+
+
+def _refs(h, vae):
+    refs = None
+    for seed, (w, hh) in enumerate(((96, 64), (64, 80))):
+        img = np.random.default_rng(seed).random((1, hh, w, 3), dtype=np.float32)
+        with torch.inference_mode():
+            refs, _ = h.pack.KleinReferenceStacker.execute(torch.from_numpy(img), vae, refs).args
+    return refs
+
+
+def _native_cond(h, embeds: torch.Tensor, ref_latents=()) -> list:
+    """Hand-made native CONDITIONING, references chained through the core ReferenceLatent node."""
+    cond = [[embeds, {"pooled_output": None}]]
+    for lat in ref_latents:
+        cond = h.edit.ReferenceLatent.execute(cond, {"samples": lat}).args[0]
+    return cond
+
+
+def _method(h, cond: list, method: str) -> list:
+    return h.flux.FluxKontextMultiReferenceLatentMethod.execute(cond, method).args[0]
+
+
+def _klein(h, model, cond, **kw) -> torch.Tensor:
+    kw = {"width": W, "height": H, "steps": STEPS, "guidance": 0.0, "seed": SEED, "batch_size": 1, **kw}
+    with torch.inference_mode():
+        return h.pack.KleinSampler.execute(model, cond, **kw).args[0]["samples"]
+
+
+def _core(h, native_model, positive, negative=None, cfg=1.0, sampler="euler", steps=STEPS) -> torch.Tensor:
+    """SamplerCustomAdvanced(RandomNoise, CFGGuider or BasicGuider, KSamplerSelect, Flux2Scheduler)."""
+    cs = h.cs
+    with torch.inference_mode():
+        guider = (cs.BasicGuider.execute(native_model, positive) if negative is None else
+                  cs.CFGGuider.execute(native_model, positive, negative, cfg)).args[0]
+        sigmas = h.flux.Flux2Scheduler.execute(steps, W, H).args[0]
+        latent = h.flux.EmptyFlux2LatentImage.execute(W, H, 1).args[0]
+        out = cs.SamplerCustomAdvanced.execute(cs.RandomNoise.execute(SEED).args[0], guider,
+                                               cs.KSamplerSelect.execute(sampler).args[0], sigmas, latent)
+    return out.args[0]["samples"]
+
+
+def _bridge(h, model):
+    with torch.inference_mode():
+        return h.native.KleinModelToMODEL.execute(model).args[0]
+
+
+def _diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    assert a.shape == b.shape, (a.shape, b.shape)
+    return (a.float() - b.float()).abs().max().item()
+
+
+def test_schema(host):
+    schema = host.native.KleinModelToMODEL.define_schema()
+    assert (schema.node_id, schema.display_name, schema.category) == ("KleinModelToMODEL", "Klein Model to MODEL",
+                                                                      "Klein/native")
+    assert [o.io_type for o in schema.outputs] == ["MODEL"]
+
+
+def test_bridged_model_is_a_native_flux2_model_with_its_memory(host):
+    model, _ = _load(host)
+    patcher = _bridge(host, model)
+    import comfy.model_base
+    import comfy.model_patcher
+
+    assert isinstance(patcher, comfy.model_patcher.ModelPatcher)
+    assert isinstance(patcher.model, comfy.model_base.Flux2)
+    transformer = model.ref.get()
+    assert patcher.model.diffusion_model.transformer is transformer  # the pack's weights, not a copy
+    # what ComfyUI counts: the weights, plus the sigma table of the model_base's flow sampling
+    assert patcher.model_size() == module_bytes(transformer) + module_bytes(patcher.model.model_sampling)
+    assert module_bytes(transformer) > 10 * module_bytes(patcher.model.model_sampling)
+    assert patcher.model.get_dtype() == torch.float32
+    host.mm.load_models_gpu([patcher])
+    assert any(m.model is patcher for m in host.mm.current_loaded_models)
+
+
+@pytest.mark.parametrize("case", ["text_to_image", "two_references", "base_cfg"])
+def test_core_sampler_equals_the_klein_sampler(host, case, parity):
+    kind = "base" if case == "base_cfg" else "auto"
+    model, vae = _load(host, M4B_BASE if case == "base_cfg" else M4B, kind)
+    cond = _encode(host, negative="blurry" if case == "base_cfg" else "")
+    native = _bridge(host, model)
+    if case == "text_to_image":
+        ours = _klein(host, model, cond)
+        theirs = _core(host, native, _native_cond(host, cond.positive))
+    elif case == "two_references":
+        refs = _refs(host, vae)
+        lats = [r.latent for r in refs.items]
+        ours = _klein(host, model, cond, references=refs)
+        theirs = _core(host, native, _native_cond(host, cond.positive, lats))
+    else:
+        ours = _klein(host, model, cond, guidance=2.5)
+        theirs = _core(host, native, _native_cond(host, cond.positive), _native_cond(host, cond.negative), cfg=2.5)
+    diff = parity(f"native MODEL vs Klein Sampler ({case}, fp32)", _diff(ours, theirs))
+    assert ours.abs().max() > 0.1  # a real result, not zeros
+    assert diff <= TOL, diff
+
+
+def test_references_change_the_result_and_timestep_zero_runs(host, parity):
+    """The references reach the model (a control for the two-reference case), and the
+    index_timestep_zero method equals the Klein Sampler's "timestep zero" mode."""
+    model, vae = _load(host)
+    cond = _encode(host)
+    refs = _refs(host, vae)
+    native = _bridge(host, model)
+    lats = [r.latent for r in refs.items]
+    plain = _core(host, native, _native_cond(host, cond.positive))
+    with_refs = _core(host, native, _native_cond(host, cond.positive, lats))
+    assert _diff(plain, with_refs) > 1e-3
+    # 0.3.75's combo predates "index_timestep_zero"; its execute passes the method through as is.
+    zero_cond = _method(host, _native_cond(host, cond.positive, lats), "index_timestep_zero")
+    zero = _core(host, native, zero_cond)
+    ours = _klein(host, model, cond, references=refs, reference_mode="timestep zero")
+    assert parity("native MODEL vs Klein Sampler (index_timestep_zero, fp32)", _diff(zero, ours)) <= TOL
+    assert _diff(zero, with_refs) > 1e-4
+
+
+def test_dpmpp_2m_runs_and_differs_from_euler(host, parity):
+    model, _ = _load(host)
+    native = _bridge(host, model)
+    pos = _native_cond(host, _encode(host).positive)
+    euler = _core(host, native, pos)
+    dpm = _core(host, native, pos, sampler="dpmpp_2m")
+    assert torch.isfinite(dpm).all()
+    diff = parity("native MODEL dpmpp_2m vs euler (a control, must differ)", _diff(euler, dpm))
+    assert diff > 1e-3, diff
+
+
+def test_9b_conditioning_on_a_4b_model_names_both_nodes(host):
+    model, _ = _load(host)
+    native = _bridge(host, model)
+    wide = _encode(host, encoder=Q8B).positive
+    with pytest.raises(ValueError) as err:
+        _core(host, native, _native_cond(host, wide))
+    msg = str(err.value)
+    assert msg.startswith("Klein Model to MODEL: the conditioning is ")
+    assert "Qwen3 Layer-Concat Encoder" in msg and M4B in msg and f"{wide.shape[-1]} wide" in msg
+
+
+def test_unknown_reference_method_is_refused(host):
+    model, vae = _load(host)
+    native = _bridge(host, model)
+    cond = _native_cond(host, _encode(host).positive, [r.latent for r in _refs(host, vae).items])
+    cond = _method(host, cond, "offset")
+    with pytest.raises(ValueError, match=r"Klein Model to MODEL: reference_latents method 'offset' is not "
+                                         r"supported .*index, index_timestep_zero"):
+        _core(host, native, cond)
+
+
+
+def test_easycache_skips_steps_on_the_bridged_model(host, parity, caplog):
+    """EasyCache's DIFFUSION_MODEL wrapper reaches the adapter: it skips steps (its own log says how
+    many) and the result stays near the uncached one, yet is not the same."""
+    model, _ = _load(host)
+    native = _bridge(host, model)
+    pos = _native_cond(host, _encode(host).positive)
+    plain = _core(host, native, pos, sampler="dpmpp_2m", steps=12)
+    with torch.inference_mode():
+        cached_model = host.easycache.EasyCacheNode.execute(native, 0.05, 0.15, 0.95, False).args[0]
+    with caplog.at_level(logging.INFO):
+        cached = _core(host, cached_model, pos, sampler="dpmpp_2m", steps=12)
+    skipped = [int(m.group(1)) for r in caplog.records
+               if (m := re.search(r"EasyCache - skipped (\d+)/\d+ steps", r.getMessage()))]
+    assert skipped and skipped[-1] > 0, skipped
+    # Relative mean error: on random tiny weights the velocity changes fast, so max diffs are large.
+    rel = ((plain - cached).abs().mean() / plain.abs().mean()).item()
+    parity("native MODEL + EasyCache vs uncached (dpmpp_2m, 12 steps; relative mean abs)", rel)
+    assert 0 < rel < 0.3, rel
+
+
+def test_core_sampler_workflow_runs_and_equals_the_klein_sampler(host, parity):
+    """example_workflows/api/klein_core_sampler.api.json, node by node in graph order (small size, 3 steps,
+    fp32), up to SamplerCustomAdvanced: it equals the Klein Sampler with the same settings."""
+    graph = json.loads((REPO / "example_workflows" / "api" / "klein_core_sampler.api.json").read_text())
+    classes = {"KleinModelLoader": host.pack.KleinModelLoader, "KleinTextEncode": host.pack.KleinTextEncode,
+               "KleinModelToMODEL": host.native.KleinModelToMODEL, "CFGGuider": host.cs.CFGGuider,
+               "RandomNoise": host.cs.RandomNoise, "KSamplerSelect": host.cs.KSamplerSelect,
+               "Flux2Scheduler": host.flux.Flux2Scheduler, "EmptyFlux2LatentImage": host.flux.EmptyFlux2LatentImage,
+               "SamplerCustomAdvanced": host.cs.SamplerCustomAdvanced}
+    small = {"width": W, "height": H, "steps": STEPS, "weight_dtype": "fp32"}
+    outputs: dict[str, tuple] = {}
+
+    def run(nid: str) -> tuple:
+        if nid not in outputs:
+            node = graph[nid]
+            kw = {k: (run(v[0])[v[1]] if isinstance(v, list) else small.get(k, v)) for k, v in node["inputs"].items()}
+            with torch.inference_mode():
+                outputs[nid] = classes[node["class_type"]].execute(**kw).args
+        return outputs[nid]
+
+    sampler = next(n for n, v in graph.items() if v["class_type"] == "SamplerCustomAdvanced")
+    theirs = run(sampler)[0]["samples"]
+    assert {v["class_type"] for v in graph.values()} - set(classes) == {"VAEDecode", "SaveImage"}
+    loader = next(n for n, v in graph.items() if v["class_type"] == "KleinModelLoader")
+    encoder = next(n for n, v in graph.items() if v["class_type"] == "KleinTextEncode")
+    cfg = next(v for v in graph.values() if v["class_type"] == "CFGGuider")["inputs"]["cfg"]
+    seed = next(v for v in graph.values() if v["class_type"] == "RandomNoise")["inputs"]["noise_seed"]
+    ours = _klein(host, run(loader)[0], run(encoder)[0], guidance=cfg, seed=seed)
+    diff = parity("klein_core_sampler workflow vs Klein Sampler (fp32)", _diff(ours, theirs))
+    assert diff <= TOL, diff
+
+
+def test_easycache_workflow_runs_with_dpmpp_2m_and_skips_steps(host, caplog):
+    """example_workflows/api/klein_base_dpmpp_2m_easycache.api.json node by node (small size, 12 steps):
+    the base model through EasyCache and dpmpp_2m gives finite latents of the size asked, and EasyCache
+    reports skipped steps."""
+    graph = json.loads((REPO / "example_workflows" / "api" / "klein_base_dpmpp_2m_easycache.api.json").read_text())
+    classes = {"KleinModelLoader": host.pack.KleinModelLoader, "KleinTextEncode": host.pack.KleinTextEncode,
+               "KleinModelToMODEL": host.native.KleinModelToMODEL, "EasyCache": host.easycache.EasyCacheNode,
+               "CFGGuider": host.cs.CFGGuider, "RandomNoise": host.cs.RandomNoise,
+               "KSamplerSelect": host.cs.KSamplerSelect, "Flux2Scheduler": host.flux.Flux2Scheduler,
+               "EmptyFlux2LatentImage": host.flux.EmptyFlux2LatentImage,
+               "SamplerCustomAdvanced": host.cs.SamplerCustomAdvanced}
+    small = {"width": W, "height": H, "steps": 12, "weight_dtype": "fp32"}
+    outputs: dict[str, tuple] = {}
+
+    def run(nid: str) -> tuple:
+        if nid not in outputs:
+            node = graph[nid]
+            kw = {k: (run(v[0])[v[1]] if isinstance(v, list) else small.get(k, v)) for k, v in node["inputs"].items()}
+            with torch.inference_mode():
+                outputs[nid] = classes[node["class_type"]].execute(**kw).args
+        return outputs[nid]
+
+    assert next(v for v in graph.values() if v["class_type"] == "KSamplerSelect")["inputs"]["sampler_name"] == "dpmpp_2m"
+    sampler = next(n for n, v in graph.items() if v["class_type"] == "SamplerCustomAdvanced")
+    with caplog.at_level(logging.INFO):
+        latents = run(sampler)[0]["samples"]
+    assert latents.shape == (1, 128, H // 16, W // 16) and torch.isfinite(latents).all()
+    skipped = [int(m.group(1)) for r in caplog.records
+               if (m := re.search(r"EasyCache - skipped (\d+)/\d+ steps", r.getMessage()))]
+    assert skipped and skipped[-1] > 0, skipped
