@@ -75,9 +75,13 @@ FULL_TIER: tuple[str, ...] = (
     "tests/test_fast.py::test_speed_benchmark_tiny_cpu",
     "tests/test_planner.py::test_memory_benchmark_tiny_cpu",
     "tests/test_planner.py::test_memory_benchmark_uncapped_resident_tiny_cpu",
-    # a local Ray cluster and a Ray Serve deployment (tens of seconds to start)
+    # a local Ray cluster and a Ray Serve deployment (tens of seconds to start), and one replica's own tests
     "tests/test_ray_batch.py",
     "tests/test_ray_serve.py",
+    "tests/test_serve_replica.py",
+    # two training processes (gloo), and cache folders that cannot be written in every way
+    "tests/test_train_ddp.py",
+    "tests/test_prompt_cache_hostile.py::test_a_folder_that_cannot_be_written_is_one_warning",
 )
 
 _TIER_STATE: dict[str, int] = {}

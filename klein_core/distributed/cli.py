@@ -10,7 +10,6 @@ from pathlib import Path
 
 from ..accel.speed import SPEEDS
 from ..cli import DTYPES, CLIError, log_to_stderr, resolve_files, write_line
-from ..errors import WeightFormatError
 from ..memory.planner import MODES
 from ..pipeline.request import guess_model_kind
 from .models import ModelSpec
@@ -117,10 +116,7 @@ def run_batch(args: argparse.Namespace) -> int:
                 write_line(sys.stderr, f"\r{done}/{total} rows, {failed} failed, {done / max(seconds, 1e-9):.2f} rows/s   ")
 
         summary = run_batch_job(config, progress)
-    except RayMissing as exc:
-        write_line(sys.stderr, f"error: {exc}\n")
-        return 2
-    except (CLIError, ValueError, TypeError, FileNotFoundError, WeightFormatError) as exc:
+    except RayMissing as exc:  # the other bad inputs are reported by klein_core.cli.main
         write_line(sys.stderr, f"error: {exc}\n")
         return 2
     except KeyboardInterrupt:
@@ -172,10 +168,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
         while True:
             time.sleep(3600)
-    except RayMissing as exc:
-        write_line(sys.stderr, f"error: {exc}\n")
-        return 2
-    except (CLIError, ValueError, TypeError, FileNotFoundError, WeightFormatError) as exc:
+    except RayMissing as exc:  # the other bad inputs are reported by klein_core.cli.main
         write_line(sys.stderr, f"error: {exc}\n")
         return 2
     except KeyboardInterrupt:

@@ -1,16 +1,10 @@
 """The engine: loaded components, their memory plan, the prompt cache, and one method per stage.
 
-A generation is four stages, each a method of :class:`Engine`:
-
-1. :meth:`Engine.encode_prompts`: prompts -> tokens -> Qwen3 embeddings (:class:`Conditioning`);
-2. :meth:`Engine.encode_references`: reference images -> VAE latents, each encoded once;
-3. :meth:`Engine.denoise`: noise -> latents along the Euler schedule (:mod:`klein_core.pipeline.sampling`);
-4. :meth:`Engine.decode`: latents -> pixels.
-
-:meth:`Engine.generate` composes them for one :class:`~klein_core.pipeline.request.GenerationRequest`, and
-the module-level :func:`generate` keeps the original keyword API. The engine is the one owner of
-placement: for each call it plans (:mod:`klein_core.memory.planner`) and applies the plan
-(:class:`~klein_core.memory.placement.StagePlacer`); callers never move components themselves.
+Stages: :meth:`Engine.encode_prompts` (prompts -> :class:`Conditioning`), :meth:`Engine.encode_references`
+(images -> latents, each once), :meth:`Engine.denoise` (noise -> latents, :mod:`klein_core.pipeline.sampling`)
+and :meth:`Engine.decode` (latents -> pixels). :meth:`Engine.generate` runs them for one
+:class:`~klein_core.pipeline.request.GenerationRequest` under one memory plan; :func:`generate` is the
+keyword front. The engine alone places components (:class:`~klein_core.memory.placement.StagePlacer`).
 """
 
 from __future__ import annotations

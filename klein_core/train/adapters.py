@@ -1,19 +1,11 @@
 """Trainable LoRA layers on the core transformer, chosen per block group.
 
-The layers are the pack's own (not peft): peft adapts whole ``nn.Linear`` modules, but the core
-fuses q/k/v into one ``qkv`` linear per stream, while diffusers' Flux2 (and so every tool that
-reads diffusers LoRAs) has separate ``to_q``/``to_k``/``to_v``. A :class:`LoRALayer` therefore holds
-one ``(A, B)`` pair per row part of its linear: three for a double block's ``qkv`` (exactly the
-function class of peft on diffusers' split projections), one elsewhere. Layers run as forward
-hooks that add ``scale * B @ A @ x`` to the frozen linear's output, so the model's modules, names
-and state dict are untouched and :meth:`LoRASet.detach` restores it exactly.
-
-Presets (core module names, see docs/training.md):
-
-* ``"style"``: every linear of the double blocks;
-* ``"structure"``: single blocks 0-12;
-* ``"full"``: every block, ranks 128 (double-block attention), 64 (double-block MLPs),
-  64 (single blocks 0-12) and 32 (single blocks 13+).
+A :class:`LoRALayer` is a forward hook adding ``scale * B @ A @ x`` to a frozen linear, with one
+``(A, B)`` pair per row part (three for a double block's fused ``qkv``: diffusers' ``to_q/to_k/to_v``),
+so the model's modules and state dict are untouched and :meth:`LoRASet.detach` restores it exactly.
+Presets: ``"style"`` (the double blocks), ``"structure"`` (single blocks 0-12), ``"full"`` (every block;
+ranks 128 double attention, 64 double MLPs, 64 single 0-12, 32 single 13+). Why not peft:
+docs/DESIGN.md.
 """
 
 from __future__ import annotations

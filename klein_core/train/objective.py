@@ -1,17 +1,10 @@
 """The rectified-flow training objective (diffusers' Flux2/Klein LoRA scripts, SD3 paper §3).
 
-For clean latents ``x0`` and noise ``n`` (both ``[B, C, h, w]``):
-
-* ``u`` is drawn per sample from the weighting scheme's density (uniform; ``logit_normal``:
-  ``sigmoid(N(mean, std))``; ``mode``: ``1 - u - s * (cos(pi u / 2)^2 - 1 + u)``);
-* ``sigma`` is the training schedule's entry at index ``floor(u * N)`` (N = 1000): the table
-  ``(N, N-1, ..., 1) / N``, optionally shifted ``shift * s / (1 + (shift - 1) * s)`` (shift 1 =
-  none, which is what diffusers' Klein scripts train with: the Klein scheduler shifts dynamically,
-  so its training table is unshifted);
-* the model sees ``x_t = (1 - sigma) * x0 + sigma * n`` at timestep ``sigma`` and predicts the
-  velocity; the target is ``n - x0``;
-* the loss is ``mean_b(mean((w(sigma) * (pred - target)^2)))`` with ``w`` = 1, ``sigma^-2``
-  (``sigma_sqrt``) or ``2 / (pi * (1 - 2 sigma + 2 sigma^2))`` (``cosmap``), in float32.
+For clean latents ``x0`` and noise ``n`` ``[B, C, h, w]``: ``u`` per sample from the weighting
+scheme's density (uniform, ``logit_normal``, ``mode``); ``sigma`` = the table ``(N..1)/N`` (N = 1000)
+at ``floor(u N)``, optionally shifted (default shift 1, as diffusers' Klein scripts); input
+``(1 - sigma) x0 + sigma n`` at timestep ``sigma``; target ``n - x0``; loss
+``mean_b(mean(w(sigma) (pred - target)^2))`` in float32, ``w`` = 1, ``sigma^-2`` or cosmap.
 """
 
 from __future__ import annotations
