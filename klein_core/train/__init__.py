@@ -1,6 +1,7 @@
 """LoRA training for FLUX.2 Klein (see docs/training.md): the flow-matching objective
 (:mod:`.objective`), LoRA layers per block group (:mod:`.adapters`), one training step
-(:mod:`.step`), the loop with checkpoints and exact resume (:mod:`.trainer`), data and caches
+(:mod:`.step`), the loop with checkpoints and exact resume (:mod:`.trainer`), sample images at
+checkpoints (:mod:`.samples`), data and caches
 (:mod:`.data`), saving (:mod:`.save`), a whole job from files (:mod:`.job`), the loss plot
 (:mod:`.plot`) and the CLI (:mod:`.cli`)."""
 

@@ -23,6 +23,7 @@ from torch.utils.checkpoint import checkpoint
 from typing_extensions import Self
 
 from ..models.transformer import Flux2Transformer
+from ..quant.fp8 import FP8Linear
 
 logger = logging.getLogger(__name__)
 
@@ -139,7 +140,7 @@ class LoRASet(nn.Module):
         compiled = [(grp, re.compile(grp.pattern)) for grp in config.groups]
         device = model.device
         for name, module in model.named_modules():
-            if not isinstance(module, nn.Linear):
+            if not isinstance(module, (nn.Linear, FP8Linear)):  # an fp8 base: the hook adds to its output
                 continue
             grp = next((grp for grp, rx in compiled if rx.fullmatch(name)), None)
             if grp is None:

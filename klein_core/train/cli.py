@@ -49,6 +49,13 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--no-gradient-checkpointing", action="store_true")
     p.add_argument("--cache-dir", default=None, help="latent/prompt cache (default <output>.cache)")
     p.add_argument("--device", default=None)
+    p.add_argument("--quantize", choices=("fp8",), default=None, help="train on an fp8 base (block linears)")
+    p.add_argument("--sample-prompt", dest="sample_prompts", action="append", default=None,
+                   help="prompt for sample images at checkpoints (repeatable)")
+    p.add_argument("--sample-every", type=int, default=None, help="sample every N steps (default: at checkpoints)")
+    p.add_argument("--sample-steps", type=int, default=None, help="denoising steps of a sample (default 20)")
+    p.add_argument("--sample-seed", type=int, default=None)
+    p.add_argument("--sample-size", type=int, nargs=2, default=None, metavar=("W", "H"))
 
 
 def _options(args: argparse.Namespace) -> dict:
@@ -85,6 +92,9 @@ def run_train(args: argparse.Namespace) -> int:
         checkpoint_every=int(o.get("checkpoint_every", 0)),
         gradient_checkpointing=not o.get("no_gradient_checkpointing", False),
         optimizer=o.get("optimizer", "adamw"), reference_dropout=float(o.get("reference_dropout", 0.0)),
+        sample_prompts=tuple(o.get("sample_prompts") or ()), sample_every=int(o.get("sample_every", 0)),
+        sample_steps=int(o.get("sample_steps", 20)), sample_seed=int(o.get("sample_seed", 0)),
+        sample_size=tuple(o.get("sample_size", (512, 512))),
         objective=ObjectiveConfig(weighting_scheme=o.get("weighting_scheme", "none"), shift=float(o.get("shift", 1.0))),
     )
     job = TrainJob(
@@ -92,7 +102,7 @@ def run_train(args: argparse.Namespace) -> int:
         output=o["output"], preset=o.get("preset", "style"), rank=o.get("rank"), alpha=o.get("alpha"),
         targets=tuple(o.get("targets") or ()), resolution=int(o.get("resolution", 1024)), config=cfg,
         fmt=o.get("format", "diffusers"), cache_dir=o.get("cache_dir"), resume=o.get("resume"),
-        device=o.get("device"))
+        device=o.get("device"), quantize=o.get("quantize"))
     try:
         result = run_job(job, on_step=_progress)
     except DatasetError as exc:

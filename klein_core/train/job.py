@@ -29,7 +29,10 @@ logger = logging.getLogger(__name__)
 class TrainJob:
     """What to train: files, adapter preset (``rank``/``alpha`` None = the preset's), bucket
     ``resolution`` (area = resolution²), loop ``config``. ``cache_dir`` None = ``<output>.cache``;
-    ``checkpoint_dir`` None = ``<output stem>-checkpoints`` beside the output."""
+    ``checkpoint_dir`` None = ``<output stem>-checkpoints`` beside the output. ``quantize="fp8"``:
+    the base transformer's block linears are quantised to fp8 as it loads (frozen; the LoRA stays
+    in the compute dtype on top). ``config.sample_prompts``: sample images at checkpoints (the
+    prompts are encoded before the text encoder is dropped; the VAE stays loaded to decode them)."""
 
     dataset: str | os.PathLike
     transformer: str | os.PathLike
@@ -48,6 +51,7 @@ class TrainJob:
     resume: str | os.PathLike | None = None
     device: torch.device | str | None = None
     dtype: torch.dtype | None = None
+    quantize: str | None = None
 
 
 class TrainingStopped(RuntimeError):
@@ -85,9 +89,11 @@ def _run(job: TrainJob, on_step: Callable[[StepReport], bool | None] | None,
 
     from ..pipeline.engine import Engine
 
+    if job.quantize not in (None, "fp8"):
+        raise ValueError(f"quantize must be None or 'fp8', got {job.quantize!r}")
     te = load_text_encoder(job.text_encoder, device=device, dtype=dtype)
     vae = load_vae(job.vae, device=device, dtype=dtype)
-    engine = Engine(None, te, vae, device=device, memory="resident", prompt_cache=None)
+    engine = Engine(None, te, vae, kind="base", device=device, memory="resident", prompt_cache=None)
 
     def image(px: torch.Tensor) -> torch.Tensor:
         cancel()
@@ -101,11 +107,19 @@ def _run(job: TrainJob, on_step: Callable[[StepReport], bool | None] | None,
                         f"te:{encoder_identity(job.text_encoder, dtype, device)}")
     cache = job.cache_dir if job.cache_dir is not None else str(out) + ".cache"
     samples = build_samples(scan, encoders, cache, area=int(job.resolution) ** 2)
-    engine.text_encoder = engine.vae = None  # not needed while training: let them be freed
+    sampler = None
+    if job.config.sample_prompts:
+        from .samples import CheckpointSampler
+        cancel()
+        sampler = CheckpointSampler.from_config(engine, job.config)
+    engine.text_encoder = None  # not needed while training: let it be freed (and the VAE unless sampling)
+    if sampler is None:
+        engine.vae = None
     del te, vae
     cancel()
 
-    model = load_transformer(job.transformer, device=device, dtype=dtype)
+    model = load_transformer(job.transformer, device=device, dtype=dtype, quantize=job.quantize)
+    engine.transformer = model
     lora = LoRASet(model, preset(job.preset, job.rank, job.alpha, job.targets), seed=job.config.seed)
 
     def step_done(report: StepReport) -> bool | None:
@@ -114,7 +128,7 @@ def _run(job: TrainJob, on_step: Callable[[StepReport], bool | None] | None,
 
     checkpoints = Path(job.checkpoint_dir) if job.checkpoint_dir is not None else \
         out.parent / (out.stem + "-checkpoints")
-    trainer = Trainer(model, lora, samples, job.config, output_dir=checkpoints, on_step=step_done)
+    trainer = Trainer(model, lora, samples, job.config, output_dir=checkpoints, on_step=step_done, sampler=sampler)
     try:
         if job.resume:
             trainer.resume(job.resume)

@@ -63,6 +63,13 @@ class TrainConfig:
     max_grad_norm: float = 1.0
     reference_dropout: float = 0.0
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+    # Sample images (the trainer's ``sampler``): every ``sample_every`` steps, 0 = at each checkpoint.
+    sample_prompts: tuple[str, ...] = ()
+    sample_every: int = 0
+    sample_steps: int = 20
+    sample_seed: int = 0
+    sample_guidance: float | None = None  # None: the base model's default (CFG 4)
+    sample_size: tuple[int, int] = (512, 512)  # (width, height) in pixels
 
     def __post_init__(self) -> None:
         if self.steps < 1 or self.batch_size < 1:
@@ -73,6 +80,11 @@ class TrainConfig:
             raise ValueError(f"reference_dropout must be in [0, 1], got {self.reference_dropout}")
         if not (math.isfinite(self.learning_rate) and self.learning_rate > 0):
             raise ValueError(f"learning_rate must be a positive number, got {self.learning_rate}")
+        if self.sample_every < 0 or self.sample_steps < 1:
+            raise ValueError(f"sample_every must be >= 0 and sample_steps >= 1, got {self.sample_every} "
+                             f"and {self.sample_steps}")
+        object.__setattr__(self, "sample_prompts", tuple(self.sample_prompts))
+        object.__setattr__(self, "sample_size", tuple(self.sample_size))
 
 
 def _seed(*parts: int) -> int:
@@ -126,16 +138,25 @@ class Trainer:
     :meth:`close` to detach) on ``samples``. ``output_dir`` receives ``checkpoint-<step>/``.
 
     ``on_step(report)`` runs after every step; returning False stops the run (cancel).
+
+    ``sampler(folder, step)`` (e.g. :class:`klein_core.train.samples.CheckpointSampler`) writes sample
+    images of ``config.sample_prompts`` into ``folder`` with the current LoRA; it runs on process 0
+    at each checkpoint (or every ``config.sample_every`` steps) with the LoRA layers in eval mode,
+    under ``torch.no_grad()`` and with the global RNG state restored afterwards, so the training run
+    continues exactly as without it (every draw of a step comes from its own generators anyway).
     """
 
     def __init__(self, model: Flux2Transformer, lora: LoRASet, samples: Sequence[TrainSample], config: TrainConfig,
                  *, output_dir: str | Path | None = None,
-                 on_step: Callable[[StepReport], bool | None] | None = None) -> None:
+                 on_step: Callable[[StepReport], bool | None] | None = None,
+                 sampler: Callable[[Path, int], Sequence[Path]] | None = None) -> None:
         if not samples:
             raise ValueError("no training samples")
         self.model, self.lora, self.samples, self.config = model, lora, list(samples), config
         self.output_dir = Path(output_dir) if output_dir is not None else None
         self.on_step = on_step
+        self.sampler = sampler
+        self.sample_paths: list[Path] = []
         self.step = 0
         self.losses: list[float] = []
         self._per_epoch: int | None = None
@@ -229,8 +250,11 @@ class Trainer:
         while self.step < end:
             out.append(self.train_step())
             every = self.config.checkpoint_every
-            if every and self.step % every == 0 and self.output_dir is not None:
+            checkpoint_now = bool(every and self.step % every == 0 and self.output_dir is not None)
+            if checkpoint_now:
                 self.save_checkpoint()
+            if self._sample_due(checkpoint_now):
+                self.sample_images()
             rate = (self.step - start) / max(time.perf_counter() - t0, 1e-9)
             report = StepReport(self.step, self.config.steps, out[-1], rate, (self.config.steps - self.step) / rate)
             logger.debug("step %d/%d loss %.5f %.2f it/s", report.step, report.total, report.loss, rate)
@@ -238,6 +262,35 @@ class Trainer:
                 logger.info("training stopped at step %d", self.step)
                 break
         return out
+
+    # -- sample images ------------------------------------------------------------------------
+
+    def _sample_due(self, checkpoint_now: bool) -> bool:
+        cfg = self.config
+        if self.sampler is None or not cfg.sample_prompts or self.output_dir is None:
+            return False
+        return self.step % cfg.sample_every == 0 if cfg.sample_every else checkpoint_now
+
+    def sample_images(self, folder: str | Path | None = None) -> list[Path]:
+        """Run the sampler now (process 0 only) into ``folder`` (default ``output_dir/checkpoint-<step>``,
+        beside the checkpoint's state). Returns the files written."""
+        if self.sampler is None or self.rank != 0:
+            return []
+        folder = Path(folder) if folder is not None else (self.output_dir or Path(".")) / f"checkpoint-{self.step}"
+        folder.mkdir(parents=True, exist_ok=True)
+        was_training = self.lora.training
+        device = self.model.device
+        cuda = [device.index if device.index is not None else torch.cuda.current_device()] \
+            if device.type == "cuda" else []
+        self.lora.eval()
+        try:
+            with torch.no_grad(), torch.random.fork_rng(devices=cuda):
+                paths = [Path(p) for p in self.sampler(folder, self.step)]
+        finally:
+            self.lora.train(was_training)
+        self.sample_paths += paths
+        logger.info("sample images at step %d: %s", self.step, ", ".join(p.name for p in paths))
+        return paths
 
     # -- checkpoints --------------------------------------------------------------------------
 
