@@ -171,6 +171,7 @@ def release_all(reason: str = "ComfyUI unloaded all models") -> int:
         _resident.clear()
         prompts.clear()
         kv.clear()
+        host.release_native_vaes()
     logger.info("Klein: released %d cached model(s) (%s): %s; cache empty", len(names),
                 ", ".join(names) or "none", reason)
     return len(names)

@@ -393,6 +393,11 @@ def _native_vae_class() -> type:
     return KleinNativeVAE
 
 
+def release_native_vaes() -> None:
+    """Forget the native VAEs made for the loader's ``native_vae`` output (ComfyUI unloaded everything)."""
+    _NATIVE_VAES.clear()
+
+
 def native_flux2_vae(path: str, config) -> object:
     """ComfyUI's own VAE (``comfy.sd.VAE``) for the FLUX.2 VAE file at ``path`` whose klein_core
     ``VAEConfig`` is ``config``; one object per file state, its weights read when first used."""

@@ -43,10 +43,11 @@ class KleinDiffusionModel(torch.nn.Module):
 
     patch_size = 1  # what model_base.Flux reads for attention masks
 
-    def __init__(self, transformer: Flux2Transformer, model_name: str) -> None:
+    def __init__(self, transformer: Flux2Transformer, model_name: str, kind: str = "distilled") -> None:
         super().__init__()
         self.transformer = transformer
         self.model_name = model_name
+        self.kind = kind
 
     @property
     def dtype(self) -> torch.dtype:  # model_base.get_dtype() reads it
@@ -74,6 +75,11 @@ class KleinDiffusionModel(torch.nn.Module):
 
     def _references(self, refs: list, batch: int, method: str) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Reference tokens ``[B, R, 128]`` and ids ``[R, 4]`` at RoPE times 10, 20, ... (index method)."""
+        if self.kind == "kv":  # its references run as stored keys/values, which no core method expresses
+            raise ValueError(f"{NODE}: the model {self.model_name} is Klein 9B-KV, whose references run in KV "
+                             f"mode; the references from ReferenceLatent (method {method!r}) would run in the "
+                             f"sequence instead, which this model is not made for. Edit with the Klein Sampler "
+                             f"(reference_mode auto or kv), or use Klein 9B for ReferenceLatent edits.")
         if method not in REF_METHODS:
             raise ValueError(f"{NODE}: reference_latents method {method!r} is not supported by the Klein model "
                              f"{self.model_name}; use one of {', '.join(REF_METHODS)} (Edit Model Reference "
@@ -125,7 +131,7 @@ def bridge(model: KleinModel) -> Any:
                    "hidden_size": cfg.hidden_size, "num_heads": cfg.num_heads, "depth": cfg.depth,
                    "depth_single_blocks": cfg.depth_single, "axes_dim": list(cfg.axes_dim), "theta": cfg.theta,
                    "patch_size": 1, "guidance_embed": False}
-    diffusion = KleinDiffusionModel(transformer, model.name)
+    diffusion = KleinDiffusionModel(transformer, model.name, model.kind)
     return host.native_flux2_model(diffusion, unet_config, transformer.dtype, host.torch_device())
 
 

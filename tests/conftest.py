@@ -81,6 +81,8 @@ FULL_TIER: tuple[str, ...] = (
     "tests/test_serve_replica.py",
     # two training processes (gloo), and cache folders that cannot be written in every way
     "tests/test_train_ddp.py",
+    # torch.compile (inductor, on the CPU) of the bridged native MODEL
+    "tests/test_native_model.py::test_torch_compile_model_patch_runs_and_matches",
     "tests/test_prompt_cache_hostile.py::test_a_folder_that_cannot_be_written_is_one_warning",
 )
 

@@ -301,3 +301,61 @@ def test_easycache_workflow_runs_with_dpmpp_2m_and_skips_steps(host, caplog):
     skipped = [int(m.group(1)) for r in caplog.records
                if (m := re.search(r"EasyCache - skipped (\d+)/\d+ steps", r.getMessage()))]
     assert skipped and skipped[-1] > 0, skipped
+
+
+def test_ksampler_path_runs_on_the_bridged_model(host):
+    """What the core KSampler node runs (comfy.sample.sample: noise, a sampler and a scheduler of
+    ComfyUI's, the model's own sigma shift) works on the bridged MODEL: finite latents of the right
+    shape, and the scheduler matters (simple and beta differ)."""
+    import comfy.sample
+
+    model, _ = _load(host)
+    native = _bridge(host, model)
+    pos = _native_cond(host, _encode(host).positive)
+    latent = torch.zeros(1, 128, H // 16, W // 16)
+    noise = comfy.sample.prepare_noise(latent, SEED)
+    outs = {}
+    for scheduler in ("simple", "beta"):
+        with torch.inference_mode():
+            outs[scheduler] = comfy.sample.sample(native, noise, 4, 1.0, "euler", scheduler, pos, pos, latent,
+                                                  disable_pbar=True, seed=SEED)
+        assert outs[scheduler].shape == latent.shape and torch.isfinite(outs[scheduler]).all()
+    assert not torch.equal(outs["simple"], outs["beta"])
+
+
+def test_torch_compile_model_patch_runs_and_matches(host):
+    """ComfyUI's TorchCompileModel (inductor; on the CPU here) on the bridged MODEL: the compiled model
+    samples and gives the eager latents within 1e-4 (fp32; the compiler may fuse and reorder)."""
+    import comfy_extras.nodes_torch_compile as tc
+
+    model, _ = _load(host)
+    native = _bridge(host, model)
+    pos = _native_cond(host, _encode(host).positive)
+    eager = _core(host, native, pos, steps=2)
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    with torch.inference_mode():
+        compiled = tc.TorchCompileModel.execute(native, "inductor").args[0]
+    got = _core(host, compiled, pos, steps=2)
+    assert counters["stats"]["unique_graphs"] > 0  # the compiled module ran, not the eager one
+    diff = (got - eager).abs().max().item()
+    assert diff <= 1e-4, diff
+
+
+def test_a_kv_model_with_reference_latents_is_one_clear_error(host):
+    """Klein 9B-KV runs references as stored keys/values; ReferenceLatent's methods would put them in the
+    sequence, which the model is not made for: refused, naming both nodes and what to use instead.
+    Without references it samples as usual."""
+    model, vae = _load(host, "flux-2-klein-9b-kv.safetensors")
+    assert model.kind == "kv"
+    native = _bridge(host, model)
+    emb = _encode(host, encoder=Q8B).positive
+    latent = _klein(host, *_load(host)[:1], _encode(host), steps=1)  # any 4B latent: only its shape matters
+    plain = _core(host, native, _native_cond(host, emb), steps=2)
+    assert torch.isfinite(plain).all()
+    with pytest.raises(ValueError) as err:
+        _core(host, native, _native_cond(host, emb, [torch.zeros_like(latent)]), steps=2)
+    msg = str(err.value)
+    assert "Klein Model to MODEL" in msg and "ReferenceLatent" in msg and "9B-KV" in msg
+    assert "flux-2-klein-9b-kv.safetensors" in msg and "Klein Sampler" in msg

@@ -269,3 +269,16 @@ def test_pack_logged_no_unexpected_tracebacks(klein):
             if any(PACK_NAME in ln or "klein_core" in ln for ln in b)
             and not b[-1].startswith(expected) and deliberate not in b[-1]]
     assert not ours, "\n\n".join("\n".join(b) for b in ours)
+
+
+@pytest.mark.parametrize("name", ["klein_core_sampler", "klein_base_dpmpp_2m_easycache"])
+def test_native_model_workflows_run_over_http(klein, name):
+    """The bridged MODEL through ComfyUI's own sampler nodes, queued over HTTP as a script would, decoded
+    by the loader's native VAE: the server runs the graph and saves a picture of the size asked."""
+    graph = json.loads((WORKFLOWS / "api" / f"{name}.api.json").read_text())
+    graph[node_id(graph, "Flux2Scheduler")]["inputs"].update({"steps": 3, "width": 96, "height": 64})
+    graph[node_id(graph, "EmptyFlux2LatentImage")]["inputs"].update({"width": 96, "height": 64})
+    graph[node_id(graph, "RandomNoise")]["inputs"]["noise_seed"] = next(_seeds)
+    res = klein.run_prompt(graph, timeout=120)
+    assert res.ok, res.describe()
+    assert png_size(klein, res) == (96, 64)
