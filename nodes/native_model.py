@@ -16,6 +16,7 @@ import torch
 from comfy_api.latest import io
 
 from klein_core.accel.speed import apply_speed
+from klein_core.memory.placement import StagePlacer
 from klein_core.models.transformer import Flux2Transformer
 from klein_core.models.variants import encoder_for_text_width, variant_for_text_width
 from klein_core.pipeline.sampling import REF_TIME_OFFSET, pack, position_ids, text_position_ids, unpack
@@ -31,6 +32,9 @@ NODE = "Klein Model to MODEL"
 # ComfyUI's reference methods this model runs: "index" (FLUX.2's default: reference k at RoPE time
 # 10k, modulated at the current timestep) and "index_timestep_zero" (modulated as at timestep 0).
 REF_METHODS = ("index", "index_timestep_zero")
+# The loader's memory modes whose transformer stays in CPU memory and is streamed to the GPU block by
+# block in every step, as the Klein Sampler runs it; other modes let ComfyUI load the model whole.
+STREAMED_MODES = ("blocks", "minimum")
 
 
 class KleinDiffusionModel(torch.nn.Module):
@@ -43,11 +47,13 @@ class KleinDiffusionModel(torch.nn.Module):
 
     patch_size = 1  # what model_base.Flux reads for attention masks
 
-    def __init__(self, transformer: Flux2Transformer, model_name: str, kind: str = "distilled") -> None:
+    def __init__(self, transformer: Flux2Transformer, model_name: str, kind: str = "distilled",
+                 stream_to: torch.device | None = None) -> None:
         super().__init__()
         self.transformer = transformer
         self.model_name = model_name
         self.kind = kind
+        self.stream_to = stream_to  # the compute device when the blocks are streamed there each step
 
     @property
     def dtype(self) -> torch.dtype:  # model_base.get_dtype() reads it
@@ -102,7 +108,7 @@ class KleinDiffusionModel(torch.nn.Module):
             raise ValueError(f"{NODE}: the latent has {c} channels; FLUX.2 Klein takes {tr.config.in_channels} "
                              f"(EmptyFlux2LatentImage or VAEEncode with the FLUX.2 VAE).")
         self._check_context(context)
-        dtype, device = tr.dtype, tr.device
+        dtype, device = tr.dtype, (self.stream_to or tr.device)
         img = pack(x).to(device=device, dtype=dtype)
         img_ids = position_ids(h, w)
         zero_time = 0
@@ -115,10 +121,15 @@ class KleinDiffusionModel(torch.nn.Module):
         # ComfyUI passes sigma in fp32; klein_core's sampler gives the model sigma*1000 round-tripped
         # through the model dtype, /1000 (SPEC §4.4): the same here, so bf16 runs match too.
         t = ((timestep.to(device=device, dtype=torch.float32) * 1000).to(dtype) / 1000).to(dtype)
-        out = tr(img=img, img_ids=img_ids, txt=context.to(device=device, dtype=dtype),
-                 txt_ids=text_position_ids(context.shape[1]), timesteps=t.expand(b) if t.numel() == 1 else t,
-                 zero_time_tokens=zero_time)
-        return unpack(out[:, : h * w], h, w)
+        inputs = dict(img=img, img_ids=img_ids, txt=context.to(device=device, dtype=dtype),
+                      txt_ids=text_position_ids(context.shape[1]), timesteps=t.expand(b) if t.numel() == 1 else t,
+                      zero_time_tokens=zero_time)
+        if self.stream_to is None:
+            out = tr(**inputs)
+        else:  # the memory plan the loader asked for: blocks streamed in, as in the Klein Sampler
+            with StagePlacer(self.stream_to, {"transformer": tr}, {"transformer": "blocks"}).stage("transformer") as m:
+                out = m(**inputs)
+        return unpack(out[:, : h * w], h, w).to(x.device)
 
 
 def bridge(model: KleinModel) -> Any:
@@ -131,8 +142,13 @@ def bridge(model: KleinModel) -> Any:
                    "hidden_size": cfg.hidden_size, "num_heads": cfg.num_heads, "depth": cfg.depth,
                    "depth_single_blocks": cfg.depth_single, "axes_dim": list(cfg.axes_dim), "theta": cfg.theta,
                    "patch_size": 1, "guidance_embed": False}
-    diffusion = KleinDiffusionModel(transformer, model.name, model.kind)
-    return host.native_flux2_model(diffusion, unet_config, transformer.dtype, host.torch_device())
+    compute = host.torch_device()
+    streamed = model.memory in STREAMED_MODES
+    diffusion = KleinDiffusionModel(transformer, model.name, model.kind, stream_to=compute if streamed else None)
+    # Streamed: ComfyUI keeps the weights where they live (CPU memory) and samples there; each step
+    # streams the blocks to the GPU. Otherwise ComfyUI loads the model whole onto the GPU.
+    load_device = host.offload_device() if streamed else compute
+    return host.native_flux2_model(diffusion, unet_config, transformer.dtype, load_device)
 
 
 class KleinModelToMODEL(io.ComfyNode):

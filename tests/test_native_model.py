@@ -359,3 +359,24 @@ def test_a_kv_model_with_reference_latents_is_one_clear_error(host):
     msg = str(err.value)
     assert "Klein Model to MODEL" in msg and "ReferenceLatent" in msg and "9B-KV" in msg
     assert "flux-2-klein-9b-kv.safetensors" in msg and "Klein Sampler" in msg
+
+
+def test_blocks_memory_mode_streams_the_bridged_model_and_gives_the_same_latents(host, monkeypatch, parity):
+    """The loader's memory_mode blocks carries over to the native MODEL: each step streams the blocks
+    (klein_core's BlockOffloader, here with host-to-host copies), with the same latents as the model
+    ComfyUI loads whole."""
+    import klein_core.memory.placement as placement
+
+    model, _ = _load(host)
+    pos = _native_cond(host, _encode(host).positive)
+    whole = _core(host, _bridge(host, model), pos)
+    with torch.inference_mode():
+        streamed_model = host.pack.KleinModelLoader.execute(M4B, VAE, "fp32", "auto", "blocks").args[0]
+    assert streamed_model.memory == "blocks"
+    entered = []
+    real_enter = placement.BlockOffloader.__enter__
+    monkeypatch.setattr(placement.BlockOffloader, "__enter__", lambda self: entered.append(1) or real_enter(self))
+    streamed = _core(host, _bridge(host, streamed_model), pos)
+    assert len(entered) == STEPS  # once per step
+    diff = parity("native MODEL, memory_mode blocks vs whole (fp32)", _diff(streamed, whole))
+    assert diff <= 1e-6, diff
