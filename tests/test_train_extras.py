@@ -137,8 +137,8 @@ def test_samples_at_checkpoints_leave_training_unchanged(tmp_path):
     for (k, a), b in zip(lora_ref.state_dict().items(), lora.state_dict().values()):
         assert torch.equal(a, b), k
     names = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*") if p.is_file())
-    assert names == ["checkpoint-2/sample-0.png", "checkpoint-2/sample-1.png", "checkpoint-2/trainer_state.pt",
-                     "checkpoint-4/sample-0.png", "checkpoint-4/sample-1.png", "checkpoint-4/trainer_state.pt"]
+    assert names == ["checkpoint-2/sample-0.png", "checkpoint-2/sample-1.png", "checkpoint-2/trainer_state.safetensors",
+                     "checkpoint-4/sample-0.png", "checkpoint-4/sample-1.png", "checkpoint-4/trainer_state.safetensors"]
     px = {n: _pixels(tmp_path / n) for n in names if n.endswith(".png")}
     assert Image.open(tmp_path / "checkpoint-2/sample-0.png").size == (64, 64)
     # the LoRA learned between the checkpoints: the same prompt and seed give another image
@@ -270,7 +270,7 @@ def test_cli_fp8_base_with_sample_images(tmp_path, monkeypatch):
     (linears, sampler), = seen
     assert linears.count("FP8Linear") == 12 and isinstance(sampler, CheckpointSampler)
     folder = tmp_path / "out" / "l-checkpoints" / "checkpoint-2"
-    assert sorted(f.name for f in folder.iterdir()) == ["sample-0.png", "sample-1.png", "trainer_state.pt"]
+    assert sorted(f.name for f in folder.iterdir()) == ["sample-0.png", "sample-1.png", "trainer_state.safetensors"]
     assert Image.open(folder / "sample-1.png").size == (64, 64)
     lora = load_lora(out)
     assert lora.metadata["klein.steps"] == "2" and set(lora.ranks.values()) == {2}

@@ -24,12 +24,13 @@ import torch.distributed as dist
 from ..models.transformer import Flux2Transformer
 from .adapters import LoRASet, gradient_checkpointing
 from .objective import ObjectiveConfig, sample_density, sigmas_for
+from .state_file import load_state, save_state
 from .step import StepNoise, TrainBatch, compute_loss
 
 logger = logging.getLogger(__name__)
 
 OPTIMIZERS: tuple[str, ...] = ("adamw", "adamw8bit")
-CHECKPOINT_FILE = "trainer_state.pt"
+CHECKPOINT_FILE = "trainer_state.safetensors"
 
 
 @dataclass(frozen=True)
@@ -300,24 +301,22 @@ class Trainer:
                 "seed": self.config.seed, "torch_rng": torch.get_rng_state()}
 
     def save_checkpoint(self, path: str | Path | None = None) -> Path:
-        """Write ``checkpoint-<step>/trainer_state.pt`` (LoRA, optimizer, step, losses, RNG) under
+        """Write ``checkpoint-<step>/trainer_state.safetensors`` (LoRA, optimizer, step, losses, RNG) under
         ``output_dir`` (or to ``path``); only process 0 writes. Returns the folder."""
         folder = Path(path) if path is not None else (self.output_dir or Path(".")) / f"checkpoint-{self.step}"
         if self.rank == 0:
             folder.mkdir(parents=True, exist_ok=True)
-            tmp = folder / f".{CHECKPOINT_FILE}.tmp"
-            torch.save(self.state(), tmp)
-            tmp.replace(folder / CHECKPOINT_FILE)
+            save_state(self.state(), folder / CHECKPOINT_FILE)
             logger.info("checkpoint at step %d: %s", self.step, folder)
         return folder
 
     def resume(self, path: str | Path) -> None:
-        """Continue from a checkpoint folder (or its ``trainer_state.pt``): weights, optimizer, step."""
+        """Continue from a checkpoint folder (or its ``trainer_state.safetensors``): weights, optimizer, step."""
         path = Path(path)
         file = path / CHECKPOINT_FILE if path.is_dir() else path
         if not file.is_file():
             raise FileNotFoundError(f"no training checkpoint at {path} (expected {CHECKPOINT_FILE})")
-        state = torch.load(file, map_location="cpu", weights_only=True)
+        state = load_state(file)
         if state["seed"] != self.config.seed:
             raise ValueError(f"{file}: this checkpoint was trained with seed {state['seed']}, not "
                              f"{self.config.seed}; resume with the same seed")
