@@ -18,6 +18,7 @@ from comfy_api.latest import io
 from klein_core.accel.speed import apply_speed
 from klein_core.memory.placement import StagePlacer
 from klein_core.models.transformer import Flux2Transformer
+from klein_core.models.transformer_math import rope_tables
 from klein_core.models.variants import encoder_for_text_width, variant_for_text_width
 from klein_core.pipeline.sampling import REF_TIME_OFFSET, pack, position_ids, text_position_ids, unpack
 
@@ -54,6 +55,8 @@ class KleinDiffusionModel(torch.nn.Module):
         self.model_name = model_name
         self.kind = kind
         self.stream_to = stream_to  # the compute device when the blocks are streamed there each step
+        # RoPE tables depend only on the sequence's layout: made once per sampling run, not per step
+        self._rope: tuple[tuple, tuple[torch.Tensor, torch.Tensor]] | None = None
 
     @property
     def dtype(self) -> torch.dtype:  # model_base.get_dtype() reads it
@@ -121,8 +124,13 @@ class KleinDiffusionModel(torch.nn.Module):
         # ComfyUI passes sigma in fp32; klein_core's sampler gives the model sigma*1000 round-tripped
         # through the model dtype, /1000 (SPEC §4.4): the same here, so bf16 runs match too.
         t = ((timestep.to(device=device, dtype=torch.float32) * 1000).to(dtype) / 1000).to(dtype)
-        inputs = dict(img=img, img_ids=img_ids, txt=context.to(device=device, dtype=dtype),
-                      txt_ids=text_position_ids(context.shape[1]), timesteps=t.expand(b) if t.numel() == 1 else t,
+        txt_ids = text_position_ids(context.shape[1])
+        layout = (context.shape[1], h, w, tuple(r.shape[-2:] for r in ref_latents or ()), str(device))
+        if self._rope is None or self._rope[0] != layout:
+            ids = torch.cat([txt_ids, img_ids]).to(device)
+            self._rope = (layout, rope_tables(ids, tr.config.axes_dim, tr.config.theta))  # as Flux2Transformer.rope
+        inputs = dict(img=img, img_ids=img_ids, txt=context.to(device=device, dtype=dtype), txt_ids=txt_ids,
+                      timesteps=t.expand(b) if t.numel() == 1 else t, rope=self._rope[1],
                       zero_time_tokens=zero_time)
         if self.stream_to is None:
             out = tr(**inputs)

@@ -380,3 +380,26 @@ def test_blocks_memory_mode_streams_the_bridged_model_and_gives_the_same_latents
     assert len(entered) == STEPS  # once per step
     diff = parity("native MODEL, memory_mode blocks vs whole (fp32)", _diff(streamed, whole))
     assert diff <= 1e-6, diff
+
+
+def test_rope_tables_are_made_once_per_layout(host, monkeypatch):
+    """The adapter makes the RoPE tables once per sequence layout, not every step; another size makes
+    them anew (and the tables are the right ones: the parity tests above use them)."""
+    native = importlib.import_module(f"{PACK}.native_model")
+    calls = []
+    real = native.rope_tables
+    monkeypatch.setattr(native, "rope_tables", lambda *a, **k: calls.append(1) or real(*a, **k))
+    model, _ = _load(host)
+    bridged = _bridge(host, model)
+    pos = _native_cond(host, _encode(host).positive)
+    _core(host, bridged, pos, steps=3)
+    assert len(calls) == 1
+    _core(host, bridged, pos, steps=3)  # the same layout again: still cached
+    assert len(calls) == 1
+    with torch.inference_mode():
+        latent = host.flux.EmptyFlux2LatentImage.execute(W + 16, H, 1).args[0]
+        guider = host.cs.BasicGuider.execute(bridged, pos).args[0]
+        host.cs.SamplerCustomAdvanced.execute(host.cs.RandomNoise.execute(SEED).args[0], guider,
+                                              host.cs.KSamplerSelect.execute("euler").args[0],
+                                              host.flux.Flux2Scheduler.execute(2, W + 16, H).args[0], latent)
+    assert len(calls) == 2  # a new size: new tables
