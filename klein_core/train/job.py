@@ -60,12 +60,14 @@ class TrainingStopped(RuntimeError):
 
 @dataclass(frozen=True)
 class TrainResult:
-    """The written LoRA, the loss of every step (resumed steps included) and the skipped files."""
+    """The written LoRA, the loss of every step (resumed steps included), the skipped files and the
+    sample images written at checkpoints (in the order written: by step, then by prompt)."""
 
     path: Path
     losses: list[float]
     steps: int
     skipped: dict[str, str]
+    sample_images: tuple[Path, ...] = ()
 
 
 def run_job(job: TrainJob, *, on_step: Callable[[StepReport], bool | None] | None = None,
@@ -141,4 +143,4 @@ def _run(job: TrainJob, on_step: Callable[[StepReport], bool | None] | None,
     save_lora(out, lora, fmt=job.fmt, metadata={
         "base_model": f"{Path(job.transformer).name} ({model.config.variant})", "steps": trainer.step,
         "dataset_hash": dataset_hash(scan.items), "seed": cfg.seed, "learning_rate": cfg.learning_rate})
-    return TrainResult(out, list(trainer.losses), trainer.step, dict(scan.skipped))
+    return TrainResult(out, list(trainer.losses), trainer.step, dict(scan.skipped), tuple(trainer.sample_paths))
