@@ -89,8 +89,9 @@ SPECS = {
     "Note": Spec(widgets=("text",), size=(340, 140), virtual=True),
     "KleinLoraTrainer": Spec(
         widgets=("dataset", "model_name", "vae_name", "text_encoder", "preset", "rank", "steps", "learning_rate",
-                 "seed", "lora_name", "resolution"),
-        outputs=(("lora_name", "STRING"), ("loss_curve", "IMAGE")), size=(380, 330)),
+                 "seed", "lora_name", "resolution", "base_precision", "sample_prompts", "sample_every",
+                 "sample_steps", "memory_mode"),
+        outputs=(("lora_name", "STRING"), ("loss_curve", "IMAGE"), ("samples", "IMAGE")), size=(380, 520)),
     "KleinLoraLoader": Spec(sockets=(("model", "KLEIN_MODEL", False),), widgets=("lora_name", "strength"),
                             outputs=(("model", "KLEIN_MODEL"),), size=(320, 110)),
     "ReferenceLatent": Spec(sockets=(("conditioning", "CONDITIONING", False), ("latent", "LATENT", True)),
@@ -354,10 +355,14 @@ WORKFLOWS = [
             "dataset": "input/klein_lora_dataset", "model_name": "flux-2-klein-base-4b.safetensors",
             "vae_name": "flux2-vae.safetensors", "text_encoder": "qwen_3_4b.safetensors", "preset": "style",
             "rank": 32, "steps": 1000, "learning_rate": 0.0001, "seed": 0, "lora_name": "klein_lora",
-            "resolution": 1024}, title="Klein LoRA Trainer (base model)"),
-        Node(8, "PreviewAny", (-420, 470), links={"source": (7, 0)}, title="Trained LoRA file"),
+            "resolution": 1024, "base_precision": "default",
+            "sample_prompts": "A lighthouse on a rocky coast at dusk, in the trained style", "sample_every": 250,
+            "sample_steps": 20, "memory_mode": "resident"}, title="Klein LoRA Trainer (base model)"),
+        Node(8, "PreviewAny", (-420, 640), links={"source": (7, 0)}, title="Trained LoRA file"),
         Node(9, "SaveImage", (-880, 80), {"filename_prefix": "Klein-LoRA-loss"}, {"images": (7, 1)},
              title="Loss curve"),
+        Node(11, "SaveImage", (-1340, 80), {"filename_prefix": "Klein-LoRA-samples"}, {"images": (7, 2)},
+             title="LoRA samples (every 250 steps)"),
         _loader(1, "flux-2-klein-4b.safetensors"),
         Node(10, "KleinLoraLoader", (520, 600), {"lora_name": "klein_lora.safetensors", "strength": 1.0},
              {"model": (1, 0)}),
@@ -367,7 +372,8 @@ WORKFLOWS = [
         Node(6, "Note", (40, 700), {"text": "Put your training images with a .txt caption beside each in the "
                                             "dataset folder on the server (here ComfyUI/input/klein_lora_dataset). "
                                             "The trainer writes models/loras/klein_lora.safetensors from the BASE "
-                                            "model; the LoRA works on the distilled 4B too. The first run trains "
+                                            "model; the LoRA works on the distilled 4B too, and shows samples of "
+                                            "its sample_prompts every 250 steps. The first run trains "
                                             "(the LoRA Loader reports the file missing until then): refresh (R) "
                                             "and queue again to generate with the new LoRA."}),
     ]),

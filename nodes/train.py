@@ -2,22 +2,29 @@
 writes it into ComfyUI's ``loras`` folder (:func:`klein_core.train.run_job` does the work).
 
 Progress goes to ComfyUI's progress bar; Cancel stops the run between encodings and steps, and a
-stopped run writes no LoRA file. The output name is a plain file name: never a path.
+stopped run writes no LoRA file. The output name is a plain file name: never a path. Optional: an fp8
+base (``TrainJob(quantize="fp8")``) and sample images every ``sample_every`` steps (written under
+ComfyUI's temp folder, returned as the ``samples`` IMAGE batch).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 from comfy_api.latest import io
+from PIL import Image, ImageDraw
 from safetensors import safe_open
 
 from klein_core.train import PRESETS, TrainConfig, TrainJob, loss_curve_image, run_job
 from klein_core.train.data import IMAGE_EXTS, DatasetError
+from klein_core.train.job import TRAIN_MEMORY
 
 from . import host, notices
 from .common import check_choices, model_file
@@ -27,9 +34,8 @@ logger = logging.getLogger(__name__)
 NODE = "Klein LoRA Trainer"
 SUFFIX = ".safetensors"
 _FOLDERS = {"model_name": "diffusion_models", "vae_name": "vae", "text_encoder": "text_encoders"}
-
-
-# ----- host access not (yet) in host.py ---------------------------------------------------------------
+PRECISIONS = {"default": None, "fp8": "fp8"}  # base_precision -> TrainJob.quantize
+NO_SAMPLES_TEXT = "no sample prompts"
 
 
 # ----- helpers ------------------------------------------------------------------------------------------
@@ -68,6 +74,47 @@ def output_path(file_name: str) -> str:
 def _as_image(pil: Any) -> torch.Tensor:
     """PIL RGB -> IMAGE ``[1, H, W, 3]`` float32 in 0..1."""
     return torch.from_numpy(np.asarray(pil.convert("RGB"), dtype=np.float32) / 255.0)[None]
+
+
+def sample_prompt_list(text: str) -> tuple[str, ...]:
+    """One prompt per line of ``text``; blank lines are ignored, surrounding spaces dropped."""
+    return tuple(line.strip() for line in (text or "").splitlines() if line.strip())
+
+
+def sample_schedule(prompts: Sequence[str], sample_every: int, steps: int) -> int:
+    """The ``TrainConfig.sample_every`` for the node's inputs (0 = no samples): ``sample_every`` steps,
+    or ``steps`` (one set after the last step) when it is 0 or more than ``steps`` (the latter warned)."""
+    if sample_every < 0:
+        raise ValueError(f"{NODE}: sample_every must be 0 or more (0: sample only after the last step), "
+                         f"got {sample_every}.")
+    if not prompts:
+        return 0
+    if sample_every == 0:
+        return steps
+    if sample_every > steps:
+        logger.warning("%s: sample_every (%d) is more than steps (%d), so no multiple of it is reached; sample "
+                       "images are made once, after the last step", NODE, sample_every, steps)
+        return steps
+    return sample_every
+
+
+def placeholder_image(text: str = NO_SAMPLES_TEXT, width: int = 256, height: int = 64) -> torch.Tensor:
+    """A small dark IMAGE ``[1, height, width, 3]`` with ``text`` written on it."""
+    img = Image.new("RGB", (width, height), (24, 25, 30))
+    ImageDraw.Draw(img).text((12, height // 2 - 6), text, fill=(230, 230, 230))
+    return _as_image(img)
+
+
+def load_samples(paths: Sequence[str | os.PathLike]) -> torch.Tensor:
+    """The sample PNGs as one IMAGE batch ``[N, H, W, 3]`` (they share one size), in order."""
+    images = []
+    for p in paths:
+        with Image.open(p) as img:
+            images.append(_as_image(img))
+    sizes = {tuple(t.shape) for t in images}
+    if len(sizes) != 1:
+        raise ValueError(f"{NODE}: the sample images have different sizes {sorted(sizes)}; cannot batch them.")
+    return torch.cat(images)
 
 
 class KleinLoraTrainer(io.ComfyNode):
@@ -111,11 +158,39 @@ class KleinLoraTrainer(io.ComfyNode):
                 io.Int.Input("resolution", default=1024, min=64, max=2048, step=16, optional=True, tooltip=(
                     "Training area: each image is scaled to about resolution x resolution pixels, keeping its "
                     "aspect ratio (sides multiples of 16).")),
+                io.Combo.Input("base_precision", options=list(PRECISIONS), default="default", optional=True,
+                               tooltip=(
+                    "default: the base model's weights as its file stores them (a bf16 file trains on bf16 "
+                    "weights; an fp8 file stays fp8). fp8: the frozen block linears of a bf16/fp16 base are "
+                    "stored in fp8 as it loads, and the LoRA (unchanged, in its own precision) trains on top: "
+                    "about half the transformer's weight memory, at a small cost in exactness. GPUs without "
+                    "fp8 matrix multiplies (and the CPU) widen each layer per call, which is slower.")),
+                io.String.Input("sample_prompts", default="", multiline=True, optional=True, tooltip=(
+                    "Prompts for sample images made with the LoRA being trained, one per line (blank lines are "
+                    "ignored). Empty: no samples. Each sample is resolution x resolution pixels (the training "
+                    "resolution), seeded with seed, with the base model's CFG and an empty negative prompt.")),
+                io.Int.Input("sample_every", default=250, min=0, max=100000, optional=True, tooltip=(
+                    "Steps between sample images: one image per prompt at every multiple of sample_every "
+                    "and always after the last step (the final LoRA). 0, or more than steps: after the last step "
+                    "only. Ignored without sample_prompts.")),
+                io.Int.Input("sample_steps", default=20, min=1, max=200, optional=True, tooltip=(
+                    "Sampling steps of each sample image (the base model: 20 is its usual count). Sampling "
+                    "pauses training, and the progress bar, while it runs.")),
+                io.Combo.Input("memory_mode", options=list(TRAIN_MEMORY), default="resident", optional=True,
+                               tooltip=(
+                    "resident: the base model stays on the GPU while training (fastest). blocks: its blocks stay "
+                    "in CPU memory and each is copied to the GPU only while it runs, forward and backward, for "
+                    "GPUs that cannot hold the whole base model; slower, the same LoRA.")),
             ],
             outputs=[
                 io.String.Output(display_name="lora_name", tooltip=(
                     "The LoRA's file name in models/loras: pick it in Klein LoRA Loader.")),
                 io.Image.Output(display_name="loss_curve", tooltip="The training loss by step (moving average bold)."),
+                io.Image.Output(display_name="samples", tooltip=(
+                    "Every sample image written, in order (by step, then by prompt line), as one batch of "
+                    "resolution x resolution images; the files are in ComfyUI's temp folder under "
+                    "klein_train_cache/checkpoints/<lora_name>/checkpoint-<step>/sample-<i>.png (the server log "
+                    "names it). Without sample_prompts: one small dark image saying 'no sample prompts'.")),
             ],
             is_output_node=True,
         )
@@ -137,10 +212,20 @@ class KleinLoraTrainer(io.ComfyNode):
     @notices.reported
     def execute(cls, dataset: str, model_name: str, vae_name: str, text_encoder: str, preset: str = "style",
                 rank: int = 32, steps: int = 1000, learning_rate: float = 1e-4, seed: int = 0,
-                lora_name: str = "klein_lora", resolution: int = 1024) -> io.NodeOutput:
+                lora_name: str = "klein_lora", resolution: int = 1024, base_precision: str = "default",
+                sample_prompts: str = "", sample_every: int = 250, sample_steps: int = 20,
+                memory_mode: str = "resident") -> io.NodeOutput:
         file_name = lora_file_name(lora_name)
         if preset not in PRESETS:
             raise ValueError(f"{NODE}: preset '{preset}' is not one of {', '.join(PRESETS)}.")
+        if base_precision not in PRECISIONS:
+            raise ValueError(f"{NODE}: base_precision '{base_precision}' is not one of {', '.join(PRECISIONS)}.")
+        if memory_mode not in TRAIN_MEMORY:
+            raise ValueError(f"{NODE}: memory_mode '{memory_mode}' is not one of {', '.join(TRAIN_MEMORY)}.")
+        if int(sample_steps) < 1:
+            raise ValueError(f"{NODE}: sample_steps must be 1 or more, got {sample_steps}.")
+        prompts = sample_prompt_list(sample_prompts)
+        every = sample_schedule(prompts, int(sample_every), int(steps))
         if not dataset.strip():
             raise ValueError(f"{NODE}: dataset is empty; give a folder on the server with images and .txt captions "
                              f"({', '.join(IMAGE_EXTS)}).")
@@ -149,14 +234,22 @@ class KleinLoraTrainer(io.ComfyNode):
         out = output_path(file_name)
         device = host.torch_device()
         dtype = torch.bfloat16 if device.type != "cpu" and host.bf16_supported(device) else torch.float32
-        if device.type != "cpu":
-            host.make_room(3 * os.path.getsize(paths["model_name"]), device)
+        if device.type != "cpu":  # resident: the weights, their gradients' working set and activations;
+            # blocks: the non-block weights, two blocks in flight and activations (both rough, for the host)
+            share = 3 if memory_mode == "resident" else 1
+            host.make_room(share * os.path.getsize(paths["model_name"]), device)
+        # This LoRA's own checkpoint folder, emptied first: the sample files in it are this run's only.
+        checkpoints = os.path.join(host.temp_path("klein_train_cache"), "checkpoints", Path(file_name).stem)
+        shutil.rmtree(checkpoints, ignore_errors=True)
+        side = int(resolution)
         job = TrainJob(
             dataset=dataset.strip(), transformer=paths["model_name"], vae=paths["vae_name"],
             text_encoder=paths["text_encoder"], output=out, preset=preset, rank=int(rank),
-            resolution=int(resolution), device=device, dtype=dtype,
-            config=TrainConfig(steps=int(steps), learning_rate=float(learning_rate), seed=int(seed)),
-            cache_dir=host.temp_path("klein_train_cache"), checkpoint_dir=os.path.join(host.temp_path("klein_train_cache"), "checkpoints"))
+            resolution=side, device=device, dtype=dtype, quantize=PRECISIONS[base_precision], memory=memory_mode,
+            config=TrainConfig(steps=int(steps), learning_rate=float(learning_rate), seed=int(seed),
+                               sample_prompts=prompts, sample_every=every, sample_steps=int(sample_steps),
+                               sample_seed=int(seed), sample_size=(side, side)),
+            cache_dir=host.temp_path("klein_train_cache"), checkpoint_dir=checkpoints)
         bar = host.progress_bar(int(steps))
         try:
             result = run_job(job, on_step=lambda r: bar.update_absolute(r.step, r.total),
@@ -167,4 +260,10 @@ class KleinLoraTrainer(io.ComfyNode):
             if device.type != "cpu":
                 host.empty_cache()
         logger.info("%s: wrote %s (%d steps, last loss %.4f)", NODE, file_name, result.steps, result.losses[-1])
-        return io.NodeOutput(file_name, _as_image(loss_curve_image(result.losses)))
+        if result.sample_images:
+            logger.info("%s: %d sample image(s) in %s: %s", NODE, len(result.sample_images), checkpoints,
+                        ", ".join(os.path.relpath(p, checkpoints) for p in result.sample_images))
+            samples = load_samples(result.sample_images)
+        else:
+            samples = placeholder_image(NO_SAMPLES_TEXT if not prompts else "no sample images were made")
+        return io.NodeOutput(file_name, _as_image(loss_curve_image(result.losses)), samples)

@@ -110,7 +110,7 @@ def _weights(lora: LoRASet) -> dict[str, torch.Tensor]:
 
 def test_adamw8bit_tracks_adamw_within_its_quantisation_error():
     pytest.importorskip("bitsandbytes")
-    base = dict(steps=30, learning_rate=1e-2, batch_size=2, seed=2, gradient_checkpointing=False)
+    base = {"steps": 30, "learning_rate": 1e-2, "batch_size": 2, "seed": 2, "gradient_checkpointing": False}
     lora32, fp32 = _rank32(TrainConfig(**base))
     lora8, q8 = _rank32(TrainConfig(**base, optimizer="adamw8bit"))
     lora_ctl, ctl = _rank32(TrainConfig(**{**base, "learning_rate": 1.2e-2}))  # control: a 20% larger step
@@ -141,7 +141,7 @@ def test_adamw8bit_checkpoint_resumes_bit_exactly(tmp_path):
                       optimizer="adamw8bit")
     lora_full, full = _rank32(cfg)
     full.train()
-    lora_a, first = _rank32(cfg)
+    _, first = _rank32(cfg)
     first.output_dir = tmp_path
     first.train(until=3)
     folder = first.save_checkpoint()

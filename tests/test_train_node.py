@@ -1,6 +1,7 @@
 """Klein LoRA Trainer node (nodes/train.py) in the ComfyUI 0.3.75 host, on the CPU, with tiny models:
 it trains, writes the LoRA into models/loras (which load_lora and Klein LoRA Loader read), draws the
-loss curve, refuses a distilled base and path-like names, and Cancel leaves no LoRA file."""
+loss curve, refuses a distilled base and path-like names, and Cancel leaves no LoRA file; an fp8 base
+reaches the job, and sample images come back as a batch (a placeholder without sample prompts)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import importlib
 import os
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -86,10 +88,20 @@ def test_schema(env):
     assert (schema.node_id, schema.display_name, schema.category) == \
         ("KleinLoraTrainer", "Klein LoRA Trainer", "Klein/training")
     assert [i.id for i in schema.inputs] == ["dataset", "model_name", "vae_name", "text_encoder", "preset", "rank",
-                                            "steps", "learning_rate", "seed", "lora_name", "resolution"]
+                                            "steps", "learning_rate", "seed", "lora_name", "resolution",
+                                            "base_precision", "sample_prompts", "sample_every", "sample_steps",
+                                            "memory_mode"]
+    assert all(i.optional for i in schema.inputs[10:])  # appended: saved workflows keep their widget order
     assert "ON THE SERVER" in schema.inputs[0].tooltip
     assert schema.inputs[1].options == sorted(os.listdir(env.paths["klein_4b"].parent))
-    assert [o.io_type for o in schema.outputs] == ["STRING", "IMAGE"]
+    assert schema.inputs[11].options == ["default", "fp8"] and schema.inputs[11].default == "default"
+    assert "half the transformer's weight memory" in schema.inputs[11].tooltip
+    assert schema.inputs[12].multiline and schema.inputs[12].default == ""
+    assert (schema.inputs[13].default, schema.inputs[14].default) == (250, 20)
+    assert schema.inputs[15].options == ["resident", "blocks"] and schema.inputs[15].default == "resident"
+    assert [o.io_type for o in schema.outputs] == ["STRING", "IMAGE", "IMAGE"]
+    assert [o.display_name for o in schema.outputs] == ["lora_name", "loss_curve", "samples"]
+    assert "no sample prompts" in schema.outputs[2].tooltip
     assert env.node.validate_inputs(M4B_BASE, VAE, "nope.safetensors").startswith(
         "text_encoder 'nope.safetensors' is not available")
 
@@ -195,3 +207,153 @@ def test_example_workflow_trains_then_loads_that_lora(env):
     assert trainer["model_name"] == M4B_BASE
     assert env.train.lora_file_name(trainer["lora_name"]) == api[loader_id]["inputs"]["lora_name"]
     assert sampler["model"] == [loader_id, 0]
+
+
+# ----- fp8 base, sample images ------------------------------------------------------------------------
+
+
+def _spy_jobs(env, monkeypatch):
+    jobs = []
+    real = env.train.run_job
+
+    def spy(job, **kw):
+        jobs.append(job)
+        return real(job, **kw)
+
+    monkeypatch.setattr(env.train, "run_job", spy)
+    return jobs
+
+
+def _sample_files(env, stem):
+    root = env.folder_paths.get_temp_directory()
+    return os.path.join(root, "klein_train_cache", "checkpoints", stem)
+
+
+def test_fp8_base_reaches_the_job_and_its_lora_loads(env, trained, monkeypatch):
+    from safetensors.torch import load_file
+
+    jobs = _spy_jobs(env, monkeypatch)
+    name = _run(env, lora_name="tiny_fp8", base_precision="fp8").args[0]
+    (job,) = jobs
+    assert job.quantize == "fp8"
+    lora = load_lora(env.loras / name)
+    assert not lora.skipped and len(lora.patches) == 12 and set(lora.ranks.values()) == {2}
+    # the same seed and data as the default-precision run: the fp8 base changed what was learnt
+    fp8, default = load_file(str(env.loras / name)), load_file(str(env.loras / trained[0].args[0]))
+    assert fp8.keys() == default.keys()
+    diff = max((fp8[k].float() - default[k].float()).abs().max().item() for k in fp8)
+    assert diff > 0, "the fp8 run trained exactly as the default one"
+    (env.loras / name).unlink()
+
+
+def test_default_inputs_send_no_quantize_and_no_samples(env, monkeypatch):
+    jobs = []
+
+    def stop(job, **kw):  # only the job's settings matter here
+        jobs.append(job)
+        raise RuntimeError("stopped by the test")
+
+    monkeypatch.setattr(env.train, "run_job", stop)
+    with pytest.raises(RuntimeError, match="stopped by the test"):
+        _run(env, lora_name="tiny_default")
+    (job,) = jobs
+    assert job.quantize is None and job.config.sample_prompts == () and job.config.sample_every == 0
+
+
+def test_sample_images_at_every_sample_every_steps(env, monkeypatch):
+    jobs = _spy_jobs(env, monkeypatch)
+    prompts = "a red square\n\n   \n  a blue circle  \n"  # blank lines are ignored
+    out = _run(env, lora_name="tiny_samples", sample_prompts=prompts, sample_every=2, sample_steps=2)
+    (job,) = jobs
+    cfg = job.config
+    assert cfg.sample_prompts == ("a red square", "a blue circle")
+    assert (cfg.sample_every, cfg.sample_steps, cfg.sample_seed, cfg.sample_size) == (2, 2, 3, (64, 64))
+    samples = out.args[2]
+    assert samples.shape == (2 * (STEPS // 2), 64, 64, 3) and samples.dtype == torch.float32
+    assert 0.0 <= samples.min().item() and samples.max().item() <= 1.0
+    # by step, then by prompt: the two prompts differ, and so do the two steps of one prompt
+    assert (samples[0] - samples[1]).abs().max() > 1 / 255 and (samples[2] - samples[3]).abs().max() > 1 / 255
+    assert (samples[0] - samples[2]).abs().max() > 0
+    folder = _sample_files(env, "tiny_samples")
+    files = [os.path.join(folder, f"checkpoint-{s}", f"sample-{i}.png") for s in (2, 4) for i in (0, 1)]
+    assert all(os.path.isfile(f) for f in files)
+    for f, img in zip(files, samples, strict=True):  # the output is exactly the files written
+        px = torch.from_numpy(np.array(Image.open(f).convert("RGB"))).float() / 255
+        assert torch.equal(px, img)
+    (env.loras / "tiny_samples.safetensors").unlink()
+
+
+@pytest.mark.parametrize("every", [0, STEPS + 1])
+def test_sample_every_zero_or_past_the_end_samples_after_the_last_step(env, monkeypatch, every):
+    jobs = _spy_jobs(env, monkeypatch)
+    out = _run(env, lora_name="tiny_last", sample_prompts="one prompt", sample_every=every, sample_steps=1)
+    assert jobs[0].config.sample_every == STEPS
+    assert out.args[2].shape == (1, 64, 64, 3)
+    folder = _sample_files(env, "tiny_last")
+    assert sorted(os.listdir(folder)) == [f"checkpoint-{STEPS}"]  # the run's folder holds this run's samples only
+    warned = [w for w in out.ui["warnings"] if "sample_every" in w]
+    if every:
+        assert warned == [(f"Klein LoRA Trainer: sample_every ({every}) is more than steps ({STEPS}), so no "
+                           "multiple of it is reached; sample images are made once, after the last step")]
+    else:
+        assert not warned
+    (env.loras / "tiny_last.safetensors").unlink()
+
+
+def test_no_sample_prompts_gives_a_placeholder(env, trained):
+    out = trained[0]
+    placeholder = out.args[2]
+    assert placeholder.shape == (1, 64, 256, 3) and placeholder.dtype == torch.float32
+    assert 0.0 <= placeholder.min().item() and placeholder.max().item() <= 1.0
+    assert placeholder.max().item() > 0.8  # the text is drawn
+    assert torch.equal(placeholder, env.train.placeholder_image())
+    assert env.train.sample_prompt_list(" \n\n") == ()
+
+
+@pytest.mark.parametrize("kw,message", [
+    ({"base_precision": "fp16"}, "base_precision 'fp16' is not one of default, fp8."),
+    ({"sample_prompts": "x", "sample_every": -1}, "sample_every must be 0 or more"),
+    ({"sample_prompts": "x", "sample_steps": 0}, "sample_steps must be 1 or more, got 0."),
+])
+def test_bad_new_inputs_are_refused_before_training(env, monkeypatch, kw, message):
+    jobs = _spy_jobs(env, monkeypatch)
+    with pytest.raises(ValueError) as err:
+        _run(env, lora_name="tiny_bad", **kw)
+    assert str(err.value).startswith(f"Klein LoRA Trainer: {message}"), str(err.value)
+    assert not jobs and not (env.loras / "tiny_bad.safetensors").exists()
+
+
+def test_memory_mode_blocks_trains_the_same_lora(env, trained, monkeypatch):
+    from safetensors.torch import load_file
+
+    jobs = _spy_jobs(env, monkeypatch)
+    name = _run(env, lora_name="tiny_blocks", memory_mode="blocks").args[0]
+    assert jobs[0].memory == "blocks"
+    streamed, resident = load_file(str(env.loras / name)), load_file(str(env.loras / trained[0].args[0]))
+    assert streamed.keys() == resident.keys() and all(torch.equal(streamed[k], resident[k]) for k in streamed)
+    (env.loras / name).unlink()
+    with pytest.raises(ValueError, match="Klein LoRA Trainer: memory_mode 'swap' is not one of resident, blocks."):
+        _run(env, lora_name="tiny_blocks", memory_mode="swap")
+
+
+def test_cancel_during_sample_images_stops_between_their_steps(env, monkeypatch):
+    host = importlib.import_module(f"{env.pack.__name__}.host")
+    from klein_core.train import samples as samples_mod
+
+    sampling_steps = []
+    real_step = samples_mod.CheckpointSampler._step
+
+    def counting(self, step, total, latents):
+        sampling_steps.append(step)
+        return real_step(self, step, total, latents)
+
+    def cancel_once_sampling():  # Cancel pressed during the first sample image's second step
+        if len(sampling_steps) >= 2:
+            raise env.mm.InterruptProcessingException()
+
+    monkeypatch.setattr(samples_mod.CheckpointSampler, "_step", counting)
+    monkeypatch.setattr(host, "check_interrupt", cancel_once_sampling)
+    with pytest.raises(env.mm.InterruptProcessingException):
+        _run(env, lora_name="cancel_sampling", sample_prompts="one prompt", sample_every=2, sample_steps=10)
+    assert len(sampling_steps) == 2  # stopped at once, not after the sample's 10 steps
+    assert not (env.loras / "cancel_sampling.safetensors").exists()

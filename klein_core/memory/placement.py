@@ -16,11 +16,13 @@ import collections
 import contextlib
 import functools
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
+from typing_extensions import Self
 
 from ..pipeline.request import indexed_device
 
@@ -150,6 +152,8 @@ class BlockOffloader:
             prefetches the next forward's first blocks.
 
     :meth:`attach` (or ``with``) installs the hooks; :meth:`detach` puts every weight back (or on ``to``).
+    ``attach(hooks=False)`` places the weights but installs no hooks: the caller then runs each block
+    through :meth:`run` (training does, so that the backward pass's recomputation streams too).
     """
 
     def __init__(
@@ -178,12 +182,14 @@ class BlockOffloader:
         self._resident: list[_Slot] = []
         # Events marking the end of released blocks' compute: their memory may still be in use.
         self._freeing: collections.deque[torch.cuda.Event] = collections.deque()
+        self._attached = False
 
     # -- lifecycle ------------------------------------------------------------------------------
 
-    def attach(self) -> BlockOffloader:
-        if self._hooks:
+    def attach(self, *, hooks: bool = True) -> BlockOffloader:
+        if self._hooks or self._attached:
             return self
+        self._attached = True
         in_blocks = {(id(s.owner), s.name) for slots in self._slots for s in slots}
         pin = _pinnable()
         # Non-block weights are on the device while attached; their own tensors come back at
@@ -201,7 +207,7 @@ class BlockOffloader:
                 _set(s, home)
         if self.device.type == "cuda":
             self._stream = torch.cuda.Stream(self.device)
-        for i, block in enumerate(self.blocks):
+        for i, block in enumerate(self.blocks if hooks else ()):
             self._hooks.append(block.register_forward_pre_hook(self._make_pre_hook(i)))
             self._hooks.append(block.register_forward_hook(self._make_post_hook(i)))
             for name in STREAMED_METHODS:
@@ -216,6 +222,7 @@ class BlockOffloader:
 
     def detach(self, to: torch.device | str | None = None) -> None:
         """Remove the hooks; block weights go back to their CPU home, or to ``to`` if given."""
+        self._attached = False
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
@@ -234,13 +241,28 @@ class BlockOffloader:
                     s.home = s.home.to(to)
                     _set(s, s.home)
 
-    def __enter__(self) -> BlockOffloader:
-        return self.attach()
+    def __enter__(self) -> Self:
+        self.attach()
+        return self
 
     def __exit__(self, *exc: object) -> None:
         self.detach()
 
     # -- streaming ------------------------------------------------------------------------------
+
+    def run(self, i: int, fn: Callable[..., Any], *args: Any, ahead: int = 1, **kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)`` with block ``i``'s weights on the device, then released; block
+        ``i + ahead`` (if it exists; ``ahead`` 0 = none, -1 = the previous block, as a backward pass
+        goes) is copied meanwhile."""
+        if not self._attached:
+            raise RuntimeError("BlockOffloader.run needs attach() first")
+        self._acquire(i)
+        if ahead and 0 <= i + ahead < len(self.blocks):
+            self._load(i + ahead)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self._release(i)
 
     def _make_pre_hook(self, i: int):
         def hook(module: nn.Module, args: object) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import math
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +22,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 from typing_extensions import Self
 
+from ..memory.placement import BlockOffloader
 from ..models.transformer import Flux2Transformer
 from ..quant.fp8 import FP8Linear
 
@@ -186,19 +187,46 @@ class LoRASet(nn.Module):
 
 class gradient_checkpointing:
     """Context manager: every double and single block of ``model`` recomputes its activations in
-    the backward pass (``torch.utils.checkpoint``, non-reentrant) instead of keeping them."""
+    the backward pass (``torch.utils.checkpoint``, non-reentrant) instead of keeping them.
 
-    def __init__(self, model: Flux2Transformer, enabled: bool = True) -> None:
-        self.blocks = [*model.double_blocks, *model.single_blocks] if enabled else []
+    With ``streamer`` (a :class:`~klein_core.memory.placement.BlockOffloader` attached with
+    ``hooks=False`` over the same blocks), each block's weights are on the device only while it runs:
+    in the forward pass (the next block copied meanwhile) and again in the backward pass's
+    recomputation (the previous block copied meanwhile). Without checkpointing, the backward pass
+    would keep every block's device weights alive, so streaming always checkpoints.
+    """
+
+    def __init__(self, model: Flux2Transformer, enabled: bool = True, *, streamer: BlockOffloader | None = None) -> None:
+        blocks = [*model.double_blocks, *model.single_blocks]
+        if streamer is not None and [id(b) for b in streamer.blocks] != [id(b) for b in blocks]:
+            raise ValueError("the block streamer does not stream this model's blocks")
+        self.blocks = blocks if enabled or streamer is not None else []
+        self.streamer = streamer
 
     def __enter__(self) -> Self:
-        for block in self.blocks:
-            original = block.forward
-
-            def run(*args: Any, _f: Any = original, **kwargs: Any) -> Any:
-                return checkpoint(_f, *args, use_reentrant=False, **kwargs)
-            block.forward = run  # instance attribute: shadows the class method
+        for i, block in enumerate(self.blocks):
+            block.forward = self._checkpointed(i, block.forward)  # instance attribute: shadows the class method
         return self
+
+    def _checkpointed(self, i: int, original: Callable[..., Any]) -> Callable[..., Any]:
+        streamer = self.streamer
+        if streamer is None:
+            def run(*args: Any, **kwargs: Any) -> Any:
+                return checkpoint(original, *args, use_reentrant=False, **kwargs)
+            return run
+
+        def run_streamed(*args: Any, **kwargs: Any) -> Any:
+            # Only the forward pass calls this; checkpoint calls ``body`` again from the backward pass
+            # to recompute, when the blocks come in reverse order.
+            forward = [True]
+
+            def body(*a: Any, **k: Any) -> Any:
+                return streamer.run(i, original, *a, ahead=1 if forward[0] else -1, **k)
+            try:
+                return checkpoint(body, *args, use_reentrant=False, **kwargs)
+            finally:
+                forward[0] = False
+        return run_streamed
 
     def __exit__(self, *exc: object) -> None:
         for block in self.blocks:

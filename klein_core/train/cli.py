@@ -13,7 +13,7 @@ import time
 
 from .adapters import PRESETS
 from .data import DatasetError
-from .job import TrainJob, run_job
+from .job import TRAIN_MEMORY, TrainJob, run_job
 from .objective import WEIGHTING_SCHEMES, ObjectiveConfig
 from .save import FORMATS
 from .trainer import OPTIMIZERS, StepReport, TrainConfig
@@ -50,6 +50,9 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-dir", default=None, help="latent/prompt cache (default <output>.cache)")
     p.add_argument("--device", default=None)
     p.add_argument("--quantize", choices=("fp8",), default=None, help="train on an fp8 base (block linears)")
+    p.add_argument("--memory", choices=TRAIN_MEMORY, default=None, help=(
+        "resident (default): the base model on the device; blocks: its blocks stay in CPU memory and "
+        "stream through the device one at a time (less GPU memory, slower)"))
     p.add_argument("--sample-prompt", dest="sample_prompts", action="append", default=None,
                    help="prompt for sample images at checkpoints (repeatable)")
     p.add_argument("--sample-every", type=int, default=None, help="sample every N steps (default: at checkpoints)")
@@ -102,7 +105,7 @@ def run_train(args: argparse.Namespace) -> int:
         output=o["output"], preset=o.get("preset", "style"), rank=o.get("rank"), alpha=o.get("alpha"),
         targets=tuple(o.get("targets") or ()), resolution=int(o.get("resolution", 1024)), config=cfg,
         fmt=o.get("format", "diffusers"), cache_dir=o.get("cache_dir"), resume=o.get("resume"),
-        device=o.get("device"), quantize=o.get("quantize"))
+        device=o.get("device"), quantize=o.get("quantize"), memory=o.get("memory", "resident"))
     try:
         result = run_job(job, on_step=_progress)
     except DatasetError as exc:

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from ..files.loaders import load_text_encoder, load_transformer, load_vae
+from ..memory.placement import BlockOffloader
 from ..pipeline.prompts import encoder_identity
 from .adapters import LoRASet, preset
 from .data import Encoders, build_samples, dataset_hash, require_base_model, scan_dataset
@@ -24,6 +25,8 @@ from .trainer import StepReport, TrainConfig, Trainer
 
 logger = logging.getLogger(__name__)
 
+TRAIN_MEMORY: tuple[str, ...] = ("resident", "blocks")
+
 
 @dataclass(frozen=True)
 class TrainJob:
@@ -31,7 +34,9 @@ class TrainJob:
     ``resolution`` (area = resolution²), loop ``config``. ``cache_dir`` None = ``<output>.cache``;
     ``checkpoint_dir`` None = ``<output stem>-checkpoints`` beside the output. ``quantize="fp8"``:
     the base transformer's block linears are quantised to fp8 as it loads (frozen; the LoRA stays
-    in the compute dtype on top). ``config.sample_prompts``: sample images at checkpoints (the
+    in the compute dtype on top). ``memory="blocks"``: the frozen blocks stay in CPU memory and each
+    is copied to the device only while it runs (forward and the backward pass's recomputation), for
+    GPUs that cannot hold the whole base model; slower, same result. ``config.sample_prompts``: sample images at checkpoints (the
     prompts are encoded before the text encoder is dropped; the VAE stays loaded to decode them)."""
 
     dataset: str | os.PathLike
@@ -52,6 +57,7 @@ class TrainJob:
     device: torch.device | str | None = None
     dtype: torch.dtype | None = None
     quantize: str | None = None
+    memory: str = "resident"
 
 
 class TrainingStopped(RuntimeError):
@@ -93,9 +99,12 @@ def _run(job: TrainJob, on_step: Callable[[StepReport], bool | None] | None,
 
     if job.quantize not in (None, "fp8"):
         raise ValueError(f"quantize must be None or 'fp8', got {job.quantize!r}")
+    if job.memory not in TRAIN_MEMORY:
+        raise ValueError(f"memory must be one of {TRAIN_MEMORY}, got {job.memory!r}")
     te = load_text_encoder(job.text_encoder, device=device, dtype=dtype)
     vae = load_vae(job.vae, device=device, dtype=dtype)
-    engine = Engine(None, te, vae, kind="base", device=device, memory="resident", prompt_cache=None)
+    engine = Engine(None, te, vae, kind="base", device=device, memory="resident", prompt_cache=None,
+                    check_cancel=check_cancel)  # cancels sample images between their steps
 
     def image(px: torch.Tensor) -> torch.Tensor:
         cancel()
@@ -120,7 +129,12 @@ def _run(job: TrainJob, on_step: Callable[[StepReport], bool | None] | None,
     del te, vae
     cancel()
 
-    model = load_transformer(job.transformer, device=device, dtype=dtype, quantize=job.quantize)
+    streamer = None
+    if job.memory == "blocks":  # the blocks live in CPU memory; the rest (and the LoRA) on the device
+        model = load_transformer(job.transformer, device="cpu", dtype=dtype, quantize=job.quantize)
+        streamer = BlockOffloader(model, device, prefetch=1).attach(hooks=False)
+    else:
+        model = load_transformer(job.transformer, device=device, dtype=dtype, quantize=job.quantize)
     engine.transformer = model
     lora = LoRASet(model, preset(job.preset, job.rank, job.alpha, job.targets), seed=job.config.seed)
 
@@ -130,13 +144,16 @@ def _run(job: TrainJob, on_step: Callable[[StepReport], bool | None] | None,
 
     checkpoints = Path(job.checkpoint_dir) if job.checkpoint_dir is not None else \
         out.parent / (out.stem + "-checkpoints")
-    trainer = Trainer(model, lora, samples, job.config, output_dir=checkpoints, on_step=step_done, sampler=sampler)
+    trainer = Trainer(model, lora, samples, job.config, output_dir=checkpoints, on_step=step_done, sampler=sampler,
+                      streamer=streamer)
     try:
         if job.resume:
             trainer.resume(job.resume)
         trainer.train()
     finally:
         trainer.close()
+        if streamer is not None:
+            streamer.detach()
     if trainer.step < job.config.steps:
         raise TrainingStopped(f"training stopped at step {trainer.step} of {job.config.steps}; no LoRA was written")
     cfg = job.config

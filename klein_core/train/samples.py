@@ -52,6 +52,10 @@ class CheckpointSampler:
         return cls(engine, config.sample_prompts, steps=config.sample_steps, seed=config.sample_seed,
                    guidance=config.sample_guidance, size=config.sample_size, **kw)  # type: ignore[arg-type]
 
+    def _step(self, step: int, total: int, latents: torch.Tensor) -> None:
+        if self.engine.check_cancel is not None:  # the host's cancel, between denoising steps
+            self.engine.check_cancel()
+
     def __call__(self, folder: Path, step: int) -> list[Path]:
         if self.engine.transformer is None:
             raise RuntimeError("the sampler's engine has no transformer")
@@ -59,7 +63,8 @@ class CheckpointSampler:
         paths = []
         for i in range(len(self.prompts)):
             cond = Conditioning(self.positive[i:i + 1], self.negative)
-            result = self.engine.generate(GenerationRequest(conditioning=cond, settings=self.settings))
+            result = self.engine.generate(GenerationRequest(conditioning=cond, settings=self.settings),
+                                          callback=self._step)
             assert result.images is not None
             path = folder / f"sample-{i}.png"
             tmp = folder / f".sample-{i}.png.tmp"

@@ -11,6 +11,7 @@ with ``W * batch_size``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -21,6 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ..memory.placement import BlockOffloader
 from ..models.transformer import Flux2Transformer
 from .adapters import LoRASet, gradient_checkpointing
 from .objective import ObjectiveConfig, sample_density, sigmas_for
@@ -64,7 +66,8 @@ class TrainConfig:
     max_grad_norm: float = 1.0
     reference_dropout: float = 0.0
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
-    # Sample images (the trainer's ``sampler``): every ``sample_every`` steps, 0 = at each checkpoint.
+    # Sample images (the trainer's ``sampler``): every ``sample_every`` steps (0 = at each checkpoint)
+    # and after the last step.
     sample_prompts: tuple[str, ...] = ()
     sample_every: int = 0
     sample_steps: int = 20
@@ -142,21 +145,28 @@ class Trainer:
 
     ``sampler(folder, step)`` (e.g. :class:`klein_core.train.samples.CheckpointSampler`) writes sample
     images of ``config.sample_prompts`` into ``folder`` with the current LoRA; it runs on process 0
-    at each checkpoint (or every ``config.sample_every`` steps) with the LoRA layers in eval mode,
+    at each checkpoint (or every ``config.sample_every`` steps) and after the last step, with the LoRA layers in eval mode,
     under ``torch.no_grad()`` and with the global RNG state restored afterwards, so the training run
     continues exactly as without it (every draw of a step comes from its own generators anyway).
+
+    ``streamer``: a :class:`~klein_core.memory.placement.BlockOffloader` over ``model``'s blocks,
+    attached with ``hooks=False`` (the frozen blocks stay in CPU memory and each is copied to the
+    device only while it runs, forward and backward; the LoRA layers stay on the device). The
+    caller detaches it. Streaming always uses gradient checkpointing.
     """
 
     def __init__(self, model: Flux2Transformer, lora: LoRASet, samples: Sequence[TrainSample], config: TrainConfig,
                  *, output_dir: str | Path | None = None,
                  on_step: Callable[[StepReport], bool | None] | None = None,
-                 sampler: Callable[[Path, int], Sequence[Path]] | None = None) -> None:
+                 sampler: Callable[[Path, int], Sequence[Path]] | None = None,
+                 streamer: BlockOffloader | None = None) -> None:
         if not samples:
             raise ValueError("no training samples")
         self.model, self.lora, self.samples, self.config = model, lora, list(samples), config
         self.output_dir = Path(output_dir) if output_dir is not None else None
         self.on_step = on_step
         self.sampler = sampler
+        self.streamer = streamer
         self.sample_paths: list[Path] = []
         self.step = 0
         self.losses: list[float] = []
@@ -222,7 +232,7 @@ class Trainer:
         loss_value = torch.zeros((), dtype=torch.float64)
         if got is not None:
             batch, rnd = got
-            with gradient_checkpointing(self.model, cfg.gradient_checkpointing):
+            with gradient_checkpointing(self.model, cfg.gradient_checkpointing, streamer=self.streamer):
                 loss, _ = compute_loss(self.model, batch, rnd, cfg.objective)
                 (loss * share).backward()  # the global mean = sum over processes of share * local mean
             loss_value = loss.detach().double().cpu() * share
@@ -270,6 +280,8 @@ class Trainer:
         cfg = self.config
         if self.sampler is None or not cfg.sample_prompts or self.output_dir is None:
             return False
+        if self.step == cfg.steps:  # the final LoRA is always shown
+            return True
         return self.step % cfg.sample_every == 0 if cfg.sample_every else checkpoint_now
 
     def sample_images(self, folder: str | Path | None = None) -> list[Path]:
@@ -285,7 +297,9 @@ class Trainer:
             if device.type == "cuda" else []
         self.lora.eval()
         try:
-            with torch.no_grad(), torch.random.fork_rng(devices=cuda):
+            streamed = gradient_checkpointing(self.model, False, streamer=self.streamer) \
+                if self.streamer is not None else contextlib.nullcontext()
+            with torch.no_grad(), torch.random.fork_rng(devices=cuda), streamed:
                 paths = [Path(p) for p in self.sampler(folder, self.step)]
         finally:
             self.lora.train(was_training)
