@@ -284,6 +284,45 @@ def test_fp8_base_trains_the_lora_only_and_lowers_the_loss():
     assert after < 0.95 * before, (before, after)  # measured 1.5682 -> 1.4446 (-7.9%; fp32 base: -7.8%)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_matmul_has_a_backward_through_the_upcast_weight(dtype):
+    """torch._scaled_mm has no derivative: with a gradient to pass to x (a LoRA below this layer), the
+    fp8 matmul's backward multiplies by the upcast weight, exactly the upcast path's gradient."""
+    torch.manual_seed(0)
+    layer = FP8Linear.from_linear(torch.nn.Linear(64, 192))
+    x = torch.randn(5, 64, dtype=dtype, requires_grad=True)
+    grad = torch.randn(5, 192, dtype=dtype)
+    layer.matmul = "scaled_mm"
+    y_fp8 = layer(x)
+    y_fp8.backward(grad)
+    g_fp8, x.grad = x.grad.clone(), None
+    layer.matmul = "upcast"
+    y_up = layer(x)
+    y_up.backward(grad)
+    assert not torch.equal(y_fp8, y_up)  # the forward did take the fp8 matmul (activations quantised)
+    assert torch.equal(g_fp8, x.grad)
+    with torch.no_grad():  # no gradient wanted: the plain fp8 matmul, no autograd node
+        layer.matmul = "scaled_mm"
+        assert layer(x).grad_fn is None
+
+
+def test_fp8_base_with_the_fp8_matmul_trains():
+    """The path an H100 takes for widening fp8 layers (forced here): training runs and lowers the loss."""
+    model = tiny_transformer()
+    quantize_model_(model)
+    fp8 = [m for m in model.modules() if isinstance(m, FP8Linear)]
+    for m in fp8:
+        m.matmul = "scaled_mm"
+    samples = _samples(4, seed=8)
+    cfg = TrainConfig(steps=20, learning_rate=5e-2, batch_size=2, seed=1, weight_decay=0.0,
+                      gradient_checkpointing=True)
+    _, _, tr = _trainer(samples, cfg, model=model)
+    before = _eval_loss(model, samples)
+    tr.train()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in tr.params)
+    assert _eval_loss(model, samples) < 0.97 * before
+
+
 # -- through the CLI: fp8 base and sample images ----------------------------------------------
 
 def test_cli_fp8_base_with_sample_images(tmp_path, monkeypatch):

@@ -130,3 +130,105 @@ def test_one_step_matches_diffusers_peft(models, case, parity):
             worst = max(worst, (mine - theirs).abs().max().item() / scale)
     parity(f"train step LoRA grads vs diffusers+peft, relative ({case})", worst)
     assert worst <= 1e-4
+
+
+# -- text-encoder LoRA --------------------------------------------------------------------------
+
+TE_RANK, TE_ALPHA = 2, 3.0
+TE_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+              "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+SPEC_LAYERS = (9, 18, 27)  # SPEC §2.3, written here rather than read from klein_core
+
+
+@pytest.fixture(scope="module")
+def text_models():
+    transformers = require("transformers")
+    from klein_core.files.loaders import load_text_encoder
+    from klein_core.train.adapters import text_encoder_preset
+
+    torch.manual_seed(4)
+    # 28 layers: transformers' last hidden state is after the final norm, so layer 27's must not be the last
+    cfg = transformers.Qwen3Config(hidden_size=CTX // 3, intermediate_size=16, num_hidden_layers=28,
+                                   num_attention_heads=2, num_key_value_heads=1, head_dim=4, vocab_size=64,
+                                   rope_parameters={"rope_type": "default", "rope_theta": 1e6}, rms_norm_eps=1e-6,
+                                   tie_word_embeddings=False, initializer_range=0.2, attn_implementation="sdpa")
+    hf = transformers.Qwen3ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+    ours = load_text_encoder({k: v.clone().contiguous() for k, v in hf.state_dict().items()})
+    te_lora = LoRASet(ours, text_encoder_preset(rank=TE_RANK, alpha=TE_ALPHA), seed=2)
+    g = torch.Generator().manual_seed(6)
+    with torch.no_grad():  # B random so A gets gradients too
+        for layer in te_lora.layers.values():
+            layer.up.copy_(torch.randn(layer.up.shape, generator=g) * 0.3)
+    targets = [f"model.layers.{i}.{n}" for i in range(27) for n in TE_LINEARS]
+    assert sorted(t.removeprefix("model.") for t in targets) == sorted(te_lora.names())
+    inject_adapter_in_model(LoraConfig(r=TE_RANK, lora_alpha=TE_ALPHA, target_modules=targets), hf)
+    mods = dict(hf.named_modules())
+    with torch.no_grad():
+        for t in targets:
+            layer = te_lora.layer(t.removeprefix("model."))
+            mods[t].lora_A["default"].weight.copy_(layer.down[0])
+            mods[t].lora_B["default"].weight.copy_(layer.up[0])
+    hf.requires_grad_(False)
+    for n, p in hf.named_parameters():
+        if "lora_" in n:
+            p.requires_grad_(True)
+    return ours, te_lora, hf, mods, targets
+
+
+def test_one_step_with_a_text_encoder_lora_matches_transformers_diffusers_peft(models, text_models, parity):
+    """Both LoRAs train at once: the prompt goes through our Qwen3 with its LoRA (encode_text, with
+    gradients) and through transformers' Qwen3 with peft's; the loss and the gradients of both
+    LoRAs match."""
+    from klein_core.train.step import encode_text
+
+    ours, lora, ref, mods, pairs = models
+    te, te_lora, hf, te_mods, targets = text_models
+    cfg = ObjectiveConfig(weighting_scheme="none")
+    g = torch.Generator().manual_seed(12)
+    ids = torch.randint(1, 64, (2, 7), generator=g)
+    mask = torch.ones(2, 7, dtype=torch.long)
+    mask[1, 4:] = 0  # right padding, as Klein's prompts
+    latents = torch.randn(2, 8, 3, 4, generator=g)
+    noise = torch.randn(latents.shape, generator=g)
+    u = sample_density(cfg, 2, torch.Generator().manual_seed(3))
+    sigmas, timesteps = sigmas_for(cfg, u)
+
+    lora.zero_grad()
+    te_lora.zero_grad()
+    lora.attach(ours)
+    te_lora.attach(te)
+    try:
+        text = encode_text(te, ids, mask)
+        loss, _ = compute_loss(ours, TrainBatch(latents, text), StepNoise(noise, sigmas, timesteps), cfg)
+        loss.backward()
+    finally:
+        lora.detach()
+        te_lora.detach()
+    ref.zero_grad()
+    hf.zero_grad()
+    out = hf(ids, attention_mask=mask, output_hidden_states=True)
+    ref_text = torch.cat([out.hidden_states[i] for i in SPEC_LAYERS], dim=-1)
+    ref_loss = _reference_step(ref, TrainBatch(latents, ref_text), noise, u, "none", 1.0)
+    ref_loss.backward()
+
+    diff = parity("train step loss with a text-encoder LoRA vs transformers+diffusers+peft",
+                  abs(loss.item() - ref_loss.item()))
+    assert ref_loss.item() > 0.1 and diff <= 1e-5
+    worst_te = 0.0
+    for t in targets:
+        layer = te_lora.layer(t.removeprefix("model."))
+        for mine, theirs in ((layer.down.grad[0], te_mods[t].lora_A["default"].weight.grad),
+                             (layer.up.grad[0], te_mods[t].lora_B["default"].weight.grad)):
+            scale = theirs.abs().max().item()
+            assert scale > 0, t
+            worst_te = max(worst_te, (mine - theirs).abs().max().item() / scale)
+    parity("text-encoder LoRA grads vs transformers+peft, relative", worst_te)
+    assert worst_te <= 1e-4
+    worst = max((layer_grad - mods[d].lora_A["default"].weight.grad).abs().max().item()
+                / mods[d].lora_A["default"].weight.grad.abs().max().item()
+                for d, (core, part) in pairs.items() for layer_grad in (lora.layer(core).down.grad[part],))
+    assert worst <= 1e-4

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -193,10 +194,13 @@ class FP8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._use_scaled_mm(x):
+            # torch._scaled_mm has no backward: when a gradient must reach x (training a LoRA on an fp8
+            # base), the backward pass multiplies by the upcast weight instead.
+            fp8_mm = _ScaledMMWithBackward.apply if torch.is_grad_enabled() and x.requires_grad else None
             if self.matmul == "scaled_mm":
-                return self._scaled_mm(x)
+                return fp8_mm(x, self) if fp8_mm else self._scaled_mm(x)
             try:
-                return self._scaled_mm(x)
+                return fp8_mm(x, self) if fp8_mm else self._scaled_mm(x)
             except torch.OutOfMemoryError:
                 raise  # never a reason to change paths (the upcast needs more memory, not less)
             except RuntimeError as exc:
@@ -235,6 +239,21 @@ class FP8Linear(nn.Module):
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.reshape(*lead, self.out_features).to(x.dtype)
+
+
+class _ScaledMMWithBackward(torch.autograd.Function):
+    """``layer._scaled_mm(x)`` forward; backward ``grad_x = grad_y @ W`` with ``W`` the upcast weight
+    (the weight and bias are frozen: no gradient for them)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, layer: FP8Linear) -> torch.Tensor:  # type: ignore[override]
+        ctx.layer, ctx.dtype = layer, x.dtype
+        return layer._scaled_mm(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        w = ctx.layer.dequantized_weight(grad.dtype)
+        return (grad @ w).to(ctx.dtype), None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -4,7 +4,8 @@ A :class:`LoRALayer` is a forward hook adding ``scale * B @ A @ x`` to a frozen 
 ``(A, B)`` pair per row part (three for a double block's fused ``qkv``: diffusers' ``to_q/to_k/to_v``),
 so the model's modules and state dict are untouched and :meth:`LoRASet.detach` restores it exactly.
 Presets: ``"style"`` (the double blocks), ``"structure"`` (single blocks 0-12), ``"full"`` (every block;
-ranks 128 double attention, 64 double MLPs, 64 single 0-12, 32 single 13+). Why not peft:
+ranks 128 double attention, 64 double MLPs, 64 single 0-12, 32 single 13+); the text encoder's
+linears with :func:`text_encoder_preset`. Why not peft:
 docs/DESIGN.md.
 """
 
@@ -22,8 +23,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 from typing_extensions import Self
 
-from ..memory.placement import BlockOffloader
-from ..models.transformer import Flux2Transformer
+from ..memory.placement import BlockOffloader, find_block_lists
 from ..quant.fp8 import FP8Linear
 
 logger = logging.getLogger(__name__)
@@ -70,6 +70,8 @@ class AdapterConfig:
 
 
 PRESETS: tuple[str, ...] = ("style", "structure", "full")
+# Every linear of the Qwen3 text encoder's decoder layers (attention and MLP), its core names.
+TEXT_ENCODER_TARGETS = r"layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)"
 
 
 def preset(name: str, rank: int | None = None, alpha: float | None = None,
@@ -91,6 +93,12 @@ def preset(name: str, rank: int | None = None, alpha: float | None = None,
     if rank is not None or alpha is not None:
         groups = [TargetGroup(g.name, g.pattern, rank or g.rank, alpha) for g in groups]
     return AdapterConfig(tuple(groups))
+
+
+def text_encoder_preset(rank: int = 8, alpha: float | None = None) -> AdapterConfig:
+    """LoRA on every attention and MLP linear of the text encoder's layers (``q/k/v/o_proj``,
+    ``gate/up/down_proj``), as kohya's and diffusers' text-encoder LoRAs do."""
+    return AdapterConfig((TargetGroup("text_encoder", TEXT_ENCODER_TARGETS, rank, alpha),), split_qkv=False)
 
 
 class LoRALayer(nn.Module):
@@ -127,11 +135,19 @@ def _key(name: str) -> str:
     return name.replace(".", "__")
 
 
+def _model_device(model: nn.Module) -> torch.device:
+    device = getattr(model, "device", None)
+    return device if isinstance(device, torch.device) else next(model.parameters()).device
+
+
 class LoRASet(nn.Module):
     """The trainable layers, by core module name (``self.layers[_key(name)]``), plus the hooks
-    that attach them to a transformer. ``groups``: core module name -> group name."""
+    that attach them to a model (the transformer, or the text encoder with
+    :func:`text_encoder_preset`). ``groups``: core module name -> group name. ``device``: where the
+    layers live (default: the model's, which for a block-streamed model is its resident part's)."""
 
-    def __init__(self, model: Flux2Transformer, config: AdapterConfig, *, seed: int = 0) -> None:
+    def __init__(self, model: nn.Module, config: AdapterConfig, *, seed: int = 0,
+                 device: torch.device | str | None = None) -> None:
         super().__init__()
         self.config = config
         self.layers = nn.ModuleDict()
@@ -139,7 +155,7 @@ class LoRASet(nn.Module):
         self._hooks: list[Any] = []
         g = torch.Generator().manual_seed(seed)
         compiled = [(grp, re.compile(grp.pattern)) for grp in config.groups]
-        device = model.device
+        device = torch.device(device) if device is not None else _model_device(model)
         for name, module in model.named_modules():
             if not isinstance(module, (nn.Linear, FP8Linear)):  # an fp8 base: the hook adds to its output
                 continue
@@ -151,7 +167,8 @@ class LoRASet(nn.Module):
                                                 dtype=config.dtype, device=device, generator=g)
             self.groups[name] = grp.name
         if not self.groups:
-            raise ValueError(f"no linear of this {model.config.variant} transformer matches the targets "
+            what = getattr(getattr(model, "config", None), "variant", "")
+            raise ValueError(f"no linear of this {what} {type(model).__name__} matches the targets "
                              f"{[grp.pattern for grp in config.groups]}")
         logger.info("LoRA on %d linears (%d trainable parameters)", len(self.groups),
                     sum(p.numel() for p in self.parameters()))
@@ -167,7 +184,7 @@ class LoRASet(nn.Module):
         for name in self.groups:
             yield name, self.layer(name)
 
-    def attach(self, model: Flux2Transformer) -> LoRASet:
+    def attach(self, model: nn.Module) -> LoRASet:
         """Add every layer's output to its linear's (forward hooks). Returns self."""
         if self._hooks:
             raise RuntimeError("these LoRA layers are already attached; detach() first")
@@ -186,8 +203,9 @@ class LoRASet(nn.Module):
 
 
 class gradient_checkpointing:
-    """Context manager: every double and single block of ``model`` recomputes its activations in
-    the backward pass (``torch.utils.checkpoint``, non-reentrant) instead of keeping them.
+    """Context manager: every block of ``model`` (the transformer's double and single blocks, the
+    text encoder's layers: its ``nn.ModuleList`` children) recomputes its activations in the
+    backward pass (``torch.utils.checkpoint``, non-reentrant) instead of keeping them.
 
     With ``streamer`` (a :class:`~klein_core.memory.placement.BlockOffloader` attached with
     ``hooks=False`` over the same blocks), each block's weights are on the device only while it runs:
@@ -196,8 +214,8 @@ class gradient_checkpointing:
     would keep every block's device weights alive, so streaming always checkpoints.
     """
 
-    def __init__(self, model: Flux2Transformer, enabled: bool = True, *, streamer: BlockOffloader | None = None) -> None:
-        blocks = [*model.double_blocks, *model.single_blocks]
+    def __init__(self, model: nn.Module, enabled: bool = True, *, streamer: BlockOffloader | None = None) -> None:
+        blocks = [b for lst in find_block_lists(model) for b in lst]
         if streamer is not None and [id(b) for b in streamer.blocks] != [id(b) for b in blocks]:
             raise ValueError("the block streamer does not stream this model's blocks")
         self.blocks = blocks if enabled or streamer is not None else []

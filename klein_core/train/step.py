@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..models.qwen3 import Qwen3TextEncoder
 from ..models.transformer import Flux2Transformer
 from ..pipeline.sampling import REF_TIME_OFFSET, pack, position_ids, text_position_ids, unpack
 from .objective import ObjectiveConfig, flow_loss, loss_weighting, noisy_input, velocity_target
@@ -50,6 +51,14 @@ def sequence_inputs(batch: TrainBatch, noisy: torch.Tensor) -> tuple[torch.Tenso
         toks.append(pack(ref.to(noisy.dtype)))
         ids.append(position_ids(ref.shape[2], ref.shape[3], t=REF_TIME_OFFSET * (i + 1)))
     return torch.cat(toks, dim=1), torch.cat(ids)
+
+
+def encode_text(text_encoder: Qwen3TextEncoder, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Prompt embeddings ``[B, L, 3 * hidden]`` from token ids and mask ``[B, L]``, differentiable
+    w.r.t. a LoRA attached to the text encoder: the same computation as
+    :meth:`~klein_core.models.qwen3.Qwen3TextEncoder.encode` (model dtype), without its ``no_grad``."""
+    device = text_encoder.embed_tokens.weight.device
+    return text_encoder(input_ids.to(device=device, dtype=torch.long), attention_mask.to(device))
 
 
 def compute_loss(model: Flux2Transformer, batch: TrainBatch, rnd: StepNoise, cfg: ObjectiveConfig,

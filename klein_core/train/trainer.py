@@ -23,11 +23,12 @@ import torch
 import torch.distributed as dist
 
 from ..memory.placement import BlockOffloader
+from ..models.qwen3 import Qwen3TextEncoder
 from ..models.transformer import Flux2Transformer
 from .adapters import LoRASet, gradient_checkpointing
 from .objective import ObjectiveConfig, sample_density, sigmas_for
 from .state_file import load_state, save_state
-from .step import StepNoise, TrainBatch, compute_loss
+from .step import StepNoise, TrainBatch, compute_loss, encode_text
 
 logger = logging.getLogger(__name__)
 
@@ -37,16 +38,23 @@ CHECKPOINT_FILE = "trainer_state.safetensors"
 
 @dataclass(frozen=True)
 class TrainSample:
-    """One cached sample: ``latents [1, C, h, w]``, ``text [1, L, D]``, ``references`` each
-    ``[1, C, h_i, w_i]``."""
+    """One cached sample: ``latents [1, C, h, w]``, ``text [1, L, D]`` prompt embeddings,
+    ``references`` each ``[1, C, h_i, w_i]``; with a text-encoder LoRA, ``tokens`` (ids and mask,
+    ``[1, L]`` each) instead of ``text``, encoded at every step."""
 
     latents: torch.Tensor
-    text: torch.Tensor
+    text: torch.Tensor | None
     references: tuple[torch.Tensor, ...] = ()
+    tokens: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def __post_init__(self) -> None:
+        if self.text is None and self.tokens is None:
+            raise ValueError("a training sample needs its prompt embeddings (text) or its tokens")
 
     @property
     def shape_key(self) -> tuple:
-        return (tuple(self.latents.shape), tuple(self.text.shape), tuple(tuple(r.shape) for r in self.references))
+        text = self.text.shape if self.text is not None else self.tokens[0].shape  # type: ignore[index]
+        return (tuple(self.latents.shape), tuple(text), tuple(tuple(r.shape) for r in self.references))
 
 
 @dataclass(frozen=True)
@@ -64,6 +72,7 @@ class TrainConfig:
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     max_grad_norm: float = 1.0
+    text_encoder_lr: float | None = None  # the text-encoder LoRA's learning rate; None: learning_rate
     reference_dropout: float = 0.0
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     # Sample images (the trainer's ``sampler``): every ``sample_every`` steps (0 = at each checkpoint)
@@ -82,8 +91,10 @@ class TrainConfig:
             raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
         if not 0.0 <= self.reference_dropout <= 1.0:
             raise ValueError(f"reference_dropout must be in [0, 1], got {self.reference_dropout}")
-        if not (math.isfinite(self.learning_rate) and self.learning_rate > 0):
-            raise ValueError(f"learning_rate must be a positive number, got {self.learning_rate}")
+        for name in ("learning_rate", "text_encoder_lr"):
+            lr = getattr(self, name)
+            if (name == "learning_rate" or lr is not None) and not (math.isfinite(lr) and lr > 0):
+                raise ValueError(f"{name} must be a positive number, got {lr}")
         if self.sample_every < 0 or self.sample_steps < 1:
             raise ValueError(f"sample_every must be >= 0 and sample_steps >= 1, got {self.sample_every} "
                              f"and {self.sample_steps}")
@@ -113,16 +124,20 @@ def batch_order(samples: Sequence[TrainSample], batch: int, seed: int, epoch: in
     return [batches[j] for j in torch.randperm(len(batches), generator=g).tolist()]
 
 
-def _make_optimizer(cfg: TrainConfig, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+def _make_optimizer(cfg: TrainConfig, params: list[torch.nn.Parameter],
+                    text_params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    groups: list[dict] = [{"params": params}]
+    if text_params:
+        groups.append({"params": text_params, "lr": cfg.text_encoder_lr or cfg.learning_rate})
     if cfg.optimizer == "adamw8bit":
         try:
             import bitsandbytes as bnb  # type: ignore[import-not-found]
         except ImportError:
             raise RuntimeError("optimizer 'adamw8bit' needs bitsandbytes (pip install bitsandbytes); "
                                "use optimizer 'adamw' without it") from None
-        return bnb.optim.AdamW8bit(params, lr=cfg.learning_rate, betas=cfg.betas, eps=cfg.eps,
+        return bnb.optim.AdamW8bit(groups, lr=cfg.learning_rate, betas=cfg.betas, eps=cfg.eps,
                                    weight_decay=cfg.weight_decay)
-    return torch.optim.AdamW(params, lr=cfg.learning_rate, betas=cfg.betas, eps=cfg.eps,
+    return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=cfg.betas, eps=cfg.eps,
                              weight_decay=cfg.weight_decay)
 
 
@@ -159,10 +174,18 @@ class Trainer:
                  *, output_dir: str | Path | None = None,
                  on_step: Callable[[StepReport], bool | None] | None = None,
                  sampler: Callable[[Path, int], Sequence[Path]] | None = None,
-                 streamer: BlockOffloader | None = None) -> None:
+                 streamer: BlockOffloader | None = None, text_encoder: Qwen3TextEncoder | None = None,
+                 text_lora: LoRASet | None = None, text_streamer: BlockOffloader | None = None) -> None:
         if not samples:
             raise ValueError("no training samples")
+        if (text_encoder is None) != (text_lora is None):
+            raise ValueError("a text-encoder LoRA needs its text encoder, and the text encoder its LoRA")
+        if text_lora is not None and any(s.tokens is None for s in samples):
+            raise ValueError("training a text-encoder LoRA needs the samples' tokens (TrainSample.tokens)")
+        if text_lora is None and any(s.text is None for s in samples):
+            raise ValueError("samples without prompt embeddings (text) need a text-encoder LoRA to encode them")
         self.model, self.lora, self.samples, self.config = model, lora, list(samples), config
+        self.text_encoder, self.text_lora, self.text_streamer = text_encoder, text_lora, text_streamer
         self.output_dir = Path(output_dir) if output_dir is not None else None
         self.on_step = on_step
         self.sampler = sampler
@@ -173,15 +196,26 @@ class Trainer:
         self._per_epoch: int | None = None
         self._order: tuple[int, list[list[int]]] = (-1, [])
         model.requires_grad_(False)
-        self.params = [p for p in lora.parameters()]
+        text_params = []
+        if text_encoder is not None and text_lora is not None:
+            text_encoder.requires_grad_(False)
+            text_params = list(text_lora.parameters())
+        self.params = [*lora.parameters(), *text_params]  # the transformer's first, then the text encoder's
         for p in self.params:
             p.requires_grad_(True)
-        self.optimizer = _make_optimizer(config, self.params)
+        self.optimizer = _make_optimizer(config, list(lora.parameters()), text_params)
         self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
         lora.attach(model)
+        if text_lora is not None:
+            text_lora.attach(text_encoder)  # type: ignore[arg-type]
 
     def close(self) -> None:
         self.lora.detach()
+        if self.text_lora is not None:
+            self.text_lora.detach()
+
+    def _lora_sets(self) -> list[LoRASet]:
+        return [self.lora] + ([self.text_lora] if self.text_lora is not None else [])
 
     # -- data ---------------------------------------------------------------------------------
 
@@ -211,7 +245,15 @@ class Trainer:
             u.append(sample_density(cfg.objective, 1, g))
         pick = [self.samples[idx[j]] for j in mine]
         refs = () if drop else tuple(torch.cat([s.references[r] for s in pick]) for r in range(len(pick[0].references)))
-        batch = TrainBatch(torch.cat([s.latents for s in pick]), torch.cat([s.text for s in pick]), refs)
+        if self.text_encoder is not None:  # encoded now, through the text-encoder LoRA (with gradients)
+            ids = torch.cat([s.tokens[0] for s in pick])  # type: ignore[index]
+            mask = torch.cat([s.tokens[1] for s in pick])  # type: ignore[index]
+            with gradient_checkpointing(self.text_encoder, self.config.gradient_checkpointing,
+                                        streamer=self.text_streamer):
+                text = encode_text(self.text_encoder, ids, mask)
+        else:
+            text = torch.cat([s.text for s in pick])  # type: ignore[misc]
+        batch = TrainBatch(torch.cat([s.latents for s in pick]), text, refs)
         sigmas, timesteps = sigmas_for(cfg.objective, torch.cat(u))
         return batch, StepNoise(torch.cat(noise), sigmas, timesteps)
 
@@ -291,18 +333,24 @@ class Trainer:
             return []
         folder = Path(folder) if folder is not None else (self.output_dir or Path(".")) / f"checkpoint-{self.step}"
         folder.mkdir(parents=True, exist_ok=True)
-        was_training = self.lora.training
+        sets = self._lora_sets()
+        was_training = [s.training for s in sets]
         device = self.model.device
         cuda = [device.index if device.index is not None else torch.cuda.current_device()] \
             if device.type == "cuda" else []
-        self.lora.eval()
+        for s in sets:
+            s.eval()
         try:
-            streamed = gradient_checkpointing(self.model, False, streamer=self.streamer) \
-                if self.streamer is not None else contextlib.nullcontext()
-            with torch.no_grad(), torch.random.fork_rng(devices=cuda), streamed:
+            with contextlib.ExitStack() as stack:
+                stack.enter_context(torch.no_grad())
+                stack.enter_context(torch.random.fork_rng(devices=cuda))
+                for model, streamer in ((self.model, self.streamer), (self.text_encoder, self.text_streamer)):
+                    if streamer is not None:  # streamed blocks run through the streamer here too
+                        stack.enter_context(gradient_checkpointing(model, False, streamer=streamer))  # type: ignore[arg-type]
                 paths = [Path(p) for p in self.sampler(folder, self.step)]
         finally:
-            self.lora.train(was_training)
+            for s, mode in zip(sets, was_training):
+                s.train(mode)
         self.sample_paths += paths
         logger.info("sample images at step %d: %s", self.step, ", ".join(p.name for p in paths))
         return paths
@@ -310,9 +358,12 @@ class Trainer:
     # -- checkpoints --------------------------------------------------------------------------
 
     def state(self) -> dict:
-        return {"step": self.step, "lora": {k: v.detach().clone() for k, v in self.lora.state_dict().items()},
-                "optimizer": self.optimizer.state_dict(), "losses": list(self.losses),
-                "seed": self.config.seed, "torch_rng": torch.get_rng_state()}
+        state = {"step": self.step, "lora": {k: v.detach().clone() for k, v in self.lora.state_dict().items()},
+                 "optimizer": self.optimizer.state_dict(), "losses": list(self.losses),
+                 "seed": self.config.seed, "torch_rng": torch.get_rng_state()}
+        if self.text_lora is not None:
+            state["text_lora"] = {k: v.detach().clone() for k, v in self.text_lora.state_dict().items()}
+        return state
 
     def save_checkpoint(self, path: str | Path | None = None) -> Path:
         """Write ``checkpoint-<step>/trainer_state.safetensors`` (LoRA, optimizer, step, losses, RNG) under
@@ -334,7 +385,14 @@ class Trainer:
         if state["seed"] != self.config.seed:
             raise ValueError(f"{file}: this checkpoint was trained with seed {state['seed']}, not "
                              f"{self.config.seed}; resume with the same seed")
+        if ("text_lora" in state) != (self.text_lora is not None):
+            has = "has" if "text_lora" in state else "has no"
+            raise ValueError(f"{file}: this checkpoint {has} a text-encoder LoRA and this run "
+                             f"{'does not train one' if 'text_lora' in state else 'trains one'}; resume with "
+                             "the same text-encoder LoRA settings")
         self.lora.load_state_dict(state["lora"])
+        if self.text_lora is not None:
+            self.text_lora.load_state_dict(state["text_lora"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.step, self.losses = int(state["step"]), list(state["losses"])
         torch.set_rng_state(state["torch_rng"])
