@@ -54,9 +54,9 @@ SPECS = {
         widgets=("model_name", "vae_name", "weight_dtype", "model_kind", "memory_mode", "speed"),
         outputs=(("model", "KLEIN_MODEL"), ("vae", "KLEIN_VAE"), ("native_vae", "VAE")), size=(340, 150)),
     "KleinTextEncode": Spec(
-        widgets=("text_encoder", "prompt", "negative_prompt", "precision", "max_tokens"),
+        widgets=("text_encoder", "prompt", "negative_prompt", "precision", "max_tokens", "lora_name", "lora_strength"),
         outputs=(("conditioning", "KLEIN_COND"), ("positive", "CONDITIONING"), ("negative", "CONDITIONING")),
-        size=(420, 350)),
+        size=(420, 375)),
     "KleinReferenceStacker": Spec(
         sockets=(("image", "IMAGE", False), ("vae", ANY_VAE, False), ("references", "KLEIN_REFS", True)),
         outputs=(("references", "KLEIN_REFS"), ("sizes", "STRING")), size=(300, 100)),
@@ -90,7 +90,7 @@ SPECS = {
     "KleinLoraTrainer": Spec(
         widgets=("dataset", "model_name", "vae_name", "text_encoder", "preset", "rank", "steps", "learning_rate",
                  "seed", "lora_name", "resolution", "base_precision", "sample_prompts", "sample_every",
-                 "sample_steps", "memory_mode"),
+                 "sample_steps", "memory_mode", "text_encoder_rank"),
         outputs=(("lora_name", "STRING"), ("loss_curve", "IMAGE"), ("samples", "IMAGE")), size=(380, 520)),
     "KleinLoraLoader": Spec(sockets=(("model", "KLEIN_MODEL", False),), widgets=("lora_name", "strength"),
                             outputs=(("model", "KLEIN_MODEL"),), size=(320, 110)),
@@ -165,7 +165,7 @@ def _loader(nid: int, model: str) -> Node:
 def _encoder(nid: int, prompt: str, negative: str = "", encoder: str = "qwen_3_4b.safetensors") -> Node:
     return Node(nid, "KleinTextEncode", (40, 290),
                 {"text_encoder": encoder, "prompt": prompt, "negative_prompt": negative,
-                 "precision": "model dtype", "max_tokens": "512"})
+                 "precision": "model dtype", "max_tokens": "512", "lora_name": "none", "lora_strength": 1.0})
 
 
 def _sampler(nid: int, size: int, steps: int, guidance: float, refs: tuple[int, int] | None = None,
@@ -357,7 +357,7 @@ WORKFLOWS = [
             "rank": 32, "steps": 1000, "learning_rate": 0.0001, "seed": 0, "lora_name": "klein_lora",
             "resolution": 1024, "base_precision": "default",
             "sample_prompts": "A lighthouse on a rocky coast at dusk, in the trained style", "sample_every": 250,
-            "sample_steps": 20, "memory_mode": "resident"}, title="Klein LoRA Trainer (base model)"),
+            "sample_steps": 20, "memory_mode": "resident", "text_encoder_rank": 0}, title="Klein LoRA Trainer (base model)"),
         Node(8, "PreviewAny", (-420, 640), links={"source": (7, 0)}, title="Trained LoRA file"),
         Node(9, "SaveImage", (-880, 80), {"filename_prefix": "Klein-LoRA-loss"}, {"images": (7, 1)},
              title="Loss curve"),

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import os
+from typing import Any
 
 import torch
 from comfy_api.latest import io
@@ -14,6 +17,7 @@ from klein_core.pipeline.tokenizer import count_tokens
 
 from . import cache, host, notices
 from .common import check_choices, check_widget, model_file, open_engine
+from .lora import LoRAModelRef
 from .types import KleinConditioning, KleinCondType
 
 logger = logging.getLogger(__name__)
@@ -22,6 +26,7 @@ NODE = "Qwen3 Layer-Concat Encoder"
 # Widget value -> klein_core TextOptions field. The first of each is the default (BFL / diffusers).
 PRECISIONS: dict[str, torch.dtype | None] = {"model dtype": None, "fp32 activations": torch.float32}
 MAX_TOKENS: dict[str, int | None] = {"512": 512, "whole prompt": None}
+NO_LORA = "none"
 NATIVE_ENCODER_KEY = "klein_encoder"  # in our CONDITIONING's options: the encoder file (the host ignores it)
 
 
@@ -57,6 +62,13 @@ class KleinTextEncode(io.ComfyNode):
                                tooltip="512 = prompts are cut at 512 tokens, as BFL and diffusers do (a "
                                        "warning says how much was cut). whole prompt = nothing is cut (at "
                                        "least 512), as ComfyUI's own Flux.2 nodes do."),
+                io.Combo.Input("lora_name", options=[NO_LORA, *host.filename_list("loras")], default=NO_LORA,
+                               optional=True, tooltip=(
+                    "A LoRA from models/loras whose text-encoder part adapts the encoder (e.g. one trained by "
+                    "Klein LoRA Trainer with text_encoder_rank > 0). Its transformer part is applied by Klein "
+                    "LoRA Loader: give the same file to both. Prompts encoded with a LoRA are not cached.")),
+                io.Float.Input("lora_strength", default=1.0, min=-10.0, max=10.0, step=0.05, optional=True,
+                               tooltip="Strength of the text-encoder LoRA (0 = off)."),
             ],
             outputs=[KleinCondType.Output(display_name="conditioning",
                                           tooltip="Prompt and negative embeddings [1, tokens, text width] "
@@ -69,28 +81,43 @@ class KleinTextEncode(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, text_encoder: str) -> bool | str:
+    def validate_inputs(cls, text_encoder: str, lora_name: str = NO_LORA) -> bool | str:
+        if lora_name not in (NO_LORA, None):
+            ok = check_choices(cls, {"lora_name": "loras"}, lora_name=lora_name)
+            if ok is not True:
+                return ok
         return check_choices(cls, {"text_encoder": "text_encoders"}, text_encoder=text_encoder)
+
+    @classmethod
+    def fingerprint_inputs(cls, lora_name: str = NO_LORA, **_: object) -> object:
+        # Encode again when the LoRA file is replaced under the same name (a retrained LoRA).
+        path = host.full_path("loras", lora_name) if lora_name not in (NO_LORA, None) else None
+        return (lora_name, os.stat(path).st_mtime_ns if path and os.path.isfile(path) else None)
 
     @classmethod
     @notices.reported
     def execute(cls, text_encoder: str, prompt: str, negative_prompt: str = "", precision: str = "model dtype",
-                max_tokens: str = "512") -> io.NodeOutput:
+                max_tokens: str = "512", lora_name: str = NO_LORA, lora_strength: float = 1.0) -> io.NodeOutput:
         options = text_options(precision, max_tokens)
         if options.truncate:
             for name, text in (("prompt", prompt), ("negative_prompt", negative_prompt)):
                 warn_if_cut(name, text, options.max_tokens)  # type: ignore[arg-type]
+        lora = text_encoder_lora(lora_name) if lora_strength != 0.0 else None
         device = host.text_encoder_device()
         dtype = encoder_dtype(device)
-        prompts = cache.prompt_cache()
+        # With a LoRA the embeddings depend on it: never read from (or written to) the prompt cache.
+        prompts = cache.prompt_cache() if lora is None else None
         # A prompt seen before (also before a restart, with the disk cache) needs no encoder at all:
         # the cache is keyed by the file's name, size and time, so the file is not even opened.
         path = host.full_path("text_encoders", text_encoder)
-        embeds = None if path is None else kc.Engine(device=device, prompt_cache=prompts, text=options).cached_prompts(
+        embeds = None if path is None or prompts is None else kc.Engine(
+            device=device, prompt_cache=prompts, text=options).cached_prompts(
             [prompt], negative_prompt, identity=encoder_identity(path, dtype, device))
         if embeds is None:
             path = model_file(NODE, "text_encoder", "text_encoders", text_encoder, expect="text_encoder")
-            ref = cache.model_ref("text_encoder", path, text_encoder, device, dtype)
+            ref: Any = cache.model_ref("text_encoder", path, text_encoder, device, dtype)
+            if lora is not None:
+                ref = LoRAModelRef(ref, [(lora, float(lora_strength))])
             engine = open_engine(NODE, {"text_encoder": ("text_encoder", ref)}, device=device, prompt_cache=prompts,
                                  text=options)
             with notices.ignoring("klein_core.pipeline.tokenizer"):  # cut prompts were reported above, by input name
@@ -103,6 +130,25 @@ class KleinTextEncode(io.ComfyNode):
                                                has_negative=bool(negative_prompt.strip())),
                              native_conditioning(embeds.positive, text_encoder),
                              native_conditioning(embeds.negative, text_encoder))
+
+
+def text_encoder_lora(lora_name: str) -> kc.LoRA | None:
+    """The LoRA named by the encoder's ``lora_name`` input (None for "none"); one without a
+    text-encoder part is refused, naming the node that applies it."""
+    if lora_name in (NO_LORA, None, ""):
+        return None
+    path = host.full_path("loras", lora_name)
+    if path is None:
+        raise FileNotFoundError(f"{NODE}: lora_name '{lora_name}' was not found in models/loras.")
+    try:
+        lora = kc.load_lora(path)
+    except (ValueError, NotImplementedError) as exc:
+        raise type(exc)(f"{NODE}: lora_name '{lora_name}': {exc}") from exc
+    if "text_encoder" not in lora.targets:
+        raise ValueError(f"{NODE}: lora_name '{lora_name}' has no text-encoder part (it adapts the transformer "
+                         "only); apply it with Klein LoRA Loader and set lora_name here to none.")
+    # Its transformer part is Klein LoRA Loader's: leave it out here rather than report it as not applied.
+    return dataclasses.replace(lora, patches=[p for p in lora.patches if p.component == "text_encoder"])
 
 
 def native_conditioning(embeds: torch.Tensor, text_encoder: str) -> list:

@@ -145,6 +145,7 @@ class KleinLoraLoader(io.ComfyNode):
         text_parts = [p for p in lora.patches if p.component == "text_encoder"]
         if text_parts:
             logger.warning("%s: %s also adapts the text encoder (%d modules); this node applies the transformer "
-                           "part only", NODE, lora_name, len(text_parts))
+                           "part only: choose the same file as the Qwen3 Layer-Concat Encoder's lora_name for the "
+                           "text-encoder part", NODE, lora_name, len(text_parts))
         logger.info("%s: %s at strength %.2f", NODE, lora.summary(), strength)
         return io.NodeOutput(patched)

@@ -181,6 +181,11 @@ class KleinLoraTrainer(io.ComfyNode):
                     "resident: the base model stays on the GPU while training (fastest). blocks: its blocks stay "
                     "in CPU memory and each is copied to the GPU only while it runs, forward and backward, for "
                     "GPUs that cannot hold the whole base model; slower, the same LoRA.")),
+                io.Int.Input("text_encoder_rank", default=0, min=0, max=256, optional=True, tooltip=(
+                    "0 (default): only the transformer learns. Above 0: the text encoder gets a LoRA of this rank "
+                    "too (its attention and MLP layers), trained with the same learning rate; the text encoder "
+                    "then stays loaded while training (more memory) and the LoRA file holds both parts (Klein "
+                    "LoRA Loader applies both).")),
             ],
             outputs=[
                 io.String.Output(display_name="lora_name", tooltip=(
@@ -214,7 +219,7 @@ class KleinLoraTrainer(io.ComfyNode):
                 rank: int = 32, steps: int = 1000, learning_rate: float = 1e-4, seed: int = 0,
                 lora_name: str = "klein_lora", resolution: int = 1024, base_precision: str = "default",
                 sample_prompts: str = "", sample_every: int = 250, sample_steps: int = 20,
-                memory_mode: str = "resident") -> io.NodeOutput:
+                memory_mode: str = "resident", text_encoder_rank: int = 0) -> io.NodeOutput:
         file_name = lora_file_name(lora_name)
         if preset not in PRESETS:
             raise ValueError(f"{NODE}: preset '{preset}' is not one of {', '.join(PRESETS)}.")
@@ -246,6 +251,7 @@ class KleinLoraTrainer(io.ComfyNode):
             dataset=dataset.strip(), transformer=paths["model_name"], vae=paths["vae_name"],
             text_encoder=paths["text_encoder"], output=out, preset=preset, rank=int(rank),
             resolution=side, device=device, dtype=dtype, quantize=PRECISIONS[base_precision], memory=memory_mode,
+            text_encoder_rank=int(text_encoder_rank) or None,
             config=TrainConfig(steps=int(steps), learning_rate=float(learning_rate), seed=int(seed),
                                sample_prompts=prompts, sample_every=every, sample_steps=int(sample_steps),
                                sample_seed=int(seed), sample_size=(side, side)),

@@ -90,7 +90,7 @@ def test_schema(env):
     assert [i.id for i in schema.inputs] == ["dataset", "model_name", "vae_name", "text_encoder", "preset", "rank",
                                             "steps", "learning_rate", "seed", "lora_name", "resolution",
                                             "base_precision", "sample_prompts", "sample_every", "sample_steps",
-                                            "memory_mode"]
+                                            "memory_mode", "text_encoder_rank"]
     assert all(i.optional for i in schema.inputs[10:])  # appended: saved workflows keep their widget order
     assert "ON THE SERVER" in schema.inputs[0].tooltip
     assert schema.inputs[1].options == sorted(os.listdir(env.paths["klein_4b"].parent))
@@ -99,6 +99,7 @@ def test_schema(env):
     assert schema.inputs[12].multiline and schema.inputs[12].default == ""
     assert (schema.inputs[13].default, schema.inputs[14].default) == (250, 20)
     assert schema.inputs[15].options == ["resident", "blocks"] and schema.inputs[15].default == "resident"
+    assert schema.inputs[16].default == 0
     assert [o.io_type for o in schema.outputs] == ["STRING", "IMAGE", "IMAGE"]
     assert [o.display_name for o in schema.outputs] == ["lora_name", "loss_curve", "samples"]
     assert "no sample prompts" in schema.outputs[2].tooltip
@@ -357,3 +358,12 @@ def test_cancel_during_sample_images_stops_between_their_steps(env, monkeypatch)
         _run(env, lora_name="cancel_sampling", sample_prompts="one prompt", sample_every=2, sample_steps=10)
     assert len(sampling_steps) == 2  # stopped at once, not after the sample's 10 steps
     assert not (env.loras / "cancel_sampling.safetensors").exists()
+
+
+def test_text_encoder_rank_trains_both_parts(env, monkeypatch):
+    jobs = _spy_jobs(env, monkeypatch)
+    name = _run(env, lora_name="tiny_te", text_encoder_rank=2).args[0]
+    assert jobs[0].text_encoder_rank == 2
+    lora = load_lora(env.loras / name)
+    assert lora.targets == ("transformer", "text_encoder") and not lora.skipped
+    (env.loras / name).unlink()

@@ -53,6 +53,10 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--memory", choices=TRAIN_MEMORY, default=None, help=(
         "resident (default): the base model on the device; blocks: its blocks stay in CPU memory and "
         "stream through the device one at a time (less GPU memory, slower)"))
+    p.add_argument("--text-encoder-rank", type=int, default=None,
+                   help="also train a LoRA on the text encoder, of this rank (default: none)")
+    p.add_argument("--text-encoder-alpha", type=float, default=None)
+    p.add_argument("--text-encoder-lr", type=float, default=None, help="its learning rate (default: --lr)")
     p.add_argument("--sample-prompt", dest="sample_prompts", action="append", default=None,
                    help="prompt for sample images at checkpoints (repeatable)")
     p.add_argument("--sample-every", type=int, default=None, help="sample every N steps (default: at checkpoints)")
@@ -95,6 +99,7 @@ def run_train(args: argparse.Namespace) -> int:
         checkpoint_every=int(o.get("checkpoint_every", 0)),
         gradient_checkpointing=not o.get("no_gradient_checkpointing", False),
         optimizer=o.get("optimizer", "adamw"), reference_dropout=float(o.get("reference_dropout", 0.0)),
+        text_encoder_lr=float(o["text_encoder_lr"]) if o.get("text_encoder_lr") is not None else None,
         sample_prompts=tuple(o.get("sample_prompts") or ()), sample_every=int(o.get("sample_every", 0)),
         sample_steps=int(o.get("sample_steps", 20)), sample_seed=int(o.get("sample_seed", 0)),
         sample_size=tuple(o.get("sample_size", (512, 512))),
@@ -105,10 +110,11 @@ def run_train(args: argparse.Namespace) -> int:
         output=o["output"], preset=o.get("preset", "style"), rank=o.get("rank"), alpha=o.get("alpha"),
         targets=tuple(o.get("targets") or ()), resolution=int(o.get("resolution", 1024)), config=cfg,
         fmt=o.get("format", "diffusers"), cache_dir=o.get("cache_dir"), resume=o.get("resume"),
-        device=o.get("device"), quantize=o.get("quantize"), memory=o.get("memory", "resident"))
+        device=o.get("device"), quantize=o.get("quantize"), memory=o.get("memory", "resident"),
+        text_encoder_rank=o.get("text_encoder_rank"), text_encoder_alpha=o.get("text_encoder_alpha"))
     try:
         result = run_job(job, on_step=_progress)
-    except DatasetError as exc:
+    except (DatasetError, ValueError, FileNotFoundError) as exc:  # bad input: the message says what to fix
         sys.stderr.write(f"error: {exc}\n")
         return 2
     for name, reason in result.skipped.items():

@@ -227,12 +227,19 @@ def check_token_budget(item: DataItem, size: tuple[int, int], ref_sizes: Sequenc
 @dataclass(frozen=True)
 class Encoders:
     """What turns files into training tensors: ``image(pixels [1, 3, H, W]) -> latents [1, C, H/16,
-    W/16]`` and ``text(caption) -> [1, L, D]``, each with the identity its cache is keyed by."""
+    W/16]`` and ``text(caption) -> [1, L, D]``, each with the identity its cache is keyed by. With
+    ``tokens(caption) -> (ids, mask)`` (``[1, L]`` each; a text-encoder LoRA is trained) captions
+    are tokenized instead, and ``text`` is not used."""
 
     image: Callable[[torch.Tensor], torch.Tensor]
-    text: Callable[[str], torch.Tensor]
+    text: Callable[[str], torch.Tensor] | None
     image_identity: str
     text_identity: str
+    tokens: Callable[[str], tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    def __post_init__(self) -> None:
+        if self.text is None and self.tokens is None:
+            raise ValueError("Encoders need text (prompt embeddings) or tokens")
 
 
 def build_samples(scan: DatasetScan, encoders: Encoders, cache_dir: str | os.PathLike, *,
@@ -258,7 +265,10 @@ def build_samples(scan: DatasetScan, encoders: Encoders, cache_dir: str | os.Pat
             return latents.get(content_hash(path), sz, lambda: encoders.image(load_pixels(path, sz)))
         lat = enc(item.image, size)
         refs = tuple(enc(r, s) for r, s in zip(item.references, ref_sizes))
-        txt = texts.get(item.caption, (), lambda c=item.caption: encoders.text(c))
+        if encoders.tokens is not None:  # tokenizing is cheap: not cached
+            out.append(TrainSample(lat, None, refs, tokens=encoders.tokens(item.caption)))
+            continue
+        txt = texts.get(item.caption, (), lambda c=item.caption, f=encoders.text: f(c))  # type: ignore[misc]
         out.append(TrainSample(lat, txt, refs))
     logger.info("encoded %d samples (latents: %d cached, %d built; prompts: %d cached, %d built)", len(out),
                 latents.hits, latents.builds, texts.hits, texts.builds)

@@ -18,7 +18,8 @@ import torch
 from ..files.loaders import load_text_encoder, load_transformer, load_vae
 from ..memory.placement import BlockOffloader
 from ..pipeline.prompts import encoder_identity
-from .adapters import LoRASet, preset
+from ..pipeline.tokenizer import tokenize_prompts
+from .adapters import LoRASet, preset, text_encoder_preset
 from .data import Encoders, build_samples, dataset_hash, require_base_model, scan_dataset
 from .save import save_lora
 from .trainer import StepReport, TrainConfig, Trainer
@@ -36,7 +37,10 @@ class TrainJob:
     the base transformer's block linears are quantised to fp8 as it loads (frozen; the LoRA stays
     in the compute dtype on top). ``memory="blocks"``: the frozen blocks stay in CPU memory and each
     is copied to the device only while it runs (forward and the backward pass's recomputation), for
-    GPUs that cannot hold the whole base model; slower, same result. ``config.sample_prompts``: sample images at checkpoints (the
+    GPUs that cannot hold the whole base model; slower, same result. ``text_encoder_rank``: also
+    train a LoRA on the text encoder (off by default; alpha ``text_encoder_alpha``, learning rate
+    ``config.text_encoder_lr``): the captions are then encoded at every step and the text encoder
+    stays loaded (streamed too with ``memory="blocks"``). ``config.sample_prompts``: sample images at checkpoints (the
     prompts are encoded before the text encoder is dropped; the VAE stays loaded to decode them)."""
 
     dataset: str | os.PathLike
@@ -58,6 +62,8 @@ class TrainJob:
     dtype: torch.dtype | None = None
     quantize: str | None = None
     memory: str = "resident"
+    text_encoder_rank: int | None = None
+    text_encoder_alpha: float | None = None
 
 
 class TrainingStopped(RuntimeError):
@@ -101,7 +107,14 @@ def _run(job: TrainJob, on_step: Callable[[StepReport], bool | None] | None,
         raise ValueError(f"quantize must be None or 'fp8', got {job.quantize!r}")
     if job.memory not in TRAIN_MEMORY:
         raise ValueError(f"memory must be one of {TRAIN_MEMORY}, got {job.memory!r}")
-    te = load_text_encoder(job.text_encoder, device=device, dtype=dtype)
+    if job.text_encoder_rank is not None and job.text_encoder_rank < 0:
+        raise ValueError(f"text_encoder_rank must be positive (0 or None: no text-encoder LoRA), got "
+                         f"{job.text_encoder_rank}")
+    train_text = bool(job.text_encoder_rank)
+    streamed = job.memory == "blocks"
+    # A trained text encoder stays for the whole run (streamed: from CPU memory); otherwise it only
+    # encodes the captions (and sample prompts) first and is then dropped.
+    te = load_text_encoder(job.text_encoder, device="cpu" if train_text and streamed else device, dtype=dtype)
     vae = load_vae(job.vae, device=device, dtype=dtype)
     engine = Engine(None, te, vae, kind="base", device=device, memory="resident", prompt_cache=None,
                     check_cancel=check_cancel)  # cancels sample images between their steps
@@ -114,29 +127,42 @@ def _run(job: TrainJob, on_step: Callable[[StepReport], bool | None] | None,
         cancel()
         return engine.encode_prompts([caption]).positive.float().cpu()
 
-    encoders = Encoders(image, text, f"vae:{encoder_identity(job.vae, dtype, device)}",
-                        f"te:{encoder_identity(job.text_encoder, dtype, device)}")
+    def tokens(caption: str) -> tuple[torch.Tensor, torch.Tensor]:
+        return tokenize_prompts([caption], max_length=engine.text.length([caption]), truncate=engine.text.truncate)
+
+    encoders = Encoders(image, None if train_text else text, f"vae:{encoder_identity(job.vae, dtype, device)}",
+                        f"te:{encoder_identity(job.text_encoder, dtype, device)}", tokens if train_text else None)
     cache = job.cache_dir if job.cache_dir is not None else str(out) + ".cache"
     samples = build_samples(scan, encoders, cache, area=int(job.resolution) ** 2)
     sampler = None
     if job.config.sample_prompts:
         from .samples import CheckpointSampler
         cancel()
-        sampler = CheckpointSampler.from_config(engine, job.config)
-    engine.text_encoder = None  # not needed while training: let it be freed (and the VAE unless sampling)
+        # a trained text encoder changes the prompts' embeddings: encoded again at every sample
+        sampler = CheckpointSampler.from_config(engine, job.config, reencode=train_text)
+    if not train_text:
+        engine.text_encoder = None  # not needed while training: let it be freed (and the VAE unless sampling)
     if sampler is None:
         engine.vae = None
-    del te, vae
+    del vae
     cancel()
 
-    streamer = None
-    if job.memory == "blocks":  # the blocks live in CPU memory; the rest (and the LoRA) on the device
+    streamer = text_streamer = text_lora = None
+    if streamed:  # the blocks live in CPU memory; the rest (and the LoRA) on the device
         model = load_transformer(job.transformer, device="cpu", dtype=dtype, quantize=job.quantize)
         streamer = BlockOffloader(model, device, prefetch=1).attach(hooks=False)
+        engine.memory = "blocks"  # sample images stream the blocks too (from where the streamer keeps them)
     else:
         model = load_transformer(job.transformer, device=device, dtype=dtype, quantize=job.quantize)
     engine.transformer = model
     lora = LoRASet(model, preset(job.preset, job.rank, job.alpha, job.targets), seed=job.config.seed)
+    if train_text:
+        if streamed:
+            text_streamer = BlockOffloader(te, device, prefetch=1).attach(hooks=False)
+        text_lora = LoRASet(te, text_encoder_preset(int(job.text_encoder_rank or 0), job.text_encoder_alpha),
+                            seed=job.config.seed + 1, device=device)
+    else:
+        del te
 
     def step_done(report: StepReport) -> bool | None:
         cancel()
@@ -145,19 +171,21 @@ def _run(job: TrainJob, on_step: Callable[[StepReport], bool | None] | None,
     checkpoints = Path(job.checkpoint_dir) if job.checkpoint_dir is not None else \
         out.parent / (out.stem + "-checkpoints")
     trainer = Trainer(model, lora, samples, job.config, output_dir=checkpoints, on_step=step_done, sampler=sampler,
-                      streamer=streamer)
+                      streamer=streamer, text_encoder=te if train_text else None, text_lora=text_lora,
+                      text_streamer=text_streamer)
     try:
         if job.resume:
             trainer.resume(job.resume)
         trainer.train()
     finally:
         trainer.close()
-        if streamer is not None:
-            streamer.detach()
+        for s in (streamer, text_streamer):
+            if s is not None:
+                s.detach()
     if trainer.step < job.config.steps:
         raise TrainingStopped(f"training stopped at step {trainer.step} of {job.config.steps}; no LoRA was written")
     cfg = job.config
-    save_lora(out, lora, fmt=job.fmt, metadata={
+    save_lora(out, lora, fmt=job.fmt, text_lora=text_lora, metadata={
         "base_model": f"{Path(job.transformer).name} ({model.config.variant})", "steps": trainer.step,
         "dataset_hash": dataset_hash(scan.items), "seed": cfg.seed, "learning_rate": cfg.learning_rate})
     return TrainResult(out, list(trainer.losses), trainer.step, dict(scan.skipped), tuple(trainer.sample_paths))

@@ -23,11 +23,12 @@ class CheckpointSampler:
     """``sampler(folder, step)`` writes ``folder/sample-<i>.png`` for prompt ``i`` (0-based) and returns
     the paths. ``engine`` needs the transformer being trained (or None now, set ``engine.transformer``
     before the first call), the VAE and, when this is made, a text encoder (unless
-    ``conditioning`` is given: positive ``[P, L, D]``, negative ``[1, L, D]`` for CFG)."""
+    ``conditioning`` is given: positive ``[P, L, D]``, negative ``[1, L, D]`` for CFG). ``reencode``:
+    encode the prompts at every call instead (the text encoder, with a LoRA being trained, stays)."""
 
     def __init__(self, engine: Engine, prompts: Sequence[str], *, steps: int = 20, seed: int = 0,
                  guidance: float | None = None, size: tuple[int, int] = (512, 512), negative_prompt: str = "",
-                 conditioning: Conditioning | None = None) -> None:
+                 conditioning: Conditioning | None = None, reencode: bool = False) -> None:
         prompts = tuple(prompts)
         if not prompts:
             raise ValueError("sample images need at least one prompt")
@@ -35,6 +36,13 @@ class CheckpointSampler:
         self.settings = Settings(width=int(size[0]), height=int(size[1]), steps=int(steps), guidance=guidance,
                                  seed=int(seed))
         cfg = resolve(self.settings, engine.kind, multiple=engine.downscale, warn=False).cfg
+        self.reencode = reencode
+        self.negative_prompt = negative_prompt if cfg else None
+        self.positive, self.negative = torch.empty(0), None
+        if reencode:  # a text-encoder LoRA is being trained: the prompts are encoded at every call
+            if engine.text_encoder is None:
+                raise ValueError("sample images with a trained text encoder need the text encoder")
+            return
         if conditioning is None:
             if engine.text_encoder is None:
                 raise ValueError("sample images need the text encoder once (to encode the prompts) or conditioning")
@@ -61,6 +69,9 @@ class CheckpointSampler:
             raise RuntimeError("the sampler's engine has no transformer")
         folder = Path(folder)
         paths = []
+        if self.reencode:
+            encoded = self.engine.encode_prompts(list(self.prompts), self.negative_prompt)
+            self.positive, self.negative = encoded.positive.detach(), encoded.negative
         for i in range(len(self.prompts)):
             cond = Conditioning(self.positive[i:i + 1], self.negative)
             result = self.engine.generate(GenerationRequest(conditioning=cond, settings=self.settings),

@@ -46,14 +46,38 @@ def diffusers_names(core: str, parts: int) -> tuple[str, ...]:
     return tuple(f"{prefix}.{m.group(2)}.{n}" for n in names)
 
 
-def lora_state_dict(lora: LoRASet, fmt: str = "diffusers",
-                    dtype: torch.dtype = torch.float32) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+def _text_encoder_tensors(text_lora: LoRASet, fmt: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """A text-encoder LoRA (core names ``layers.N.self_attn.q_proj``...) under transformers' module
+    paths (``model.layers.N...``): ``text_encoder.<path>.lora_A/B.weight`` or Kohya's
+    ``lora_te_<path with _>.lora_down/lora_up.weight`` and ``.alpha``."""
+    out: dict[str, torch.Tensor] = {}
+    for core, layer in text_lora.items():
+        if layer.parts != 1:
+            raise ValueError(f"text encoder module {core}: {layer.parts} LoRA parts, expected 1")
+        path = f"model.{core}"
+        a = layer.down[0].detach().to("cpu", dtype).contiguous()
+        b = layer.up[0].detach().to("cpu", dtype).contiguous()
+        if fmt == "diffusers":
+            out[f"text_encoder.{path}.lora_A.weight"] = a
+            out[f"text_encoder.{path}.lora_B.weight"] = b
+        else:
+            key = "lora_te_" + path.replace(".", "_")
+            out[f"{key}.lora_down.weight"] = a
+            out[f"{key}.lora_up.weight"] = b
+            out[f"{key}.alpha"] = torch.tensor(layer.scale * layer.rank, dtype=torch.float32)
+    return out
+
+
+def lora_state_dict(lora: LoRASet, fmt: str = "diffusers", dtype: torch.dtype = torch.float32, *,
+                    text_lora: LoRASet | None = None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """``(tensors, extra metadata)`` of the LoRA in ``fmt`` (:data:`FORMATS`). diffusers: ``transformer.
     <path>.lora_A/B.weight`` and a PEFT ``lora_adapter_metadata`` (r, lora_alpha, rank/alpha
-    patterns); Kohya: ``lora_unet_<path with _>.lora_down/lora_up.weight`` and ``.alpha``."""
+    patterns); Kohya: ``lora_unet_<path with _>.lora_down/lora_up.weight`` and ``.alpha``.
+    ``text_lora``: a text-encoder LoRA stored beside it (``text_encoder.model.layers...`` or
+    ``lora_te_model_layers_...``; diffusers' Flux2 pipelines load the transformer part only)."""
     if fmt not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS}, got {fmt!r}")
-    tensors: dict[str, torch.Tensor] = {}
+    tensors: dict[str, torch.Tensor] = _text_encoder_tensors(text_lora, fmt, dtype) if text_lora is not None else {}
     ranks: dict[str, int] = {}
     alphas: dict[str, float] = {}
     for core, layer in lora.items():
@@ -83,15 +107,20 @@ def lora_state_dict(lora: LoRASet, fmt: str = "diffusers",
 
 
 def save_lora(path: str | os.PathLike, lora: LoRASet, *, fmt: str = "diffusers",
-              metadata: Mapping[str, object] | None = None, dtype: torch.dtype = torch.float32) -> Path:
-    """Write the LoRA to ``path`` (a ``.safetensors`` file, written to a temporary name then moved).
-    ``metadata``: training facts (base model identity, steps, dataset hash...), stored as
-    ``klein.<key>`` strings along with the ranks and targets of every group."""
+              metadata: Mapping[str, object] | None = None, dtype: torch.dtype = torch.float32,
+              text_lora: LoRASet | None = None) -> Path:
+    """Write the LoRA (and ``text_lora``, a text-encoder LoRA, if given) to ``path`` (a
+    ``.safetensors`` file, written to a temporary name then moved). ``metadata``: training facts
+    (base model identity, steps, dataset hash...), stored as ``klein.<key>`` strings along with the
+    ranks and targets of every group."""
     path = Path(path)
-    tensors, meta = lora_state_dict(lora, fmt, dtype)
+    tensors, meta = lora_state_dict(lora, fmt, dtype, text_lora=text_lora)
     meta["klein.format"] = f"klein-lora/1 ({fmt} names)"
     meta["klein.targets"] = json.dumps(lora.config.description)
     meta["klein.ranks"] = json.dumps({name: layer.rank for name, layer in lora.items()})
+    if text_lora is not None:
+        meta["klein.text_encoder_targets"] = json.dumps(text_lora.config.description)
+        meta["klein.text_encoder_ranks"] = json.dumps({name: layer.rank for name, layer in text_lora.items()})
     for k, v in (metadata or {}).items():
         meta[f"klein.{k}"] = v if isinstance(v, str) else json.dumps(v)
     path.parent.mkdir(parents=True, exist_ok=True)

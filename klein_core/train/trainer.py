@@ -11,7 +11,6 @@ with ``W * batch_size``.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import time
@@ -167,7 +166,12 @@ class Trainer:
     ``streamer``: a :class:`~klein_core.memory.placement.BlockOffloader` over ``model``'s blocks,
     attached with ``hooks=False`` (the frozen blocks stay in CPU memory and each is copied to the
     device only while it runs, forward and backward; the LoRA layers stay on the device). The
-    caller detaches it. Streaming always uses gradient checkpointing.
+    caller detaches it. Streaming always uses gradient checkpointing. A sampler places the model
+    itself (an :class:`~klein_core.pipeline.engine.Engine` with ``memory="blocks"`` streams it).
+
+    ``text_encoder`` and ``text_lora``: a text-encoder LoRA trained alongside (the samples carry
+    ``tokens``; each step encodes them through it, with gradients); ``text_streamer`` streams the
+    text encoder's layers as ``streamer`` does the transformer's blocks.
     """
 
     def __init__(self, model: Flux2Transformer, lora: LoRASet, samples: Sequence[TrainSample], config: TrainConfig,
@@ -341,12 +345,7 @@ class Trainer:
         for s in sets:
             s.eval()
         try:
-            with contextlib.ExitStack() as stack:
-                stack.enter_context(torch.no_grad())
-                stack.enter_context(torch.random.fork_rng(devices=cuda))
-                for model, streamer in ((self.model, self.streamer), (self.text_encoder, self.text_streamer)):
-                    if streamer is not None:  # streamed blocks run through the streamer here too
-                        stack.enter_context(gradient_checkpointing(model, False, streamer=streamer))  # type: ignore[arg-type]
+            with torch.no_grad(), torch.random.fork_rng(devices=cuda):
                 paths = [Path(p) for p in self.sampler(folder, self.step)]
         finally:
             for s, mode in zip(sets, was_training):
@@ -386,10 +385,9 @@ class Trainer:
             raise ValueError(f"{file}: this checkpoint was trained with seed {state['seed']}, not "
                              f"{self.config.seed}; resume with the same seed")
         if ("text_lora" in state) != (self.text_lora is not None):
-            has = "has" if "text_lora" in state else "has no"
-            raise ValueError(f"{file}: this checkpoint {has} a text-encoder LoRA and this run "
-                             f"{'does not train one' if 'text_lora' in state else 'trains one'}; resume with "
-                             "the same text-encoder LoRA settings")
+            what = ("has a text-encoder LoRA and this run does not train one" if "text_lora" in state
+                    else "has no text-encoder LoRA and this run trains one")
+            raise ValueError(f"{file}: this checkpoint {what}; resume with the same text-encoder LoRA settings")
         self.lora.load_state_dict(state["lora"])
         if self.text_lora is not None:
             self.text_lora.load_state_dict(state["text_lora"])

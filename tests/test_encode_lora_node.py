@@ -1,0 +1,108 @@
+"""Qwen3 Layer-Concat Encoder with a text-encoder LoRA (lora_name / lora_strength), in the ComfyUI
+0.3.75 host on the CPU with tiny models: the embeddings are the adapted encoder's, the prompt cache
+never mixes adapted and plain embeddings, a retrained file under the same name changes the
+fingerprint, and a LoRA without a text-encoder part is refused naming the node that applies it."""
+
+from __future__ import annotations
+
+import importlib
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import klein_core as kc
+from klein_core.pipeline.prompts import encode_prompts
+from klein_core.testing import write_tiny_model_files
+from klein_core.testing.tiny import tiny_transformer
+from klein_core.train.adapters import LoRASet, preset, text_encoder_preset
+from klein_core.train.save import save_lora
+
+PACK = "klein_pack_nodes"
+Q4B = "qwen_3_4b.safetensors"
+FOLDERS = ("text_encoders", "loras")
+
+
+@pytest.fixture(scope="module")
+def env(comfy_pack, tmp_path_factory):
+    folder_paths = comfy_pack.folder_paths
+    root = tmp_path_factory.mktemp("encode_lora")
+    paths = write_tiny_model_files(root / "models")
+    (root / "models" / "loras").mkdir(exist_ok=True)
+    saved = {f: folder_paths.folder_names_and_paths[f] for f in FOLDERS}
+    for f in FOLDERS:
+        folder_paths.folder_names_and_paths[f] = ([str(root / "models" / f)], saved[f][1])
+    folder_paths.filename_list_cache.clear()
+    encode = importlib.import_module(f"{PACK}.encode")
+    cache = importlib.import_module(f"{PACK}.cache")
+    te = kc.load_text_encoder(paths["qwen_4b"], dtype=torch.bfloat16)
+    text_lora = LoRASet(te, text_encoder_preset(rank=2), seed=1)
+    transformer_lora = LoRASet(tiny_transformer(), preset("style", rank=2), seed=1)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for layer in [*text_lora.layers.values(), *transformer_lora.layers.values()]:
+            layer.up.copy_(torch.randn(layer.up.shape, generator=g) * 0.5)
+    loras = root / "models" / "loras"
+    save_lora(loras / "both.safetensors", transformer_lora, text_lora=text_lora)
+    save_lora(loras / "transformer_only.safetensors", transformer_lora)
+    try:
+        yield SimpleNamespace(node=encode.KleinTextEncode, encode=encode, cache=cache, te=te, text_lora=text_lora,
+                              loras=loras, folder_paths=folder_paths)
+    finally:
+        cache.release_all("encode lora tests done")
+        for f in FOLDERS:
+            folder_paths.folder_names_and_paths[f] = saved[f]
+        folder_paths.filename_list_cache.clear()
+
+
+def _encode(env, prompt, **kw):
+    with torch.inference_mode():
+        return env.node.execute(Q4B, prompt, "blurry", **kw).args[0]
+
+
+
+
+def test_embeddings_are_the_adapted_encoders_and_the_cache_keeps_them_apart(env, caplog):
+    prompt = "a lighthouse at dusk"
+    plain = _encode(env, prompt)  # cached now
+    adapted = _encode(env, prompt, lora_name="both.safetensors")
+    env.text_lora.attach(env.te)
+    try:
+        want = encode_prompts(env.te, [prompt, "blurry"], cache=None)
+    finally:
+        env.text_lora.detach()
+    def dist(a: torch.Tensor, b: torch.Tensor) -> float:  # relative L2
+        return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+    # bf16 through 27 layers: the node's branches and the training hooks round differently (measured
+    # 2.5% relative here; in fp32 they are equal, tests/test_train_text_encoder.py); the LoRA itself: 99.7%
+    assert dist(adapted.positive, want[:1]) < 0.05 and dist(adapted.negative, want[1:]) < 0.05
+    assert dist(plain.positive, want[:1]) > 0.5
+    assert "not applied" not in caplog.text  # the transformer part is Klein LoRA Loader's, not reported here
+    misses = env.cache.prompts.misses
+    again = _encode(env, prompt)  # still the plain embeddings, from the cache
+    assert torch.equal(again.positive, plain.positive) and env.cache.prompts.misses == misses
+    assert torch.equal(_encode(env, prompt, lora_name="both.safetensors", lora_strength=0.0).positive,
+                       plain.positive)
+
+
+def test_a_lora_without_a_text_encoder_part_is_refused(env):
+    with pytest.raises(ValueError, match=r"Qwen3 Layer-Concat Encoder: lora_name 'transformer_only.safetensors' "
+                                         r"has no text-encoder part .* apply it with Klein LoRA Loader"):
+        _encode(env, "x", lora_name="transformer_only.safetensors")
+
+
+def test_fingerprint_follows_the_lora_file(env):
+    before = env.node.fingerprint_inputs(lora_name="both.safetensors")
+    path = env.loras / "both.safetensors"
+    st = os.stat(path)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+    assert env.node.fingerprint_inputs(lora_name="both.safetensors") != before
+    assert env.node.fingerprint_inputs(lora_name="none") == ("none", None)
+
+
+def test_validate_names_a_missing_lora(env):
+    msg = env.node.validate_inputs(Q4B, lora_name="gone.safetensors")
+    assert msg.startswith("lora_name 'gone.safetensors' is not available") and "models/loras" in msg
+    assert env.node.validate_inputs(Q4B, lora_name="both.safetensors") is True
