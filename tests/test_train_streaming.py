@@ -109,7 +109,8 @@ def test_sample_images_stream_the_blocks_too(tmp_path):
     lora = LoRASet(model, preset("full", rank=4), seed=1)
     cfg = TrainConfig(steps=1, batch_size=2, sample_prompts=("a",), sample_steps=2, sample_size=(64, 64))
     g = torch.Generator().manual_seed(1)
-    engine = Engine(model, None, tiny_vae(), kind="base", memory="resident", prompt_cache=None)
+    # the engine streams the blocks itself (memory "blocks"), from where the training streamer keeps them
+    engine = Engine(model, None, tiny_vae(), kind="base", memory="blocks", prompt_cache=None)
     sampler = CheckpointSampler.from_config(engine, cfg, conditioning=Conditioning(
         torch.randn(1, 3, TEXT_DIM, generator=g), torch.randn(1, 3, TEXT_DIM, generator=g)))
     tr = Trainer(model, lora, _samples(), cfg, output_dir=tmp_path, sampler=sampler, streamer=streamer)
@@ -117,8 +118,11 @@ def test_sample_images_stream_the_blocks_too(tmp_path):
     for name, mod in model.named_modules():
         if isinstance(mod, nn.Linear) and "blocks" in name:
             mod.register_forward_pre_hook(lambda m, a: seen.append(m.weight.data_ptr() in homes))
-    loads = streamer.stats.loads
     paths = tr.sample_images()
     assert paths and paths[0].is_file()
     assert seen and not any(seen)  # every block linear ran on a streamed copy
-    assert streamer.stats.loads > loads
+    # afterwards the blocks are back on the training streamer's CPU homes, and training goes on exactly
+    assert all(s.owner._parameters[s.name].data_ptr() == s.home.data_ptr()
+               for slots in streamer._slots for s in slots if s.is_param)
+    tr.train()
+    assert len(tr.losses) == 1
