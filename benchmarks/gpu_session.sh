@@ -27,6 +27,9 @@
 # one: 24 s), profile (profile_run.py, 4B a under torch.profiler: 14 s), fasttests (tests/gpu/test_gpu_fast.py:
 # 55 s), compile4b (speed.py 4B a, b: compile against diffusers+compile, 2 timed runs; did not finish in
 # the 126 s it had left, give it 250 s on a cold compile cache).
+# Optional, not measured yet: train (benchmarks/train_speed.py, LoRA training steps of issue 30: 4B, 9B,
+# 9B edit in bf16, 9B streamed (memory blocks), and 9B, 9B edit on an fp8 base, rank 32, 2 warm-up + 5 timed steps each, against diffusers
+# + peft in bf16; writes train.json; its timeout is 300 s).
 #
 # Always: $OUT/env.json (GPU, driver, torch, packages, date) and $OUT/session.log (every step's
 # output, then the summary: exit code and seconds of each step; the summary is also printed last).
@@ -53,11 +56,11 @@ PY="${PYTHON:-python3}"
 DRY=0
 PHASES=()
 ALL=(speed4b speed9b vae tests memory9b)
-OPTIONAL=(warm peer kernels memory fastpass blocks profile fasttests compile4b)
+OPTIONAL=(warm peer kernels memory fastpass blocks profile fasttests compile4b train)
 for arg in "$@"; do
     case "$arg" in
         --dry-run) DRY=1 ;;
-        speed4b|speed9b|tests|memory9b|vae|warm|peer|kernels|memory|fastpass|blocks|profile|fasttests|compile4b)
+        speed4b|speed9b|tests|memory9b|vae|warm|peer|kernels|memory|fastpass|blocks|profile|fasttests|compile4b|train)
             PHASES+=("$arg") ;;
         all) PHASES+=("${ALL[@]}") ;;
         -h|--help) sed -n '2,/^$/p' "${BASH_SOURCE[0]}"; exit 0 ;;
@@ -200,6 +203,12 @@ phase_compile4b() {  # speed="compile" against diffusers at its best, 4B a and b
     # shellcheck disable=SC2046
     step compile_4b_ab 250 "$PY" benchmarks/speed.py --models 4b --cases a,b $(runs 2) $(no_diffusers) \
         --variants diffusers+compile,compile --out "$OUT/compile_4b_ab.json"
+}
+
+phase_train() {  # LoRA training steps (issue 30): klein_core's trainer (bf16, fp8 base) against diffusers + peft
+    local -a args=(--warmup 2 --steps 5)
+    [ "$DRY" -eq 1 ] && args=(--tiny --device cpu --warmup 1 --steps 2)
+    step train 300 "$PY" benchmarks/train_speed.py --cases all "${args[@]}" --out "$OUT/train.json"
 }
 
 phase_blocks() {  # one double and one single block per fast-path variant (kernels.py --ops blocks)

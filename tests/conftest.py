@@ -52,6 +52,9 @@ def _table_wanted(config: pytest.Config) -> bool:
 # Node ids relative to the repository root: a module, a test (all its parameters), or one case.
 # Chosen from `--durations` on a 2-core CPU; tests/gpu is never listed (it skips without CUDA).
 FULL_TIER: tuple[str, ...] = (
+    # the training benchmark's self-tests: every case on the CPU with the diffusers peer, and the phase
+    "tests/test_train_benchmark.py::test_tiny_run_with_the_diffusers_peer",
+    "tests/test_train_benchmark.py::test_gpu_session_dry_run_train",
     # robustness: every bad argument, every corrupt tensor, files changed under a loaded model
     "tests/test_robustness.py::test_generate_arguments_fail_cleanly",
     "tests/test_robustness.py::test_non_finite_weights_are_named",
