@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # pyproject's distribution names -> the modules they install
 MODULES = {"comfy-kitchen": "comfy_kitchen", "pytest": "pytest", "hypothesis": "hypothesis", "gguf": "gguf",
            "transformers": "transformers", "diffusers": "diffusers", "accelerate": "accelerate", "peft": "peft", "ray": "ray",
-           "aiohttp": "aiohttp", "packaging": "packaging"}
+           "aiohttp": "aiohttp", "packaging": "packaging", "bitsandbytes": "bitsandbytes"}
 
 
 def test_a_missing_extra_fails_naming_the_install_command(monkeypatch):

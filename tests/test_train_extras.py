@@ -8,6 +8,7 @@ import sys
 import numpy as np
 import pytest
 import torch
+from extras import require
 from PIL import Image
 
 from klein_core.pipeline.engine import Engine
@@ -109,7 +110,7 @@ def _weights(lora: LoRASet) -> dict[str, torch.Tensor]:
 
 
 def test_adamw8bit_tracks_adamw_within_its_quantisation_error():
-    pytest.importorskip("bitsandbytes")
+    require("bitsandbytes")
     base = {"steps": 30, "learning_rate": 1e-2, "batch_size": 2, "seed": 2, "gradient_checkpointing": False}
     lora32, fp32 = _rank32(TrainConfig(**base))
     lora8, q8 = _rank32(TrainConfig(**base, optimizer="adamw8bit"))
@@ -136,7 +137,7 @@ def test_adamw8bit_tracks_adamw_within_its_quantisation_error():
 
 
 def test_adamw8bit_checkpoint_resumes_bit_exactly(tmp_path):
-    pytest.importorskip("bitsandbytes")
+    require("bitsandbytes")
     cfg = TrainConfig(steps=6, learning_rate=1e-2, batch_size=2, seed=4, gradient_checkpointing=False,
                       optimizer="adamw8bit")
     lora_full, full = _rank32(cfg)

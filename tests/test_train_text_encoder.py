@@ -10,6 +10,7 @@ import argparse
 import numpy as np
 import pytest
 import torch
+from extras import require
 from PIL import Image
 from safetensors.torch import load_file
 
@@ -123,7 +124,7 @@ def test_saved_text_encoder_lora_loads_with_the_trained_effect(files, tmp_path, 
 
 
 def test_diffusers_reads_the_transformer_part_of_a_file_with_a_text_encoder_lora(files, tmp_path):
-    diffusers = pytest.importorskip("diffusers")
+    diffusers = require("diffusers")
     _, paths, _ = files
     _, _, _, _, lora, text_lora = _setup(paths)
     with torch.no_grad():
@@ -186,3 +187,41 @@ def test_resume_refuses_a_checkpoint_without_the_text_encoder_lora(files, tmp_pa
     err = capsys.readouterr().err
     assert "this checkpoint has no text-encoder LoRA and this run trains one; resume with the same" in err
     assert not (tmp_path / "b" / "l.safetensors").exists()
+
+
+def test_resume_with_a_text_encoder_lora_is_bit_exact(files, tmp_path):
+    _, paths, _ = files
+    cfg = TrainConfig(steps=4, learning_rate=5e-2, batch_size=2, seed=3, text_encoder_lr=2e-2)
+
+    def trainer():
+        te, model, latents, _, lora, text_lora = _setup(paths, rank=2)
+        samples = [TrainSample(x, None, tokens=_tokens(c)) for x, c in zip(latents, CAPTIONS)]
+        return lora, text_lora, Trainer(model, lora, samples, cfg, text_encoder=te, text_lora=text_lora,
+                                        output_dir=tmp_path)
+
+    lora_a, te_a, full = trainer()
+    full.train()
+    _, _, first = trainer()
+    first.train(until=2)
+    folder = first.save_checkpoint()
+    lora_b, te_b, second = trainer()
+    second.resume(folder)
+    second.train()
+    assert second.losses == full.losses
+    for a, b in ((lora_a, lora_b), (te_a, te_b)):
+        for (k, x), y in zip(a.state_dict().items(), b.state_dict().values()):
+            assert torch.equal(x, y), k
+
+
+def test_resume_with_another_rank_says_what_to_match(files, tmp_path):
+    _, paths, _ = files
+    _, model, latents, cached, lora, _ = _setup(paths, rank=2)
+    cfg = TrainConfig(steps=2, batch_size=2, seed=3)
+    tr = Trainer(model, lora, [TrainSample(x, t) for x, t in zip(latents, cached)], cfg, output_dir=tmp_path)
+    tr.train(until=1)
+    folder = tr.save_checkpoint()
+    _, model2, _, _, lora4, _ = _setup(paths, rank=4)
+    other = Trainer(model2, lora4, [TrainSample(x, t) for x, t in zip(latents, cached)], cfg)
+    with pytest.raises(ValueError, match=r"this checkpoint's LoRA does not fit this run .* resume with the preset, "
+                                         r"rank, targets and text-encoder rank it was trained with"):
+        other.resume(folder)

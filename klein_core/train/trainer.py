@@ -159,9 +159,10 @@ class Trainer:
 
     ``sampler(folder, step)`` (e.g. :class:`klein_core.train.samples.CheckpointSampler`) writes sample
     images of ``config.sample_prompts`` into ``folder`` with the current LoRA; it runs on process 0
-    at each checkpoint (or every ``config.sample_every`` steps) and after the last step, with the LoRA layers in eval mode,
-    under ``torch.no_grad()`` and with the global RNG state restored afterwards, so the training run
-    continues exactly as without it (every draw of a step comes from its own generators anyway).
+    at each checkpoint (or every ``config.sample_every`` steps) and after the last step, with the
+    LoRA layers in eval mode, under ``torch.no_grad()`` and with the global RNG state restored
+    afterwards, so the training run continues exactly as without it (every draw of a step comes
+    from its own generators anyway).
 
     ``streamer``: a :class:`~klein_core.memory.placement.BlockOffloader` over ``model``'s blocks,
     attached with ``hooks=False`` (the frozen blocks stay in CPU memory and each is copied to the
@@ -388,10 +389,15 @@ class Trainer:
             what = ("has a text-encoder LoRA and this run does not train one" if "text_lora" in state
                     else "has no text-encoder LoRA and this run trains one")
             raise ValueError(f"{file}: this checkpoint {what}; resume with the same text-encoder LoRA settings")
-        self.lora.load_state_dict(state["lora"])
-        if self.text_lora is not None:
-            self.text_lora.load_state_dict(state["text_lora"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        try:
+            self.lora.load_state_dict(state["lora"])
+            if self.text_lora is not None:
+                self.text_lora.load_state_dict(state["text_lora"])
+            self.optimizer.load_state_dict(state["optimizer"])
+        except (RuntimeError, ValueError, KeyError) as exc:  # other modules or shapes than this run's LoRA
+            first = str(exc).strip().splitlines()[0]
+            raise ValueError(f"{file}: this checkpoint's LoRA does not fit this run ({first}); resume with the "
+                             "preset, rank, targets and text-encoder rank it was trained with") from None
         self.step, self.losses = int(state["step"]), list(state["losses"])
         torch.set_rng_state(state["torch_rng"])
         logger.info("resumed from %s at step %d", file, self.step)
