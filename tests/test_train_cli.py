@@ -7,9 +7,9 @@ import argparse
 
 import torch
 from PIL import Image
+from train_files import tiny_training_files
 
 from klein_core.lora import load_lora
-from klein_core.testing import write_tiny_model_files
 from klein_core.train.cli import add_train_args, run_train
 
 
@@ -20,12 +20,7 @@ def _args(*argv: str) -> argparse.Namespace:
 
 
 def test_train_cli_tiny(tmp_path, capsys):
-    paths = write_tiny_model_files(tmp_path / "models", dtype=torch.float32)
-    data = tmp_path / "data"
-    data.mkdir()
-    for i in range(2):
-        Image.new("RGB", (32, 32), (i * 90, 40, 10)).save(data / f"{i}.png")
-        (data / f"{i}.txt").write_text(f"a red square {i}")
+    paths, data = tiny_training_files(tmp_path)
     common = ["--dataset", str(data), "--vae", str(paths["vae"]), "--text-encoder", str(paths["qwen_4b"]),
               "--output", str(tmp_path / "out" / "l.safetensors"), "--steps", "2", "--resolution", "32",
               "--rank", "2", "--device", "cpu"]
@@ -42,12 +37,7 @@ def test_train_cli_memory_blocks_equals_resident(tmp_path):
     same LoRA and the same sample images as the resident run."""
     from safetensors.torch import load_file
 
-    paths = write_tiny_model_files(tmp_path / "models", dtype=torch.float32)
-    data = tmp_path / "data"
-    data.mkdir()
-    for i in range(2):
-        Image.new("RGB", (32, 32), (i * 90, 40, 10)).save(data / f"{i}.png")
-        (data / f"{i}.txt").write_text(f"a red square {i}")
+    paths, data = tiny_training_files(tmp_path)
     outs = {}
     for memory in ("resident", "blocks"):
         out = tmp_path / memory / "l.safetensors"

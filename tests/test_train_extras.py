@@ -10,6 +10,7 @@ import pytest
 import torch
 from extras import require
 from PIL import Image
+from train_files import tiny_training_files
 
 from klein_core.pipeline.engine import Engine
 from klein_core.pipeline.request import Conditioning
@@ -331,15 +332,9 @@ def test_cli_fp8_base_with_sample_images(tmp_path, monkeypatch):
 
     import klein_core.train.job as job_module
     from klein_core.lora import load_lora
-    from klein_core.testing import write_tiny_model_files
     from klein_core.train.cli import add_train_args, run_train
 
-    paths = write_tiny_model_files(tmp_path / "models", dtype=torch.float32)
-    data = tmp_path / "data"
-    data.mkdir()
-    for i in range(2):
-        Image.new("RGB", (32, 32), (i * 90, 40, 10)).save(data / f"{i}.png")
-        (data / f"{i}.txt").write_text(f"a red square {i}")
+    paths, data = tiny_training_files(tmp_path)
     p = argparse.ArgumentParser()
     add_train_args(p)
     out = tmp_path / "out" / "l.safetensors"

@@ -13,11 +13,11 @@ import torch
 from extras import require
 from PIL import Image
 from safetensors.torch import load_file
+from train_files import tiny_training_files
 
 from klein_core.files.loaders import load_text_encoder
 from klein_core.lora import TEXT_ENCODER, apply_loras, load_lora
 from klein_core.pipeline.tokenizer import tokenize_prompts
-from klein_core.testing import write_tiny_model_files
 from klein_core.testing.tiny import tiny_transformer
 from klein_core.train.adapters import LoRASet, preset, text_encoder_preset
 from klein_core.train.cli import add_train_args, run_train
@@ -36,12 +36,7 @@ def one_thread():
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     root = tmp_path_factory.mktemp("te_lora")
-    paths = write_tiny_model_files(root / "models", dtype=torch.float32)
-    data = root / "data"
-    data.mkdir()
-    for i in range(2):
-        Image.new("RGB", (32, 32), (i * 90, 40, 10)).save(data / f"{i}.png")
-        (data / f"{i}.txt").write_text(f"a red square {i}")
+    paths, data = tiny_training_files(root)
     return root, paths, data
 
 

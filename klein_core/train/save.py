@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from .adapters import LoRASet
+from .adapters import LoRALayer, LoRASet
 
 logger = logging.getLogger(__name__)
 
@@ -46,26 +46,25 @@ def diffusers_names(core: str, parts: int) -> tuple[str, ...]:
     return tuple(f"{prefix}.{m.group(2)}.{n}" for n in names)
 
 
-def _text_encoder_tensors(text_lora: LoRASet, fmt: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """A text-encoder LoRA (core names ``layers.N.self_attn.q_proj``...) under transformers' module
-    paths (``model.layers.N...``): ``text_encoder.<path>.lora_A/B.weight`` or Kohya's
-    ``lora_te_<path with _>.lora_down/lora_up.weight`` and ``.alpha``."""
-    out: dict[str, torch.Tensor] = {}
-    for core, layer in text_lora.items():
-        if layer.parts != 1:
-            raise ValueError(f"text encoder module {core}: {layer.parts} LoRA parts, expected 1")
-        path = f"model.{core}"
-        a = layer.down[0].detach().to("cpu", dtype).contiguous()
-        b = layer.up[0].detach().to("cpu", dtype).contiguous()
-        if fmt == "diffusers":
-            out[f"text_encoder.{path}.lora_A.weight"] = a
-            out[f"text_encoder.{path}.lora_B.weight"] = b
-        else:
-            key = "lora_te_" + path.replace(".", "_")
-            out[f"{key}.lora_down.weight"] = a
-            out[f"{key}.lora_up.weight"] = b
-            out[f"{key}.alpha"] = torch.tensor(layer.scale * layer.rank, dtype=torch.float32)
-    return out
+# (dotted prefix, Kohya prefix) of each component's keys
+_PREFIXES = {"transformer": ("transformer.", "lora_unet_"), "text_encoder": ("text_encoder.", "lora_te_")}
+
+
+def _put_pair(out: dict[str, torch.Tensor], component: str, path: str, layer: LoRALayer, part: int, fmt: str,
+              dtype: torch.dtype) -> None:
+    """Factor pair ``part`` of ``layer`` under module ``path``: ``<prefix><path>.lora_A/B.weight``
+    (diffusers) or ``<kohya prefix><path with _>.lora_down/lora_up.weight`` and ``.alpha`` (Kohya)."""
+    a = layer.down[part].detach().to("cpu", dtype).contiguous()
+    b = layer.up[part].detach().to("cpu", dtype).contiguous()
+    dotted, kohya = _PREFIXES[component]
+    if fmt == "diffusers":
+        out[f"{dotted}{path}.lora_A.weight"] = a
+        out[f"{dotted}{path}.lora_B.weight"] = b
+    else:
+        key = kohya + path.replace(".", "_")
+        out[f"{key}.lora_down.weight"] = a
+        out[f"{key}.lora_up.weight"] = b
+        out[f"{key}.alpha"] = torch.tensor(layer.scale * layer.rank, dtype=torch.float32)
 
 
 def lora_state_dict(lora: LoRASet, fmt: str = "diffusers", dtype: torch.dtype = torch.float32, *,
@@ -77,22 +76,17 @@ def lora_state_dict(lora: LoRASet, fmt: str = "diffusers", dtype: torch.dtype = 
     ``lora_te_model_layers_...``; diffusers' Flux2 pipelines load the transformer part only)."""
     if fmt not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS}, got {fmt!r}")
-    tensors: dict[str, torch.Tensor] = _text_encoder_tensors(text_lora, fmt, dtype) if text_lora is not None else {}
+    tensors: dict[str, torch.Tensor] = {}
+    for core, layer in text_lora.items() if text_lora is not None else ():
+        if layer.parts != 1:
+            raise ValueError(f"text encoder module {core}: {layer.parts} LoRA parts, expected 1")
+        _put_pair(tensors, "text_encoder", f"model.{core}", layer, 0, fmt, dtype)  # transformers' module path
     ranks: dict[str, int] = {}
     alphas: dict[str, float] = {}
     for core, layer in lora.items():
         for p, path in enumerate(diffusers_names(core, layer.parts)):
-            a = layer.down[p].detach().to("cpu", dtype).contiguous()
-            b = layer.up[p].detach().to("cpu", dtype).contiguous()
             ranks[path], alphas[path] = layer.rank, layer.scale * layer.rank
-            if fmt == "diffusers":
-                tensors[f"transformer.{path}.lora_A.weight"] = a
-                tensors[f"transformer.{path}.lora_B.weight"] = b
-            else:
-                key = "lora_unet_" + path.replace(".", "_")
-                tensors[f"{key}.lora_down.weight"] = a
-                tensors[f"{key}.lora_up.weight"] = b
-                tensors[f"{key}.alpha"] = torch.tensor(layer.scale * layer.rank, dtype=torch.float32)
+            _put_pair(tensors, "transformer", path, layer, p, fmt, dtype)
     meta: dict[str, str] = {}
     if fmt == "diffusers":
         r = max(set(ranks.values()), key=list(ranks.values()).count)

@@ -1,0 +1,22 @@
+"""Tiny model files and a two-image captioned dataset, as the training CLI and job read them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from PIL import Image
+
+from klein_core.testing import write_tiny_model_files
+
+
+def tiny_training_files(root: Path) -> tuple[dict[str, Path], Path]:
+    """``(model paths, dataset folder)`` under ``root``: fp32 tiny models (``write_tiny_model_files``)
+    and ``data/`` with two 32x32 images, each with a ``.txt`` caption."""
+    paths = write_tiny_model_files(root / "models", dtype=torch.float32)
+    data = root / "data"
+    data.mkdir()
+    for i in range(2):
+        Image.new("RGB", (32, 32), (i * 90, 40, 10)).save(data / f"{i}.png")
+        (data / f"{i}.txt").write_text(f"a red square {i}")
+    return paths, data
