@@ -242,7 +242,10 @@ class KleinLoraTrainer(io.ComfyNode):
         if device.type != "cpu":  # resident: the weights, their gradients' working set and activations;
             # blocks: the non-block weights, two blocks in flight and activations (both rough, for the host)
             share = 3 if memory_mode == "resident" else 1
-            host.make_room(share * os.path.getsize(paths["model_name"]), device)
+            need = share * os.path.getsize(paths["model_name"])
+            if text_encoder_rank and memory_mode == "resident":  # a trained text encoder stays on the GPU too
+                need += os.path.getsize(paths["text_encoder"])
+            host.make_room(need, device)
         # This LoRA's own checkpoint folder, emptied first: the sample files in it are this run's only.
         checkpoints = os.path.join(host.temp_path("klein_train_cache"), "checkpoints", Path(file_name).stem)
         shutil.rmtree(checkpoints, ignore_errors=True)
