@@ -33,7 +33,8 @@ fp8: the trainer's ``FP8Linear`` layers take ``torch._scaled_mm`` on GPUs with f
 (``--fp8-matmul auto``, the default, as training runs them; their backward multiplies by the upcast
 weight, since ``_scaled_mm`` has no derivative). Should that still fail, the error is recorded in the
 row (``fp8_auto_error``) and the case is measured again with the layers upcasting their weights
-(``fp8_matmul: "upcast"``); ``--no-fp8-retry`` keeps the error instead. ``--fp8-matmul upcast`` / ``scaled_mm`` force a path (``scaled_mm`` works on the CPU too).
+(``fp8_matmul: "upcast"``); ``--no-fp8-retry`` keeps the error instead. ``--fp8-matmul upcast`` /
+``scaled_mm`` force a path (``scaled_mm`` works on the CPU too).
 
 Peer: diffusers' ``Flux2Transformer2DModel`` in bf16 with a peft LoRA (``add_adapter(LoraConfig)``, as
 diffusers' Klein LoRA script) on exactly the linears our preset adapts (a fused ``qkv`` is diffusers'

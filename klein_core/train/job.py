@@ -40,8 +40,9 @@ class TrainJob:
     GPUs that cannot hold the whole base model; slower, same result. ``text_encoder_rank``: also
     train a LoRA on the text encoder (off by default; alpha ``text_encoder_alpha``, learning rate
     ``config.text_encoder_lr``): the captions are then encoded at every step and the text encoder
-    stays loaded (streamed too with ``memory="blocks"``). ``config.sample_prompts``: sample images at checkpoints (the
-    prompts are encoded before the text encoder is dropped; the VAE stays loaded to decode them)."""
+    stays loaded (streamed too with ``memory="blocks"``). ``config.sample_prompts``: sample images
+    at checkpoints (the prompts are encoded before the text encoder is dropped, or at every sample
+    when it trains; the VAE stays loaded to decode them)."""
 
     dataset: str | os.PathLike
     transformer: str | os.PathLike
