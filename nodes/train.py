@@ -133,12 +133,13 @@ class KleinLoraTrainer(io.ComfyNode):
                     "Folder ON THE SERVER (the machine running ComfyUI) holding the training images (png, jpg, "
                     "webp, bmp) with a .txt caption of the same name beside each; or a .jsonl file of rows "
                     "{\"image\", \"caption\"} (edit pairs add \"references\").")),
-                io.Combo.Input("model_name", options=host.filename_list("diffusion_models"), tooltip=(
-                    "The Klein BASE model to train on (e.g. flux-2-klein-base-4b), from models/diffusion_models. "
-                    "The LoRA then works on the base and on the distilled model of that size.")),
+                io.Combo.Input("model_name", options=host.filename_list("diffusion_models", (".gguf",)), tooltip=(
+                    "The Klein BASE model to train on (e.g. flux-2-klein-base-4b), from models/diffusion_models; "
+                    "a GGUF base trains too (its quantised layers frozen, the LoRA on top). The LoRA then works "
+                    "on the base and on the distilled model of that size.")),
                 io.Combo.Input("vae_name", options=host.filename_list("vae"),
                                tooltip="FLUX.2 VAE from models/vae (encodes the images once)."),
-                io.Combo.Input("text_encoder", options=host.filename_list("text_encoders"), tooltip=(
+                io.Combo.Input("text_encoder", options=host.filename_list("text_encoders", (".gguf",)), tooltip=(
                     "Qwen3 text encoder for this model size, from models/text_encoders (encodes the captions "
                     "once).")),
                 io.Combo.Input("preset", options=list(PRESETS), default="style", tooltip=(

@@ -325,6 +325,76 @@ def test_fp8_base_with_the_fp8_matmul_trains():
     assert _eval_loss(model, samples) < 0.97 * before
 
 
+# -- GGUF and NVFP4 bases (QLoRA-style: the frozen quantised layers, the LoRA on top) ----------
+
+def _quantise_blocks(model, make) -> list[str]:
+    from klein_core.models.layers import replace_module
+    from klein_core.quant.fp8 import block_linear_names
+
+    names = block_linear_names(model)
+    for name in names:
+        replace_module(model, name, make(model.get_submodule(name)))
+    return names
+
+
+def _nvfp4_from(linear: torch.nn.Linear):
+    from klein_core.quant import nvfp4
+
+    layer = nvfp4.NVFP4Linear(linear.in_features, linear.out_features)
+    g = torch.Generator().manual_seed(linear.out_features)
+    layer.qweight = torch.randint(0, 256, (linear.out_features, linear.in_features // 2), dtype=torch.uint8,
+                                  generator=g)
+    plain = torch.full((linear.out_features, linear.in_features // 16), 0.02).to(torch.float8_e4m3fn)
+    layer.block_scale = nvfp4.swizzle(plain).view(torch.uint8)
+    layer.tensor_scale = torch.tensor(1.0).view(torch.int32)
+    return layer
+
+
+@pytest.mark.parametrize("base", ["Q8_0", "Q4_0", "nvfp4"])
+def test_quantised_base_trains_the_lora_only_and_lowers_the_loss(base, monkeypatch):
+    from klein_core.quant import nvfp4
+    from klein_core.quant.ggml import GGMLLinear, GGMLType
+
+    model = tiny_transformer()
+    if base == "nvfp4":
+        native_calls: list[bool] = []
+
+        def native(layer, x, bias, kitchen):  # like the fp4 kernel: no backward (its output has no graph)
+            native_calls.append(torch.is_grad_enabled() and x.requires_grad)
+            with torch.no_grad():
+                return torch.nn.functional.linear(x, layer.dequantized(x.dtype), bias)
+
+        monkeypatch.setattr(nvfp4, "native_unavailable", lambda device: None)
+        monkeypatch.setattr(nvfp4, "native_linear", native)
+        monkeypatch.setattr(nvfp4, "_kitchen", lambda: None)
+        monkeypatch.setattr(nvfp4, "_NATIVE_DTYPES", (*nvfp4._NATIVE_DTYPES, torch.float32))  # the tiny model's
+        names = _quantise_blocks(model, _nvfp4_from)
+        kind = nvfp4.NVFP4Linear
+    else:
+        names = _quantise_blocks(model, lambda lin: GGMLLinear.from_linear(lin, GGMLType[base]))
+        kind = GGMLLinear
+    assert len(names) == 12 and all(isinstance(model.get_submodule(n), kind) for n in names)
+    frozen = {k: v.clone() for k, v in model.state_dict().items()}
+    samples = _samples(4, seed=8)
+    cfg = TrainConfig(steps=30, learning_rate=5e-2, batch_size=2, seed=1, weight_decay=0.0,
+                      gradient_checkpointing=True)
+    _, lora, tr = _trainer(samples, cfg, model=model)
+    assert len(lora.names()) == 8  # the style preset's linears, all quantised here
+    before = _eval_loss(model, samples)
+    tr.train_step()
+    tr.train_step()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in tr.params)
+    assert all(not p.requires_grad for p in model.parameters())
+    tr.train()
+    after = _eval_loss(model, samples)
+    tr.close()
+    for k, v in model.state_dict().items():  # the quantised base is untouched
+        assert torch.equal(v, frozen[k]), k
+    assert after < 0.97 * before, (before, after)
+    if base == "nvfp4":  # evaluation (no gradient) took the fp4 matmul; training never did
+        assert native_calls and not any(native_calls)
+
+
 # -- through the CLI: fp8 base and sample images ----------------------------------------------
 
 def test_cli_fp8_base_with_sample_images(tmp_path, monkeypatch):

@@ -367,3 +367,20 @@ def test_text_encoder_rank_trains_both_parts(env, monkeypatch):
     lora = load_lora(env.loras / name)
     assert lora.targets == ("transformer", "text_encoder") and not lora.skipped
     (env.loras / name).unlink()
+
+
+def test_a_gguf_base_trains(env, tmp_path):
+    from gguf_files import write_tiny_gguf_transformer
+
+    gguf = env.paths["klein_base_4b"].parent / "flux-2-klein-base-4b-Q8_0.gguf"
+    write_tiny_gguf_transformer(gguf)
+    env.folder_paths.filename_list_cache.clear()
+    try:
+        assert gguf.name in env.node.define_schema().inputs[1].options
+        name = _run(env, model=gguf.name, lora_name="tiny_gguf").args[0]
+        lora = load_lora(env.loras / name)
+        assert not lora.skipped and set(lora.ranks.values()) == {2}
+        (env.loras / name).unlink()
+    finally:
+        gguf.unlink()
+        env.folder_paths.filename_list_cache.clear()

@@ -220,3 +220,26 @@ def test_resume_with_another_rank_says_what_to_match(files, tmp_path):
     with pytest.raises(ValueError, match=r"this checkpoint's LoRA does not fit this run .* resume with the preset, "
                                          r"rank, targets and text-encoder rank it was trained with"):
         other.resume(folder)
+
+
+def test_job_trains_on_a_gguf_base_and_on_a_gguf_text_encoder(files, tmp_path):
+    """QLoRA-style: a Q8_0 GGUF base (and GGUF encoder with a text-encoder LoRA), streamed or not."""
+    from gguf_files import write_tiny_gguf_qwen, write_tiny_gguf_transformer
+
+    base = write_tiny_gguf_transformer(tmp_path / "flux-2-klein-base-4b-Q8_0.gguf")
+    te = write_tiny_gguf_qwen(tmp_path / "qwen_3_4b-Q8_0.gguf")
+    root, paths, data = files
+    outs = {}
+    for memory in ("resident", "blocks"):
+        out = tmp_path / memory / "l.safetensors"
+        assert run_train(_args(
+            "--dataset", str(data), "--vae", str(paths["vae"]), "--text-encoder", str(te), "--transformer", str(base),
+            "--output", str(out), "--steps", "2", "--resolution", "32", "--rank", "2", "--device", "cpu",
+            "--lr", "1e-2", "--cache-dir", str(tmp_path / "cache"), "--text-encoder-rank", "2",
+            "--memory", memory)) == 0
+        outs[memory] = load_file(str(out))
+    res, blk = outs["resident"], outs["blocks"]
+    assert any(k.startswith("text_encoder.") for k in res) and any(k.startswith("transformer.") for k in res)
+    assert any(res[k].abs().sum() > 0 for k in res if "lora_B" in k)
+    assert res.keys() == blk.keys() and all(torch.equal(res[k], blk[k]) for k in res)
+    assert not load_lora(tmp_path / "resident" / "l.safetensors").skipped

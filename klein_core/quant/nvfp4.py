@@ -142,7 +142,10 @@ class NVFP4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias.to(x.dtype) if self.bias is not None else None
-        if self.native_matmul and x.dtype in _NATIVE_DTYPES and native_unavailable(x.device) is None:
+        # Training a LoRA below this layer needs a gradient through it: comfy-kitchen's fp4 matmul has
+        # none, the dequantised weight's F.linear has.
+        wants_grad = torch.is_grad_enabled() and x.requires_grad
+        if self.native_matmul and not wants_grad and x.dtype in _NATIVE_DTYPES and native_unavailable(x.device) is None:
             try:
                 # comfy-kitchen launches on the current device's stream: make it the layer's GPU
                 with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():

@@ -25,6 +25,8 @@ from typing_extensions import Self
 
 from ..memory.placement import BlockOffloader, find_block_lists
 from ..quant.fp8 import FP8Linear
+from ..quant.ggml import GGMLLinear
+from ..quant.nvfp4 import NVFP4Linear
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +72,8 @@ class AdapterConfig:
 
 
 PRESETS: tuple[str, ...] = ("style", "structure", "full")
+# The layer types a LoRA hooks onto: every Linear the loaders build, quantised or not.
+ADAPTABLE: tuple[type[nn.Module], ...] = (nn.Linear, FP8Linear, GGMLLinear, NVFP4Linear)
 # Every linear of the Qwen3 text encoder's decoder layers (attention and MLP), its core names.
 TEXT_ENCODER_TARGETS = r"layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)"
 
@@ -157,7 +161,8 @@ class LoRASet(nn.Module):
         compiled = [(grp, re.compile(grp.pattern)) for grp in config.groups]
         device = torch.device(device) if device is not None else _model_device(model)
         for name, module in model.named_modules():
-            if not isinstance(module, (nn.Linear, FP8Linear)):  # an fp8 base: the hook adds to its output
+            # a quantised base (fp8, GGUF, NVFP4): the hook adds to the frozen layer's output, as QLoRA
+            if not isinstance(module, ADAPTABLE):
                 continue
             grp = next((grp for grp, rx in compiled if rx.fullmatch(name)), None)
             if grp is None:
