@@ -263,6 +263,13 @@ def temp_path(name: str) -> str:
     return os.path.join(folder_paths.get_temp_directory(), name)
 
 
+def output_dir_path(name: str) -> str:
+    """``name`` inside ComfyUI's output folder (kept across restarts, unlike the temp folder)."""
+    import folder_paths
+
+    return os.path.join(folder_paths.get_output_directory(), name)
+
+
 def folder_paths_of(folder: str) -> list[str]:
     import folder_paths
 

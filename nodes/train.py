@@ -2,16 +2,19 @@
 writes it into ComfyUI's ``loras`` folder (:func:`klein_core.train.run_job` does the work).
 
 Progress goes to ComfyUI's progress bar; Cancel stops the run between encodings and steps, and a
-stopped run writes no LoRA file. The output name is a plain file name: never a path. Optional: an fp8
-base (``TrainJob(quantize="fp8")``) and sample images every ``sample_every`` steps (written under
-ComfyUI's temp folder, returned as the ``samples`` IMAGE batch).
+stopped run writes no LoRA file. The output name is a plain file name: never a path. Checkpoints and
+sample images go to ComfyUI's output folder (``klein_lora_training/<name>-<settings key>/``), so the
+same inputs queued again continue from the last checkpoint. Optional: an fp8 base, block
+streaming, a text-encoder LoRA, sample images (returned as the ``samples`` IMAGE batch).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
-import shutil
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -25,6 +28,7 @@ from safetensors import safe_open
 from klein_core.train import PRESETS, TrainConfig, TrainJob, loss_curve_image, run_job
 from klein_core.train.data import IMAGE_EXTS, DatasetError
 from klein_core.train.job import TRAIN_MEMORY
+from klein_core.train.trainer import CHECKPOINT_FILE
 
 from . import host, notices
 from .common import check_choices, model_file
@@ -96,6 +100,39 @@ def sample_schedule(prompts: Sequence[str], sample_every: int, steps: int) -> in
                        "images are made once, after the last step", NODE, sample_every, steps)
         return steps
     return sample_every
+
+
+TRAINING_FOLDER = "klein_lora_training"  # in ComfyUI's output folder: checkpoints and sample images
+
+
+def _dataset_fingerprint(dataset: str) -> object:
+    path = os.path.expanduser(dataset)
+    try:
+        if os.path.isdir(path):
+            with os.scandir(path) as it:
+                return sorted((e.name, e.stat().st_size, e.stat().st_mtime_ns) for e in it if e.is_file())
+        st = os.stat(path)
+        return [path, st.st_size, st.st_mtime_ns]
+    except OSError:
+        return dataset
+
+
+def run_key(dataset: str, *settings: object) -> str:
+    """12 hex digits naming a run: the dataset's files (names, sizes, times) and every setting that
+    changes what is learnt (not steps, sample images or memory_mode, which a resumed run may change)."""
+    blob = json.dumps([dataset, _dataset_fingerprint(dataset), *settings], default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def last_checkpoint(folder: str, steps: int) -> str | None:
+    """The latest ``checkpoint-<n>`` of ``folder`` with a training state and ``n <= steps``, or None."""
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return None
+    found = [(int(m.group(1)), e.path) for e in entries if (m := re.fullmatch(r"checkpoint-(\d+)", e.name))
+             and int(m.group(1)) <= steps and os.path.isfile(os.path.join(e.path, CHECKPOINT_FILE))]
+    return max(found)[1] if found else None
 
 
 def placeholder_image(text: str = NO_SAMPLES_TEXT, width: int = 256, height: int = 64) -> torch.Tensor:
@@ -185,18 +222,23 @@ class KleinLoraTrainer(io.ComfyNode):
                 io.Int.Input("text_encoder_rank", default=0, min=0, max=256, optional=True, tooltip=(
                     "0 (default): only the transformer learns. Above 0: the text encoder gets a LoRA of this rank "
                     "too (its attention and MLP layers), trained with the same learning rate; the text encoder "
-                    "then stays loaded while training (more memory) and the LoRA file holds both parts (Klein "
-                    "LoRA Loader applies both).")),
+                    "then stays loaded while training (more memory) and the LoRA file holds both parts: Klein "
+                    "LoRA Loader applies the transformer part, the Qwen3 Layer-Concat Encoder's lora_name the "
+                    "text-encoder part.")),
+                io.Int.Input("checkpoint_every", default=250, min=0, max=100000, optional=True, tooltip=(
+                    "Save the training state every this many steps (0: never) into output/klein_lora_training/"
+                    "<lora_name>-<settings>/. Queued again with the same inputs after a Cancel, an error or a "
+                    "restart, the run continues from its last checkpoint; with more steps it trains on.")),
             ],
             outputs=[
                 io.String.Output(display_name="lora_name", tooltip=(
                     "The LoRA's file name in models/loras: pick it in Klein LoRA Loader.")),
                 io.Image.Output(display_name="loss_curve", tooltip="The training loss by step (moving average bold)."),
                 io.Image.Output(display_name="samples", tooltip=(
-                    "Every sample image written, in order (by step, then by prompt line), as one batch of "
-                    "resolution x resolution images; the files are in ComfyUI's temp folder under "
-                    "klein_train_cache/checkpoints/<lora_name>/checkpoint-<step>/sample-<i>.png (the server log "
-                    "names it). Without sample_prompts: one small dark image saying 'no sample prompts'.")),
+                    "Every sample image written by this run, in order (by step, then by prompt line), as one "
+                    "batch of resolution x resolution images; the files stay in ComfyUI's output folder under "
+                    "klein_lora_training/<lora_name>-<settings>/checkpoint-<step>/sample-<i>.png (the server log "
+                    "names them). Without sample_prompts: one small dark image saying 'no sample prompts'.")),
             ],
             is_output_node=True,
         )
@@ -220,7 +262,8 @@ class KleinLoraTrainer(io.ComfyNode):
                 rank: int = 32, steps: int = 1000, learning_rate: float = 1e-4, seed: int = 0,
                 lora_name: str = "klein_lora", resolution: int = 1024, base_precision: str = "default",
                 sample_prompts: str = "", sample_every: int = 250, sample_steps: int = 20,
-                memory_mode: str = "resident", text_encoder_rank: int = 0) -> io.NodeOutput:
+                memory_mode: str = "resident", text_encoder_rank: int = 0,
+                checkpoint_every: int = 250) -> io.NodeOutput:
         file_name = lora_file_name(lora_name)
         if preset not in PRESETS:
             raise ValueError(f"{NODE}: preset '{preset}' is not one of {', '.join(PRESETS)}.")
@@ -247,9 +290,14 @@ class KleinLoraTrainer(io.ComfyNode):
             if text_encoder_rank and memory_mode == "resident":  # a trained text encoder stays on the GPU too
                 need += os.path.getsize(paths["text_encoder"])
             host.make_room(need, device)
-        # This LoRA's own checkpoint folder, emptied first: the sample files in it are this run's only.
-        checkpoints = os.path.join(host.temp_path("klein_train_cache"), "checkpoints", Path(file_name).stem)
-        shutil.rmtree(checkpoints, ignore_errors=True)
+        # Checkpoints (and sample images) of this run's settings, in the output folder: queued again
+        # after a Cancel, an error or a restart, the same settings continue from the last checkpoint.
+        key = run_key(dataset.strip(), model_name, vae_name, text_encoder, preset, int(rank), float(learning_rate),
+                      int(seed), int(resolution), base_precision, int(text_encoder_rank))
+        checkpoints = host.output_dir_path(os.path.join(TRAINING_FOLDER, f"{Path(file_name).stem}-{key}"))
+        resume = last_checkpoint(checkpoints, int(steps))
+        if resume is not None:
+            logger.info("%s: continuing from %s (the same settings were stopped there)", NODE, resume)
         side = int(resolution)
         job = TrainJob(
             dataset=dataset.strip(), transformer=paths["model_name"], vae=paths["vae_name"],
@@ -258,8 +306,9 @@ class KleinLoraTrainer(io.ComfyNode):
             text_encoder_rank=int(text_encoder_rank) or None,
             config=TrainConfig(steps=int(steps), learning_rate=float(learning_rate), seed=int(seed),
                                sample_prompts=prompts, sample_every=every, sample_steps=int(sample_steps),
-                               sample_seed=int(seed), sample_size=(side, side)),
-            cache_dir=host.temp_path("klein_train_cache"), checkpoint_dir=checkpoints)
+                               sample_seed=int(seed), sample_size=(side, side),
+                               checkpoint_every=int(checkpoint_every)),
+            cache_dir=host.temp_path("klein_train_cache"), checkpoint_dir=checkpoints, resume=resume)
         bar = host.progress_bar(int(steps))
         try:
             result = run_job(job, on_step=lambda r: bar.update_absolute(r.step, r.total),

@@ -39,11 +39,12 @@ def env(comfy_pack, tmp_path_factory):
     root = tmp_path_factory.mktemp("train_node")
     paths = write_tiny_model_files(root / "models")
     saved = {f: folder_paths.folder_names_and_paths[f] for f in FOLDERS}
-    saved_temp = folder_paths.get_temp_directory()
+    saved_temp, saved_output = folder_paths.get_temp_directory(), folder_paths.get_output_directory()
     for f in FOLDERS:
         folder_paths.folder_names_and_paths[f] = ([str(root / "models" / f)], saved[f][1])
     folder_paths.filename_list_cache.clear()
     folder_paths.set_temp_directory(str(root / "temp"))
+    folder_paths.set_output_directory(str(root / "output"))
     data = root / "data"
     data.mkdir()
     for i in range(3):
@@ -61,6 +62,7 @@ def env(comfy_pack, tmp_path_factory):
             folder_paths.folder_names_and_paths[f] = saved[f]
         folder_paths.filename_list_cache.clear()
         folder_paths.set_temp_directory(saved_temp)
+        folder_paths.set_output_directory(saved_output)
 
 
 def _run(env, model=M4B_BASE, lora_name="tiny_style", **kw):
@@ -90,7 +92,7 @@ def test_schema(env):
     assert [i.id for i in schema.inputs] == ["dataset", "model_name", "vae_name", "text_encoder", "preset", "rank",
                                             "steps", "learning_rate", "seed", "lora_name", "resolution",
                                             "base_precision", "sample_prompts", "sample_every", "sample_steps",
-                                            "memory_mode", "text_encoder_rank"]
+                                            "memory_mode", "text_encoder_rank", "checkpoint_every"]
     assert all(i.optional for i in schema.inputs[10:])  # appended: saved workflows keep their widget order
     assert "ON THE SERVER" in schema.inputs[0].tooltip
     assert schema.inputs[1].options == sorted(os.listdir(env.paths["klein_4b"].parent))
@@ -226,8 +228,11 @@ def _spy_jobs(env, monkeypatch):
 
 
 def _sample_files(env, stem):
-    root = env.folder_paths.get_temp_directory()
-    return os.path.join(root, "klein_train_cache", "checkpoints", stem)
+    """The run folder of LoRA ``stem`` in the output folder (one per settings key)."""
+    import glob
+
+    (folder,) = glob.glob(os.path.join(env.folder_paths.get_output_directory(), "klein_lora_training", f"{stem}-*"))
+    return folder
 
 
 def test_fp8_base_reaches_the_job_and_its_lora_loads(env, trained, monkeypatch):
@@ -384,3 +389,37 @@ def test_a_gguf_base_trains(env, tmp_path):
     finally:
         gguf.unlink()
         env.folder_paths.filename_list_cache.clear()
+
+
+def test_a_stopped_run_continues_from_its_last_checkpoint(env, monkeypatch):
+    """Cancel after step 3 (checkpoints every step), queue the same inputs again: the run resumes at
+    step 3 and writes the LoRA an uninterrupted run writes, bit for bit; other settings start afresh."""
+    from safetensors.torch import load_file
+
+    host = importlib.import_module(f"{env.pack.__name__}.host")
+    steps_seen: list[int] = []
+
+    def cancel_after_3():  # pressed once step 2 showed: step 3 runs and is checkpointed, then the run stops
+        if 2 in steps_seen:
+            raise env.mm.InterruptProcessingException()
+
+    jobs = _spy_jobs(env, monkeypatch)
+    monkeypatch.setattr(host, "check_interrupt", cancel_after_3)
+    monkeypatch.setattr(env.utils, "PROGRESS_BAR_HOOK",
+                        lambda value, total, preview, node_id=None: steps_seen.append(value))
+    with pytest.raises(env.mm.InterruptProcessingException):
+        _run(env, lora_name="tiny_resumed", checkpoint_every=1)
+    assert not (env.loras / "tiny_resumed.safetensors").exists()
+    monkeypatch.setattr(host, "check_interrupt", lambda: None)
+    _run(env, lora_name="tiny_resumed", checkpoint_every=1)
+    assert jobs[0].resume is None and jobs[1].resume.endswith("checkpoint-3")
+    assert steps_seen[-1] == STEPS and steps_seen.count(4) == 1  # only step 4 ran again
+    _run(env, lora_name="tiny_uninterrupted", checkpoint_every=1)
+    assert jobs[2].resume is None
+    a, b = load_file(str(env.loras / "tiny_resumed.safetensors")), load_file(str(env.loras / "tiny_uninterrupted.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    _run(env, lora_name="tiny_resumed", checkpoint_every=1, learning_rate=5e-3)  # other settings: a new run
+    assert jobs[3].resume is None
+    assert len(os.listdir(os.path.join(env.folder_paths.get_output_directory(), "klein_lora_training"))) >= 3
+    for name in ("tiny_resumed", "tiny_uninterrupted"):
+        (env.loras / f"{name}.safetensors").unlink()
