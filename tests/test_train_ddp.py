@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from klein_core.testing import TINY_4B, tiny_transformer
-from klein_core.train.adapters import LoRASet, preset
+from klein_core.testing import TINY_4B, tiny_text_encoder, tiny_transformer
+from klein_core.train.adapters import LoRASet, preset, text_encoder_preset
 from klein_core.train.trainer import TrainConfig, Trainer, TrainSample
 
 WORLD, PER_PROCESS, STEPS = 2, 1, 5
@@ -31,22 +31,38 @@ def _lora(model: torch.nn.Module) -> LoRASet:
     return LoRASet(model, dataclasses.replace(preset("full", rank=2), dtype=torch.float64), seed=5)
 
 
-def _train(batch_size: int) -> tuple[dict[str, torch.Tensor], list[float]]:
+def _token_samples() -> list[TrainSample]:
+    """The same buckets with tokens instead of prompt embeddings (a text-encoder LoRA encodes them)."""
+    g = torch.Generator().manual_seed(1)
+    mask = torch.ones(1, 6, dtype=torch.long)
+    return [TrainSample(s.latents, None, tokens=(torch.randint(0, 1000, (1, 6), generator=g), mask))
+            for s in _samples()]
+
+
+def _train(batch_size: int, text_encoder: bool = False) -> tuple[dict[str, torch.Tensor], list[float]]:
     # float64: the only difference left between the runs is the summation order of the gradients
     model = tiny_transformer(TINY_4B, seed=1).double()
     lora = _lora(model)
     cfg = TrainConfig(steps=STEPS, learning_rate=1e-2, batch_size=batch_size, seed=7, gradient_checkpointing=False)
-    trainer = Trainer(model, lora, _samples(), cfg)
+    te = text_lora = None
+    if text_encoder:
+        te = tiny_text_encoder(TINY_4B, seed=2).double()
+        text_lora = LoRASet(te, dataclasses.replace(text_encoder_preset(rank=2), dtype=torch.float64), seed=6)
+    trainer = Trainer(model, lora, _token_samples() if text_encoder else _samples(), cfg, text_encoder=te,
+                      text_lora=text_lora)
     trainer.train()
     trainer.close()
-    return {k: v.detach().clone() for k, v in lora.state_dict().items()}, list(trainer.losses)
+    weights = {k: v.detach().clone() for k, v in lora.state_dict().items()}
+    if text_lora is not None:
+        weights.update({f"te.{k}": v.detach().clone() for k, v in text_lora.state_dict().items()})
+    return weights, list(trainer.losses)
 
 
-def _worker(rank: int, world: int, folder: str) -> None:
+def _worker(rank: int, world: int, folder: str, text_encoder: bool = False) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{folder}/rendezvous", rank=rank, world_size=world)
     try:
-        weights, losses = _train(PER_PROCESS)
+        weights, losses = _train(PER_PROCESS, text_encoder)
         torch.save({"weights": weights, "losses": losses}, os.path.join(folder, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -82,3 +98,23 @@ def test_ddp_equals_one_process_with_the_global_batch(runs, parity):
     assert len(ddp[0]["losses"]) == len(losses) == STEPS
     # the loss is computed in float32 (flow_loss), so the two sums of it differ by float32 rounding
     assert max(abs(a - b) for a, b in zip(ddp[0]["losses"], losses, strict=True)) <= 1e-6
+
+
+def test_ddp_with_a_text_encoder_lora_equals_one_process(tmp_path, parity):
+    mp.spawn(_worker, args=(WORLD, str(tmp_path), True), nprocs=WORLD, join=True)
+    ddp = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(WORLD)]
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        weights, losses = _train(WORLD * PER_PROCESS, text_encoder=True)
+    finally:
+        torch.set_num_threads(n)
+    te_keys = [k for k in weights if k.startswith("te.")]
+    assert te_keys and ddp[0]["weights"].keys() == weights.keys()
+    for k, v in ddp[0]["weights"].items():
+        assert torch.equal(v, ddp[1]["weights"][k]), k
+    diff = max((ddp[0]["weights"][k] - v).abs().max().item() for k, v in weights.items())
+    parity(f"LoRA + text-encoder LoRA after {STEPS} steps: 2-process DDP (gloo) vs 1 process", diff)
+    assert diff <= 1e-12
+    assert max(weights[k].abs().max().item() for k in te_keys if ".up" in k) > 0  # the text encoder's LoRA trained
+    assert ddp[0]["losses"] == pytest.approx(losses, abs=1e-12)
