@@ -59,7 +59,8 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--text-encoder-lr", type=float, default=None, help="its learning rate (default: --lr)")
     p.add_argument("--sample-prompt", dest="sample_prompts", action="append", default=None,
                    help="prompt for sample images at checkpoints (repeatable)")
-    p.add_argument("--sample-every", type=int, default=None, help="sample every N steps (default: at checkpoints); always after the last step")
+    p.add_argument("--sample-every", type=int, default=None,
+                   help="sample every N steps (default: at checkpoints); always after the last step")
     p.add_argument("--sample-steps", type=int, default=None, help="denoising steps of a sample (default 20)")
     p.add_argument("--sample-seed", type=int, default=None)
     p.add_argument("--sample-size", type=int, nargs=2, default=None, metavar=("W", "H"))
