@@ -308,7 +308,8 @@ class KleinLoraTrainer(io.ComfyNode):
                                sample_prompts=prompts, sample_every=every, sample_steps=int(sample_steps),
                                sample_seed=int(seed), sample_size=(side, side),
                                checkpoint_every=int(checkpoint_every)),
-            cache_dir=host.temp_path("klein_train_cache"), checkpoint_dir=checkpoints, resume=resume)
+            # BFL / ComfyUI key names: ComfyUI's own LoRA loaders read them, and so do this pack and diffusers
+            fmt="comfyui", cache_dir=host.temp_path("klein_train_cache"), checkpoint_dir=checkpoints, resume=resume)
         bar = host.progress_bar(int(steps))
         try:
             result = run_job(job, on_step=lambda r: bar.update_absolute(r.step, r.total),

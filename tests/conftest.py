@@ -58,6 +58,7 @@ FULL_TIER: tuple[str, ...] = (
     # text-encoder LoRA: resume bit-exact, and the Kohya naming (the diffusers naming stays in the default tier)
     "tests/test_train_text_encoder.py::test_resume_with_a_text_encoder_lora_is_bit_exact",
     "tests/test_train_text_encoder.py::test_saved_text_encoder_lora_loads_with_the_trained_effect[kohya]",
+    "tests/test_train_text_encoder.py::test_saved_text_encoder_lora_loads_with_the_trained_effect[comfyui]",
     # robustness: every bad argument, every corrupt tensor, files changed under a loaded model
     "tests/test_robustness.py::test_generate_arguments_fail_cleanly",
     "tests/test_robustness.py::test_non_finite_weights_are_named",

@@ -188,3 +188,55 @@ def test_cli_tiny_self_test(peer, tmp_path, capsys):
             assert case["diffs"][name]["rel_l2"] < TOL_REL, (name, case["diffs"][name])
     assert saved["peer"]["constructor"]["default_ref_method"] == "index"
     assert "comfyui" in capsys.readouterr().out
+
+
+def test_lora_in_comfyui_names_loads_in_comfyuis_own_lora_code(peer, tiny, comfy_pack, tmp_path, caplog, parity):
+    """A LoRA saved with ``fmt="comfyui"`` (transformer and text-encoder parts) goes through ComfyUI
+    0.3.75's own key maps and ``load_lora`` (comfy_pack: its torchvision stub): every key is used, and
+    ``calculate_weight`` (as ModelPatcher calls it, strength 1) gives each weight plus the trained
+    delta (the fused q/k/v factor pairs as one block-diagonal pair)."""
+    import logging
+    from types import SimpleNamespace
+
+    import comfy.lora
+    from safetensors.torch import load_file
+
+    from klein_core.testing import tiny_text_encoder
+    from klein_core.train.adapters import LoRASet, preset, text_encoder_preset
+    from klein_core.train.save import save_lora
+
+    tr, comfy_model = tiny
+    lora = LoRASet(tr, preset("full", rank=2, alpha=3.0), seed=1)
+    te = tiny_text_encoder()
+    text_lora = LoRASet(te, text_encoder_preset(rank=2), seed=2)
+    g = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for layer in [*lora.layers.values(), *text_lora.layers.values()]:
+            layer.up.copy_(torch.randn(layer.up.shape, generator=g))
+    sd = load_file(str(save_lora(tmp_path / "c.safetensors", lora, fmt="comfyui", text_lora=text_lora)))
+
+    unet = torch.nn.Module()
+    unet.diffusion_model = comfy_model
+    unet.model_config = SimpleNamespace(unet_config={})
+    clip = torch.nn.Module()  # ComfyUI's Klein encoder: <name>.transformer.model.layers... (SD1ClipModel)
+    clip.qwen3_4b = torch.nn.Module()
+    clip.qwen3_4b.transformer = torch.nn.Module()
+    clip.qwen3_4b.transformer.model = te
+    key_map = comfy.lora.model_lora_keys_unet(unet, {})
+    key_map = comfy.lora.model_lora_keys_clip(clip, key_map)
+    with caplog.at_level(logging.WARNING):
+        patches = comfy.lora.load_lora(sd, key_map)
+    assert "not loaded" not in caplog.text, caplog.text
+    want = {f"diffusion_model.{n}.weight": (comfy_model.get_submodule(n).weight, lora.layer(n).delta())
+            for n in lora.names()}
+    want.update({f"qwen3_4b.transformer.model.{n}.weight": (te.get_submodule(n).weight, text_lora.layer(n).delta())
+                 for n in text_lora.names()})
+    assert set(patches) == set(want)
+    worst = 0.0
+    for key, (weight, delta) in want.items():
+        merged = comfy.lora.calculate_weight([(1.0, patches[key], 1.0, None, None)], weight.detach().clone().float(),
+                                             key)
+        worst = max(worst, (merged - (weight.float() + delta)).abs().max().item())
+    parity("trained LoRA (comfyui names) through ComfyUI's load_lora + calculate_weight vs the trained delta",
+           worst)
+    assert worst <= 1e-5

@@ -119,8 +119,10 @@ def test_trains_and_writes_a_lora_the_loader_reads(env, trained):
     (warning,) = out.ui["warnings"]
     assert warning.startswith("skipped broken.png: unreadable image"), warning
     lora = load_lora(env.loras / name)
-    assert not lora.skipped and len(lora.patches) == 12  # 1 double block: 6 q/k/v + 2 proj + 4 mlp
-    assert set(lora.ranks.values()) == {2}
+    # ComfyUI's names (what ComfyUI's own LoRA loaders read): 1 double block, 2 fused qkv + 2 proj + 4 mlp;
+    # each fused qkv holds its q/k/v pairs as one of rank 3 x 2
+    assert not lora.skipped and len(lora.patches) == 8 and lora.metadata["klein.format"].endswith("(comfyui names)")
+    assert sorted(lora.ranks.values()) == [2] * 6 + [6] * 2
     assert lora.metadata["klein.steps"] == str(STEPS)
     assert lora.metadata["klein.base_model"].startswith(M4B_BASE)
 
@@ -243,7 +245,7 @@ def test_fp8_base_reaches_the_job_and_its_lora_loads(env, trained, monkeypatch):
     (job,) = jobs
     assert job.quantize == "fp8"
     lora = load_lora(env.loras / name)
-    assert not lora.skipped and len(lora.patches) == 12 and set(lora.ranks.values()) == {2}
+    assert not lora.skipped and len(lora.patches) == 8 and set(lora.ranks.values()) == {2, 6}
     # the same seed and data as the default-precision run: the fp8 base changed what was learnt
     fp8, default = load_file(str(env.loras / name)), load_file(str(env.loras / trained[0].args[0]))
     assert fp8.keys() == default.keys()
@@ -384,7 +386,7 @@ def test_a_gguf_base_trains(env, tmp_path):
         assert gguf.name in env.node.define_schema().inputs[1].options
         name = _run(env, model=gguf.name, lora_name="tiny_gguf").args[0]
         lora = load_lora(env.loras / name)
-        assert not lora.skipped and set(lora.ranks.values()) == {2}
+        assert not lora.skipped and set(lora.ranks.values()) == {2, 6}
         (env.loras / name).unlink()
     finally:
         gguf.unlink()

@@ -91,7 +91,7 @@ def test_refused_mixes():
         TrainConfig(text_encoder_lr=0.0)
 
 
-@pytest.mark.parametrize("fmt", ["diffusers", "kohya"])
+@pytest.mark.parametrize("fmt", ["diffusers", "kohya", "comfyui"])
 def test_saved_text_encoder_lora_loads_with_the_trained_effect(files, tmp_path, fmt):
     _, paths, _ = files
     te, model, latents, _, lora, text_lora = _setup(paths)
@@ -107,9 +107,10 @@ def test_saved_text_encoder_lora_loads_with_the_trained_effect(files, tmp_path, 
     assert (trained - plain).abs().max().item() > 1e-3  # the text encoder's LoRA learned something
     path = save_lora(tmp_path / "l.safetensors", lora, fmt=fmt, text_lora=text_lora)
     keys = load_file(str(path)).keys()
-    prefix = "text_encoder.model.layers." if fmt == "diffusers" else "lora_te_model_layers_"
+    prefix = {"diffusers": "text_encoder.model.layers.", "kohya": "lora_te_model_layers_",
+              "comfyui": "text_encoders.qwen3_4b.transformer.model.layers."}[fmt]
     te_keys = [k for k in keys if k.startswith(prefix)]
-    assert len(te_keys) == len(text_lora.names()) * (2 if fmt == "diffusers" else 3)
+    assert len(te_keys) == len(text_lora.names()) * (3 if fmt == "kohya" else 2)
     loaded = load_lora(path)
     assert not loaded.skipped and loaded.targets == ("transformer", "text_encoder")
     assert sum(p.component == TEXT_ENCODER for p in loaded.patches) == len(text_lora.names())

@@ -5,9 +5,10 @@ A key is ``<module path>.<suffix>``: the suffix says what the tensor is (``lora_
 of SPEC §6: BFL / ai-toolkit / ComfyUI (``diffusion_model.double_blocks.0.img_attn.qkv``, the core's
 own names); diffusers / PEFT (``transformer.transformer_blocks.0.attn.to_q``, q/k/v on row thirds of
 ``qkv``; ``base_model.model.`` for raw PEFT); Kohya / LyCORIS (underscored paths behind ``lora_unet_``,
-``lora_transformer_`` or ``lycoris_``); text encoder (``text_encoder.model.layers.0.self_attn.q_proj``
-or ``lora_te_model_layers_0_...``). String work only: :func:`resolve_module` turns a module path into
-a :class:`Target` (component, module name, row part, half swap) or says why it is not applied.
+``lora_transformer_`` or ``lycoris_``); text encoder (``text_encoder.model.layers.0.self_attn.q_proj``,
+``lora_te_model_layers_0_...`` or ComfyUI's ``text_encoders.qwen3_4b.transformer.model.layers.0...``).
+String work only: :func:`resolve_module` turns a module path into a :class:`Target` (component,
+module name, row part, half swap) or says why it is not applied.
 """
 
 from __future__ import annotations
@@ -201,6 +202,9 @@ _DOTTED_PREFIXES: list[tuple[str, str | None]] = [
     ("diffusion_model.", TRANSFORMER),
     ("transformer.", TRANSFORMER),
     ("text_encoder.", TEXT_ENCODER),
+    # ComfyUI's own names for the Klein encoders (its generic text-encoder LoRA keys)
+    ("text_encoders.qwen3_4b.transformer.", TEXT_ENCODER),
+    ("text_encoders.qwen3_8b.transformer.", TEXT_ENCODER),
     ("te.", TEXT_ENCODER),
 ]
 # Underscore-joined (Kohya / LyCORIS) prefixes.

@@ -17,11 +17,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from ..models.variants import encoder_name
 from .adapters import LoRALayer, LoRASet
 
 logger = logging.getLogger(__name__)
 
-FORMATS: tuple[str, ...] = ("diffusers", "kohya")
+FORMATS: tuple[str, ...] = ("diffusers", "kohya", "comfyui")
 _DOUBLE = {
     "img_attn.qkv": ("attn.to_q", "attn.to_k", "attn.to_v"),
     "txt_attn.qkv": ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"),
@@ -67,15 +68,46 @@ def _put_pair(out: dict[str, torch.Tensor], component: str, path: str, layer: Lo
         out[f"{key}.alpha"] = torch.tensor(layer.scale * layer.rank, dtype=torch.float32)
 
 
+def _comfyui_tensors(lora: LoRASet, text_lora: LoRASet | None, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """BFL / ComfyUI names: ``diffusion_model.<core module>.lora_A/B.weight`` (the scale in B), and
+    ``text_encoders.qwen3_4b.transformer.model.<core module>...`` (``qwen3_8b`` for Qwen3-8B): the keys
+    ComfyUI's own LoRA loaders map to its FLUX.2 model and Klein text encoders. A double block's
+    q/k/v factor pairs become one pair for the fused ``qkv`` (A stacked, B block-diagonal: rank 3r,
+    the same delta)."""
+    out: dict[str, torch.Tensor] = {}
+
+    def put(key: str, a: torch.Tensor, b: torch.Tensor, scale: float) -> None:
+        # No alpha keys (diffusers' reader of these names refuses them): the scale is folded into B,
+        # and every reader takes a missing alpha as scale 1.
+        out[f"{key}.lora_A.weight"] = a.detach().to("cpu", dtype).contiguous()
+        out[f"{key}.lora_B.weight"] = (b.detach().float() * scale).to("cpu", dtype).contiguous()
+
+    for core, layer in lora.items():
+        put(f"diffusion_model.{core}", layer.down.reshape(-1, layer.down.shape[-1]),
+            torch.block_diag(*layer.up.unbind(0)), layer.scale)
+    if text_lora is not None:
+        # ComfyUI names the encoder by size: the hidden size is the input width of q/k/v, gate and up
+        hidden = next((layer.down.shape[-1] for core, layer in text_lora.items()
+                       if core.endswith(("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"))), 0)
+        clip = "qwen3_8b" if encoder_name(hidden) == "Qwen3-8B" else "qwen3_4b"
+        for core, layer in text_lora.items():
+            put(f"text_encoders.{clip}.transformer.model.{core}", layer.down[0], layer.up[0], layer.scale)
+    return out
+
+
 def lora_state_dict(lora: LoRASet, fmt: str = "diffusers", dtype: torch.dtype = torch.float32, *,
                     text_lora: LoRASet | None = None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """``(tensors, extra metadata)`` of the LoRA in ``fmt`` (:data:`FORMATS`). diffusers: ``transformer.
     <path>.lora_A/B.weight`` and a PEFT ``lora_adapter_metadata`` (r, lora_alpha, rank/alpha
     patterns); Kohya: ``lora_unet_<path with _>.lora_down/lora_up.weight`` and ``.alpha``.
-    ``text_lora``: a text-encoder LoRA stored beside it (``text_encoder.model.layers...`` or
-    ``lora_te_model_layers_...``; diffusers' Flux2 pipelines load the transformer part only)."""
+    ComfyUI: BFL names (:func:`_comfyui_tensors`), which ComfyUI's own LoRA loaders, diffusers and
+    the pack read. ``text_lora``: a text-encoder LoRA stored beside it (``text_encoder.model.layers...``,
+    ``lora_te_model_layers_...`` or ``text_encoders.qwen3_4b.transformer.model.layers...``; diffusers'
+    Flux2 pipelines load the transformer part only)."""
     if fmt not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS}, got {fmt!r}")
+    if fmt == "comfyui":
+        return _comfyui_tensors(lora, text_lora, dtype), {}
     tensors: dict[str, torch.Tensor] = {}
     for core, layer in text_lora.items() if text_lora is not None else ():
         if layer.parts != 1:
