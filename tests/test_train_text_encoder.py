@@ -229,7 +229,7 @@ def test_job_trains_on_a_gguf_base_and_on_a_gguf_text_encoder(files, tmp_path):
 
     base = write_tiny_gguf_transformer(tmp_path / "flux-2-klein-base-4b-Q8_0.gguf")
     te = write_tiny_gguf_qwen(tmp_path / "qwen_3_4b-Q8_0.gguf")
-    root, paths, data = files
+    _, paths, data = files
     outs = {}
     for memory in ("resident", "blocks"):
         out = tmp_path / memory / "l.safetensors"
