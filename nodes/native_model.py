@@ -9,6 +9,7 @@ fast paths, LoRAs applied through the pack's LoRA handle).
 
 from __future__ import annotations
 
+import copy
 import logging
 from typing import Any
 
@@ -38,12 +39,35 @@ REF_METHODS = ("index", "index_timestep_zero")
 STREAMED_MODES = ("blocks", "minimum")
 
 
+def module_view(module: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``module``'s tree of module objects sharing every parameter and buffer tensor: a
+    parameter set on the view (as ComfyUI sets a patched weight) leaves ``module`` as it was. Forward
+    hooks are kept; a compiled forward (an instance attribute bound to the original module) is
+    dropped, so the view runs its own modules eagerly."""
+    view = copy.copy(module)
+    for key, value in vars(module).items():
+        if isinstance(value, (dict, set)):  # _modules, _parameters, _buffers, hook dicts
+            view.__dict__[key] = copy.copy(value)
+    view.__dict__.pop("forward", None)
+    # ComfyUI's mark that it has patched a module's weights (the pack's own ModelPatcher marks the
+    # original when it loads it): the view's weights are not patched yet.
+    view.__dict__.pop("comfy_patched_weights", None)
+    for name, child in module._modules.items():
+        view._modules[name] = module_view(child) if child is not None else None
+    return view
+
+
 class KleinDiffusionModel(torch.nn.Module):
     """ComfyUI's Flux diffusion-model call turned into klein_core's transformer call.
 
     ``forward(x [B, 128, h, w], timestep [B] (sigma), context [B, L, D], ref_latents=[[B or 1, 128,
-    h_k, w_k], ...])`` -> velocity ``[B, 128, h, w]``. The transformer is a submodule, so ComfyUI's
-    ModelPatcher sees, counts and moves its weights.
+    h_k, w_k], ...])`` -> velocity ``[B, 128, h, w]``.
+
+    It runs a view of the transformer (:func:`module_view`: its own module objects over the same
+    tensors) whose modules are this module's own, so ComfyUI's ModelPatcher sees, counts and moves
+    the weights under their BFL names (``diffusion_model.double_blocks.0.img_attn.qkv.weight``): the
+    names ComfyUI's own LoRA loaders map. What ComfyUI patches is set on the view, never on the pack's
+    transformer, which other nodes keep using as it is.
     """
 
     patch_size = 1  # what model_base.Flux reads for attention masks
@@ -51,7 +75,11 @@ class KleinDiffusionModel(torch.nn.Module):
     def __init__(self, transformer: Flux2Transformer, model_name: str, kind: str = "distilled",
                  stream_to: torch.device | None = None) -> None:
         super().__init__()
-        self.transformer = transformer
+        view = module_view(transformer)
+        object.__setattr__(self, "transformer", view)  # an attribute, not a child: no "transformer." in the keys
+        self._modules = view._modules
+        self._parameters = view._parameters
+        self._buffers = view._buffers
         self.model_name = model_name
         self.kind = kind
         self.stream_to = stream_to  # the compute device when the blocks are streamed there each step

@@ -136,7 +136,14 @@ def test_bridged_model_is_a_native_flux2_model_with_its_memory(host):
     assert isinstance(patcher, comfy.model_patcher.ModelPatcher)
     assert isinstance(patcher.model, comfy.model_base.Flux2)
     transformer = model.ref.get()
-    assert patcher.model.diffusion_model.transformer is transformer  # the pack's weights, not a copy
+    # the pack's weights, not a copy, under their BFL names (what ComfyUI's LoRA loaders map), on a view
+    # of the module tree: what ComfyUI sets there does not reach the pack's transformer
+    view = patcher.model.diffusion_model.transformer
+    assert view is not transformer
+    theirs = dict(patcher.model.diffusion_model.named_parameters())
+    assert theirs.keys() == dict(transformer.named_parameters()).keys()
+    assert all(theirs[k] is p for k, p in transformer.named_parameters())
+    assert "diffusion_model.double_blocks.0.img_attn.qkv.weight" in patcher.model.state_dict()
     # what ComfyUI counts: the weights, plus the sigma table of the model_base's flow sampling
     assert patcher.model_size() == module_bytes(transformer) + module_bytes(patcher.model.model_sampling)
     assert module_bytes(transformer) > 10 * module_bytes(patcher.model.model_sampling)
@@ -403,3 +410,42 @@ def test_rope_tables_are_made_once_per_layout(host, monkeypatch):
                                               host.cs.KSamplerSelect.execute("euler").args[0],
                                               host.flux.Flux2Scheduler.execute(2, W + 16, H).args[0], latent)
     assert len(calls) == 2  # a new size: new tables
+
+
+def test_comfyuis_own_lora_loader_applies_to_the_bridged_model(host, tmp_path, caplog, parity):
+    """A LoRA in ComfyUI names (what Klein LoRA Trainer writes) through ComfyUI's own LoRA loading
+    (``comfy.sd.load_lora_for_models``, as LoraLoaderModelOnly runs it) on the bridged MODEL samples as
+    the Klein Sampler with the same LoRA through the pack's loader; the pack's transformer is unchanged."""
+    import logging
+
+    import comfy.sd
+    from safetensors.torch import load_file
+
+    import klein_core as kc
+    from klein_core.train.adapters import LoRASet, preset
+    from klein_core.train.save import save_lora
+
+    lora_mod = importlib.import_module(f"{PACK}.lora")
+    model, _ = _load(host)
+    transformer = model.ref.get()
+    before = {k: v.detach().clone() for k, v in transformer.state_dict().items()}
+    lora = LoRASet(transformer, preset("full", rank=2), seed=1)  # hooks never attached: the model is unchanged
+    g = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for layer in lora.layers.values():
+            layer.up.copy_(torch.randn(layer.up.shape, generator=g) * 0.5)
+    path = save_lora(tmp_path / "native.safetensors", lora, fmt="comfyui")
+    cond = _encode(host)
+    plain = _core(host, _bridge(host, model), _native_cond(host, cond.positive))
+    with caplog.at_level(logging.WARNING):
+        patched, _ = comfy.sd.load_lora_for_models(_bridge(host, model), None, load_file(str(path)), 1.0, 0)
+    assert "not loaded" not in caplog.text, caplog.text
+    theirs = _core(host, patched, _native_cond(host, cond.positive))
+    ours = _klein(host, lora_mod.patch_model(model, kc.load_lora(path), 1.0), cond)
+    assert _diff(plain, ours) > 1e-2  # the LoRA changes the result
+    diff = parity("ComfyUI's LoRA loader on the bridged MODEL vs Klein LoRA Loader + Klein Sampler (fp32)",
+                  _diff(ours, theirs))
+    assert diff <= TOL, diff
+    # the pack's transformer never saw ComfyUI's patch: the plain Klein Sampler and bridge are unchanged
+    assert all(torch.equal(v, before[k]) for k, v in transformer.state_dict().items())
+    assert torch.equal(_core(host, _bridge(host, model), _native_cond(host, cond.positive)), plain)
