@@ -39,6 +39,18 @@ def parity():
     return record
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One torch thread for a module of tiny-model tests (``pytestmark = pytest.mark.usefixtures(
+    "one_torch_thread")``): tiny matrices gain nothing from threads, which contend on 2 cores."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def _table_wanted(config: pytest.Config) -> bool:
     asked = os.environ.get(_TABLE_ENV, "").strip().lower()
     if asked:

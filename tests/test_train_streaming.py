@@ -17,12 +17,7 @@ from klein_core.train.trainer import TrainConfig, Trainer, TrainSample
 TEXT_DIM = 96
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _samples(refs: int = 0) -> list[TrainSample]:

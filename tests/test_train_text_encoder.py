@@ -24,13 +24,7 @@ from klein_core.train.cli import add_train_args, run_train
 from klein_core.train.save import save_lora
 from klein_core.train.trainer import TrainConfig, Trainer, TrainSample
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
