@@ -14,7 +14,6 @@ import hashlib
 import json
 import logging
 import os
-import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -28,7 +27,7 @@ from safetensors import safe_open
 from klein_core.train import PRESETS, TrainConfig, TrainJob, loss_curve_image, run_job
 from klein_core.train.data import IMAGE_EXTS, DatasetError
 from klein_core.train.job import TRAIN_MEMORY
-from klein_core.train.trainer import CHECKPOINT_FILE
+from klein_core.train.trainer import latest_checkpoint
 
 from . import host, notices
 from .common import check_choices, model_file
@@ -122,17 +121,6 @@ def run_key(dataset: str, *settings: object) -> str:
     changes what is learnt (not steps, sample images or memory_mode, which a resumed run may change)."""
     blob = json.dumps([dataset, _dataset_fingerprint(dataset), *settings], default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
-
-
-def last_checkpoint(folder: str, steps: int) -> str | None:
-    """The latest ``checkpoint-<n>`` of ``folder`` with a training state and ``n <= steps``, or None."""
-    try:
-        entries = list(os.scandir(folder))
-    except OSError:
-        return None
-    found = [(int(m.group(1)), e.path) for e in entries if (m := re.fullmatch(r"checkpoint-(\d+)", e.name))
-             and int(m.group(1)) <= steps and os.path.isfile(os.path.join(e.path, CHECKPOINT_FILE))]
-    return max(found)[1] if found else None
 
 
 def placeholder_image(text: str = NO_SAMPLES_TEXT, width: int = 256, height: int = 64) -> torch.Tensor:
@@ -295,7 +283,8 @@ class KleinLoraTrainer(io.ComfyNode):
         key = run_key(dataset.strip(), model_name, vae_name, text_encoder, preset, int(rank), float(learning_rate),
                       int(seed), int(resolution), base_precision, int(text_encoder_rank))
         checkpoints = host.output_dir_path(os.path.join(TRAINING_FOLDER, f"{Path(file_name).stem}-{key}"))
-        resume = last_checkpoint(checkpoints, int(steps))
+        found = latest_checkpoint(checkpoints, int(steps))
+        resume = str(found) if found is not None else None
         if resume is not None:
             logger.info("%s: continuing from %s (the same settings were stopped there)", NODE, resume)
         side = int(resolution)

@@ -53,3 +53,28 @@ def test_train_cli_memory_blocks_equals_resident(tmp_path):
     assert res.keys() == blk.keys() and all(torch.equal(res[k], blk[k]) for k in res)
     assert any(res[k].abs().sum() > 0 for k in res if "lora_B" in k)  # trained: B moved off zero
     assert torch.equal(img_res, img_blk)
+
+
+def test_train_cli_resume_auto_continues_from_the_latest_checkpoint(tmp_path, capsys):
+    """``--resume auto``: none yet starts at step 0; after 2 steps (a checkpoint each), 3 steps continue
+    from checkpoint-2 and write the LoRA of an uninterrupted 3-step run, bit for bit."""
+    from safetensors.torch import load_file
+
+    paths, data = tiny_training_files(tmp_path)
+
+    def run(out, steps, *extra):
+        return run_train(_args(
+            "--dataset", str(data), "--vae", str(paths["vae"]), "--text-encoder", str(paths["qwen_4b"]),
+            "--transformer", str(paths["klein_base_4b"]), "--output", str(out), "--steps", str(steps),
+            "--resolution", "32", "--rank", "2", "--device", "cpu", "--lr", "1e-2", "--checkpoint-every", "1",
+            "--cache-dir", str(tmp_path / "cache"), *extra))
+
+    resumed = tmp_path / "a" / "l.safetensors"
+    assert run(resumed, 2, "--resume", "auto") == 0  # no checkpoint yet: from step 0
+    capsys.readouterr()
+    assert run(resumed, 3, "--resume", "auto") == 0
+    err = capsys.readouterr().err
+    assert "step 3/3" in err and "step 1/3" not in err and "step 2/3" not in err  # only step 3 ran
+    assert run(tmp_path / "b" / "l.safetensors", 3) == 0
+    a, b = load_file(str(resumed)), load_file(str(tmp_path / "b" / "l.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -40,7 +40,8 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--resolution", type=int, default=None, help="bucket area = resolution^2 (default 1024)")
     p.add_argument("--checkpoint-every", type=int, default=None)
-    p.add_argument("--resume", default=None, help="checkpoint folder to continue from")
+    p.add_argument("--resume", default=None, help=(
+        "checkpoint folder to continue from, or auto: the latest checkpoint of this --output, if any"))
     p.add_argument("--optimizer", choices=OPTIMIZERS, default=None)
     p.add_argument("--weighting-scheme", choices=WEIGHTING_SCHEMES, default=None)
     p.add_argument("--shift", type=float, default=None)

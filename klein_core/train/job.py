@@ -22,7 +22,7 @@ from ..pipeline.tokenizer import tokenize_prompts
 from .adapters import LoRASet, preset, text_encoder_preset
 from .data import Encoders, build_samples, dataset_hash, require_base_model, scan_dataset
 from .save import save_lora
-from .trainer import StepReport, TrainConfig, Trainer
+from .trainer import StepReport, TrainConfig, Trainer, latest_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +33,8 @@ TRAIN_MEMORY: tuple[str, ...] = ("resident", "blocks")
 class TrainJob:
     """What to train: files, adapter preset (``rank``/``alpha`` None = the preset's), bucket
     ``resolution`` (area = resolution²), loop ``config``. ``cache_dir`` None = ``<output>.cache``;
-    ``checkpoint_dir`` None = ``<output stem>-checkpoints`` beside the output. ``quantize="fp8"``:
+    ``checkpoint_dir`` None = ``<output stem>-checkpoints`` beside the output; ``resume``: a checkpoint
+    folder, or ``"auto"`` for the latest one there (none: from step 0). ``quantize="fp8"``:
     the base transformer's block linears are quantised to fp8 as it loads (frozen; the LoRA stays
     in the compute dtype on top). ``memory="blocks"``: the frozen blocks stay in CPU memory and each
     is copied to the device only while it runs (forward and the backward pass's recomputation), for
@@ -171,12 +172,16 @@ def _run(job: TrainJob, on_step: Callable[[StepReport], bool | None] | None,
 
     checkpoints = Path(job.checkpoint_dir) if job.checkpoint_dir is not None else \
         out.parent / (out.stem + "-checkpoints")
+    resume = job.resume
+    if resume is not None and str(resume) == "auto":  # the latest checkpoint of this output, if any
+        resume = latest_checkpoint(checkpoints, job.config.steps)
+        logger.info("resume auto: %s", resume or f"no checkpoint in {checkpoints}; starting at step 0")
     trainer = Trainer(model, lora, samples, job.config, output_dir=checkpoints, on_step=step_done, sampler=sampler,
                       streamer=streamer, text_encoder=te if train_text else None, text_lora=text_lora,
                       text_streamer=text_streamer)
     try:
-        if job.resume:
-            trainer.resume(job.resume)
+        if resume:
+            trainer.resume(resume)
         trainer.train()
     finally:
         trainer.close()

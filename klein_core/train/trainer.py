@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -401,6 +402,18 @@ class Trainer:
         self.step, self.losses = int(state["step"]), list(state["losses"])
         torch.set_rng_state(state["torch_rng"])
         logger.info("resumed from %s at step %d", file, self.step)
+
+
+def latest_checkpoint(folder: str | Path, steps: int | None = None) -> Path | None:
+    """The ``checkpoint-<n>`` folder of ``folder`` with the highest ``n`` (at most ``steps``) that holds
+    a training state, or None."""
+    try:
+        entries = list(Path(folder).iterdir())
+    except OSError:
+        return None
+    found = [(int(m.group(1)), e) for e in entries if (m := re.fullmatch(r"checkpoint-(\d+)", e.name))
+             and (steps is None or int(m.group(1)) <= steps) and (e / CHECKPOINT_FILE).is_file()]
+    return max(found)[1] if found else None
 
 
 def config_dict(cfg: TrainConfig) -> dict:
