@@ -173,3 +173,50 @@ def test_full_4b_quantize_fp8_scaled_mm_vs_upcast(gpu, full4b, parity):
     finally:
         del q
         torch.cuda.empty_cache()
+
+
+def test_lora_training_step_on_the_fp8_model(gpu, fp8_pair, monkeypatch, parity):
+    """A LoRA training step on the fp8 model takes the fp8 matmul on 8.9+ GPUs (forced in the CPU
+    mode); torch._scaled_mm has no derivative, so its backward goes through the upcast weight: the
+    LoRA gradients are finite and close to the upcast path's."""
+    from klein_core.train import LoRASet, TrainConfig, Trainer, TrainSample, preset
+
+    _, model, _, _ = fp8_pair
+    if not gpu.cpu and not scaled_mm_available(gpu.device):
+        pytest.skip(f"{torch.cuda.get_device_name(gpu.device)} has no fp8 tensor cores (needs 8.9+)")
+    calls = []
+    real = torch._scaled_mm
+
+    def counting(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(torch, "_scaled_mm", counting)
+    g = torch.Generator().manual_seed(0)
+    sample = TrainSample(torch.randn(1, 128, 8, 8, generator=g),
+                         torch.randn(1, 32, model.config.context_dim, generator=g))
+    grads = {}
+    try:
+        for mode in ("scaled_mm" if gpu.cpu else None, "upcast"):
+            _set_matmul(model, mode)
+            lora = LoRASet(model, preset("style", rank=4), seed=1)
+            up = torch.Generator().manual_seed(2)
+            with torch.no_grad():  # B off zero, so A gets gradients too
+                for layer in lora.layers.values():
+                    layer.up.copy_(torch.randn(layer.up.shape, generator=up).to(layer.up) * 0.1)
+            trainer = Trainer(model, lora, [sample], TrainConfig(steps=1, seed=0, gradient_checkpointing=True))
+            before = len(calls)
+            try:
+                trainer.train_step()
+            finally:
+                trainer.close()
+            grads[mode or "auto"] = torch.cat([p.grad.flatten().float() for p in trainer.params])
+            if mode != "upcast":
+                assert len(calls) > before, "the fp8 matmul was not taken"
+    finally:
+        _set_matmul(model, None)
+    fp8 = grads["scaled_mm" if gpu.cpu else "auto"]
+    assert torch.isfinite(fp8).all() and fp8.abs().sum() > 0
+    rel = parity(tag(gpu, "LoRA gradients on the fp8 model: fp8 matmul vs upcast, relative L2"),
+                 rel_l2(fp8, grads["upcast"]))
+    assert rel < 0.1, rel
