@@ -102,6 +102,9 @@ def sample_schedule(prompts: Sequence[str], sample_every: int, steps: int) -> in
 
 
 TRAINING_FOLDER = "klein_lora_training"  # in ComfyUI's output folder: checkpoints and sample images
+# Training states kept per run (resuming needs the newest; each is about 3x the LoRA's size): the older
+# ones are deleted, their sample images stay.
+KEEP_CHECKPOINTS = 2
 
 
 def _dataset_fingerprint(dataset: str) -> object:
@@ -215,8 +218,9 @@ class KleinLoraTrainer(io.ComfyNode):
                     "text-encoder part.")),
                 io.Int.Input("checkpoint_every", default=250, min=0, max=100000, optional=True, tooltip=(
                     "Save the training state every this many steps (0: never) into output/klein_lora_training/"
-                    "<lora_name>-<settings>/. Queued again with the same inputs after a Cancel, an error or a "
-                    "restart, the run continues from its last checkpoint; with more steps it trains on.")),
+                    "<lora_name>-<settings>/ (the newest 2 are kept). Queued again with the same inputs after a "
+                    "Cancel, an error or a restart, the run continues from its last checkpoint; with more steps "
+                    "it trains on.")),
             ],
             outputs=[
                 io.String.Output(display_name="lora_name", tooltip=(
@@ -296,7 +300,7 @@ class KleinLoraTrainer(io.ComfyNode):
             config=TrainConfig(steps=int(steps), learning_rate=float(learning_rate), seed=int(seed),
                                sample_prompts=prompts, sample_every=every, sample_steps=int(sample_steps),
                                sample_seed=int(seed), sample_size=(side, side),
-                               checkpoint_every=int(checkpoint_every)),
+                               checkpoint_every=int(checkpoint_every), keep_checkpoints=KEEP_CHECKPOINTS),
             # BFL / ComfyUI key names: ComfyUI's own LoRA loaders read them, and so do this pack and diffusers
             fmt="comfyui", cache_dir=host.temp_path("klein_train_cache"), checkpoint_dir=checkpoints, resume=resume)
         bar = host.progress_bar(int(steps))

@@ -429,3 +429,27 @@ def test_cli_fp8_base_with_sample_images(tmp_path, monkeypatch):
     assert Image.open(folder / "sample-1.png").size == (64, 64)
     lora = load_lora(out)
     assert lora.metadata["klein.steps"] == "2" and set(lora.ranks.values()) == {2}
+
+
+# -- keeping checkpoints ------------------------------------------------------------------------
+
+def test_keep_checkpoints_deletes_older_states_and_keeps_sample_folders(tmp_path):
+    from klein_core.train.trainer import CHECKPOINT_FILE, latest_checkpoint
+
+    cfg = TrainConfig(steps=5, learning_rate=1e-2, batch_size=2, seed=1, gradient_checkpointing=False,
+                      checkpoint_every=1, keep_checkpoints=2)
+    (tmp_path / "checkpoint-9").mkdir()  # a stale higher-numbered folder without a state: left alone
+    (tmp_path / "checkpoint-1").mkdir()
+    (tmp_path / "checkpoint-1" / "sample-0.png").write_bytes(b"x")  # sample images stay
+    *_, tr = _trainer(_samples(2), cfg, tmp=tmp_path)
+    tr.train()
+    states = sorted(p.parent.name for p in tmp_path.glob(f"checkpoint-*/{CHECKPOINT_FILE}"))
+    assert states == ["checkpoint-4", "checkpoint-5"]
+    assert (tmp_path / "checkpoint-1" / "sample-0.png").is_file() and (tmp_path / "checkpoint-9").is_dir()
+    assert latest_checkpoint(tmp_path) == tmp_path / "checkpoint-5"
+    *_, again = _trainer(_samples(2), TrainConfig(**{**cfg.__dict__, "steps": 6}), tmp=tmp_path)
+    again.resume(latest_checkpoint(tmp_path, 6))
+    again.train()
+    assert again.step == 6 and len(again.losses) == 6
+    with pytest.raises(ValueError, match="keep_checkpoints must be >= 0"):
+        TrainConfig(keep_checkpoints=-1)

@@ -40,6 +40,8 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--resolution", type=int, default=None, help="bucket area = resolution^2 (default 1024)")
     p.add_argument("--checkpoint-every", type=int, default=None)
+    p.add_argument("--keep-checkpoints", type=int, default=None,
+                   help="keep the training states of the newest N checkpoints only (default: all)")
     p.add_argument("--resume", default=None, help=(
         "checkpoint folder to continue from, or auto: the latest checkpoint of this --output, if any"))
     p.add_argument("--optimizer", choices=OPTIMIZERS, default=None)
@@ -98,7 +100,7 @@ def run_train(args: argparse.Namespace) -> int:
     cfg = TrainConfig(
         steps=int(o.get("steps", 1000)), learning_rate=float(o.get("lr", 1e-4)),
         batch_size=int(o.get("batch_size", 1)), seed=int(o.get("seed", 0)),
-        checkpoint_every=int(o.get("checkpoint_every", 0)),
+        checkpoint_every=int(o.get("checkpoint_every", 0)), keep_checkpoints=int(o.get("keep_checkpoints", 0)),
         gradient_checkpointing=not o.get("no_gradient_checkpointing", False),
         optimizer=o.get("optimizer", "adamw"), reference_dropout=float(o.get("reference_dropout", 0.0)),
         text_encoder_lr=float(o["text_encoder_lr"]) if o.get("text_encoder_lr") is not None else None,

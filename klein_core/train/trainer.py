@@ -59,13 +59,16 @@ class TrainSample:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """Loop settings. ``batch_size`` is per process; ``checkpoint_every`` 0 = no checkpoints."""
+    """Loop settings. ``batch_size`` is per process; ``checkpoint_every`` 0 = no checkpoints;
+    ``keep_checkpoints`` N > 0 deletes all but the newest N training states (each holds the LoRA and
+    the optimizer's state, three times the LoRA's size)."""
 
     steps: int = 1000
     learning_rate: float = 1e-4
     batch_size: int = 1
     seed: int = 0
     checkpoint_every: int = 0
+    keep_checkpoints: int = 0  # training states kept: the newest N (0 = all); sample images always stay
     gradient_checkpointing: bool = True
     optimizer: str = "adamw"
     weight_decay: float = 1e-4
@@ -95,6 +98,8 @@ class TrainConfig:
             lr = getattr(self, name)
             if (name == "learning_rate" or lr is not None) and not (math.isfinite(lr) and lr > 0):
                 raise ValueError(f"{name} must be a positive number, got {lr}")
+        if self.keep_checkpoints < 0:
+            raise ValueError(f"keep_checkpoints must be >= 0 (0 keeps all), got {self.keep_checkpoints}")
         if self.sample_every < 0 or self.sample_steps < 1:
             raise ValueError(f"sample_every must be >= 0 and sample_steps >= 1, got {self.sample_every} "
                              f"and {self.sample_steps}")
@@ -374,7 +379,24 @@ class Trainer:
             folder.mkdir(parents=True, exist_ok=True)
             save_state(self.state(), folder / CHECKPOINT_FILE)
             logger.info("checkpoint at step %d: %s", self.step, folder)
+            if path is None and self.config.keep_checkpoints and self.output_dir is not None:
+                self._prune_checkpoints(folder)
         return folder
+
+    def _prune_checkpoints(self, newest: Path) -> None:
+        """Delete the training states of all but ``keep_checkpoints`` checkpoints of ``output_dir``:
+        ``newest`` (just written) and the latest others. Their folders, and any sample images in them,
+        stay."""
+        found = []
+        for e in Path(self.output_dir or ".").iterdir():
+            m = re.fullmatch(r"checkpoint-(\d+)", e.name)
+            if m and e != newest and (e / CHECKPOINT_FILE).is_file():
+                found.append((int(m.group(1)), e / CHECKPOINT_FILE))
+        keep_others = self.config.keep_checkpoints - 1
+        for _, state in sorted(found)[:len(found) - keep_others]:
+            state.unlink(missing_ok=True)
+            logger.info("removed the older training state %s (keep_checkpoints=%d)", state,
+                        self.config.keep_checkpoints)
 
     def resume(self, path: str | Path) -> None:
         """Continue from a checkpoint folder (or its ``trainer_state.safetensors``): weights, optimizer, step."""
