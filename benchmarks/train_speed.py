@@ -22,8 +22,8 @@ Cases (``--cases``, comma list or ``all``):
 * ``9b_edit_fp8``: ``9b_fp8`` with one reference. Targets: peak <= 24 GB and time per step <= 2.2x
   ``9b_fp8``'s.
 
-Per case: ``--warmup`` untimed steps, then ``--steps`` timed ones (CUDA synchronised before and
-after each step, host clock); it reports the median seconds per step, it/s (1 / median), the peak
+Per case: ``--warmup`` untimed steps, then ``--steps`` timed ones (the benchmarks' one timing loop,
+``benchmarks.timing.call_times``: CUDA events on a GPU); it reports the median seconds per step, it/s (1 / median), the peak
 ``torch.cuda.max_memory_allocated`` since ``reset_peak_memory_stats`` at the start of the case
 (weights, LoRA, optimizer state and activations: the whole training process), in GB (1e9 bytes:
 the targets' unit, the stricter reading) and GiB, and the verdict against the case's targets.
@@ -83,6 +83,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # run as a script from a checkout
     sys.path.insert(0, str(REPO))
 
+from benchmarks.timing import call_times
 from klein_core.memory.placement import BlockOffloader
 from klein_core.models import Flux2Transformer, TransformerConfig
 from klein_core.models.variants import KLEIN_4B, KLEIN_9B
@@ -92,6 +93,7 @@ from klein_core.testing.fill import full_size_configs, random_fill_
 from klein_core.testing.tiny import TINY_4B, TINY_9B, tiny_transformer
 from klein_core.train import PRESETS, LoRASet, TrainConfig, Trainer, TrainSample, preset
 from klein_core.train.objective import sample_density, sigmas_for
+from klein_core.train.save import diffusers_names
 
 GB = 1e9
 GiB = 1024**3
@@ -159,26 +161,21 @@ def _free(device: torch.device) -> None:
 
 
 def time_steps(step: Callable[[], float], device: torch.device, warmup: int, steps: int) -> dict[str, Any]:
-    """Run ``warmup`` then ``steps`` training steps; median seconds per step, peak memory of them all
-    (from the memory allocated at the start: weights, LoRA), losses."""
+    """Run ``warmup`` then ``steps`` training steps (timed by :func:`benchmarks.timing.call_times`);
+    median seconds per step, peak memory of them all (from the memory allocated at the start:
+    weights, LoRA), losses."""
     cuda = device.type == "cuda"
     _sync(device)
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     start = torch.cuda.memory_allocated(device) if cuda else None
-    losses = []
+    losses: list[float] = []
     t0 = time.perf_counter()
     for _ in range(warmup):  # the optimizer's state, cuDNN/cuBLAS choices, the allocator's pool
         losses.append(step())
     _sync(device)
     warm_s = (time.perf_counter() - t0) / warmup if warmup else None
-    times = []
-    for _ in range(steps):
-        _sync(device)
-        t = time.perf_counter()
-        losses.append(step())
-        _sync(device)
-        times.append(time.perf_counter() - t)
+    times = [ms / 1000.0 for ms in call_times(lambda: losses.append(step()), device, steps)]
     med = statistics.median(times)
     peak = torch.cuda.max_memory_allocated(device) if cuda else None
     return {
@@ -259,26 +256,6 @@ def run_ours_case(model: Flux2Transformer, case: Case, args: argparse.Namespace,
 # ---------------------------------------------------------------------------------------------
 # diffusers + peft
 
-_DOUBLE = {"img_attn.qkv": ("attn.to_q", "attn.to_k", "attn.to_v"),
-           "txt_attn.qkv": ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"),
-           "img_attn.proj": ("attn.to_out.0",), "txt_attn.proj": ("attn.to_add_out",),
-           "img_mlp.0": ("ff.linear_in",), "img_mlp.2": ("ff.linear_out",),
-           "txt_mlp.0": ("ff_context.linear_in",), "txt_mlp.2": ("ff_context.linear_out",)}
-_SINGLE = {"linear1": ("attn.to_qkv_mlp_proj",), "linear2": ("attn.to_out",)}
-
-
-def diffusers_names(core: str) -> tuple[str, ...]:
-    """diffusers' ``Flux2Transformer2DModel`` linears for one core linear (three for a fused qkv)."""
-    m = re.fullmatch(r"(double|single)_blocks\.(\d+)\.(.+)", core)
-    if m is None:
-        raise KeyError(f"no diffusers name for {core}")
-    kind, i, rest = m.groups()
-    table, prefix = (_DOUBLE, "transformer_blocks") if kind == "double" else (_SINGLE, "single_transformer_blocks")
-    if rest not in table:
-        raise KeyError(f"no diffusers name for {core}")
-    return tuple(f"{prefix}.{i}.{d}" for d in table[rest])
-
-
 def peer_targets(cfg: TransformerConfig, args: argparse.Namespace) -> dict[str, tuple[int, float]]:
     """diffusers module name -> (rank, alpha) of the LoRA our preset puts there (read from a LoRASet
     on a meta-device model of the same shape, so the two can never disagree)."""
@@ -287,7 +264,7 @@ def peer_targets(cfg: TransformerConfig, args: argparse.Namespace) -> dict[str, 
     lora = LoRASet(probe, preset(args.preset, args.rank), seed=0)
     out = {}
     for core, layer in lora.items():
-        for name in diffusers_names(core):
+        for name in diffusers_names(core, layer.parts):
             out[name] = (layer.rank, layer.scale * layer.rank)
     return out
 
