@@ -107,14 +107,16 @@ TRAINING_FOLDER = "klein_lora_training"  # in ComfyUI's output folder: checkpoin
 KEEP_CHECKPOINTS = 2
 
 
-def _dataset_fingerprint(dataset: str) -> object:
+def dataset_fingerprint(dataset: str) -> object:
+    """What changes when the dataset does: a folder's files (names, sizes, times), a file's size and
+    time; the text itself when it names nothing readable."""
     path = os.path.expanduser(dataset)
     try:
         if os.path.isdir(path):
             with os.scandir(path) as it:
-                return sorted((e.name, e.stat().st_size, e.stat().st_mtime_ns) for e in it if e.is_file())
+                return tuple(sorted((e.name, e.stat().st_size, e.stat().st_mtime_ns) for e in it if e.is_file()))
         st = os.stat(path)
-        return [path, st.st_size, st.st_mtime_ns]
+        return (path, st.st_size, st.st_mtime_ns)
     except OSError:
         return dataset
 
@@ -122,7 +124,7 @@ def _dataset_fingerprint(dataset: str) -> object:
 def run_key(dataset: str, *settings: object) -> str:
     """12 hex digits naming a run: the dataset's files (names, sizes, times) and every setting that
     changes what is learnt (not steps, sample images or memory_mode, which a resumed run may change)."""
-    blob = json.dumps([dataset, _dataset_fingerprint(dataset), *settings], default=str)
+    blob = json.dumps([dataset, dataset_fingerprint(dataset), *settings], default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
@@ -242,11 +244,7 @@ class KleinLoraTrainer(io.ComfyNode):
     @classmethod
     def fingerprint_inputs(cls, dataset: str = "", **_: Any) -> Any:
         # Train again when the dataset's files change (same inputs otherwise reuse the last result).
-        try:
-            with os.scandir(os.path.expanduser(dataset)) as it:
-                return tuple(sorted((e.name, e.stat().st_size, e.stat().st_mtime_ns) for e in it if e.is_file()))
-        except OSError:
-            return dataset
+        return dataset_fingerprint(dataset)
 
     @classmethod
     @notices.reported

@@ -387,13 +387,9 @@ class Trainer:
         """Delete the training states of all but ``keep_checkpoints`` checkpoints of ``output_dir``:
         ``newest`` (just written) and the latest others. Their folders, and any sample images in them,
         stay."""
-        found = []
-        for e in Path(self.output_dir or ".").iterdir():
-            m = re.fullmatch(r"checkpoint-(\d+)", e.name)
-            if m and e != newest and (e / CHECKPOINT_FILE).is_file():
-                found.append((int(m.group(1)), e / CHECKPOINT_FILE))
+        found = [(n, folder / CHECKPOINT_FILE) for n, folder in checkpoints(self.output_dir or ".") if folder != newest]
         keep_others = self.config.keep_checkpoints - 1
-        for _, state in sorted(found)[:len(found) - keep_others]:
+        for _, state in found[:len(found) - keep_others]:
             state.unlink(missing_ok=True)
             logger.info("removed the older training state %s (keep_checkpoints=%d)", state,
                         self.config.keep_checkpoints)
@@ -426,16 +422,22 @@ class Trainer:
         logger.info("resumed from %s at step %d", file, self.step)
 
 
-def latest_checkpoint(folder: str | Path, steps: int | None = None) -> Path | None:
-    """The ``checkpoint-<n>`` folder of ``folder`` with the highest ``n`` (at most ``steps``) that holds
-    a training state, or None."""
+def checkpoints(folder: str | Path) -> list[tuple[int, Path]]:
+    """``(n, folder)`` of every ``checkpoint-<n>`` in ``folder`` that holds a training state, by ``n``
+    (none when ``folder`` cannot be read)."""
     try:
         entries = list(Path(folder).iterdir())
     except OSError:
-        return None
-    found = [(int(m.group(1)), e) for e in entries if (m := re.fullmatch(r"checkpoint-(\d+)", e.name))
-             and (steps is None or int(m.group(1)) <= steps) and (e / CHECKPOINT_FILE).is_file()]
-    return max(found)[1] if found else None
+        return []
+    return sorted((int(m.group(1)), e) for e in entries
+                  if (m := re.fullmatch(r"checkpoint-(\d+)", e.name)) and (e / CHECKPOINT_FILE).is_file())
+
+
+def latest_checkpoint(folder: str | Path, steps: int | None = None) -> Path | None:
+    """The ``checkpoint-<n>`` folder of ``folder`` with the highest ``n`` (at most ``steps``) that holds
+    a training state, or None."""
+    found = [path for n, path in checkpoints(folder) if steps is None or n <= steps]
+    return found[-1] if found else None
 
 
 def config_dict(cfg: TrainConfig) -> dict:
