@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from quant_layers import random_nvfp4_layer
 from safetensors.torch import save_file
 
 import klein_core as kc
@@ -35,18 +36,6 @@ def _run(tr, te, vae, **kw):
 # 1. NaN/Inf inside quantised layers: named like a float weight, never "an extreme guidance value"
 
 LAYER = "final_layer.linear"  # every element of its weight reaches the output
-
-
-def _nvfp4_from(linear: torch.nn.Linear) -> nvfp4.NVFP4Linear:
-    """An NVFP4 layer of ``linear``'s shape with plain random codes and unit-ish scales."""
-    out_f, in_f = linear.out_features, linear.in_features
-    layer = nvfp4.NVFP4Linear(in_f, out_f)
-    g = torch.Generator().manual_seed(0)
-    layer.qweight = torch.randint(0, 256, (out_f, in_f // 2), dtype=torch.uint8, generator=g)
-    plain = torch.full((out_f, in_f // 16), 0.01).to(torch.float8_e4m3fn)
-    layer.block_scale = nvfp4.swizzle(plain).view(torch.uint8)
-    layer.tensor_scale = torch.tensor(1.0).view(torch.int32)
-    return layer
 
 
 def _ggml_from(linear: torch.nn.Linear, qtype: GGMLType) -> GGMLLinear:
@@ -81,8 +70,9 @@ CASES = {  # id -> (make the quantised layer, poison it, the tensor the error mu
     "gguf-q8_0": (lambda lin: _ggml_from(lin, GGMLType.Q8_0), _poison_ggml, "weight", "GGUF Q8_0 block scales"),
     "gguf-q4_0": (lambda lin: _ggml_from(lin, GGMLType.Q4_0), _poison_ggml, "weight", "GGUF Q4_0 block scales"),
     "gguf-q5_1": (lambda lin: _ggml_from(lin, GGMLType.Q5_1), _poison_ggml, "weight", "GGUF Q5_1 block scales"),
-    "nvfp4-tensor-scale": (_nvfp4_from, _poison_nvfp4("weight_scale_2"), "weight_scale_2", "NVFP4 per-tensor scale"),
-    "nvfp4-block-scale": (_nvfp4_from, _poison_nvfp4("weight_scale"), "weight_scale", "NVFP4 block scales"),
+    "nvfp4-tensor-scale": (random_nvfp4_layer, _poison_nvfp4("weight_scale_2"), "weight_scale_2",
+                           "NVFP4 per-tensor scale"),
+    "nvfp4-block-scale": (random_nvfp4_layer, _poison_nvfp4("weight_scale"), "weight_scale", "NVFP4 block scales"),
     "fp8-weight-scale": (FP8Linear.from_linear, _poison_fp8_scale, "weight_scale", ""),
 }
 
@@ -114,7 +104,7 @@ def test_packed_bytes_are_never_read_as_floats():
     blocks = g.qweight.view(-1, 34)
     blocks[:, 2:] = 0xFF  # int8 codes of -1: as fp16 / bf16 / fp8 bytes these would be NaN
     assert non_finite_tensor(g) is None
-    n = _nvfp4_from(lin)
+    n = random_nvfp4_layer(lin)
     n.qweight.fill_(0xFF)
     n.block_scale.view(-1)[-1] = 0x7F  # e4m3fn NaN, in the padding (40 rows padded to 128)
     assert non_finite_tensor(n) is None

@@ -10,16 +10,15 @@ import pytest
 import torch
 from extras import require
 from PIL import Image
-from train_files import tiny_training_files
+from quant_layers import random_nvfp4_layer
+from train_files import eval_loss, tiny_training_files
 
 from klein_core.pipeline.engine import Engine
 from klein_core.pipeline.request import Conditioning
 from klein_core.quant.fp8 import FP8Linear, quantize_model_
 from klein_core.testing.tiny import tiny_transformer, tiny_vae
 from klein_core.train.adapters import LoRASet, preset
-from klein_core.train.objective import ObjectiveConfig
 from klein_core.train.samples import CheckpointSampler
-from klein_core.train.step import StepNoise, TrainBatch, compute_loss
 from klein_core.train.trainer import TrainConfig, Trainer, TrainSample
 
 TEXT_DIM = 96  # the tiny transformer's context width
@@ -227,17 +226,6 @@ def test_sample_options_are_checked():
 
 # -- fp8 base ---------------------------------------------------------------------------------
 
-def _eval_loss(model, samples) -> float:
-    g = torch.Generator().manual_seed(99)
-    total = 0.0
-    with torch.no_grad():
-        for i, s in enumerate(samples):
-            sig = torch.tensor([0.2 + 0.6 * i / (len(samples) - 1)])
-            rnd = StepNoise(torch.randn(s.latents.shape, generator=g), sig, sig)
-            total += compute_loss(model, TrainBatch(s.latents, s.text), rnd, ObjectiveConfig())[0].item()
-    return total / len(samples)
-
-
 def test_lora_hook_on_fp8_linear_adds_its_delta():
     model = tiny_transformer()
     quantize_model_(model)
@@ -271,14 +259,14 @@ def test_fp8_base_trains_the_lora_only_and_lowers_the_loss():
     cfg = TrainConfig(steps=40, learning_rate=5e-2, batch_size=2, seed=1, weight_decay=0.0,
                       gradient_checkpointing=True)
     _, lora, tr = _trainer(samples, cfg, model=model)
-    before = _eval_loss(model, samples)
+    before = eval_loss(model, samples)
     tr.train_step()
     tr.train_step()  # the second step: B moved off 0, so A's gradients are non-zero too
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in tr.params)
     assert all(p.grad is None for p in model.parameters())
     assert all(not p.requires_grad for p in model.parameters())
     tr.train()
-    after = _eval_loss(model, samples)
+    after = eval_loss(model, samples)
     tr.close()
     for k, v in model.state_dict().items():  # the fp8 base is untouched
         assert torch.equal(v, frozen[k]), k
@@ -319,10 +307,10 @@ def test_fp8_base_with_the_fp8_matmul_trains():
     cfg = TrainConfig(steps=20, learning_rate=5e-2, batch_size=2, seed=1, weight_decay=0.0,
                       gradient_checkpointing=True)
     _, _, tr = _trainer(samples, cfg, model=model)
-    before = _eval_loss(model, samples)
+    before = eval_loss(model, samples)
     tr.train()
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in tr.params)
-    assert _eval_loss(model, samples) < 0.97 * before
+    assert eval_loss(model, samples) < 0.97 * before
 
 
 # -- GGUF and NVFP4 bases (QLoRA-style: the frozen quantised layers, the LoRA on top) ----------
@@ -335,19 +323,6 @@ def _quantise_blocks(model, make) -> list[str]:
     for name in names:
         replace_module(model, name, make(model.get_submodule(name)))
     return names
-
-
-def _nvfp4_from(linear: torch.nn.Linear):
-    from klein_core.quant import nvfp4
-
-    layer = nvfp4.NVFP4Linear(linear.in_features, linear.out_features)
-    g = torch.Generator().manual_seed(linear.out_features)
-    layer.qweight = torch.randint(0, 256, (linear.out_features, linear.in_features // 2), dtype=torch.uint8,
-                                  generator=g)
-    plain = torch.full((linear.out_features, linear.in_features // 16), 0.02).to(torch.float8_e4m3fn)
-    layer.block_scale = nvfp4.swizzle(plain).view(torch.uint8)
-    layer.tensor_scale = torch.tensor(1.0).view(torch.int32)
-    return layer
 
 
 @pytest.mark.parametrize("base", ["Q8_0", "Q4_0", "nvfp4"])
@@ -368,7 +343,7 @@ def test_quantised_base_trains_the_lora_only_and_lowers_the_loss(base, monkeypat
         monkeypatch.setattr(nvfp4, "native_linear", native)
         monkeypatch.setattr(nvfp4, "_kitchen", lambda: None)
         monkeypatch.setattr(nvfp4, "_NATIVE_DTYPES", (*nvfp4._NATIVE_DTYPES, torch.float32))  # the tiny model's
-        names = _quantise_blocks(model, _nvfp4_from)
+        names = _quantise_blocks(model, lambda lin: random_nvfp4_layer(lin, 0.02, seed=lin.out_features))
         kind = nvfp4.NVFP4Linear
     else:
         names = _quantise_blocks(model, lambda lin: GGMLLinear.from_linear(lin, GGMLType[base]))
@@ -380,13 +355,13 @@ def test_quantised_base_trains_the_lora_only_and_lowers_the_loss(base, monkeypat
                       gradient_checkpointing=True)
     _, lora, tr = _trainer(samples, cfg, model=model)
     assert len(lora.names()) == 8  # the style preset's linears, all quantised here
-    before = _eval_loss(model, samples)
+    before = eval_loss(model, samples)
     tr.train_step()
     tr.train_step()
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in tr.params)
     assert all(not p.requires_grad for p in model.parameters())
     tr.train()
-    after = _eval_loss(model, samples)
+    after = eval_loss(model, samples)
     tr.close()
     for k, v in model.state_dict().items():  # the quantised base is untouched
         assert torch.equal(v, frozen[k]), k

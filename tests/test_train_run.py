@@ -12,14 +12,13 @@ import torch
 from extras import require
 from safetensors import safe_open
 from tiny_reference import CTX, tiny_diffusers_transformer
+from train_files import eval_loss
 
 from klein_core.files.loaders import load_transformer
 from klein_core.lora import apply_loras, load_lora
 from klein_core.pipeline.sampling import position_ids, text_position_ids
 from klein_core.train.adapters import LoRASet, preset
-from klein_core.train.objective import ObjectiveConfig
 from klein_core.train.save import save_lora
-from klein_core.train.step import StepNoise, TrainBatch, compute_loss
 from klein_core.train.trainer import TrainConfig, Trainer, TrainSample
 
 diffusers = require("diffusers")
@@ -50,18 +49,6 @@ def _samples(n: int = 8) -> list[TrainSample]:
             for _ in range(n)]
 
 
-def _eval_loss(model, samples) -> float:
-    """Loss on fixed noise and sigmas (0.2..0.8) for every sample: deterministic."""
-    g = torch.Generator().manual_seed(99)
-    total = 0.0
-    with torch.no_grad():
-        for i, s in enumerate(samples):
-            sig = torch.tensor([0.2 + 0.6 * i / (len(samples) - 1)])
-            rnd = StepNoise(torch.randn(s.latents.shape, generator=g), sig, sig)
-            total += compute_loss(model, TrainBatch(s.latents, s.text), rnd, ObjectiveConfig())[0].item()
-    return total / len(samples)
-
-
 def _trainer(dsd, samples, cfg=CFG, tmp=None):
     model = load_transformer(dsd)
     lora = LoRASet(model, preset("style", rank=4), seed=1)
@@ -73,9 +60,9 @@ def trained(base, tmp_path_factory):
     _, dsd = base
     samples = _samples()
     model, lora, tr = _trainer(dsd, samples)
-    before = _eval_loss(model, samples)  # LoRA attached, B = 0: the base model's loss
+    before = eval_loss(model, samples)  # LoRA attached, B = 0: the base model's loss
     tr.train()
-    after = _eval_loss(model, samples)
+    after = eval_loss(model, samples)
     tr.close()
     return model, lora, samples, before, after, tr
 

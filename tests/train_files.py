@@ -20,3 +20,19 @@ def tiny_training_files(root: Path) -> tuple[dict[str, Path], Path]:
         Image.new("RGB", (32, 32), (i * 90, 40, 10)).save(data / f"{i}.png")
         (data / f"{i}.txt").write_text(f"a red square {i}")
     return paths, data
+
+
+def eval_loss(model, samples) -> float:
+    """The mean loss of ``samples`` (TrainSample with prompt embeddings) on fixed noise and sigmas
+    (0.2..0.8 over the samples): deterministic, for before/after comparisons of a training run."""
+    from klein_core.train.objective import ObjectiveConfig
+    from klein_core.train.step import StepNoise, TrainBatch, compute_loss
+
+    g = torch.Generator().manual_seed(99)
+    total = 0.0
+    with torch.no_grad():
+        for i, s in enumerate(samples):
+            sig = torch.tensor([0.2 + 0.6 * i / (len(samples) - 1)])
+            rnd = StepNoise(torch.randn(s.latents.shape, generator=g), sig, sig)
+            total += compute_loss(model, TrainBatch(s.latents, s.text), rnd, ObjectiveConfig())[0].item()
+    return total / len(samples)
