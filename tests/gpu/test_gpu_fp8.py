@@ -79,11 +79,10 @@ def _set_matmul(model, how: str | None) -> None:
                 m.matmul = how
 
 
-def test_scaled_mm_path_against_upcast(gpu, fp8_pair, monkeypatch, parity):
-    """On CUDA (8.9+) the default path must really call torch._scaled_mm. In the CPU mode the
-    scaled-mm path is forced (torch._scaled_mm runs on the CPU too) to check the same comparison."""
-    _, model, _, _ = fp8_pair
-    calls = []
+@pytest.fixture
+def scaled_mm_calls(monkeypatch) -> list:
+    """A list that grows by one at every call of torch._scaled_mm (which still runs)."""
+    calls: list = []
     real = torch._scaled_mm
 
     def counting(*a, **k):
@@ -91,6 +90,14 @@ def test_scaled_mm_path_against_upcast(gpu, fp8_pair, monkeypatch, parity):
         return real(*a, **k)
 
     monkeypatch.setattr(torch, "_scaled_mm", counting)
+    return calls
+
+
+def test_scaled_mm_path_against_upcast(gpu, fp8_pair, scaled_mm_calls, parity):
+    """On CUDA (8.9+) the default path must really call torch._scaled_mm. In the CPU mode the
+    scaled-mm path is forced (torch._scaled_mm runs on the CPU too) to check the same comparison."""
+    _, model, _, _ = fp8_pair
+    calls = scaled_mm_calls
     inputs = transformer_inputs(model, gpu, 16, 16, txt_len=64, ref=(8, 8))
     try:
         if gpu.cpu or not scaled_mm_available(gpu.device):
@@ -175,7 +182,7 @@ def test_full_4b_quantize_fp8_scaled_mm_vs_upcast(gpu, full4b, parity):
         torch.cuda.empty_cache()
 
 
-def test_lora_training_step_on_the_fp8_model(gpu, fp8_pair, monkeypatch, parity):
+def test_lora_training_step_on_the_fp8_model(gpu, fp8_pair, scaled_mm_calls, parity):
     """A LoRA training step on the fp8 model takes the fp8 matmul on 8.9+ GPUs (forced in the CPU
     mode); torch._scaled_mm has no derivative, so its backward goes through the upcast weight: the
     LoRA gradients are finite and close to the upcast path's."""
@@ -184,14 +191,7 @@ def test_lora_training_step_on_the_fp8_model(gpu, fp8_pair, monkeypatch, parity)
     _, model, _, _ = fp8_pair
     if not gpu.cpu and not scaled_mm_available(gpu.device):
         pytest.skip(f"{torch.cuda.get_device_name(gpu.device)} has no fp8 tensor cores (needs 8.9+)")
-    calls = []
-    real = torch._scaled_mm
-
-    def counting(*a, **k):
-        calls.append(1)
-        return real(*a, **k)
-
-    monkeypatch.setattr(torch, "_scaled_mm", counting)
+    calls = scaled_mm_calls
     g = torch.Generator().manual_seed(0)
     sample = TrainSample(torch.randn(1, 128, 8, 8, generator=g),
                          torch.randn(1, 32, model.config.context_dim, generator=g))
