@@ -81,6 +81,12 @@ def summarise(prof: Any, wall_ms: float) -> dict[str, Any]:
     gaps.sort(reverse=True)
     cpu = sorted(((e.key, e.self_cpu_time_total / 1000, e.count) for e in prof.key_averages()
                   if e.self_cpu_time_total > 0), key=lambda r: -r[1])
+    copies: dict[str, dict[str, float]] = {}  # host <-> device copies by kind (pageable ones stall the GPU)
+    for e in kernels:
+        if e.name.startswith("Memcpy"):
+            row = copies.setdefault(e.name, {"count": 0, "ms": 0.0})
+            row["count"] += 1
+            row["ms"] += (e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total) / 1000
     return {
         "wall_ms": wall_ms,
         "gpu_busy_ms": sum(by_family.values()),
@@ -90,6 +96,9 @@ def summarise(prof: Any, wall_ms: float) -> dict[str, Any]:
         "top_kernels_ms": sorted(by_name.items(), key=lambda kv: -kv[1])[:25],
         "largest_gaps": [{"ms": g[0], "at_ms": g[3], "after": g[1][:80], "before": g[2][:80]} for g in gaps[:20]],
         "cpu_ops_self_ms": [{"op": k, "self_ms": ms, "count": n} for k, ms, n in cpu[:25]],
+        "memcpy": copies,
+        "host_waits": {k: {"self_ms": ms, "count": n} for k, ms, n in cpu
+                       if k in ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpyAsync")},
     }
 
 
@@ -147,7 +156,7 @@ def main() -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
     print(json.dumps({k: result[k] for k in ("model", "case", "wall_ms", "gpu_busy_ms", "gpu_idle_ms",
-                                             "kernels_by_family_ms", "unprofiled")}))
+                                             "kernels_by_family_ms", "memcpy", "unprofiled")}))
     return 0
 
 

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..transfer import to_device
 from .layers import RMSNorm, attention, computing_in_calls
 from .variants import encoder_name
 
@@ -193,7 +194,7 @@ def _rope_cos_sin(
     # bit-identical on every device; it is recomputed per call so the module needs no buffer.
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     pos = torch.arange(length, device=device, dtype=torch.float32)
-    freqs = pos[:, None] * inv_freq.to(device)[None, :]  # [L, head_dim/2]
+    freqs = pos[:, None] * to_device(inv_freq, device)[None, :]  # [L, head_dim/2]
     emb = torch.cat((freqs, freqs), dim=-1)  # [L, head_dim]
     return emb.cos().to(dtype)[None, None], emb.sin().to(dtype)[None, None]
 
@@ -336,8 +337,8 @@ class Qwen3TextEncoder(nn.Module):
         """
         _check_inputs(input_ids, attention_mask, self.config.vocab_size)
         device = self.embed_tokens.weight.device
-        ids = input_ids.to(device=device, dtype=torch.long)
-        mask = attention_mask.to(device=device)
+        ids = to_device(input_ids, device, torch.long)
+        mask = to_device(attention_mask, device)
         if activations is not None and not activations.is_floating_point:
             raise ValueError(f"activations must be a floating dtype, got {activations}")
         return self.forward(ids, mask, None if activations == self.embed_tokens.weight.dtype else activations)

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..transfer import to_device
 from .block_ops import PLAIN_OPS, BlockOps, QKPart
 from .layers import rms_norm
 from .transformer_math import NORM_EPS, ROPE_THETA, TIME_CHANNELS, modulate, rope_tables, timestep_embedding
@@ -400,7 +401,7 @@ class Flux2Transformer(nn.Module):
                 txt_ids = txt_ids.expand(img_ids.shape[0], -1, -1)
             else:
                 img_ids = img_ids.expand(txt_ids.shape[0], -1, -1)
-        ids = torch.cat([txt_ids, img_ids], dim=-2).to(self.device)
+        ids = to_device(torch.cat([txt_ids, img_ids], dim=-2), self.device)
         return rope_tables(ids, self.config.axes_dim, self.config.theta)
 
     def _check_inputs(
@@ -493,10 +494,10 @@ class Flux2Transformer(nn.Module):
             raise ValueError(f"reference ids {list(ref_ids.shape)} do not match {ref.shape[1]} reference tokens")
         dtype = self.dtype
         ref = ref.to(device=self.device, dtype=dtype)
-        vec = self._time_vector(torch.full((1,), float(timestep)), ref.shape[0], ref.device)
+        vec = self._time_vector(torch.full((1,), float(timestep), device=ref.device), ref.shape[0], ref.device)
         mod_img = self.double_stream_modulation_img(vec)
         mod_single = self.single_stream_modulation(vec)
-        cos, sin = rope_tables(ref_ids.to(self.device), self.config.axes_dim, self.config.theta)
+        cos, sin = rope_tables(to_device(ref_ids, self.device), self.config.axes_dim, self.config.theta)
         ops = self.ops.bind(ref.device, dtype)
         x = self.img_in(ref)
         double, single = [], []

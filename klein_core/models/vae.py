@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..transfer import to_device
+
 NORM_GROUPS = 32
 NORM_EPS = 1e-6
 BN_EPS = 1e-4
@@ -388,7 +390,7 @@ class Flux2VAE(nn.Module):
                 f"VAE encode needs height and width that are multiples of {cfg.downscale}, got {h}x{w} "
                 f"(H x W); crop or resize the image first."
             )
-        x = pixels.to(device=self.device, dtype=self.dtype)
+        x = to_device(pixels, self.device, self.dtype)
         moments = self.encoder(x)
         mean = moments[:, : cfg.z_channels]  # the mode of the posterior; logvar is not used
         p = patchify(mean).float()

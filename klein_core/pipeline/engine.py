@@ -29,7 +29,8 @@ from ..memory.tiling import TILE_SIDES
 from ..models.qwen3 import Qwen3TextEncoder
 from ..models.transformer import Flux2Transformer
 from ..models.vae import Flux2VAE
-from .images import PUBLISHED_REFERENCE_LIMIT, to_pil
+from ..transfer import to_device, to_host
+from .images import PUBLISHED_REFERENCE_LIMIT, to_pil_and_host
 from .inpaint import InitImage, InpaintInputs, prepare_inpaint, resize_mask_to_latents, steps_to_run, stitch
 from .inputs import InitLatents, check_compatible, check_denoise_inputs, with_init_reference
 from .oom import explain_oom, is_out_of_memory, release_failed_attempt
@@ -262,7 +263,7 @@ class Engine:
                               for e, g in zip(embeds, groups)]
                     for emb in embeds:
                         check_output(emb, "The text encoder", te, overflow_cause(emb.dtype))
-        return self._conditioning([e.to(self.device) for e in embeds], n, negative_prompt is not None)  # type: ignore[union-attr]
+        return self._conditioning([to_device(e, self.device) for e in embeds], n, negative_prompt is not None)  # type: ignore[union-attr]
 
     def encode_references(self, images: Sequence[Image.Image | torch.Tensor], *,
                           plan: MemoryPlan | None = None, first: int = 1) -> list[torch.Tensor]:
@@ -416,27 +417,39 @@ class Engine:
         """Stage 4: pixels ``[B, 3, H, W]`` in [0, 1] (CPU float32) from latents ``[B, 128, h, w]``,
         one image at a time, tiled as the plan says; if the device still runs out of memory, smaller
         tiles are tried in turn."""
+        return self._decode(latents, plan, images=False)[0]
+
+    def _decode(self, latents: torch.Tensor, plan: MemoryPlan | None, *, images: bool
+                ) -> tuple[torch.Tensor, list[Image.Image]]:
+        """:meth:`decode`, and with ``images`` the PIL images too: each image is checked, clamped
+        and (for the PIL images) rounded to 8 bits where it was decoded, so the host only receives
+        the results, through page-locked memory (:mod:`klein_core.transfer`)."""
         down = self.downscale
         width, height = latents.shape[-1] * down, latents.shape[-2] * down
         if plan is None:
             plan = self.plan(memory_request(width, height, encode_text=False, denoise=False))
         require_finite(latents, "the latents to decode")
-        frames = []
+        frames, pictures = [], []
         with explain_oom("VAE decoding", self.device, width, height):
             with self._stage("vae", plan) as vae:
                 tile = plan.vae_tile
                 for i in range(latents.shape[0]):
                     self._next_image()
                     pixels, tile = self._decode_one(vae, latents[i : i + 1], tile)
+                    if images:
+                        pics, pixels = to_pil_and_host(pixels)
+                        pictures += pics
+                    else:
+                        (pixels,) = to_host(pixels)
                     frames.append(pixels)
-        return torch.cat(frames)
+        return torch.cat(frames), pictures
 
     def _decode_one(self, vae: Any, latents: torch.Tensor, tile: int | None) -> tuple[torch.Tensor, int | None]:
         """One image decoded, and the tile size that worked (kept for the next image)."""
         tiles = [tile] + [t for t in TILE_SIDES if tile is None or t < tile]
         for i, tile in enumerate(tiles):
             try:
-                pixels = decode_to_pixels(vae, latents, tile=tile, clamp=False)
+                pixels = decode_to_pixels(vae, latents, tile=tile, clamp=False, host=False)
                 check_output(pixels, "The VAE decoder", vae, overflow_cause(vae.decoder_dtype))
                 return pixels.clamp(0, 1), tile
             except RuntimeError as exc:
@@ -521,8 +534,7 @@ class Engine:
         if request.output == "latent":
             return result
         with _timed(timings, "decode", self.device):
-            result.pixels = self.decode(latents, plan=plan)
-            result.images = to_pil(result.pixels)
+            result.pixels, result.images = self._decode(latents, plan, images=True)
             if prepared is not None and init is not None and (
                     prepared.box is not None or (prepared.original_mask is not None and init.composite)):
                 # back into the picture: the crop resized into its box; only masked pixels changed

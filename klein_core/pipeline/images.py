@@ -10,6 +10,8 @@ import numpy as np
 import torch
 from PIL import Image, ImageOps
 
+from ..transfer import to_host
+
 logger = logging.getLogger(__name__)
 
 MAX_REFERENCE_AREA = 1024 * 1024  # larger references are scaled down to about 1 megapixel
@@ -88,17 +90,22 @@ def _to_rgb_array(image: Image.Image) -> np.ndarray:
     return np.asarray(image, dtype=np.float32) / 255.0
 
 
+def _rounded(pixels: torch.Tensor) -> torch.Tensor:
+    """``[B, 3, H, W]`` in [0, 1] -> uint8 ``[B, H, W, 3]``, where the pixels are (a GPU's threads);
+    the same float32 product and round-half-to-even as numpy's, so the bytes equal diffusers'."""
+    return (pixels.float() * 255).round_().to(torch.uint8).permute(0, 2, 3, 1).contiguous()
+
+
 def to_pil(pixels: torch.Tensor) -> list[Image.Image]:
-    """``[B, 3, H, W]`` in [0, 1] -> PIL images (rounded to 8 bits like diffusers)."""
-    # torch's multi-threaded kernels; the same float32 product and round-half-to-even as numpy's.
-    # Rounded and laid out HWC where the pixels are, so only the 8-bit image crosses to the host.
-    arr = (pixels.float() * 255).round_().to(torch.uint8).permute(0, 2, 3, 1).contiguous()
-    if arr.is_cuda:
-        # Through page-locked memory: a copy into pageable memory runs at a fraction of the bus speed
-        # (H100, 1024x1024: "Memcpy DtoH (Device -> Pageable)" about 6 ms per image). Pinned blocks
-        # are cached by torch's host allocator, so later calls reuse them.
-        host = torch.empty(arr.shape, dtype=torch.uint8, pin_memory=True)
-        host.copy_(arr, non_blocking=True)
-        torch.cuda.current_stream(arr.device).synchronize()
-        arr = host
-    return [Image.fromarray(a) for a in arr.cpu().numpy()]
+    """``[B, 3, H, W]`` in [0, 1] -> PIL images (rounded to 8 bits like diffusers). Only the 8-bit
+    image crosses to the host, through page-locked memory (:func:`klein_core.transfer.to_host`)."""
+    (arr,) = to_host(_rounded(pixels))
+    return [Image.fromarray(a) for a in arr.numpy()]
+
+
+def to_pil_and_host(pixels: torch.Tensor) -> tuple[list[Image.Image], torch.Tensor]:
+    """PIL images of ``pixels`` ``[B, 3, H, W]`` in [0, 1], and the pixels on the CPU (float32):
+    both copies queued, then one wait."""
+    pixels = pixels.float()
+    host_pixels, arr = to_host(pixels, _rounded(pixels))
+    return [Image.fromarray(a) for a in arr.numpy()], host_pixels

@@ -30,6 +30,7 @@ import torch
 from ..errors import WeightFormatError
 from ..files.safetensors import open_safetensors
 from ..lora.apply import has_loras
+from ..transfer import to_device
 from .bounded_cache import BoundedCache, check_bound
 from .tokenizer import MAX_LENGTH, count_tokens, tokenize_prompts
 
@@ -434,7 +435,7 @@ class PromptCache(BoundedCache[torch.Tensor]):
                     del self._widths[next(iter(self._widths))]
         found = self._find(identity, encoder, prompts, options, length, width)
         device = encoder.embed_tokens.weight.device
-        found = {p: None if e is None else e.to(device) for p, e in found.items()}
+        found = {p: None if e is None else to_device(e, device) for p, e in found.items()}
         todo = [p for p, e in found.items() if e is None]
         self.hits += len(prompts) - len(todo)
         if todo:

@@ -16,6 +16,7 @@ import torch
 
 from ..errors import GenerationCancelled
 from ..models.transformer import Flux2Transformer, ReferenceKV
+from ..transfer import to_device
 
 logger = logging.getLogger(__name__)
 
@@ -198,16 +199,17 @@ def _start_latents(model: Flux2Transformer, noise: torch.Tensor, sigma0: torch.T
     if image is None:
         if mask is not None:
             raise ValueError("a mask needs the image latents it keeps (image=)")
-        return pack(noise).to(device=device, dtype=dtype), None
+        # The same strides and rounding as casting on the host; the copy is queued (klein_core.transfer).
+        return pack(to_device(noise, device)).to(dtype), None
     if image.ndim != 4 or image.shape[1:] != noise.shape[1:] or image.shape[0] not in (1, b):
         raise ValueError(f"image latents {list(image.shape)} do not match the noise {list(noise.shape)}")
-    clean = pack(image).to(device=device, dtype=torch.float32).expand(b, -1, -1)
-    noise_f = pack(noise).to(device=device, dtype=torch.float32)
-    s0 = sigma0.to(device=device, dtype=torch.float32)
+    clean = pack(to_device(image, device, torch.float32)).expand(b, -1, -1)
+    noise_f = pack(to_device(noise, device, torch.float32))
+    s0 = to_device(sigma0, device, torch.float32)
     latents = (s0 * noise_f + (1 - s0) * clean).to(dtype)
     if mask is None:
         return latents, None
-    keep = pack(mask).to(device=device, dtype=torch.float32)  # [B or 1, n, 1]: 1 = repaint
+    keep = pack(to_device(mask, device, torch.float32))  # [B or 1, n, 1]: 1 = repaint
     return latents, InpaintBlend(clean, noise_f, keep, 1 - keep)  # known = 1 - keep once, not every step
 
 
@@ -221,7 +223,7 @@ def _reference_inputs(model: Flux2Transformer, refs: ReferenceTokens | None, ref
         return img_ids, None, None, 0
     if ref_mode == "kv":
         return img_ids, None, (ref_kv if ref_kv is not None else model.reference_kv(refs.tokens, refs.ids)), 0
-    tokens = refs.tokens.to(device=model.device, dtype=model.dtype)
+    tokens = to_device(refs.tokens, model.device, model.dtype)
     zero_time = tokens.shape[1] if ref_mode == "timestep_zero" else 0
     return torch.cat([img_ids, refs.ids]), tokens, None, zero_time
 
@@ -231,12 +233,12 @@ def _text_passes(model: Flux2Transformer, txt: torch.Tensor, neg_txt: torch.Tens
     """The forwards of one step: the prompt alone, or with CFG the prompt and the negative prompt in
     one batched forward when their lengths match (two forwards otherwise, as ComfyUI runs them)."""
     device, dtype = model.device, model.dtype
-    txt = txt.to(device=device, dtype=dtype)
+    txt = to_device(txt, device, dtype)
     if txt.shape[0] != batch:
         raise ValueError(f"prompt batch {txt.shape[0]} does not match latent batch {batch}")
     texts = [txt]
     if neg_txt is not None:
-        neg_txt = neg_txt.to(device=device, dtype=dtype)
+        neg_txt = to_device(neg_txt, device, dtype)
         if neg_txt.shape[0] != batch:
             raise ValueError(f"negative prompt batch {neg_txt.shape[0]} does not match latent batch {batch}")
         texts = [torch.cat([txt, neg_txt])] if neg_txt.shape[1] == txt.shape[1] else [txt, neg_txt]
@@ -270,7 +272,7 @@ def prepare_denoise(
     latents, blend = _start_latents(model, noise, sigmas[0], image, mask)
     img_ids, ref_tokens, kv, zero_time = _reference_inputs(model, refs, ref_mode, ref_kv, position_ids(h, w))
     passes = _text_passes(model, txt, neg_txt, b, img_ids)
-    sig = sigmas.to(device=model.device, dtype=torch.float32)
+    sig = to_device(sigmas, model.device, torch.float32)
     # What the model is told: sigma*1000 in the latent dtype, /1000 (see SPEC §4.4).
     t_model = ((sig * 1000).to(model.dtype) / 1000).to(model.dtype)
     dts = sig[1:] - sig[:-1]  # one launch for the whole run; dts[i] is a 0-dim fp32 tensor in the loop

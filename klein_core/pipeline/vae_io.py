@@ -11,6 +11,7 @@ from PIL import Image
 
 from ..checks import check_output, require_finite
 from ..memory import tiling
+from ..transfer import to_host
 from .images import oriented_size, prepare_reference_image, reference_size
 from .request import as_list, as_reference
 
@@ -20,14 +21,18 @@ def overflow_cause(dtype: torch.dtype) -> str:
             else "an extreme guidance value, or weights that overflow in this dtype")
 
 
-def decode_to_pixels(vae: Any, latents: torch.Tensor, *, tile: int | None = None, clamp: bool = True) -> torch.Tensor:
-    """Decode normalised latents ``[B, 128, h, w]`` to pixels ``[B, 3, 16h, 16w]`` in [0, 1] (CPU fp32).
+def decode_to_pixels(vae: Any, latents: torch.Tensor, *, tile: int | None = None, clamp: bool = True,
+                     host: bool = True) -> torch.Tensor:
+    """Decode normalised latents ``[B, 128, h, w]`` to pixels ``[B, 3, 16h, 16w]`` in [0, 1] (fp32).
 
     ``tile``: decode in overlapping tiles of this many latent positions (see ``memory.tiling``);
-    ``clamp=False`` keeps values outside [0, 1] (and NaN) for checking.
+    ``clamp=False`` keeps values outside [0, 1] (and NaN) for checking; ``host``: on the CPU
+    (through page-locked memory), else where the VAE decoded them.
     """
     px = tiling.decode(vae, latents, tile).float() / 2 + 0.5
-    return (px.clamp(0, 1) if clamp else px).cpu()  # clamped where it was decoded (a GPU's threads)
+    if clamp:
+        px = px.clamp(0, 1)  # where it was decoded (a GPU's threads)
+    return to_host(px)[0] if host else px
 
 
 def encode_references(

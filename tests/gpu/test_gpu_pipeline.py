@@ -156,3 +156,60 @@ def test_full_4b_bf16_forward_close_to_fp32(gpu, full4b, parity):
         torch.cuda.empty_cache()
     rel = parity(tag(gpu, "full 4B forward bf16 vs fp32, relative L2"), rel_l2(out, want))
     assert rel < 0.05, rel  # docs/exactness.md: 1.2% on the tiny model; 25 blocks of bf16 rounding
+
+
+
+def _plain_copies(monkeypatch) -> None:
+    """Every klein_core module's ``to_device`` / ``to_host`` replaced by blocking ``.to()`` / ``.cpu()``."""
+    import sys
+
+    from klein_core import transfer
+
+    plain = {"to_device": lambda t, device, dtype=None: t.to(device=device, dtype=dtype),
+             "to_host": lambda *ts: tuple(t.cpu() for t in ts)}
+    originals = {fn: getattr(transfer, fn) for fn in plain}
+    replaced = []
+    for name, module in list(sys.modules.items()):
+        if name.startswith("klein_core"):
+            for fn, stand_in in plain.items():
+                if getattr(module, fn, None) is originals[fn]:
+                    monkeypatch.setattr(module, fn, stand_in)
+                    replaced.append(f"{name}.{fn}")
+    assert len(replaced) >= 11, replaced  # 3 models, sampler, prompts, engine, images, vae_io, transfer
+
+
+@pytest.mark.cuda("pageable and page-locked copies exist only between the host and a CUDA device")
+def test_generate_copies_only_through_page_locked_memory(gpu, small, monkeypatch):
+    """No copy of a generation (text to image, an edit, inpainting) touches pageable host memory,
+    which would stall the GPU (klein_core.transfer); and the bytes equal those of plain blocking
+    ``.to()`` / ``.cpu()`` copies, so the copies queued without waiting never race their buffers."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from klein_core.pipeline.sampling import make_noise
+
+    tr, te, vae = small
+    refs = reference_images(gpu.ref_sizes)
+    w, h = gpu.ref_sizes[0]
+    mask = torch.zeros(h, w)
+    mask[: h // 2] = 1.0
+    runs = {
+        "t2i": {"prompt": "a red fox", "width": gpu.size, "height": gpu.size, "steps": 2, "seed": 4},
+        "edit": {"prompt": "make it night", "references": refs, "steps": 2,
+                 "noise": make_noise(5, 1, 128, h // 16, w // 16)},
+        "inpaint": {"prompt": "a lake", "image": refs[0], "mask": mask, "strength": 0.8, "steps": 3, "seed": 4},
+    }
+    fast = {}
+    for name, kw in runs.items():
+        kc.generate(tr, te, vae, cache=None, **kw)  # warm: kernels chosen, page-locked blocks cached
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            fast[name] = kc.generate(tr, te, vae, cache=None, **kw)
+        torch.cuda.synchronize(gpu.device)
+        kinds = sorted({e.name for e in prof.events() if e.name.startswith("Memcpy")})
+        assert any("Pinned" in k for k in kinds), (name, kinds)  # the profiler saw the copies
+        assert not [k for k in kinds if "Pageable" in k], (name, kinds)
+    _plain_copies(monkeypatch)
+    for name, kw in runs.items():
+        plain = kc.generate(tr, te, vae, cache=None, **kw)
+        assert torch.equal(fast[name].latents, plain.latents), name
+        assert torch.equal(fast[name].pixels, plain.pixels), name
+        assert [a.tobytes() for a in fast[name].images] == [b.tobytes() for b in plain.images], name
