@@ -293,7 +293,7 @@ def _measure(args: argparse.Namespace, device: torch.device, dtype: torch.dtype,
         for precision in args.precision:
             _cap(device, None)  # the components are built on the GPU, then moved to pinned CPU memory
             tr, te, vae = build_components(model, precision, device, dtype)
-            apply_speed(tr, vae, args.speed)  # what the nodes and the CLI do after loading (in place)
+            apply_speed(tr, vae, args.speed, te)  # what the nodes and the CLI do after loading (in place)
             comps = {"text_encoder": te, "transformer": tr, "vae": vae}
             sizes = ModelSizes.from_modules(tr, te, vae)
             _home(comps)

@@ -117,7 +117,7 @@ def main() -> int:
     spec = _spec("tiny" if args.tiny else args.model)
     case = _cases(args.tiny)[args.case]
     tr, te, vae = build_ours(spec, device, dtype)
-    speed.apply_speed(tr, vae, args.speed)
+    speed.apply_speed(tr, vae, args.speed, te)
     noise = make_noise(SEED, 1, spec.transformer.in_channels, case.size // 16, case.size // 16)
     refs = _images(case.size, case.n_refs)
 

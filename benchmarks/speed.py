@@ -367,23 +367,27 @@ def diffusers_pipeline(parts: dict[str, Any], distilled: bool) -> Any:
 class DiffusersBest:
     """diffusers at its best, switched on and off in place on the shared pipeline parts: cuDNN
     attention through its attention dispatcher, regional compilation of the transformer's repeated
-    blocks (``compile_repeated_blocks``), and the VAE encoder and decoder compiled."""
+    blocks (``compile_repeated_blocks``), the VAE encoder and decoder compiled, and each decoder
+    layer of the text encoder compiled (as klein's ``compile`` does with its own)."""
 
     def __init__(self, parts: dict[str, Any]) -> None:
         self.parts = parts
         self.backend = "_native_cudnn"
 
+    def _text_layers(self) -> list[torch.nn.Module]:
+        return [m for m in self.parts["text_encoder"].modules() if type(m).__name__.endswith("DecoderLayer")]
+
     def _compiled(self) -> list[torch.nn.Module]:
         tr, vae = self.parts["transformer"], self.parts["vae"]
         blocks = [m for m in tr.modules() if type(m).__name__ in getattr(tr, "_repeated_blocks", ())]
-        return [*blocks, vae.encoder, vae.decoder]
+        return [*blocks, vae.encoder, vae.decoder, *self._text_layers()]
 
     def enable(self) -> None:
         tr, vae = self.parts["transformer"], self.parts["vae"]
         if next(tr.parameters()).is_cuda:  # cuDNN attention exists on CUDA only (--tiny runs on the CPU)
             tr.set_attention_backend(self.backend)
         tr.compile_repeated_blocks()
-        for m in (vae.encoder, vae.decoder):  # forward only: the timing hooks must stay eager
+        for m in (vae.encoder, vae.decoder, *self._text_layers()):  # forward only: hooks stay eager
             m.forward = torch.compile(m.forward)
 
     def disable(self) -> None:
@@ -661,13 +665,13 @@ def bench_model(spec: ModelSpec, cases: list[Case], args: argparse.Namespace, de
 
     def at_speed(name: str, attention: str | None = None) -> Callable[[], None]:
         def setup() -> None:
-            speed.apply_speed(tr, vae, name)
+            speed.apply_speed(tr, vae, name, te)
             if attention is not None:
                 fast.enable_fast_paths(tr, attention=attention)
         return setup
 
     def with_step_cache() -> None:
-        speed.apply_speed(tr, vae, speed.DEFAULT_SPEED)
+        speed.apply_speed(tr, vae, speed.DEFAULT_SPEED, te)
         kw = {} if args.cache_threshold is None else {"threshold": args.cache_threshold}
         step_cache.enable_step_cache(tr, **kw)
 
@@ -729,7 +733,7 @@ def bench_model(spec: ModelSpec, cases: list[Case], args: argparse.Namespace, de
                 teardown()
             logger.info("%s case %s %s: e2e median %.1f ms", spec.name, case.key, name,
                         statistics.median(r.e2e_ms for r in runs[name]))
-        speed.apply_speed(tr, vae, "plain")
+        speed.apply_speed(tr, vae, "plain", te)
         n_img = (case.size // 16) ** 2 * (1 + case.n_refs)
         flops = step_flops(spec.transformer, n_img, 512, 2 if case.guidance > 1 else 1)
         first = next(iter(runs))

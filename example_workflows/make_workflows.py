@@ -54,7 +54,8 @@ SPECS = {
         widgets=("model_name", "vae_name", "weight_dtype", "model_kind", "memory_mode", "speed"),
         outputs=(("model", "KLEIN_MODEL"), ("vae", "KLEIN_VAE"), ("native_vae", "VAE")), size=(340, 150)),
     "KleinTextEncode": Spec(
-        widgets=("text_encoder", "prompt", "negative_prompt", "precision", "max_tokens", "lora_name", "lora_strength"),
+        widgets=("text_encoder", "prompt", "negative_prompt", "precision", "max_tokens", "lora_name", "lora_strength",
+                 "speed"),
         outputs=(("conditioning", "KLEIN_COND"), ("positive", "CONDITIONING"), ("negative", "CONDITIONING")),
         size=(420, 375)),
     "KleinReferenceStacker": Spec(
@@ -165,7 +166,8 @@ def _loader(nid: int, model: str) -> Node:
 def _encoder(nid: int, prompt: str, negative: str = "", encoder: str = "qwen_3_4b.safetensors") -> Node:
     return Node(nid, "KleinTextEncode", (40, 290),
                 {"text_encoder": encoder, "prompt": prompt, "negative_prompt": negative,
-                 "precision": "model dtype", "max_tokens": "512", "lora_name": "none", "lora_strength": 1.0})
+                 "precision": "model dtype", "max_tokens": "512", "lora_name": "none", "lora_strength": 1.0,
+                 "speed": "fast"})
 
 
 def _sampler(nid: int, size: int, steps: int, guidance: float, refs: tuple[int, int] | None = None,

@@ -17,6 +17,7 @@ from klein_core.pipeline.tokenizer import count_tokens
 
 from . import cache, host, notices
 from .common import check_choices, check_widget, model_file, open_engine
+from .loaders import SPEEDS
 from .lora import LoRAModelRef
 from .types import KleinConditioning, KleinCondType
 
@@ -69,6 +70,11 @@ class KleinTextEncode(io.ComfyNode):
                     "LoRA Loader: give the same file to both. Prompts encoded with a LoRA are not cached.")),
                 io.Float.Input("lora_strength", default=1.0, min=-10.0, max=10.0, step=0.05, optional=True,
                                tooltip="Strength of the text-encoder LoRA (0 = off)."),
+                io.Combo.Input("speed", options=list(SPEEDS), default="fast", optional=True, tooltip=(
+                    "fast = the plain encoder (its fast path is compilation). fast + compile = its 27 layers "
+                    "compiled with torch.compile, fewer and fused GPU kernels; the first prompt of a new "
+                    "length compiles (seconds, logged), later ones and later runs reuse it. plain = as "
+                    "fast.")),
             ],
             outputs=[KleinCondType.Output(display_name="conditioning",
                                           tooltip="Prompt and negative embeddings [1, tokens, text width] "
@@ -97,7 +103,9 @@ class KleinTextEncode(io.ComfyNode):
     @classmethod
     @notices.reported
     def execute(cls, text_encoder: str, prompt: str, negative_prompt: str = "", precision: str = "model dtype",
-                max_tokens: str = "512", lora_name: str = NO_LORA, lora_strength: float = 1.0) -> io.NodeOutput:
+                max_tokens: str = "512", lora_name: str = NO_LORA, lora_strength: float = 1.0,
+                speed: str = "fast") -> io.NodeOutput:
+        check_widget(NODE, "speed", speed, SPEEDS)
         options = text_options(precision, max_tokens)
         if options.truncate:
             for name, text in (("prompt", prompt), ("negative_prompt", negative_prompt)):
@@ -119,7 +127,7 @@ class KleinTextEncode(io.ComfyNode):
             if lora is not None:
                 ref = LoRAModelRef(ref, [(lora, float(lora_strength))])
             engine = open_engine(NODE, {"text_encoder": ("text_encoder", ref)}, device=device, prompt_cache=prompts,
-                                 text=options)
+                                 text=options, speed=SPEEDS[speed])
             with notices.ignoring("klein_core.pipeline.tokenizer"):  # cut prompts were reported above, by input name
                 embeds = engine.encode_prompts([prompt], negative_prompt)
         else:

@@ -106,3 +106,34 @@ def test_validate_names_a_missing_lora(env):
     msg = env.node.validate_inputs(Q4B, lora_name="gone.safetensors")
     assert msg.startswith("lora_name 'gone.safetensors' is not available") and "models/loras" in msg
     assert env.node.validate_inputs(Q4B, lora_name="both.safetensors") is True
+
+
+def test_speed_compile_compiles_the_encoders_layers(env, monkeypatch):
+    """``speed = fast + compile`` puts the node's encoder on ``speed="compile"`` (its layers compiled;
+    dynamo's eager backend here, so nothing is generated): the embeddings are the plain ones, and
+    ``fast`` afterwards takes the compilation off again."""
+    from klein_core.accel import fast, speed
+    from klein_core.accel.text_encoder import enable_fast_text_encoder
+
+    compiled = []
+
+    def eager_backend(encoder, **kw):
+        compiled.append(encoder)
+        enable_fast_text_encoder(encoder, compile_backend="eager")
+
+    monkeypatch.setattr(speed, "enable_fast_text_encoder", eager_backend)
+    torch._dynamo.reset()
+    try:
+        prompt = "a lantern on a snowy bridge"  # not cached yet: the encoder runs
+        got = _encode(env, prompt, speed="fast + compile")
+        (te,) = compiled
+        assert all(fast.is_compiled(layer) for layer in te.layers)
+        with torch.inference_mode():
+            for layer in te.layers:  # the same encoder, plain, for the reference
+                fast._uncompile(layer)
+            want = encode_prompts(te, [prompt, "blurry"], cache=None)
+        assert torch.equal(got.positive, want[:1]) and torch.equal(got.negative, want[1:])
+        _encode(env, "another prompt, not cached", speed="fast")
+        assert speed.speed_of(te) == "fast"
+    finally:
+        torch._dynamo.reset()

@@ -513,13 +513,17 @@ class _CompileTimer:
         self._pending: tuple[tuple[Any, ...], float] | None = None
 
     @staticmethod
-    def _key(kwargs: dict[str, Any]) -> tuple[Any, ...]:
-        img, txt = kwargs.get("img"), kwargs.get("txt")
-        shapes = tuple(tuple(t.shape) for t in (img, txt) if isinstance(t, torch.Tensor))
-        return shapes, str(getattr(img, "device", "")), str(getattr(img, "dtype", ""))
+    def _key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+        """The shapes that compile anew: the transformer's ``img`` and ``txt``, else every tensor
+        argument (with any dtype argument, e.g. the text encoder's ``activations``)."""
+        given = [kwargs.get("img"), kwargs.get("txt")] if "img" in kwargs else [*args, *kwargs.values()]
+        tensors = [t for t in given if isinstance(t, torch.Tensor)]
+        first = tensors[0] if tensors else None
+        return (tuple(tuple(t.shape) for t in tensors), str(getattr(first, "device", "")),
+                str(getattr(first, "dtype", "")), *(str(a) for a in given if isinstance(a, torch.dtype)))
 
     def pre(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        key = self._key(kwargs)
+        key = self._key(args, kwargs)
         self._pending = None if key in self.seen else (key, time.perf_counter())
 
     def post(

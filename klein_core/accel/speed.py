@@ -3,8 +3,10 @@
 * ``fast`` (the default): :func:`~klein_core.accel.fast.enable_fast_paths` with ``attention="auto"``
   and comfy-kitchen's fused kernels, and :func:`~klein_core.accel.fast.enable_fast_vae` uncompiled
   (GroupNorm + SiLU in one kernel, channels-last). On the CPU exactly the plain path.
-* ``compile``: ``fast`` plus ``torch.compile`` of each block kind and of the VAE encoder and decoder; the
-  first run at each size compiles (logged), and the cache (``TORCHINDUCTOR_CACHE_DIR``) outlives the process.
+* ``compile``: ``fast`` plus ``torch.compile`` of each block kind, of the VAE encoder and decoder, and of
+  the text encoder's layers (:mod:`klein_core.accel.text_encoder`); the first run at each size compiles
+  (logged), and the cache (``TORCHINDUCTOR_CACHE_DIR``) outlives the process. Under ``fast`` and
+  ``plain`` the text encoder runs its plain path.
 * ``plain``: the reference PyTorch path that the parity tests check against diffusers and BFL.
 
 :func:`apply_speed` is idempotent, so a caller may apply it before every run; switching the fast
@@ -15,9 +17,11 @@ from __future__ import annotations
 
 import logging
 
+from ..models.qwen3 import Qwen3TextEncoder
 from ..models.transformer import Flux2Transformer
 from ..models.vae import Flux2VAE
 from .fast import SPEED_ATTR, disable_fast_paths, disable_fast_vae, enable_fast_paths, enable_fast_vae
+from .text_encoder import disable_fast_text_encoder, enable_fast_text_encoder
 
 logger = logging.getLogger(__name__)
 
@@ -32,15 +36,17 @@ def check_speed(speed: str) -> str:
     return speed
 
 
-def speed_of(model: Flux2Transformer | Flux2VAE) -> str:
+def speed_of(model: Flux2Transformer | Flux2VAE | Qwen3TextEncoder) -> str:
     """The speed ``model`` was set to by :func:`apply_speed` ("plain" if never)."""
     return getattr(model, SPEED_ATTR, "plain")
 
 
 def apply_speed(
-    transformer: Flux2Transformer | None = None, vae: Flux2VAE | None = None, speed: str = DEFAULT_SPEED
+    transformer: Flux2Transformer | None = None, vae: Flux2VAE | None = None, speed: str = DEFAULT_SPEED,
+    text_encoder: Qwen3TextEncoder | None = None,
 ) -> None:
-    """Put ``transformer`` and ``vae`` (either may be None) on ``speed`` (see the module doc), in place.
+    """Put ``transformer``, ``vae`` and ``text_encoder`` (any may be None) on ``speed`` (see the
+    module doc), in place.
 
     Models of other classes (a test double, a wrapped model) are left alone. The choice of kernels
     happens on the first forward on each device and is logged there once.
@@ -58,6 +64,12 @@ def apply_speed(
         else:
             enable_fast_vae(vae, compile=speed == "compile")
         setattr(vae, SPEED_ATTR, speed)
+    if isinstance(text_encoder, Qwen3TextEncoder) and speed_of(text_encoder) != speed:
+        if speed == "compile":
+            enable_fast_text_encoder(text_encoder)
+        else:
+            disable_fast_text_encoder(text_encoder)
+        setattr(text_encoder, SPEED_ATTR, speed)
 
 
 def describe_speed(transformer: Flux2Transformer) -> str:

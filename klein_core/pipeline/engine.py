@@ -114,8 +114,9 @@ class Engine:
             reference keys/values computed once); None: "kv" for kind "kv", else "joint".
         kv_cache: where KV-mode reference keys/values are kept across runs
             (:class:`~klein_core.pipeline.reference_kv.ReferenceKVCache`; None: computed anew every run).
-        speed: put the transformer and the VAE on one of :data:`klein_core.accel.SPEEDS`
-            ("fast", "compile", "plain") before anything runs; None (default) leaves them as they are.
+        speed: put the transformer, the VAE and the text encoder on one of
+            :data:`klein_core.accel.SPEEDS` ("fast", "compile", "plain") before anything runs; None
+            (default) leaves them as they are.
         make_room: the host's hook ``make_room(nbytes, device)``, called once per plan before the free
             memory is measured (:func:`~klein_core.memory.planner.plan_for`), so the host can unload
             its own models; ComfyUI's nodes pass one.
@@ -169,7 +170,7 @@ class Engine:
         self.make_room = make_room
         self.check_cancel = check_cancel
         if speed is not None:  # after every check: bad arguments leave the models untouched
-            apply_speed(transformer, vae, speed)
+            apply_speed(transformer, vae, speed, text_encoder)
 
     # -- memory ---------------------------------------------------------------------------------
 

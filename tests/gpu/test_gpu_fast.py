@@ -153,6 +153,36 @@ def test_compile_matches_plain(gpu, model, parity, caplog):
     assert rel < _tol(gpu), rel
 
 
+@pytest.mark.cuda("torch.compile with inductor needs minutes on 2 CPU cores; "
+                  "tests/test_text_encoder_compile.py covers the wiring with the eager backend")
+def test_compiled_text_encoder_matches_plain(gpu, small, parity, caplog):
+    """``speed="compile"`` compiles the text encoder's layers (Inductor fuses its norms, RoPE and
+    SwiGLU): the features stay within the fused kernels' tolerance of the plain path, a second
+    prompt of the same shape reuses the graph, and nothing falls back."""
+    from klein_core.accel.text_encoder import disable_fast_text_encoder, enable_fast_text_encoder
+    from klein_core.pipeline.tokenizer import tokenize_prompts
+
+    te = small[1]
+    ids, mask = tokenize_prompts(["a red fox in the snow", "two cats on a sofa"], max_length=512)
+    other_ids, other_mask = tokenize_prompts(["an old boat", "rain on a window at night"], max_length=512)
+    plain, plain_other = te.encode(ids, mask), te.encode(other_ids, other_mask)
+    try:
+        with caplog.at_level(logging.INFO, logger="klein_core.accel.fast"):
+            enable_fast_text_encoder(te)
+            first = te.encode(ids, mask)
+            other = te.encode(other_ids, other_mask)
+            second = te.encode(ids, mask)
+    finally:
+        disable_fast_text_encoder(te)
+        torch._dynamo.reset()
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len([r for r in caplog.records if "first forward" in r.getMessage()]) == 1
+    assert torch.equal(first, second)
+    for name, out, ref in (("prompt 1", first, plain), ("prompt 2", other, plain_other)):
+        rel = parity(tag(gpu, f"compiled text encoder vs plain ({name}), relative L2"), rel_l2(out, ref))
+        assert rel < _tol(gpu), rel
+
+
 def test_fast_vae_decode(gpu, parity):
     """The compiled VAE (``speed="compile"``; dynamo's eager backend in the CPU mode, which has no
     inductor here) and the eager channels-last decode, each against the plain decode."""

@@ -1,0 +1,68 @@
+"""The text encoder under ``speed="compile"``: its decoder layers compiled, one graph for all 27.
+
+Why: the eager Qwen3 forward is bound by the host, not the GPU. A 512-token prompt runs about
+2,400 PyTorch operations through the 27 layers (about 90 per layer: every RMSNorm is six, the
+rotary embedding of q and k fourteen; counted with a dispatch counter on the CPU, the count does
+not depend on the device), while its matmuls are about 2.8 TFLOP, a few milliseconds of an H100.
+The text stage measured 22-24 ms there on every eager speed, plain and fast alike
+(``benchmarks/results/2026-11-26_h100_gpupass``), and twice that under the profiler, which slows
+the host and not the GPU. Compiled, each layer's norms, rotary embedding and SwiGLU fuse into a few
+kernels. The gain on the GPU is not measured yet.
+
+Only each layer's ``forward`` is compiled: the encoder's own forward (token embedding, RoPE tables,
+the attention mask) stays eager, and so do hooks on the layers (block streaming, the per-layer
+casts of ``activations=float32``, LoRA branches are traced through their modules). A compiler
+failure re-runs the call eagerly and turns compilation off for the encoder with one warning. The
+``fast`` speed leaves the encoder on the plain path.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from ..models.qwen3 import Qwen3TextEncoder
+from .fast import SPEED_ATTR, _compile_group, _CompileTimer, _uncompile
+
+logger = logging.getLogger(__name__)
+
+_HOOKS = "_klein_text_compile_hooks"
+
+
+def enable_fast_text_encoder(
+    encoder: Qwen3TextEncoder,
+    *,
+    compile: bool = True,
+    compile_mode: str | None = None,
+    compile_backend: str = "inductor",
+) -> None:
+    """Compile the decoder layers of ``encoder`` in place (``compile=False``: the plain path).
+
+    The first encode at each ``[batch, length]`` (and ``activations`` dtype) compiles, logged with
+    its duration; torch's on-disk cache (``TORCHINDUCTOR_CACHE_DIR``) keeps the result for later
+    processes. ``compile_mode`` / ``compile_backend``: ``torch.compile``'s ``mode`` and ``backend``.
+    """
+    if not isinstance(encoder, Qwen3TextEncoder):
+        raise TypeError(f"enable_fast_text_encoder expects a Qwen3TextEncoder, got {type(encoder).__name__}")
+    disable_fast_text_encoder(encoder)
+    if not compile:
+        return
+    _compile_group(list(encoder.layers), "text encoder layers", mode=compile_mode, backend=compile_backend)
+    # Timed from the first layer's call to the last one's return (``encode`` calls ``forward``
+    # directly, so hooks on the encoder itself would never run).
+    timer = _CompileTimer()
+    encoder.__dict__[_HOOKS] = [encoder.layers[0].register_forward_pre_hook(timer.pre, with_kwargs=True),
+                                encoder.layers[-1].register_forward_hook(timer.post, with_kwargs=True)]
+    logger.info("torch.compile (%s) enabled for the %d text encoder layers (mode=%s); compiled on first use",
+                compile_backend, len(encoder.layers), compile_mode or "default")
+
+
+def disable_fast_text_encoder(encoder: Qwen3TextEncoder) -> None:
+    """Back to the plain path: no compiled layers, no timing hooks."""
+    encoder.__dict__.pop(SPEED_ATTR, None)
+    for layer in encoder.layers:
+        _uncompile(layer)
+    for handle in encoder.__dict__.pop(_HOOKS, ()):
+        handle.remove()
+
+
+__all__ = ["disable_fast_text_encoder", "enable_fast_text_encoder"]
