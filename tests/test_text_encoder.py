@@ -415,3 +415,32 @@ def test_whole_prompt_longer_than_512_matches_transformers(files, hf_model, pari
     diff = parity("text encoder fp32, 600 tokens (whole prompt) vs transformers",
                   _max_diff(te.encode(ids, mask), _reference(hf_model, ids, mask)))
     assert diff <= FP32_TOL
+
+
+def test_padding_side_read_from_the_host_mask():
+    """``encode`` reads whether a row starts with padding from the host mask (``left_padded``), so the
+    forward need not wait for the device; told the side, the forward gives what finding it out
+    gives, for right and left padding alike. ``left_padded`` is the definition's: some query sees no
+    key (no real token at or before it)."""
+    from klein_core.models.qwen3 import left_padded
+    from klein_core.testing.tiny import tiny_text_encoder
+
+    g = torch.Generator().manual_seed(5)
+    for _ in range(50):
+        mask = (torch.rand(3, 9, generator=g) > 0.5).long()
+        mask[:, -1] = 1
+        blind = ((mask.cumsum(dim=1) == 0).any()).item()  # a position with no real token up to it
+        assert left_padded(mask) == blind
+    te = tiny_text_encoder()
+    ids = torch.randint(0, 1000, (3, 12), generator=g)
+    right = torch.ones_like(ids)
+    right[1, 7:] = 0
+    left = torch.ones_like(ids)
+    left[2, :5] = 0
+    for mask, side in ((right, False), (left, True)):
+        found = te.forward(ids, mask)  # left_padded None: found out on the device
+        assert torch.isfinite(found).all()
+        assert torch.equal(te.forward(ids, mask, left_padded=side), found)
+        assert torch.equal(te.forward(ids, mask, left_padded=True), found)  # blind rows looked for
+        assert torch.equal(te.encode(ids, mask), found)
+    assert list(te._inv_freq) == [torch.device("cpu")]  # the RoPE frequencies, once per device

@@ -564,21 +564,39 @@ def _compile_group(modules: Sequence[torch.nn.Module], what: str, **options: Any
                        "without compilation)", what, _first_line(exc))
 
     for module in modules:
-        compiled = torch.compile(module.forward, **options)
-        eager = type(module).forward.__get__(module)
+        module.forward = _compiled_forward(module, what, options, on_failure)  # type: ignore[method-assign]
 
-        def forward(*args: Any, _compiled: Callable[..., Any] = compiled,
-                    _eager: Callable[..., Any] = eager, **kwargs: Any) -> Any:
-            try:
-                return _compiled(*args, **kwargs)
-            except torch.OutOfMemoryError:
-                raise  # eager would need the same memory; the caller explains it
-            except Exception as exc:
-                out = _eager(*args, **kwargs)  # raises itself when the input is at fault
-                on_failure(exc)
-                return out
 
-        module.forward = forward  # type: ignore[method-assign]
+def _compiled_forward(module: torch.nn.Module, what: str, options: dict[str, Any],
+                      on_failure: Callable[[Exception], None]) -> Callable[..., Any]:
+    """``module``'s compiled forward with the eager fallback, for its instance ``forward``.
+
+    It carries ``klein_rebind(copy)``: a shallow copy of ``module`` (``klein_core.lora.with_loras``
+    makes them to hang LoRA branches on) must not call this one, which is bound to ``module`` and
+    would run ``module``'s children without the copy's branches; it gets its own.
+    """
+    eager = type(module).forward.__get__(module)  # the class's: module.forward may be a copied instance one
+    compiled = torch.compile(eager, **options)
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return compiled(*args, **kwargs)
+        except torch.OutOfMemoryError:
+            raise  # eager would need the same memory; the caller explains it
+        except Exception as exc:
+            out = eager(*args, **kwargs)  # raises itself when the input is at fault
+            on_failure(exc)
+            return out
+
+    def rebind(copy: torch.nn.Module) -> Callable[..., Any]:
+        def copy_failed(exc: Exception) -> None:
+            _uncompile(copy)
+            logger.warning("torch.compile failed for a copy of the %s (%s); running it eagerly", what,
+                           _first_line(exc))
+        return _compiled_forward(copy, what, options, copy_failed)
+
+    forward.klein_rebind = rebind  # type: ignore[attr-defined]
+    return forward
 
 
 def is_compiled(module: torch.nn.Module) -> bool:

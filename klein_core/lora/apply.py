@@ -499,11 +499,18 @@ def check_loras(
 
 
 def _shallow_copy(m: nn.Module) -> nn.Module:
-    """A new module object sharing all tensors with ``m`` but with its own child/param/hook dicts."""
+    """A new module object sharing all tensors with ``m`` but with its own child/param/hook dicts.
+
+    An instance attribute bound to ``m`` that knows how to bind itself to a copy (``klein_rebind``:
+    a compiled ``forward`` of klein_core.accel, the text encoder's graph runner) is bound anew, so
+    the copy runs its own children, LoRA branches included, not ``m``'s.
+    """
     c = copy.copy(m)
     for k, v in vars(m).items():
         if isinstance(v, (dict, set)):  # _modules, _parameters, _buffers, hook dicts...
             c.__dict__[k] = copy.copy(v)
+        elif callable(getattr(v, "klein_rebind", None)):
+            c.__dict__[k] = v.klein_rebind(c)
     return c
 
 

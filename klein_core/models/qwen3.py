@@ -186,15 +186,19 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+def _inv_freq(head_dim: int, theta: float) -> torch.Tensor:
+    """RoPE's inverse frequencies ``[head_dim / 2]``, computed on the CPU exactly as transformers does
+    at init, so the frequencies are bit-identical on every device."""
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+
+
 def _rope_cos_sin(
-    length: int, head_dim: int, theta: float, device: torch.device, dtype: torch.dtype
+    length: int, inv_freq: torch.Tensor, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin of shape [1, 1, L, head_dim] for positions 0..L-1, computed in fp32, then cast."""
-    # inv_freq is computed on the CPU exactly as transformers does at init, so the frequencies are
-    # bit-identical on every device; it is recomputed per call so the module needs no buffer.
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    pos = torch.arange(length, device=device, dtype=torch.float32)
-    freqs = pos[:, None] * to_device(inv_freq, device)[None, :]  # [L, head_dim/2]
+    """cos/sin of shape [1, 1, L, head_dim] for positions 0..L-1, computed in fp32 where ``inv_freq``
+    is, then cast."""
+    pos = torch.arange(length, device=inv_freq.device, dtype=torch.float32)
+    freqs = pos[:, None] * inv_freq[None, :]  # [L, head_dim/2]
     emb = torch.cat((freqs, freqs), dim=-1)  # [L, head_dim]
     return emb.cos().to(dtype)[None, None], emb.sin().to(dtype)[None, None]
 
@@ -287,16 +291,29 @@ class Qwen3TextEncoder(nn.Module):
             nn.init.normal_(weight)
         self.embed_tokens = nn.Embedding.from_pretrained(weight, freeze=False)
         self.layers = nn.ModuleList(Qwen3DecoderLayer(config) for _ in range(config.num_layers_run))
+        # RoPE's inverse frequencies per device, copied there once rather than in every forward.
+        self._inv_freq: dict[torch.device, torch.Tensor] = {}
+
+    def _rope_inv_freq(self, device: torch.device) -> torch.Tensor:
+        inv_freq = self._inv_freq.get(device)
+        if inv_freq is None:
+            inv_freq = to_device(_inv_freq(self.config.head_dim, self.config.rope_theta), device)
+            self._inv_freq[device] = inv_freq
+        return inv_freq
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                activations: torch.dtype | None = None) -> torch.Tensor:
-        """Unchecked forward; use :meth:`encode`. ids/mask [B, L] on the model device -> [B, L, 3*hidden]."""
-        cfg = self.config
+                activations: torch.dtype | None = None, *, left_padded: bool | None = None) -> torch.Tensor:
+        """Unchecked forward; use :meth:`encode`. ids/mask [B, L] on the model device -> [B, L, 3*hidden].
+
+        ``left_padded``: whether some row has padding before its first token (see :func:`left_padded`);
+        None finds out from the mask on the device, which waits for it. Given, the forward never
+        waits for the device.
+        """
         _, n = input_ids.shape
         x = self.embed_tokens(input_ids)  # [B, L, H]
         if activations is not None:
             x = x.to(activations)
-        cos, sin = _rope_cos_sin(n, cfg.head_dim, cfg.rope_theta, x.device, x.dtype)
+        cos, sin = _rope_cos_sin(n, self._rope_inv_freq(x.device), x.dtype)
         keep = attention_mask.bool()
         causal = torch.ones(n, n, dtype=torch.bool, device=x.device).tril()
         mask = causal[None, None] & keep[:, None, None, :]  # [B, 1, L, L], True = attend
@@ -305,8 +322,11 @@ class Qwen3TextEncoder(nn.Module):
         # through the values. Such rows attend to everything and their attention output is zeroed,
         # which is what transformers' SDPA path gives on torch >= 2.5. Right-padded Klein prompts
         # never have such rows, so the usual case pays nothing.
-        has_key = mask.any(dim=-1, keepdim=True)  # [B, 1, L, 1]
-        blind_rows = None if bool(has_key.all()) else ~has_key
+        blind_rows = None
+        if left_padded is not False:
+            has_key = mask.any(dim=-1, keepdim=True)  # [B, 1, L, 1]
+            if left_padded or not bool(has_key.all()):
+                blind_rows = ~has_key
         if blind_rows is not None:
             mask = mask | blind_rows
         states: list[torch.Tensor] = [x] if 0 in OUTPUT_LAYERS else []
@@ -337,11 +357,21 @@ class Qwen3TextEncoder(nn.Module):
         """
         _check_inputs(input_ids, attention_mask, self.config.vocab_size)
         device = self.embed_tokens.weight.device
+        # read where the mask is given (the host, usually), so the forward need not wait for the device
+        padded = left_padded(attention_mask) if attention_mask.device.type == "cpu" else None
         ids = to_device(input_ids, device, torch.long)
         mask = to_device(attention_mask, device)
         if activations is not None and not activations.is_floating_point:
             raise ValueError(f"activations must be a floating dtype, got {activations}")
-        return self.forward(ids, mask, None if activations == self.embed_tokens.weight.dtype else activations)
+        return self.forward(ids, mask, None if activations == self.embed_tokens.weight.dtype else activations,
+                            left_padded=padded)
+
+
+def left_padded(attention_mask: torch.Tensor) -> bool:
+    """Whether some row of ``attention_mask`` ``[B, L]`` starts with padding: then the queries before
+    its first token see no key (the causal mask hides every later one), which the forward handles
+    apart. Right-padded prompts (Klein's) never do."""
+    return bool((attention_mask[:, 0] == 0).any())
 
 
 def _check_inputs(input_ids: torch.Tensor, attention_mask: torch.Tensor, vocab_size: int) -> None:

@@ -94,6 +94,30 @@ def test_merge_and_branch_on_the_device(gpu, parity):
     assert torch.equal(forward(model, inputs), base) and not has_loras(model)
 
 
+@pytest.mark.cuda("torch.compile with inductor needs minutes on 2 CPU cores; tests/test_compile_lora.py "
+                  "covers the copies' compiled forwards with the eager backend")
+def test_lora_copy_of_a_compiled_model(gpu, parity):
+    """``with_loras`` on a model compiled by ``speed="compile"`` (Inductor): the copy runs its LoRA
+    branches (before the fix its blocks ran the original's compiled forward and ignored them)."""
+    from klein_core.accel import fast
+
+    model = _load(gpu, _state(gpu))
+    lora = kc.load_lora(_lora(_shapes(model), rank=4, seed=3)[0])
+    inputs = transformer_inputs(model, gpu, 8, 8, ref=(4, 4), batch=2)
+    base = forward(model, inputs)
+    eager = forward(kc.with_loras(model, [(lora, 0.8)]), inputs)
+    effect = rel_l2(eager, base)
+    try:
+        fast.enable_fast_paths(model, compile=True)
+        compiled = forward(kc.with_loras(model, [(lora, 0.8)]), inputs)
+    finally:
+        fast.disable_fast_paths(model)
+        torch._dynamo.reset()
+    rel = parity(tag(gpu, "LoRA copy of a compiled model vs eager copy, relative L2"),
+                 rel_l2(compiled, eager))
+    assert rel < min(2e-2 if gpu.half else 1e-5, effect / 4), (rel, effect)
+
+
 def test_merge_and_branch_on_fp8_weights(gpu, parity):
     model = _load(gpu, _state(gpu))
     quantize_model_(model)

@@ -1,0 +1,97 @@
+"""LoRA branches on a compiled model (``speed="compile"``): ``with_loras`` makes shallow copies of the
+modules on the way to each adapted Linear, and a compiled ``forward`` is bound to the module it
+was made for. Copied as it was, a block's copy ran the original block, whose children have no
+branches, so the LoRA was silently ignored under compile (found by this test; the output was the
+base model's exactly). Each copy now gets its own compiled forward (``klein_rebind``).
+
+Dynamo's eager backend here (traced, nothing generated), so compiled and eager give the same bits.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import klein_core as kc
+from klein_core import testing as demo
+from klein_core.accel import fast
+from klein_core.accel.text_encoder import enable_fast_text_encoder
+from klein_core.pipeline.sampling import position_ids, text_position_ids
+from klein_core.pipeline.tokenizer import tokenize_prompts
+from klein_core.train.adapters import LoRASet, preset, text_encoder_preset
+from klein_core.train.save import save_lora
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.fixture(scope="module")
+def lora(tmp_path_factory):
+    """A LoRA with a transformer part (every block) and a text-encoder part, large enough to matter."""
+    tr_lora = LoRASet(demo.tiny_transformer(), preset("full", rank=2), seed=1)
+    te_lora = LoRASet(demo.tiny_text_encoder(), text_encoder_preset(rank=2), seed=1)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for layer in [*tr_lora.layers.values(), *te_lora.layers.values()]:
+            layer.up.copy_(torch.randn(layer.up.shape, generator=g))
+    path = tmp_path_factory.mktemp("lora") / "both.safetensors"
+    save_lora(path, tr_lora, text_lora=te_lora)
+    return kc.load_lora(path)
+
+
+def _transformer_inputs(model):
+    g = torch.Generator().manual_seed(0)
+    return dict(img=torch.randn(1, 12, 128, generator=g), img_ids=position_ids(3, 4),
+                txt=torch.randn(1, 5, model.config.context_dim, generator=g), txt_ids=text_position_ids(5),
+                timesteps=torch.tensor([0.7]))
+
+
+def test_lora_branches_run_on_a_compiled_transformer(lora):
+    model = demo.tiny_transformer()
+    kw = _transformer_inputs(model)
+    with torch.no_grad():
+        base = model(**kw)
+        want = kc.with_loras(model, [(lora, 1.0)])(**kw)
+        assert (want - base).abs().max() > 1e-2  # the LoRA matters
+        fast.enable_fast_paths(model, compile=True, compile_backend="eager")
+        patched = kc.with_loras(model, [(lora, 1.0)])
+        got = patched(**kw)
+        after = model(**kw)
+    assert torch.equal(got, want)
+    assert torch.equal(after, base)  # the compiled original is untouched
+    block, copy = model.double_blocks[0], patched.double_blocks[0]
+    assert copy is not block and fast.is_compiled(copy) and copy.forward is not block.forward
+
+
+def test_lora_branches_run_on_a_compiled_text_encoder(lora):
+    te = demo.tiny_text_encoder()
+    ids, mask = tokenize_prompts(["a red fox", "rain"], max_length=24)
+    base = te.encode(ids, mask)
+    want = kc.with_loras(te, [(lora, 1.0)]).encode(ids, mask)
+    assert (want - base).abs().max() > 1e-2
+    enable_fast_text_encoder(te, compile_backend="eager")
+    got = kc.with_loras(te, [(lora, 1.0)]).encode(ids, mask)
+    assert torch.equal(got, want) and torch.equal(te.encode(ids, mask), base)
+
+
+def test_a_compiler_failure_in_a_copy_falls_back_for_that_copy(lora, monkeypatch, caplog):
+    def fails(*args, **kwargs):
+        def compiled(*a, **k):
+            raise RuntimeError("InductorError: stand-in")
+        return compiled
+
+    model = demo.tiny_transformer()
+    kw = _transformer_inputs(model)
+    with torch.no_grad():
+        want = kc.with_loras(model, [(lora, 1.0)])(**kw)
+        fast.enable_fast_paths(model, compile=True, compile_backend="eager")
+        monkeypatch.setattr(fast.torch, "compile", fails)  # the copies' compiled forwards fail
+        patched = kc.with_loras(model, [(lora, 1.0)])
+        got = patched(**kw)
+    assert torch.equal(got, want)
+    assert any("a copy of the transformer blocks" in r.getMessage() for r in caplog.records)
+    assert not fast.is_compiled(patched.double_blocks[0]) and fast.is_compiled(model.double_blocks[0])
