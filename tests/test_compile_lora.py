@@ -1,8 +1,10 @@
 """LoRA branches on a compiled model (``speed="compile"``): ``with_loras`` makes shallow copies of the
-modules on the way to each adapted Linear, and a compiled ``forward`` is bound to the module it
-was made for. Copied as it was, a block's copy ran the original block, whose children have no
-branches, so the LoRA was silently ignored under compile (found by this test; the output was the
-base model's exactly). Each copy now gets its own compiled forward (``klein_rebind``).
+modules on the way to each adapted Linear. Two things made the LoRA silently ignored under compile
+(found by these tests; the output was the base model's exactly): a compiled ``forward`` is bound to
+the module it was made for, so a block's copy ran the original block, whose children have no
+branches; and dynamo does not guard on the hooks of inlined modules by default, so a graph traced
+for the original was reused for the copy. Each copy now gets its own compiled forward
+(``klein_rebind``), and compiled calls run with dynamo's hook guards on.
 
 Dynamo's eager backend here (traced, nothing generated), so compiled and eager give the same bits.
 """
@@ -58,11 +60,12 @@ def test_lora_branches_run_on_a_compiled_transformer(lora):
         want = kc.with_loras(model, [(lora, 1.0)])(**kw)
         assert (want - base).abs().max() > 1e-2  # the LoRA matters
         fast.enable_fast_paths(model, compile=True, compile_backend="eager")
+        first = model(**kw)  # the original compiles first: its graphs have no branch hooks
         patched = kc.with_loras(model, [(lora, 1.0)])
-        got = patched(**kw)
+        got = patched(**kw)  # dynamo must not reuse them for the hooked copy (hook guards)
         after = model(**kw)
     assert torch.equal(got, want)
-    assert torch.equal(after, base)  # the compiled original is untouched
+    assert torch.equal(first, base) and torch.equal(after, base)  # the compiled original is untouched
     block, copy = model.double_blocks[0], patched.double_blocks[0]
     assert copy is not block and fast.is_compiled(copy) and copy.forward is not block.forward
 
@@ -74,6 +77,7 @@ def test_lora_branches_run_on_a_compiled_text_encoder(lora):
     want = kc.with_loras(te, [(lora, 1.0)]).encode(ids, mask)
     assert (want - base).abs().max() > 1e-2
     enable_fast_text_encoder(te, compile_backend="eager")
+    assert torch.equal(te.encode(ids, mask), base)  # compiled without hooks first
     got = kc.with_loras(te, [(lora, 1.0)]).encode(ids, mask)
     assert torch.equal(got, want) and torch.equal(te.encode(ids, mask), base)
 

@@ -449,3 +449,43 @@ def test_comfyuis_own_lora_loader_applies_to_the_bridged_model(host, tmp_path, c
     # the pack's transformer never saw ComfyUI's patch: the plain Klein Sampler and bridge are unchanged
     assert all(torch.equal(v, before[k]) for k, v in transformer.state_dict().items())
     assert torch.equal(_core(host, _bridge(host, model), _native_cond(host, cond.positive)), plain)
+
+
+def test_lora_after_a_compiled_run_takes_effect(host, tmp_path, monkeypatch):
+    """Klein Model Loader with ``speed = fast + compile``: a run without a LoRA compiles the cached
+    transformer; Klein LoRA Loader then patches a copy of it, and the copy's blocks must run their
+    branches (they ran the original's compiled forward before: the LoRA did nothing). Dynamo's eager
+    backend here, so compiled and plain give the same bits."""
+    import klein_core as kc
+    from klein_core.accel import fast, speed
+    from klein_core.train.adapters import LoRASet, preset
+    from klein_core.train.save import save_lora
+
+    monkeypatch.setattr(speed, "enable_fast_paths", lambda m, compile=False: fast.enable_fast_paths(
+        m, compile=compile, compile_backend="eager"))
+    monkeypatch.setattr(speed, "enable_fast_vae", lambda v, compile=False: fast.enable_fast_vae(
+        v, compile=compile, compile_backend="eager"))
+    lora_mod = importlib.import_module(f"{PACK}.lora")
+    plain_model, _ = _load(host)
+    transformer = plain_model.ref.get()
+    lora = LoRASet(transformer, preset("style", rank=2), seed=1)  # double blocks: the single ones stay shared
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for layer in lora.layers.values():
+            layer.up.copy_(torch.randn(layer.up.shape, generator=g) * 0.5)
+    path = save_lora(tmp_path / "style.safetensors", lora)
+    cond = _encode(host)
+    want = _klein(host, lora_mod.patch_model(plain_model, kc.load_lora(path), 1.0), cond)  # speed fast (CPU: plain)
+    torch._dynamo.reset()
+    try:
+        with torch.inference_mode():
+            compiled_model = host.pack.KleinModelLoader.execute(M4B, VAE, "fp32", "auto", "auto",
+                                                                "fast + compile").args[0]
+        base = _klein(host, compiled_model, cond)  # compiles the cached transformer
+        assert compiled_model.ref.get() is transformer and fast.is_compiled(transformer.double_blocks[0])
+        got = _klein(host, lora_mod.patch_model(compiled_model, kc.load_lora(path), 1.0), cond)
+        assert _diff(base, want) > 1e-2  # the LoRA matters
+        assert torch.equal(got, want)
+    finally:
+        speed.apply_speed(transformer, None, "plain")
+        torch._dynamo.reset()

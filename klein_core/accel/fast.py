@@ -567,6 +567,18 @@ def _compile_group(modules: Sequence[torch.nn.Module], what: str, **options: Any
         module.forward = _compiled_forward(module, what, options, on_failure)  # type: ignore[method-assign]
 
 
+def _hook_guards() -> Any:
+    """A context in which dynamo guards on the hooks of the modules it inlines.
+
+    By default (``skip_nnmodule_hook_guards``) it does not: a graph traced for a block without
+    hooks was then reused for a LoRA copy of it, whose Linear children carry branch hooks, and the
+    LoRA was silently ignored. With the guards a hooked copy compiles its own graph.
+    """
+    import torch._dynamo  # loaded with torch.compile anyway; not at import time
+
+    return torch._dynamo.config.patch(skip_nnmodule_hook_guards=False)
+
+
 def _compiled_forward(module: torch.nn.Module, what: str, options: dict[str, Any],
                       on_failure: Callable[[Exception], None]) -> Callable[..., Any]:
     """``module``'s compiled forward with the eager fallback, for its instance ``forward``.
@@ -580,7 +592,8 @@ def _compiled_forward(module: torch.nn.Module, what: str, options: dict[str, Any
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         try:
-            return compiled(*args, **kwargs)
+            with _hook_guards():
+                return compiled(*args, **kwargs)
         except torch.OutOfMemoryError:
             raise  # eager would need the same memory; the caller explains it
         except Exception as exc:
