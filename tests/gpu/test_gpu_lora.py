@@ -97,8 +97,8 @@ def test_merge_and_branch_on_the_device(gpu, parity):
 @pytest.mark.cuda("torch.compile with inductor needs minutes on 2 CPU cores; tests/test_compile_lora.py "
                   "covers the copies' compiled forwards with the eager backend")
 def test_lora_copy_of_a_compiled_model(gpu, parity):
-    """``with_loras`` on a model compiled by ``speed="compile"`` (Inductor): the copy runs its LoRA
-    branches (before the fix its blocks ran the original's compiled forward and ignored them)."""
+    """``with_loras`` on a model compiled by ``speed="compile"`` (Inductor) and run: the copy runs its
+    LoRA branches (before the fix it ran the original's compiled forward and graphs, ignoring them)."""
     from klein_core.accel import fast
 
     model = _load(gpu, _state(gpu))
@@ -109,6 +109,7 @@ def test_lora_copy_of_a_compiled_model(gpu, parity):
     effect = rel_l2(eager, base)
     try:
         fast.enable_fast_paths(model, compile=True)
+        forward(model, inputs)  # the original compiles first: graphs without the branch hooks
         compiled = forward(kc.with_loras(model, [(lora, 0.8)]), inputs)
     finally:
         fast.disable_fast_paths(model)
