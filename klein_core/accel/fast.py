@@ -13,6 +13,7 @@ are left alone. Attention backends (``attention=``): ``auto`` (by GPU from :data
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
 import logging
@@ -576,6 +577,8 @@ def _hook_guards() -> Any:
     """
     import torch._dynamo  # loaded with torch.compile anyway; not at import time
 
+    if not hasattr(torch._dynamo.config, "skip_nnmodule_hook_guards"):  # a torch that always guards them
+        return contextlib.nullcontext()
     return torch._dynamo.config.patch(skip_nnmodule_hook_guards=False)
 
 
