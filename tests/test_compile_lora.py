@@ -55,6 +55,7 @@ def _transformer_inputs(model):
 def test_lora_branches_run_on_a_compiled_transformer(lora):
     model = demo.tiny_transformer()
     kw = _transformer_inputs(model)
+    initial = torch._dynamo.config.skip_nnmodule_hook_guards
     with torch.no_grad():
         base = model(**kw)
         want = kc.with_loras(model, [(lora, 1.0)])(**kw)
@@ -66,6 +67,7 @@ def test_lora_branches_run_on_a_compiled_transformer(lora):
         after = model(**kw)
     assert torch.equal(got, want)
     assert torch.equal(first, base) and torch.equal(after, base)  # the compiled original is untouched
+    assert torch._dynamo.config.skip_nnmodule_hook_guards is initial  # set only around our calls
     block, copy = model.double_blocks[0], patched.double_blocks[0]
     assert copy is not block and fast.is_compiled(copy) and copy.forward is not block.forward
 

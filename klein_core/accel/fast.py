@@ -13,7 +13,6 @@ are left alone. Attention backends (``attention=``): ``auto`` (by GPU from :data
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import inspect
 import logging
@@ -568,18 +567,32 @@ def _compile_group(modules: Sequence[torch.nn.Module], what: str, **options: Any
         module.forward = _compiled_forward(module, what, options, on_failure)  # type: ignore[method-assign]
 
 
-def _hook_guards() -> Any:
-    """A context in which dynamo guards on the hooks of the modules it inlines.
+class _HookGuards:
+    """A context in which dynamo guards on the hooks of the modules it inlines (reentrant).
 
     By default (``skip_nnmodule_hook_guards``) it does not: a graph traced for a block without
     hooks was then reused for a LoRA copy of it, whose Linear children carry branch hooks, and the
-    LoRA was silently ignored. With the guards a hooked copy compiles its own graph.
+    LoRA was silently ignored. With the guards a hooked copy compiles its own graph. Set and put
+    back around each compiled call (a few microseconds), so other compiled code is left alone.
     """
-    import torch._dynamo  # loaded with torch.compile anyway; not at import time
 
-    if not hasattr(torch._dynamo.config, "skip_nnmodule_hook_guards"):  # a torch that always guards them
-        return contextlib.nullcontext()
-    return torch._dynamo.config.patch(skip_nnmodule_hook_guards=False)
+    def __init__(self) -> None:
+        self._saved: list[bool] = []
+
+    def __enter__(self) -> None:
+        import torch._dynamo  # loaded with torch.compile anyway; not at import time
+
+        config = torch._dynamo.config
+        if hasattr(config, "skip_nnmodule_hook_guards"):  # (a torch without it always guards them)
+            self._saved.append(config.skip_nnmodule_hook_guards)
+            config.skip_nnmodule_hook_guards = False
+
+    def __exit__(self, *exc: object) -> None:
+        if self._saved:
+            torch._dynamo.config.skip_nnmodule_hook_guards = self._saved.pop()
+
+
+_hook_guards = _HookGuards()
 
 
 def _compiled_forward(module: torch.nn.Module, what: str, options: dict[str, Any],
@@ -595,7 +608,7 @@ def _compiled_forward(module: torch.nn.Module, what: str, options: dict[str, Any
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         try:
-            with _hook_guards():
+            with _hook_guards:
                 return compiled(*args, **kwargs)
         except torch.OutOfMemoryError:
             raise  # eager would need the same memory; the caller explains it
