@@ -101,3 +101,22 @@ def test_a_compiler_failure_in_a_copy_falls_back_for_that_copy(lora, monkeypatch
     assert torch.equal(got, want)
     assert any("a copy of the transformer blocks" in r.getMessage() for r in caplog.records)
     assert not fast.is_compiled(patched.double_blocks[0]) and fast.is_compiled(model.double_blocks[0])
+
+
+def test_another_strength_on_a_compiled_model_is_not_the_first_ones(lora):
+    """A second copy at another strength reuses the LoRA graph (no recompilation) and gives that
+    strength's output, not the first one's (a strength baked into the graph would)."""
+    import torch._dynamo.utils as dynamo_utils
+
+    model = demo.tiny_transformer()
+    kw = _transformer_inputs(model)
+    with torch.no_grad():
+        want = {s: kc.with_loras(model, [(lora, s)])(**kw) for s in (1.0, 0.5)}
+        assert (want[1.0] - want[0.5]).abs().max() > 1e-2
+        fast.enable_fast_paths(model, compile=True, compile_backend="eager")
+        dynamo_utils.counters.clear()
+        first = kc.with_loras(model, [(lora, 1.0)])(**kw)
+        graphs = dynamo_utils.counters["stats"]["unique_graphs"]
+        second = kc.with_loras(model, [(lora, 0.5)])(**kw)
+    assert torch.equal(first, want[1.0]) and torch.equal(second, want[0.5])
+    assert dynamo_utils.counters["stats"]["unique_graphs"] == graphs
