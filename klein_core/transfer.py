@@ -29,7 +29,7 @@ def to_device(t: torch.Tensor, device: torch.device | str, dtype: torch.dtype | 
     float casts round to nearest even on both). Anything else is ``t.to(device, dtype)``.
     """
     device = torch.device(device)
-    if device.type != "cuda" or t.device.type != "cpu":
+    if device.type != "cuda" or t.device.type != "cpu" or t.requires_grad:  # (.to keeps the autograd link)
         return t.to(device=device, dtype=dtype)
     # Always a fresh page-locked copy, even of a page-locked ``t``: the caller may change ``t`` as
     # soon as this returns, before the stream has run the copy.

@@ -10,10 +10,11 @@ the host and not the GPU. Compiled, each layer's norms, rotary embedding and Swi
 kernels. The gain on the GPU is not measured yet.
 
 Only each layer's ``forward`` is compiled: the encoder's own forward (token embedding, RoPE tables,
-the attention mask) stays eager, and so do hooks on the layers (block streaming, the per-layer
-casts of ``activations=float32``, LoRA branches are traced through their modules). A compiler
-failure re-runs the call eagerly and turns compilation off for the encoder with one warning. The
-``fast`` speed leaves the encoder on the plain path.
+the attention mask) stays eager, and so do hooks on the layers themselves (block streaming, the
+per-layer casts of ``activations=float32``). LoRA branches on the layers' Linears are traced with
+them, their hooks guarded (a LoRA copy compiles its own graph). A compiler failure re-runs the call
+eagerly and turns compilation off for the encoder with one warning. The ``fast`` speed leaves the
+encoder on the plain path.
 """
 
 from __future__ import annotations

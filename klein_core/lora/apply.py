@@ -502,8 +502,8 @@ def _shallow_copy(m: nn.Module) -> nn.Module:
     """A new module object sharing all tensors with ``m`` but with its own child/param/hook dicts.
 
     An instance attribute bound to ``m`` that knows how to bind itself to a copy (``klein_rebind``:
-    a compiled ``forward`` of klein_core.accel, the text encoder's graph runner) is bound anew, so
-    the copy runs its own children, LoRA branches included, not ``m``'s.
+    a compiled ``forward`` of klein_core.accel) is bound anew, so the copy runs its own children,
+    LoRA branches included, not ``m``'s.
     """
     c = copy.copy(m)
     for k, v in vars(m).items():
