@@ -29,13 +29,6 @@ def test_to_device_on_the_cpu_is_to():
     assert ids.stride() == (1, 3) and torch.equal(ids, torch.arange(6).view(2, 3).t())
 
 
-def test_to_device_keeps_the_autograd_link():
-    t = torch.ones(3, requires_grad=True)
-    out = to_device(t, "cpu", torch.float64)
-    out.sum().backward()
-    assert torch.equal(t.grad, torch.ones(3))
-
-
 def test_to_host_keeps_cpu_tensors():
     a, b = torch.ones(2), torch.zeros(3, dtype=torch.uint8)
     out = to_host(a, b)

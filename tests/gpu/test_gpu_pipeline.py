@@ -207,6 +207,11 @@ def test_generate_copies_only_through_page_locked_memory(gpu, small, monkeypatch
         kinds = sorted({e.name for e in prof.events() if e.name.startswith("Memcpy")})
         assert any("Pinned" in k for k in kinds), (name, kinds)  # the profiler saw the copies
         assert not [k for k in kinds if "Pageable" in k], (name, kinds)
+    from klein_core.transfer import to_device
+
+    t = torch.ones(3, requires_grad=True)  # a tensor that needs gradients keeps its autograd link
+    to_device(t, gpu.device, torch.float64).sum().backward()
+    assert torch.equal(t.grad, torch.ones(3))
     _plain_copies(monkeypatch)
     for name, kw in runs.items():
         plain = kc.generate(tr, te, vae, cache=None, **kw)
