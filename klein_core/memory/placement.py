@@ -66,9 +66,21 @@ def _set(slot: _Slot, t: torch.Tensor) -> None:
         slot.owner._buffers[slot.name] = t
 
 
+def _tensors(module: nn.Module) -> Iterator[torch.Tensor]:
+    """Every parameter and buffer of ``module`` (as :func:`_slots`, without building slots: the
+    planner and each stage walk whole models on every run)."""
+    for owner in module.modules():
+        for t in owner._parameters.values():
+            if t is not None:
+                yield t
+        for t in owner._buffers.values():
+            if t is not None:
+                yield t
+
+
 def module_bytes(module: nn.Module) -> int:
     """Bytes of all parameters and buffers of ``module``."""
-    return sum(s.home.numel() * s.home.element_size() for s in _slots(module))
+    return sum(t.numel() * t.element_size() for t in _tensors(module))
 
 
 def _pinnable() -> bool:
@@ -371,7 +383,7 @@ class StagePlacer:
     def stage(self, component: str) -> Iterator[nn.Module]:
         module = self.components[component]
         placement = self.placements.get(component, "resident")
-        here = all(_same_device(s.home.device, self.device) for s in _slots(module))
+        here = all(_same_device(t.device, self.device) for t in _tensors(module))
         if placement == "resident" and here:
             yield module
         elif placement in ("resident", "staged"):
