@@ -120,3 +120,39 @@ def test_another_strength_on_a_compiled_model_is_not_the_first_ones(lora):
         second = kc.with_loras(model, [(lora, 0.5)])(**kw)
     assert torch.equal(first, want[1.0]) and torch.equal(second, want[0.5])
     assert dynamo_utils.counters["stats"]["unique_graphs"] == graphs
+
+
+def test_switching_the_speed_of_a_lora_copy_leaves_the_model_alone(tmp_path):
+    """``with_loras`` copies every block (not only the adapted ones) and the speed switches remove
+    hooks from the module they are given: putting a LoRA copy of a compiled model on ``plain``
+    uncompiles the copy's blocks and timing hooks only. (Nothing is called compiled here, so
+    Inductor never runs.)"""
+    from klein_core.accel import speed
+
+    tr, te = demo.tiny_transformer(), demo.tiny_text_encoder()
+    tr_lora = LoRASet(tr, preset("style", rank=2), seed=1)  # double blocks: the single ones are not adapted
+    te_lora = LoRASet(te, text_encoder_preset(rank=2), seed=1)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for layer in [*tr_lora.layers.values(), *te_lora.layers.values()]:
+            layer.up.copy_(torch.randn(layer.up.shape, generator=g))
+    lora = kc.load_lora(save_lora(tmp_path / "style.safetensors", tr_lora, text_lora=te_lora))
+    kw = _transformer_inputs(tr)
+    ids, mask = tokenize_prompts(["a red fox"], max_length=16)
+    with torch.no_grad():
+        want_tr = kc.with_loras(tr, [(lora, 1.0)])(**kw)
+    want_te = kc.with_loras(te, [(lora, 1.0)]).encode(ids, mask)
+    speed.apply_speed(tr, None, "compile", te)
+    hooks = [(len(m._forward_pre_hooks), len(m._forward_hooks)) for m in (tr, te.layers[0], te.layers[-1])]
+    tr_copy, te_copy = kc.with_loras(tr, [(lora, 1.0)]), kc.with_loras(te, [(lora, 1.0)])
+    speed.apply_speed(tr_copy, None, "plain", te_copy)
+    blocks = [*tr.double_blocks, *tr.single_blocks, *te.layers]
+    copies = [*tr_copy.double_blocks, *tr_copy.single_blocks, *te_copy.layers]
+    assert all(fast.is_compiled(b) for b in blocks) and not any(fast.is_compiled(b) for b in copies)
+    assert not {id(b) for b in blocks} & {id(b) for b in copies}
+    assert [(len(m._forward_pre_hooks), len(m._forward_hooks)) for m in (tr, te.layers[0], te.layers[-1])] == hooks
+    assert hooks[0] != (0, 0) and not tr_copy._forward_pre_hooks and not te_copy.layers[0]._forward_pre_hooks
+    with torch.no_grad():
+        assert torch.equal(tr_copy(**kw), want_tr)
+    assert torch.equal(te_copy.encode(ids, mask), want_te)
+    assert speed.speed_of(tr) == speed.speed_of(te) == "compile"

@@ -628,6 +628,18 @@ def _compiled_forward(module: torch.nn.Module, what: str, options: dict[str, Any
     return forward
 
 
+def _remove_hooks(module: torch.nn.Module, handles: Sequence[Any]) -> None:
+    """Remove the hooks of ``handles`` from ``module``'s own hook dicts, by id. ``handle.remove()``
+    would act on the dicts the hooks were registered on, which for a LoRA copy of the model
+    (``with_loras`` copies the dicts, ids and all) are the original model's."""
+    for handle in handles:
+        for name in ("_forward_pre_hooks", "_forward_hooks", "_forward_hooks_with_kwargs",
+                     "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called"):
+            hooks = getattr(module, name, None)
+            if hooks is not None:
+                hooks.pop(handle.id, None)
+
+
 def is_compiled(module: torch.nn.Module) -> bool:
     """Whether :func:`enable_fast_paths` / :func:`enable_fast_vae` left ``module`` compiled."""
     return "forward" in module.__dict__
@@ -684,8 +696,7 @@ def disable_fast_paths(model: Flux2Transformer) -> None:
     model.ops = PLAIN_OPS
     for block in _blocks(model):
         _uncompile(block)
-    for handle in getattr(model, "_fast_hooks", ()):
-        handle.remove()
+    _remove_hooks(model, getattr(model, "_fast_hooks", ()))
     model._fast_hooks = []  # type: ignore[assignment]
 
 

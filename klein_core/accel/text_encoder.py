@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 
 from ..models.qwen3 import Qwen3TextEncoder
-from .fast import SPEED_ATTR, _compile_group, _CompileTimer, _uncompile
+from .fast import SPEED_ATTR, _compile_group, _CompileTimer, _remove_hooks, _uncompile
 
 logger = logging.getLogger(__name__)
 
@@ -51,8 +51,8 @@ def enable_fast_text_encoder(
     # Timed from the first layer's call to the last one's return (``encode`` calls ``forward``
     # directly, so hooks on the encoder itself would never run).
     timer = _CompileTimer()
-    encoder.__dict__[_HOOKS] = [encoder.layers[0].register_forward_pre_hook(timer.pre, with_kwargs=True),
-                                encoder.layers[-1].register_forward_hook(timer.post, with_kwargs=True)]
+    encoder.__dict__[_HOOKS] = [(0, encoder.layers[0].register_forward_pre_hook(timer.pre, with_kwargs=True)),
+                                (-1, encoder.layers[-1].register_forward_hook(timer.post, with_kwargs=True))]
     logger.info("torch.compile (%s) enabled for the %d text encoder layers (mode=%s); compiled on first use",
                 compile_backend, len(encoder.layers), compile_mode or "default")
 
@@ -62,8 +62,8 @@ def disable_fast_text_encoder(encoder: Qwen3TextEncoder) -> None:
     encoder.__dict__.pop(SPEED_ATTR, None)
     for layer in encoder.layers:
         _uncompile(layer)
-    for handle in encoder.__dict__.pop(_HOOKS, ()):
-        handle.remove()
+    for index, handle in encoder.__dict__.pop(_HOOKS, ()):
+        _remove_hooks(encoder.layers[index], [handle])  # this encoder's layer, also in a LoRA copy
 
 
 __all__ = ["disable_fast_text_encoder", "enable_fast_text_encoder"]

@@ -517,9 +517,10 @@ def _shallow_copy(m: nn.Module) -> nn.Module:
 def with_loras(model: nn.Module, loras: LoRASpec | Sequence[LoRASpec]) -> nn.Module:
     """A copy of ``model`` with LoRAs applied as branches; ``model`` itself is not changed.
 
-    The copy shares every parameter tensor with ``model``. Only the touched Linear modules and
-    their parents are new objects (shallow copies) carrying :class:`LoRABranch` hooks, so the
-    copy costs the LoRA factors, not the weights. Chaining works: ``with_loras(with_loras(m, a), b)``.
+    The copy shares every parameter tensor with ``model``. Only the touched Linear modules, their
+    parents and the repeated blocks are new objects (shallow copies; the touched Linears carry
+    :class:`LoRABranch` hooks), so the copy costs the LoRA factors, not the weights, and switching
+    its speed (klein_core.accel) leaves ``model``'s blocks as they are. Chaining works: ``with_loras(with_loras(m, a), b)``.
     Patches for another component (text-encoder parts when ``model`` is the transformer) are
     reported in a warning. Strength 0 returns ``model`` itself.
     """
@@ -530,7 +531,9 @@ def with_loras(model: nn.Module, loras: LoRASpec | Sequence[LoRASpec]) -> nn.Mod
         return model
     root = _shallow_copy(model)
     copies: dict[str, nn.Module] = {"": root}
-    for (_, name), plan in plans.items():
+
+    def copied(name: str) -> nn.Module:
+        """The copy at ``name``, copying each module on the way that is not a copy yet."""
         parent, path = root, ""
         for part in name.split("."):
             path = f"{path}.{part}" if path else part
@@ -538,6 +541,16 @@ def with_loras(model: nn.Module, loras: LoRASpec | Sequence[LoRASpec]) -> nn.Mod
                 copies[path] = _shallow_copy(parent._modules[part])  # type: ignore[arg-type]
                 parent._modules[part] = copies[path]
             parent = copies[path]
-        parent.register_forward_hook(LoRABranch(plan, _weight_of(parent)))  # type: ignore[arg-type]
+        return parent
+
+    for (_, name), plan in plans.items():
+        module = copied(name)
+        module.register_forward_hook(LoRABranch(plan, _weight_of(module)))  # type: ignore[arg-type]
+    # Every repeated block is copied too, adapted or not (objects only; the tensors stay shared):
+    # switching the copy's speed then compiles or uncompiles the copy's blocks, never the model's.
+    for list_name, blocks in model.named_children():
+        if isinstance(blocks, nn.ModuleList):
+            for i in range(len(blocks)):
+                copied(f"{list_name}.{i}")
     logger.info("patched copy with %s: %d modules", [(lora.name, s) for lora, s in items], len(plans))
     return root
