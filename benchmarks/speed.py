@@ -83,6 +83,7 @@ if str(REPO) not in sys.path:  # run as a script from a checkout
     sys.path.insert(0, str(REPO))
 
 import klein_core
+from benchmarks.peers import diffusers_flux2_transformer
 from klein_core.accel import fast, speed, step_cache
 from klein_core.files.transformer_layout import bfl_to_diffusers
 from klein_core.models import (
@@ -279,14 +280,8 @@ def build_diffusers(spec: ModelSpec, tr: Flux2Transformer, te: Qwen3TextEncoder,
     diffusers = _import_diffusers()
     import transformers
 
-    c = spec.transformer
+    d_tr = diffusers_flux2_transformer(diffusers, spec.transformer)
     with torch.device("meta"):
-        d_tr = diffusers.Flux2Transformer2DModel(
-            patch_size=1, in_channels=c.in_channels, num_layers=c.depth, num_single_layers=c.depth_single,
-            attention_head_dim=c.head_dim, num_attention_heads=c.num_heads, joint_attention_dim=c.context_dim,
-            timestep_guidance_channels=256, mlp_ratio=c.mlp_hidden / c.hidden_size, axes_dims_rope=c.axes_dim,
-            rope_theta=int(c.theta), eps=1e-6, guidance_embeds=False,
-        )
         v = spec.vae
         d_vae = diffusers.AutoencoderKLFlux2(
             down_block_types=("DownEncoderBlock2D",) * len(v.block_channels),
@@ -295,7 +290,7 @@ def build_diffusers(spec: ModelSpec, tr: Flux2Transformer, te: Qwen3TextEncoder,
             layers_per_block=v.num_res_blocks, latent_channels=v.z_channels, norm_num_groups=v.norm_groups,
             batch_norm_eps=v.bn_eps,
         )
-    _assign(d_tr, bfl_to_diffusers_transformer(tr.state_dict(), c), "diffusers transformer")
+    _assign(d_tr, bfl_to_diffusers_transformer(tr.state_dict(), spec.transformer), "diffusers transformer")
     vae_sd = bfl_to_diffusers_vae(vae.state_dict(), v)
     vae_sd["bn.num_batches_tracked"] = torch.zeros((), dtype=torch.long, device=device)
     _assign(d_vae, vae_sd, "diffusers VAE")
@@ -800,7 +795,6 @@ def print_table(results: list[dict[str, Any]], out: Any = sys.stdout) -> None:
             variants = case["variants"]
             names = list(variants)
             W = max(15, *(len(n) + 2 for n in names))  # noqa: N806 - the column width
-            base = variants.get("diffusers")
             print(f"\n{res['model']} - case {key}: {case['title']}  (ms, median of runs)", file=out)
             print(f"{'':22}" + "".join(f"{n:>{W}}" for n in names), file=out)
             rows = [("text encoding", lambda v: v["stages_ms"].get("text", float("nan"))),

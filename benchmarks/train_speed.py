@@ -83,6 +83,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # run as a script from a checkout
     sys.path.insert(0, str(REPO))
 
+from benchmarks.peers import diffusers_flux2_transformer
 from benchmarks.timing import call_times
 from klein_core.memory.placement import BlockOffloader
 from klein_core.models import Flux2Transformer, TransformerConfig
@@ -287,13 +288,7 @@ def build_diffusers(diffusers: Any, peft: Any, cfg: TransformerConfig, targets: 
                     device: torch.device, dtype: torch.dtype) -> Any:
     """diffusers' Flux2 transformer, random weights on the device, with a peft LoRA on ``targets``
     (float32 factors, gradient checkpointing on)."""
-    with torch.device("meta"):
-        dm = diffusers.Flux2Transformer2DModel(
-            patch_size=1, in_channels=cfg.in_channels, num_layers=cfg.depth, num_single_layers=cfg.depth_single,
-            attention_head_dim=cfg.head_dim, num_attention_heads=cfg.num_heads, joint_attention_dim=cfg.context_dim,
-            timestep_guidance_channels=256, mlp_ratio=cfg.mlp_hidden / cfg.hidden_size, axes_dims_rope=cfg.axes_dim,
-            rope_theta=int(cfg.theta), eps=1e-6, guidance_embeds=False,
-        )
+    dm = diffusers_flux2_transformer(diffusers, cfg)
     dm.to(dtype)
     dm.to_empty(device=device)
     random_fill_(dm, torch.Generator(device=device).manual_seed(SEED))
