@@ -250,16 +250,25 @@ def test_lora_hook_on_fp8_linear_adds_its_delta():
     assert (with_lora - base).abs().max() > 1e-2
 
 
-def test_fp8_base_trains_the_lora_only_and_lowers_the_loss():
+def _fp8_run(steps: int, matmul: str | None = None):
+    """A tiny transformer with its 12 block linears in fp8 (``matmul`` forced on them if given), and a
+    trainer over 4 samples: ``(model, samples, lora, trainer, eval loss before training)``."""
     model = tiny_transformer()
     done = quantize_model_(model)
     assert len(done) == 12 and all(isinstance(model.get_submodule(n), FP8Linear) for n in done)
-    frozen = {k: v.clone() for k, v in model.state_dict().items()}
+    if matmul is not None:
+        for n in done:
+            model.get_submodule(n).matmul = matmul
     samples = _samples(4, seed=8)
-    cfg = TrainConfig(steps=40, learning_rate=5e-2, batch_size=2, seed=1, weight_decay=0.0,
+    cfg = TrainConfig(steps=steps, learning_rate=5e-2, batch_size=2, seed=1, weight_decay=0.0,
                       gradient_checkpointing=True)
     _, lora, tr = _trainer(samples, cfg, model=model)
-    before = eval_loss(model, samples)
+    return model, samples, lora, tr, eval_loss(model, samples)
+
+
+def test_fp8_base_trains_the_lora_only_and_lowers_the_loss():
+    model, samples, lora, tr, before = _fp8_run(40)
+    frozen = {k: v.clone() for k, v in model.state_dict().items()}
     tr.train_step()
     tr.train_step()  # the second step: B moved off 0, so A's gradients are non-zero too
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in tr.params)
@@ -298,16 +307,7 @@ def test_fp8_matmul_has_a_backward_through_the_upcast_weight(dtype):
 
 def test_fp8_base_with_the_fp8_matmul_trains():
     """The path an H100 takes for widening fp8 layers (forced here): training runs and lowers the loss."""
-    model = tiny_transformer()
-    quantize_model_(model)
-    fp8 = [m for m in model.modules() if isinstance(m, FP8Linear)]
-    for m in fp8:
-        m.matmul = "scaled_mm"
-    samples = _samples(4, seed=8)
-    cfg = TrainConfig(steps=20, learning_rate=5e-2, batch_size=2, seed=1, weight_decay=0.0,
-                      gradient_checkpointing=True)
-    _, _, tr = _trainer(samples, cfg, model=model)
-    before = eval_loss(model, samples)
+    model, samples, _, tr, before = _fp8_run(20, matmul="scaled_mm")
     tr.train()
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in tr.params)
     assert eval_loss(model, samples) < 0.97 * before
