@@ -270,21 +270,50 @@ class _Progress:
             write_line(sys.stderr, "\n")
 
 
+def check_out(out: Path) -> Path:
+    """``--out`` checked before anything loads (a generation must not be lost at the end): a file name
+    whose extension PIL can write (none: ``.png`` is added), not a folder, in a folder that exists or
+    can be made. Returns the path images are written to."""
+    if out.name in ("", ".", "..") or out.is_dir():
+        raise CLIError(f"--out {out}: is a folder; give a file name such as {out / 'klein.png'}")
+    if not out.suffix:
+        out = out.with_name(out.name + ".png")  # as batches have always done: PNG, which keeps the parameters
+    formats = Image.registered_extensions()
+    fmt = formats.get(out.suffix.lower())
+    if fmt is None or fmt not in Image.SAVE:
+        raise CLIError(f"--out {out}: PIL cannot write {out.suffix!r} files; use .png (keeps the parameters), "
+                       ".jpg or .webp")
+    parent = out.parent
+    while not parent.exists() and parent != parent.parent:  # the nearest folder that exists must be one
+        parent = parent.parent
+    if parent.exists() and not parent.is_dir():
+        raise CLIError(f"--out {out}: {parent} is a file, not a folder")
+    return out
+
+
 def _save_images(result: GenerationResult, out: Path, params: dict) -> list[Path]:
-    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise CLIError(f"--out {out}: cannot make the folder {out.parent} ({exc.strerror or exc})") from None
     paths = []
     for i, img in enumerate(result.images or []):
         p = out if len(result.images or []) == 1 else out.with_name(f"{out.stem}_{i:02d}{out.suffix or '.png'}")
         meta = PngInfo()
         meta.add_text("parameters", json.dumps({**params, "batch_index": i}))
         meta.add_text("Software", f"klein_core {__version__}")
-        img.save(p, pnginfo=meta)
+        try:
+            img.save(p, pnginfo=meta)
+        except OSError as exc:  # a folder or a read-only place met at the end: one line, naming the file
+            raise CLIError(f"--out {p}: cannot write it ({exc.strerror or exc})"
+                           + (f"; images written before it: {', '.join(map(str, paths))}" if paths else "")) from None
         paths.append(p)
     return paths
 
 
 def _check_request(args: argparse.Namespace, refs: list[Image.Image]) -> None:
     """Every number checked before anything loads (a wrong size must not wait for 16 GB of weights)."""
+    args.out = check_out(args.out)
     if args.demo and not refs and args.image is None:  # the tiny models are quick at 256 px; a side given is kept
         args.width = 256 if args.width is None else args.width
         args.height = 256 if args.height is None else args.height

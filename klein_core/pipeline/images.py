@@ -33,7 +33,7 @@ def oriented_size(image: Image.Image) -> tuple[int, int]:
     """(width, height) of ``image`` once its EXIF orientation is applied (5-8 are quarter turns)."""
     try:
         orientation = image.getexif().get(0x0112, 1)
-    except (OSError, ValueError, SyntaxError):  # unreadable EXIF: the pixels are taken as stored
+    except (OSError, ValueError, SyntaxError, TypeError):  # unreadable EXIF: the pixels are taken as stored
         orientation = 1
     return (image.height, image.width) if orientation in (5, 6, 7, 8) else (image.width, image.height)
 
@@ -56,6 +56,10 @@ def prepare_reference_image(image: Image.Image, multiple: int = 16) -> torch.Ten
         raise ValueError(f"reference image is {w}x{h}; both sides must be at least {MIN_REFERENCE_SIDE} px")
     if max(w / h, h / w) > MAX_ASPECT_RATIO:
         raise ValueError(f"reference image is {w}x{h}; the aspect ratio must be at most {MAX_ASPECT_RATIO}:1")
+    # The white level of a 16/32-bit or float picture is judged on its pixels as given: LANCZOS
+    # overshoots at edges, so a 0..1 picture read after resizing could look like a 0..255 one (and
+    # come out almost black) or like one with negative values (and be refused).
+    peak = levels_peak(image)
     if w * h > MAX_REFERENCE_AREA:
         new_w, new_h = reference_size(w, h, 1)
         image = image.resize((new_w, new_h), Image.Resampling.LANCZOS)
@@ -63,31 +67,68 @@ def prepare_reference_image(image: Image.Image, multiple: int = 16) -> torch.Ten
     tw, th = w // multiple * multiple, h // multiple * multiple
     left, top = (w - tw) // 2, (h - th) // 2
     image = image.crop((left, top, left + tw, top + th))
-    arr = _to_rgb_array(image)
+    arr = _to_rgb_array(image, peak)
     t = torch.from_numpy(arr).permute(2, 0, 1)[None]
     return t * 2.0 - 1.0
 
 
-def _to_rgb_array(image: Image.Image) -> np.ndarray:
-    """8-bit RGB as float32 [H, W, 3] in [0, 1]; 16-bit and float modes are rescaled, not clipped."""
-    if image.mode in ("I;16", "I;16B", "I;16L", "I"):
-        a = np.asarray(image, dtype=np.float32)
-        peak = 65535.0 if image.mode.startswith("I;16") or a.max() > 255 else 255.0
-        a = np.clip(a / peak, 0.0, 1.0)
-        return np.repeat(a[..., None], 3, axis=-1).astype(np.float32)
-    if image.mode == "F":  # float images come in 0..1, 0..255 or 0..65535: scale by the range in use
+_HIGH_BIT_MODES = ("I;16", "I;16B", "I;16L", "I;16N", "I", "F")
+
+
+def levels_mode(image: Image.Image) -> bool:
+    """Whether ``image`` is a 16-bit, 32-bit or float picture, whose white level :func:`levels_peak` finds."""
+    return image.mode in _HIGH_BIT_MODES
+
+
+def levels_peak(image: Image.Image) -> float | None:
+    """The value full white has in a 16-bit, 32-bit or float picture (None for 8-bit modes): I;16
+    65535; I 255, or 65535 when a value is above 255; F 1, 255 or 65535, the smallest that holds every
+    value (NaN, infinite or negative values are refused). Judge it before resizing (see
+    :func:`prepare_reference_image`)."""
+    if not levels_mode(image):
+        return None
+    if image.mode.startswith("I;16"):
+        return 65535.0
+    a = np.asarray(image, dtype=np.float32)
+    if image.mode == "I":
+        return 65535.0 if a.size and a.max() > 255 else 255.0
+    # float images come in 0..1, 0..255 or 0..65535: scale by the range in use
+    if not np.isfinite(a).all():
+        raise ValueError("the reference image (a float 'F' image) has NaN or infinite pixel values")
+    lo, hi = (float(a.min()), float(a.max())) if a.size else (0.0, 0.0)
+    peak = next((p for p in (1.0, 255.0, 65535.0) if hi <= p), None)
+    if lo < 0 or peak is None:
+        raise ValueError(f"the reference image (a float 'F' image) has values from {lo:g} to {hi:g}; "
+                         "expected 0..1, 0..255 or 0..65535")
+    return peak
+
+
+def _to_rgb_array(image: Image.Image, peak: float | None = None) -> np.ndarray:
+    """8-bit RGB as float32 [H, W, 3] in [0, 1]; 16-bit, 32-bit and float modes are divided by
+    ``peak`` (default: :func:`levels_peak` of ``image``; give the one of the picture before it was
+    resized) and clipped, not read as 8-bit."""
+    if image.mode in _HIGH_BIT_MODES:
+        if peak is None:
+            peak = levels_peak(image)
         a = np.asarray(image, dtype=np.float32)
         if not np.isfinite(a).all():
-            raise ValueError("the reference image (a float 'F' image) has NaN or infinite pixel values")
-        lo, hi = float(a.min()), float(a.max())
-        peak = next((p for p in (1.0, 255.0, 65535.0) if hi <= p), None)
-        if lo < 0 or peak is None:
-            raise ValueError(f"the reference image (a float 'F' image) has values from {lo:g} to {hi:g}; "
-                             "expected 0..1, 0..255 or 0..65535")
-        return np.repeat((a / peak)[..., None], 3, axis=-1)
+            raise ValueError(f"the image (mode {image.mode}) has NaN or infinite pixel values")
+        a = np.clip(a / peak, 0.0, 1.0)  # resampling overshoot at edges is clipped, as 8-bit resizing clips
+        return np.repeat(a[..., None], 3, axis=-1).astype(np.float32)
     if image.mode != "RGB":
         image = image.convert("RGB")
     return np.asarray(image, dtype=np.float32) / 255.0
+
+
+def high_bit_to_rgb8(image: Image.Image) -> Image.Image:
+    """A 16-bit, 32-bit or float picture as 8-bit RGB, scaled by its white level (:func:`levels_peak`);
+    other pictures are returned as they are. PIL's own ``convert("RGB")`` clips such pictures at 255
+    (a 16-bit photo comes out white), so pictures that are composited or padded go through this."""
+    peak = levels_peak(image)
+    if peak is None:
+        return image
+    grey = np.round(np.clip(np.asarray(image, dtype=np.float32) / peak, 0.0, 1.0) * 255).astype(np.uint8)
+    return Image.fromarray(np.repeat(grey[..., None], 3, axis=-1), "RGB")
 
 
 def _rounded(pixels: torch.Tensor) -> torch.Tensor:

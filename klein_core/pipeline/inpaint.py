@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image, ImageOps
 
-from .images import MAX_REFERENCE_AREA, MIN_REFERENCE_SIDE, _to_rgb_array, reference_size
+from .images import MAX_REFERENCE_AREA, MIN_REFERENCE_SIDE, _to_rgb_array, high_bit_to_rgb8, reference_size
 
 logger = logging.getLogger(__name__)
 
@@ -272,7 +272,10 @@ def prepare_inpaint(image: Image.Image, mask: MaskInput | None = None, *, crop_p
             raise ValueError("crop_padding needs a mask: it crops the region around the mask")
         if isinstance(crop_padding, bool) or not isinstance(crop_padding, int) or crop_padding < 0:
             raise ValueError(f"crop_padding must be a whole number of pixels >= 0, got {crop_padding!r}")
-    image = ImageOps.exif_transpose(image)
+    # 16-bit, 32-bit and float pictures become 8-bit RGB first, by their white level: resizing,
+    # cropping and the final composite (PIL's convert("RGB") clips them at 255: white) then all see
+    # the picture's real levels.
+    image = high_bit_to_rgb8(ImageOps.exif_transpose(image))
     w, h = image.size
     if w < MIN_REFERENCE_SIDE or h < MIN_REFERENCE_SIDE:
         raise ValueError(f"the image is {w}x{h}; both sides must be at least {MIN_REFERENCE_SIDE} px")
@@ -300,6 +303,13 @@ def prepare_inpaint(image: Image.Image, mask: MaskInput | None = None, *, crop_p
         source = mask if plain else m_img
         m = np.asarray(_resized(source, width, height, box).convert("L"), dtype=np.float32) / 255.0
         mask_px = torch.from_numpy((m >= 0.5).astype(np.float32))[None, None]
+        if not mask_px.any():
+            # The sampler repaints only where the mask is at least 0.5: a mask all below that (faint grey,
+            # or a few pixels lost when fitted to the processing size) would leave the picture as it was,
+            # silently. ComfyUI's path (comfy_mask_to_latents) refuses it the same way.
+            raise ValueError(f"the mask is empty once binarised at 0.5 for the {width}x{height} processing size "
+                             f"(its brightest value is {int(np.asarray(m_img).max())}/255): nothing would be "
+                             "repainted. Paint the area to repaint white (at least 128/255), or make it larger")
     return InpaintInputs(pixels, mask_px, box, original, m_img)
 
 
@@ -367,7 +377,7 @@ def composite(original: Image.Image, generated: Image.Image, mask: Image.Image, 
     """``generated`` where the mask is white, ``original`` where it is black, blended in between:
     every pixel under a black mask is the original's, bit for bit. ``generated`` (and the mask) are
     resized to the original's size first if they differ."""
-    original = original.convert("RGB")
+    original = high_bit_to_rgb8(original).convert("RGB")  # a 16-bit original: its levels, not white
     if generated.size != original.size:
         generated = generated.resize(original.size, Image.Resampling.LANCZOS)
     if mask.size != original.size:
@@ -390,7 +400,7 @@ def stitch(original: Image.Image, generated: Image.Image, box: tuple[int, int, i
         canvas = generated
     else:
         x1, y1, x2, y2 = _check_box(box, original.size)
-        canvas = original.convert("RGB").copy()
+        canvas = high_bit_to_rgb8(original).convert("RGB")  # a copy; a 16-bit original keeps its levels
         canvas.paste(generated.convert("RGB").resize((x2 - x1, y2 - y1), Image.Resampling.LANCZOS), (x1, y1))
     if keep_unmasked and mask is not None:
         return composite(original, canvas, mask, feather)
@@ -425,7 +435,7 @@ def outpaint(image: Image.Image, left: int = 0, top: int = 0, right: int = 0, bo
             raise ValueError(f"{name} must be a whole number of pixels >= 0, got {v!r}")
     if not left + top + right + bottom:
         raise ValueError("outpaint needs at least one side to grow (left, top, right or bottom > 0)")
-    image = ImageOps.exif_transpose(image).convert("RGB")
+    image = high_bit_to_rgb8(ImageOps.exif_transpose(image)).convert("RGB")  # 16-bit: not clipped to white
     w, h = image.size
     cw, ch = w + left + right, h + top + bottom
     if cw * ch > MAX_CANVAS_PIXELS:
@@ -469,13 +479,30 @@ def crop_for_inpaint(image: Image.Image, mask: MaskInput, *, padding: int = 32, 
         raise ValueError(f"the mask is {m.width}x{m.height} but the image is {image.width}x{image.height}")
     box = crop_region(m, image.width, image.height, padding)
     tw, th = crop_size(box, megapixels, multiple)
-    crop = image.crop(box).convert("RGB").resize((tw, th), Image.Resampling.LANCZOS)
+    crop = high_bit_to_rgb8(image).crop(box).convert("RGB").resize((tw, th), Image.Resampling.LANCZOS)
     crop_mask = m.crop(box).resize((tw, th), Image.Resampling.LANCZOS)
     return crop, crop_mask, box
 
 
 __all__ = [
-    "DEFAULT_STRENGTH_IMAGE_TO_IMAGE", "DEFAULT_STRENGTH_INPAINT", "InitImage", "InpaintInputs", "check_strength", "composite",
-    "composite_pixels", "crop_for_inpaint", "crop_region", "crop_size", "feather_mask", "resize_mask_to_latents", "mask_array", "comfy_mask_to_latents", "mask_image", "outpaint",
-    "prepare_inpaint", "processing_size", "stitch", "steps_to_run",
+    "DEFAULT_STRENGTH_IMAGE_TO_IMAGE",
+    "DEFAULT_STRENGTH_INPAINT",
+    "InitImage",
+    "InpaintInputs",
+    "check_strength",
+    "comfy_mask_to_latents",
+    "composite",
+    "composite_pixels",
+    "crop_for_inpaint",
+    "crop_region",
+    "crop_size",
+    "feather_mask",
+    "mask_array",
+    "mask_image",
+    "outpaint",
+    "prepare_inpaint",
+    "processing_size",
+    "resize_mask_to_latents",
+    "steps_to_run",
+    "stitch",
 ]
