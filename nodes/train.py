@@ -107,16 +107,46 @@ TRAINING_FOLDER = "klein_lora_training"  # in ComfyUI's output folder: checkpoin
 KEEP_CHECKPOINTS = 2
 
 
+def _file_stat(path: str) -> tuple:
+    try:
+        st = os.stat(path)
+        return (path, st.st_size, st.st_mtime_ns)
+    except OSError:  # missing: the job names it (skipped) when it runs
+        return (path, None)
+
+
+def _jsonl_files(path: str) -> list[str]:
+    """The image and reference paths a JSONL dataset's rows name (rows that are not such JSON are
+    left to the job, which names their line)."""
+    files = []
+    with open(path, encoding="utf-8-sig", errors="replace") as f:
+        for line in f:
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue
+            if not isinstance(row, dict):
+                continue
+            refs = row.get("references")
+            for name in [row.get("image"), *(refs if isinstance(refs, list) else [])]:
+                if isinstance(name, str):
+                    files.append(os.path.join(os.path.dirname(path), name))
+    return files
+
+
 def dataset_fingerprint(dataset: str) -> object:
-    """What changes when the dataset does: a folder's files (names, sizes, times), a file's size and
-    time; the text itself when it names nothing readable."""
+    """What changes when the dataset does: a folder's files (names, sizes, times); a JSONL file's size
+    and time and those of every image and reference its rows name (an edited image changes what is
+    learnt, though the JSONL stays the same); the text itself when it names nothing readable."""
     path = os.path.expanduser(dataset)
     try:
         if os.path.isdir(path):
             with os.scandir(path) as it:
                 return tuple(sorted((e.name, e.stat().st_size, e.stat().st_mtime_ns) for e in it if e.is_file()))
-        st = os.stat(path)
-        return (path, st.st_size, st.st_mtime_ns)
+        own = _file_stat(path)
+        if own[1] is None:
+            return dataset
+        return (own, *(_file_stat(f) for f in _jsonl_files(path))) if path.lower().endswith(".jsonl") else own
     except OSError:
         return dataset
 

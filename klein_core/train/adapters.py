@@ -49,7 +49,15 @@ class TargetGroup:
     def __post_init__(self) -> None:
         if self.rank < 1:
             raise ValueError(f"group {self.name!r}: rank must be positive, got {self.rank}")
-        re.compile(self.pattern)
+        if self.alpha is not None and not (math.isfinite(self.alpha) and self.alpha > 0):
+            # alpha 0 makes the LoRA's output (and its gradients) zero: nothing would be learnt
+            raise ValueError(f"group {self.name!r}: alpha must be a positive number (None: alpha = rank), "
+                             f"got {self.alpha}")
+        try:
+            re.compile(self.pattern)
+        except re.error as exc:  # a ValueError, so that callers report it as bad input
+            raise ValueError(f"group {self.name!r}: target pattern {self.pattern!r} is not a valid regular "
+                             f"expression ({exc})") from None
 
     @property
     def scale(self) -> float:
@@ -81,9 +89,12 @@ TEXT_ENCODER_TARGETS = r"layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down
 def preset(name: str, rank: int | None = None, alpha: float | None = None,
            patterns: Sequence[str] = ()) -> AdapterConfig:
     """The config of a preset. ``rank``/``alpha`` override every group's; ``patterns``: custom
-    regexes over core module names (``"custom"``) used instead of a preset."""
+    regexes over core module names (``"custom"``) used instead of a preset. ``rank`` 0 or below is
+    refused (it is not "the preset's rank": that is None)."""
+    if rank is not None and rank < 1:
+        raise ValueError(f"LoRA rank must be 1 or more (leave it unset for the preset's rank), got {rank}")
     if patterns:
-        r = rank or 32
+        r = rank if rank is not None else 32
         return AdapterConfig(tuple(TargetGroup(f"custom{i}", p, r, alpha) for i, p in enumerate(patterns)))
     if name == "style":
         groups = [TargetGroup("double", f"{_DOUBLE_ATTN}|{_DOUBLE_MLP}", 32)]
@@ -95,7 +106,7 @@ def preset(name: str, rank: int | None = None, alpha: float | None = None,
     else:
         raise ValueError(f"unknown preset {name!r}; choose one of {PRESETS} or give target patterns")
     if rank is not None or alpha is not None:
-        groups = [TargetGroup(g.name, g.pattern, rank or g.rank, alpha) for g in groups]
+        groups = [TargetGroup(g.name, g.pattern, rank if rank is not None else g.rank, alpha) for g in groups]
     return AdapterConfig(tuple(groups))
 
 
@@ -160,10 +171,12 @@ class LoRASet(nn.Module):
         g = torch.Generator().manual_seed(seed)
         compiled = [(grp, re.compile(grp.pattern)) for grp in config.groups]
         device = torch.device(device) if device is not None else _model_device(model)
+        matched: set[str] = set()  # groups whose pattern matches some linear (taken by it or an earlier one)
         for name, module in model.named_modules():
             # a quantised base (fp8, GGUF, NVFP4): the hook adds to the frozen layer's output, as QLoRA
             if not isinstance(module, ADAPTABLE):
                 continue
+            matched.update(grp.name for grp, rx in compiled if rx.fullmatch(name))
             grp = next((grp for grp, rx in compiled if rx.fullmatch(name)), None)
             if grp is None:
                 continue
@@ -171,10 +184,20 @@ class LoRASet(nn.Module):
             self.layers[_key(name)] = LoRALayer(module.in_features, module.out_features, grp.rank, grp.scale, parts,
                                                 dtype=config.dtype, device=device, generator=g)
             self.groups[name] = grp.name
+        what = getattr(getattr(model, "config", None), "variant", "")
         if not self.groups:
-            what = getattr(getattr(model, "config", None), "variant", "")
             raise ValueError(f"no linear of this {what} {type(model).__name__} matches the targets "
                              f"{[grp.pattern for grp in config.groups]}")
+        unused = [grp for grp in config.groups if grp.name not in matched]
+        # A custom pattern that matches nothing is a typo: refused, or those layers would silently not
+        # train. A preset's group may match nothing on a smaller model (single blocks 13+).
+        custom = [grp.pattern for grp in unused if grp.name.startswith("custom")]
+        if custom:
+            raise ValueError(f"target pattern(s) {custom} match no linear of this {what} {type(model).__name__} "
+                             "(a pattern must fully match core module names such as "
+                             "'double_blocks.0.img_attn.qkv' or 'single_blocks.3.linear1')")
+        for grp in unused:
+            logger.info("LoRA group %r (%s) matches no linear of this model", grp.name, grp.pattern)
         logger.info("LoRA on %d linears (%d trainable parameters)", len(self.groups),
                     sum(p.numel() for p in self.parameters()))
 

@@ -7,9 +7,11 @@ LoRA on the frozen base transformer, writes checkpoints and the final ``.safeten
 from __future__ import annotations
 
 import argparse
+import difflib
 import logging
 import sys
 import time
+from typing import Any
 
 from .adapters import PRESETS
 from .data import DatasetError
@@ -69,16 +71,70 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--sample-size", type=int, nargs=2, default=None, metavar=("W", "H"))
 
 
+class OptionError(ValueError):
+    """A flag or TOML option cannot be used as given; the message names it and the fix."""
+
+
+_LISTS = ("targets", "sample_prompts")  # repeatable flags: a TOML string is one item, not its characters
+
+
+def _toml_reader(config: str) -> Any:
+    """The TOML reader: the standard library's ``tomllib`` (Python 3.11+), else the ``tomli``
+    package it came from (a dependency on Python 3.10)."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        try:
+            import tomli as tomllib
+        except ModuleNotFoundError:
+            raise OptionError(f"{config}: reading a TOML config on Python 3.10 needs the tomli package "
+                              "(pip install tomli), or pass the options as flags") from None
+    return tomllib
+
+
 def _options(args: argparse.Namespace) -> dict:
     opts: dict = {}
     if args.config:
-        import tomllib
-        with open(args.config, "rb") as f:
-            opts.update({k.replace("-", "_"): v for k, v in tomllib.load(f).items()})
+        tomllib = _toml_reader(args.config)
+        try:
+            with open(args.config, "rb") as f:
+                table = tomllib.load(f)
+        except OSError as exc:
+            raise OptionError(f"{args.config}: cannot read the config file ({exc.strerror or exc})") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise OptionError(f"{args.config}: not valid TOML ({exc})") from None
+        known = set(vars(args)) - {"config"}
+        toml = {k.replace("-", "_"): v for k, v in table.items()}
+        # A misspelt option (learning_rate for lr) would otherwise be silently ignored.
+        unknown = [k for k in toml if k not in known]
+        if unknown:
+            hints = [f"{k} (did you mean {m[0]}?)" if (m := difflib.get_close_matches(k, known, 1)) else k
+                     for k in unknown]
+            raise OptionError(f"{args.config}: unknown option(s) {', '.join(hints)}; the options are the flags' "
+                              f"names: {', '.join(sorted(known))}")
+        for k in _LISTS:
+            if isinstance(toml.get(k), str):
+                toml[k] = [toml[k]]
+        opts.update(toml)
     for k, v in vars(args).items():
         if k != "config" and v is not None and v is not False:
             opts[k] = v
     return opts
+
+
+def _number(o: dict, key: str, kind: type, default: object) -> object:
+    """Option ``key`` as ``kind`` (int or float), or ``default``; a wrong value names the option."""
+    value = o.get(key, default)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)) or \
+            (kind is int and isinstance(value, float) and not value.is_integer()):
+        raise OptionError(f"option {key}: expected {'an integer' if kind is int else 'a number'}, got {value!r}")
+    try:
+        return kind(value)
+    except ValueError:
+        raise OptionError(f"option {key}: expected {'an integer' if kind is int else 'a number'}, got {value!r}") \
+            from None
 
 
 def _progress(report: StepReport) -> None:
@@ -91,37 +147,66 @@ def _progress(report: StepReport) -> None:
 
 
 def run_train(args: argparse.Namespace) -> int:
-    """Run ``train``; returns the exit code (0 done, 2 bad input)."""
-    o = _options(args)
-    missing = [k for k in ("dataset", "transformer", "vae", "text_encoder", "output") if not o.get(k)]
-    if missing:
-        sys.stderr.write(f"error: train needs {', '.join('--' + m.replace('_', '-') for m in missing)}\n")
+    """Run ``train``; returns the exit code (0 done, 1 the loss or gradients diverged, 2 bad input)."""
+    try:
+        job = _job(_options(args))
+    except OptionError as exc:
+        sys.stderr.write(f"error: {exc}\n")
         return 2
-    cfg = TrainConfig(
-        steps=int(o.get("steps", 1000)), learning_rate=float(o.get("lr", 1e-4)),
-        batch_size=int(o.get("batch_size", 1)), seed=int(o.get("seed", 0)),
-        checkpoint_every=int(o.get("checkpoint_every", 0)), keep_checkpoints=int(o.get("keep_checkpoints", 0)),
-        gradient_checkpointing=not o.get("no_gradient_checkpointing", False),
-        optimizer=o.get("optimizer", "adamw"), reference_dropout=float(o.get("reference_dropout", 0.0)),
-        text_encoder_lr=float(o["text_encoder_lr"]) if o.get("text_encoder_lr") is not None else None,
-        sample_prompts=tuple(o.get("sample_prompts") or ()), sample_every=int(o.get("sample_every", 0)),
-        sample_steps=int(o.get("sample_steps", 20)), sample_seed=int(o.get("sample_seed", 0)),
-        sample_size=tuple(o.get("sample_size", (512, 512))),
-        objective=ObjectiveConfig(weighting_scheme=o.get("weighting_scheme", "none"), shift=float(o.get("shift", 1.0))),
-    )
-    job = TrainJob(
-        dataset=o["dataset"], transformer=o["transformer"], vae=o["vae"], text_encoder=o["text_encoder"],
-        output=o["output"], preset=o.get("preset", "style"), rank=o.get("rank"), alpha=o.get("alpha"),
-        targets=tuple(o.get("targets") or ()), resolution=int(o.get("resolution", 1024)), config=cfg,
-        fmt=o.get("format", "diffusers"), cache_dir=o.get("cache_dir"), resume=o.get("resume"),
-        device=o.get("device"), quantize=o.get("quantize"), memory=o.get("memory", "resident"),
-        text_encoder_rank=o.get("text_encoder_rank"), text_encoder_alpha=o.get("text_encoder_alpha"))
+    if job is None:
+        return 2
     try:
         result = run_job(job, on_step=_progress)
     except (DatasetError, ValueError, FileNotFoundError) as exc:  # bad input: the message says what to fix
         sys.stderr.write(f"error: {exc}\n")
         return 2
+    except FloatingPointError as exc:  # the run diverged: said in one line, no traceback
+        sys.stderr.write(f"\nerror: {exc}\n")
+        return 1
     for name, reason in result.skipped.items():
         sys.stderr.write(f"skipped {name}: {reason}\n")
     sys.stderr.write(f"wrote {result.path}\n")
     return 0
+
+
+def _job(o: dict) -> TrainJob | None:
+    """The job of the options ``o``; None (the missing flags said on stderr) when a required one is
+    missing. Raises :class:`OptionError` naming a wrong value."""
+    missing = [k for k in ("dataset", "transformer", "vae", "text_encoder", "output") if not o.get(k)]
+    if missing:
+        sys.stderr.write(f"error: train needs {', '.join('--' + m.replace('_', '-') for m in missing)}\n")
+        return None
+    size = o.get("sample_size", (512, 512))
+    if not isinstance(size, (list, tuple)) or len(size) != 2:
+        raise OptionError(f"option sample_size: expected [width, height], got {size!r}")
+    n = {k: _number(o, k, int, d) for k, d in (
+        ("steps", 1000), ("batch_size", 1), ("seed", 0), ("checkpoint_every", 0), ("keep_checkpoints", 0),
+        ("sample_every", 0), ("sample_steps", 20), ("sample_seed", 0), ("resolution", 1024), ("rank", None),
+        ("text_encoder_rank", None))}
+    f = {k: _number(o, k, float, d) for k, d in (
+        ("lr", 1e-4), ("reference_dropout", 0.0), ("text_encoder_lr", None), ("shift", 1.0), ("alpha", None),
+        ("text_encoder_alpha", None))}
+    if n["checkpoint_every"] < 0:  # type: ignore[operator]
+        raise OptionError(f"option checkpoint_every: expected 0 (no checkpoints) or more, got {n['checkpoint_every']}")
+    try:
+        cfg = TrainConfig(
+            steps=n["steps"], learning_rate=f["lr"], batch_size=n["batch_size"], seed=n["seed"],  # type: ignore[arg-type]
+            checkpoint_every=n["checkpoint_every"], keep_checkpoints=n["keep_checkpoints"],  # type: ignore[arg-type]
+            gradient_checkpointing=not o.get("no_gradient_checkpointing", False),
+            optimizer=o.get("optimizer", "adamw"), reference_dropout=f["reference_dropout"],  # type: ignore[arg-type]
+            text_encoder_lr=f["text_encoder_lr"],  # type: ignore[arg-type]
+            sample_prompts=tuple(o.get("sample_prompts") or ()), sample_every=n["sample_every"],  # type: ignore[arg-type]
+            sample_steps=n["sample_steps"], sample_seed=n["sample_seed"],  # type: ignore[arg-type]
+            sample_size=(_number({"sample_size": size[0]}, "sample_size", int, 512),
+                         _number({"sample_size": size[1]}, "sample_size", int, 512)),  # type: ignore[arg-type]
+            objective=ObjectiveConfig(weighting_scheme=o.get("weighting_scheme", "none"), shift=f["shift"]),  # type: ignore[arg-type]
+        )
+    except ValueError as exc:
+        raise OptionError(str(exc)) from None
+    return TrainJob(
+        dataset=o["dataset"], transformer=o["transformer"], vae=o["vae"], text_encoder=o["text_encoder"],
+        output=o["output"], preset=o.get("preset", "style"), rank=n["rank"], alpha=f["alpha"],  # type: ignore[arg-type]
+        targets=tuple(o.get("targets") or ()), resolution=n["resolution"], config=cfg,  # type: ignore[arg-type]
+        fmt=o.get("format", "diffusers"), cache_dir=o.get("cache_dir"), resume=o.get("resume"),
+        device=o.get("device"), quantize=o.get("quantize"), memory=o.get("memory", "resident"),
+        text_encoder_rank=n["text_encoder_rank"], text_encoder_alpha=f["text_encoder_alpha"])  # type: ignore[arg-type]

@@ -20,10 +20,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from PIL import Image
+from PIL import Image, ImageOps
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from ..pipeline.images import high_bit_to_rgb8, levels_mode, oriented_size
 from ..pipeline.request import guess_model_kind
 from .trainer import TrainSample
 
@@ -32,6 +33,7 @@ logger = logging.getLogger(__name__)
 IMAGE_EXTS: tuple[str, ...] = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 PIXELS_PER_TOKEN = 16  # VAE /8, then 2x2 patches
 MAX_SEQUENCE_TOKENS = 52_000  # Klein's sequence limit (text + image + reference tokens)
+JSONL_FIELDS = frozenset({"image", "caption", "instruction", "references"})
 
 
 class DatasetError(ValueError):
@@ -66,8 +68,16 @@ def _readable(path: Path) -> str | None:
         return f"unreadable image ({type(exc).__name__}: {exc})"
 
 
+def _read_caption(path: Path) -> str:
+    """The caption text: UTF-8, a byte-order mark (Windows editors write one) dropped."""
+    return path.read_text(encoding="utf-8-sig").strip()
+
+
 def _scan_folder(folder: Path) -> list[DataItem]:
-    images = sorted(p for p in folder.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_EXTS)
+    # Hidden files are never training data: macOS writes "._name.png" resource forks beside copied
+    # images, which are not images and have no caption.
+    entries = sorted(p for p in folder.iterdir() if not p.name.startswith("."))
+    images = [p for p in entries if p.is_file() and p.suffix.lower() in IMAGE_EXTS]
     if not images:
         raise DatasetError(f"{folder}: the folder holds no images ({', '.join(IMAGE_EXTS)}); "
                            "put the training images and a .txt caption beside each there.")
@@ -75,12 +85,41 @@ def _scan_folder(folder: Path) -> list[DataItem]:
     if missing:
         raise DatasetError(f"{folder}: {len(missing)} image(s) have no caption file: "
                            f"{', '.join(missing)}; add a .txt with the same name beside each.")
-    return [DataItem(p, p.with_suffix(".txt").read_text(encoding="utf-8").strip()) for p in images]
+    # What is not trained on is said, not silently dropped: captions whose image is missing or in an
+    # unsupported format, and subfolders (only the folder's own files are read).
+    stems = {p.stem for p in images}
+    orphans = [p.name for p in entries if p.is_file() and p.suffix.lower() == ".txt" and p.stem not in stems]
+    if orphans:
+        logger.warning("%s: %d caption(s) have no image beside them (%s) and are not used: %s", folder,
+                       len(orphans), ", ".join(IMAGE_EXTS), ", ".join(orphans))
+    subfolders = [p.name for p in entries if p.is_dir()]
+    if subfolders:
+        logger.warning("%s: subfolders are not read (only the folder's own images): %s", folder,
+                       ", ".join(subfolders))
+    captions, bad = [], []
+    for p in images:
+        try:
+            captions.append(_read_caption(p.with_suffix(".txt")))
+        except UnicodeDecodeError as exc:
+            bad.append(f"{p.with_suffix('.txt').name} ({exc.reason} at byte {exc.start})")
+    if bad:
+        raise DatasetError(f"{folder}: {len(bad)} caption file(s) are not UTF-8 text: {', '.join(bad)}; "
+                           "save them as UTF-8.")
+    empty = [p.with_suffix(".txt").name for p, c in zip(images, captions) if not c]
+    if empty:
+        logger.warning("%s: %d caption file(s) are empty; those images train with an empty caption: %s",
+                       folder, len(empty), ", ".join(empty))
+    return [DataItem(p, c) for p, c in zip(images, captions)]
 
 
 def _scan_jsonl(file: Path) -> list[DataItem]:
     items = []
-    for n, line in enumerate(file.read_text(encoding="utf-8").splitlines(), 1):
+    try:
+        text = file.read_text(encoding="utf-8-sig")  # a byte-order mark (Windows editors) is dropped
+    except UnicodeDecodeError as exc:
+        raise DatasetError(f"{file}: not UTF-8 text ({exc.reason} at byte {exc.start}); save it as UTF-8") from None
+    unknown: dict[str, int] = {}
+    for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
@@ -95,7 +134,13 @@ def _scan_jsonl(file: Path) -> list[DataItem]:
         refs = row.get("references", [])
         if not isinstance(refs, list) or not all(isinstance(r, str) for r in refs):
             raise DatasetError(f"{file}:{n}: \"references\" must be a list of image paths")
+        for key in row.keys() - JSONL_FIELDS:
+            unknown.setdefault(key, n)
         items.append(DataItem(file.parent / row["image"], caption.strip(), tuple(file.parent / r for r in refs)))
+    if unknown:  # a misspelt field (e.g. "reference") would otherwise silently train without it
+        logger.warning("%s: unknown field(s) not used: %s; a row's fields are %s", file,
+                       ", ".join(f"{k!r} (first on line {n})" for k, n in sorted(unknown.items(), key=lambda kv: kv[1])),
+                       ", ".join(sorted(JSONL_FIELDS)))
     if not items:
         raise DatasetError(f"{file}: the JSONL file holds no rows")
     return items
@@ -132,13 +177,45 @@ def bucket_size(width: int, height: int, area: int = 1024 * 1024) -> tuple[int, 
     scale = math.sqrt(area / (width * height))
     w = max(1, int(width * scale) // PIXELS_PER_TOKEN) * PIXELS_PER_TOKEN
     h = max(1, int(height * scale) // PIXELS_PER_TOKEN) * PIXELS_PER_TOKEN
+    # A very thin image has its short side raised to one token (16 px); the long side then gives
+    # back what that added, so the bucket stays within ``area``.
+    if w * h > area:
+        if w >= h:
+            w = max(PIXELS_PER_TOKEN, area // h // PIXELS_PER_TOKEN * PIXELS_PER_TOKEN)
+        else:
+            h = max(PIXELS_PER_TOKEN, area // w // PIXELS_PER_TOKEN * PIXELS_PER_TOKEN)
     return w, h
 
 
+def _orientation(im: Image.Image) -> int:
+    try:
+        return int(im.getexif().get(0x0112, 1) or 1)
+    except (OSError, ValueError, SyntaxError, TypeError):  # unreadable EXIF: the pixels as stored
+        return 1
+
+
+def _upright_rgb(im: Image.Image) -> Image.Image:
+    """8-bit RGB, upright, as inference reads references (:mod:`klein_core.pipeline.images`): the
+    EXIF orientation applied (phone photos store portraits sideways) and 16/32-bit and float pictures
+    scaled to 8 bits by their white level (Pillow's convert("RGB") clips them: a 16-bit mid grey
+    comes out white)."""
+    return high_bit_to_rgb8(ImageOps.exif_transpose(im)).convert("RGB")
+
+
+def pixels_rule(im: Image.Image) -> str | None:
+    """A cache-key part for an image whose pixels an earlier version read differently (a rotated
+    EXIF orientation, a 16/32-bit or float mode), so that its old cache entries are not reused; None else."""
+    orientation = _orientation(im)
+    tags = ([f"exif-orientation-{orientation}"] if orientation != 1 else []) + \
+        ([f"mode-{im.mode}"] if levels_mode(im) else [])
+    return "+".join(tags) or None
+
+
 def load_pixels(path: Path, size: tuple[int, int]) -> torch.Tensor:
-    """``[1, 3, H, W]`` float32 in [-1, 1]: the image scaled to cover ``size`` and centre-cropped."""
+    """``[1, 3, H, W]`` float32 in [-1, 1]: the image (upright, 8-bit RGB) scaled to cover ``size``
+    and centre-cropped."""
     with Image.open(path) as im:
-        im = im.convert("RGB")
+        im = _upright_rgb(im)
         w, h = size
         s = max(w / im.width, h / im.height)
         im = im.resize((max(w, round(im.width * s)), max(h, round(im.height * s))), Image.Resampling.LANCZOS)
@@ -248,13 +325,16 @@ def build_samples(scan: DatasetScan, encoders: Encoders, cache_dir: str | os.Pat
     """Encode every item (through the caches) into :class:`TrainSample` s. The token budget of every
     item is checked first, before anything is encoded."""
     plans = []
+    rules: dict[Path, str | None] = {}
     for item in scan.items:
         with Image.open(item.image) as im:
-            size = bucket_size(im.width, im.height, area)
+            size = bucket_size(*oriented_size(im), area)  # the bucket of the image as it is seen (EXIF)
+            rules[item.image] = pixels_rule(im)
         ref_sizes = []
         for r in item.references:
             with Image.open(r) as im:
-                ref_sizes.append(bucket_size(im.width, im.height, reference_area or area))
+                ref_sizes.append(bucket_size(*oriented_size(im), reference_area or area))
+                rules[r] = pixels_rule(im)
         check_token_budget(item, size, ref_sizes, text_tokens, token_limit)
         plans.append((item, size, ref_sizes))
     latents = TensorCache(Path(cache_dir) / "latents", encoders.image_identity)
@@ -262,7 +342,8 @@ def build_samples(scan: DatasetScan, encoders: Encoders, cache_dir: str | os.Pat
     out = []
     for item, size, ref_sizes in plans:
         def enc(path: Path, sz: tuple[int, int]) -> torch.Tensor:
-            return latents.get(content_hash(path), sz, lambda: encoders.image(load_pixels(path, sz)))
+            parts = sz if rules[path] is None else (*sz, rules[path])  # unchanged keys for plain images
+            return latents.get(content_hash(path), parts, lambda: encoders.image(load_pixels(path, sz)))
         lat = enc(item.image, size)
         refs = tuple(enc(r, s) for r, s in zip(item.references, ref_sizes))
         if encoders.tokens is not None:  # tokenizing is cheap: not cached

@@ -97,6 +97,10 @@ def run_job(job: TrainJob, *, on_step: Callable[[StepReport], bool | None] | Non
 def _run(job: TrainJob, on_step: Callable[[StepReport], bool | None] | None,
          check_cancel: Callable[[], None] | None) -> TrainResult:
     require_base_model(job.transformer)
+    if int(job.resolution) < 16:  # the bucket area is resolution²: 0 or a negative side is not a size
+        raise ValueError(f"resolution must be 16 or more (pixels; the bucket area is resolution²), got {job.resolution}")
+    # The LoRA's targets are checked before anything is encoded (a bad rank or pattern fails now).
+    adapter_config = preset(job.preset, job.rank, job.alpha, job.targets)
     scan = scan_dataset(job.dataset)
     device = torch.device(job.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = job.dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
@@ -113,6 +117,7 @@ def _run(job: TrainJob, on_step: Callable[[StepReport], bool | None] | None,
         raise ValueError(f"text_encoder_rank must be positive (0 or None: no text-encoder LoRA), got "
                          f"{job.text_encoder_rank}")
     train_text = bool(job.text_encoder_rank)
+    text_config = text_encoder_preset(int(job.text_encoder_rank or 0), job.text_encoder_alpha) if train_text else None
     streamed = job.memory == "blocks"
     # A trained text encoder stays for the whole run (streamed: from CPU memory); otherwise it only
     # encodes the captions (and sample prompts) first and is then dropped.
@@ -157,12 +162,11 @@ def _run(job: TrainJob, on_step: Callable[[StepReport], bool | None] | None,
     else:
         model = load_transformer(job.transformer, device=device, dtype=dtype, quantize=job.quantize)
     engine.transformer = model
-    lora = LoRASet(model, preset(job.preset, job.rank, job.alpha, job.targets), seed=job.config.seed)
+    lora = LoRASet(model, adapter_config, seed=job.config.seed)
     if train_text:
         if streamed:
             text_streamer = BlockOffloader(te, device, prefetch=1).attach(hooks=False)
-        text_lora = LoRASet(te, text_encoder_preset(int(job.text_encoder_rank or 0), job.text_encoder_alpha),
-                            seed=job.config.seed + 1, device=device)
+        text_lora = LoRASet(te, text_config, seed=job.config.seed + 1, device=device)  # type: ignore[arg-type]
     else:
         del te
 
@@ -176,9 +180,15 @@ def _run(job: TrainJob, on_step: Callable[[StepReport], bool | None] | None,
     if resume is not None and str(resume) == "auto":  # the latest checkpoint of this output, if any
         resume = latest_checkpoint(checkpoints, job.config.steps)
         logger.info("resume auto: %s", resume or f"no checkpoint in {checkpoints}; starting at step 0")
+    data_hash = dataset_hash(scan.items)
+    # What a checkpoint must share with a run resuming it, besides the trainer's own settings
+    # (Trainer.resume refuses a checkpoint of other data, models or resolution, naming the change).
+    identity = {"dataset_hash": data_hash, "base_model": f"{Path(job.transformer).name} ({model.config.variant})",
+                "vae": Path(job.vae).name, "text_encoder": Path(job.text_encoder).name,
+                "resolution": int(job.resolution), "quantize": job.quantize}
     trainer = Trainer(model, lora, samples, job.config, output_dir=checkpoints, on_step=step_done, sampler=sampler,
                       streamer=streamer, text_encoder=te if train_text else None, text_lora=text_lora,
-                      text_streamer=text_streamer)
+                      text_streamer=text_streamer, run_identity=identity)
     try:
         if resume:
             trainer.resume(resume)
@@ -193,5 +203,5 @@ def _run(job: TrainJob, on_step: Callable[[StepReport], bool | None] | None,
     cfg = job.config
     save_lora(out, lora, fmt=job.fmt, text_lora=text_lora, metadata={
         "base_model": f"{Path(job.transformer).name} ({model.config.variant})", "steps": trainer.step,
-        "dataset_hash": dataset_hash(scan.items), "seed": cfg.seed, "learning_rate": cfg.learning_rate})
+        "dataset_hash": data_hash, "seed": cfg.seed, "learning_rate": cfg.learning_rate})
     return TrainResult(out, list(trainer.losses), trainer.step, dict(scan.skipped), tuple(trainer.sample_paths))

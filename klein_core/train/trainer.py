@@ -11,11 +11,12 @@ with ``W * batch_size``.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -179,6 +180,11 @@ class Trainer:
     ``text_encoder`` and ``text_lora``: a text-encoder LoRA trained alongside (the samples carry
     ``tokens``; each step encodes them through it, with gradients); ``text_streamer`` streams the
     text encoder's layers as ``streamer`` does the transformer's blocks.
+
+    ``run_identity``: what else the run learns from (e.g. the dataset's hash, the base model), stored
+    in each checkpoint with every setting that changes the result (learning rates, batch, optimizer,
+    objective, LoRA targets, ranks and alphas); :meth:`resume` refuses a checkpoint whose values
+    differ, naming them, instead of continuing a different run with this one's settings.
     """
 
     def __init__(self, model: Flux2Transformer, lora: LoRASet, samples: Sequence[TrainSample], config: TrainConfig,
@@ -186,7 +192,8 @@ class Trainer:
                  on_step: Callable[[StepReport], bool | None] | None = None,
                  sampler: Callable[[Path, int], Sequence[Path]] | None = None,
                  streamer: BlockOffloader | None = None, text_encoder: Qwen3TextEncoder | None = None,
-                 text_lora: LoRASet | None = None, text_streamer: BlockOffloader | None = None) -> None:
+                 text_lora: LoRASet | None = None, text_streamer: BlockOffloader | None = None,
+                 run_identity: Mapping[str, object] | None = None) -> None:
         if not samples:
             raise ValueError("no training samples")
         if (text_encoder is None) != (text_lora is None):
@@ -216,9 +223,24 @@ class Trainer:
             p.requires_grad_(True)
         self.optimizer = _make_optimizer(config, list(lora.parameters()), text_params)
         self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        self.run_identity = self._identity(run_identity or {})
         lora.attach(model)
         if text_lora is not None:
             text_lora.attach(text_encoder)  # type: ignore[arg-type]
+
+    def _identity(self, extra: Mapping[str, object]) -> dict:
+        """The settings a checkpoint must share with a run resuming it, as plain JSON values (``steps``
+        and the sample, checkpoint and memory settings are left out: a resumed run may change them)."""
+        cfg = self.config
+        ident = {"learning_rate": cfg.learning_rate,
+                 "text_encoder_lr": (cfg.text_encoder_lr or cfg.learning_rate) if self.text_lora else None,
+                 "global_batch_size": cfg.batch_size * self.world, "optimizer": cfg.optimizer,
+                 "weight_decay": cfg.weight_decay, "betas": cfg.betas, "eps": cfg.eps,
+                 "max_grad_norm": cfg.max_grad_norm, "reference_dropout": cfg.reference_dropout,
+                 "objective": asdict(cfg.objective), "lora_targets": self.lora.config.description,
+                 "text_encoder_lora_targets": self.text_lora.config.description if self.text_lora else None,
+                 "samples": len(self.samples), **extra}
+        return json.loads(json.dumps(ident, default=str))  # tuples as lists: as a checkpoint reads back
 
     def close(self) -> None:
         self.lora.detach()
@@ -295,13 +317,19 @@ class Trainer:
                     p.grad = torch.zeros_like(p)
                 dist.all_reduce(p.grad)
             dist.all_reduce(loss_value)
-        if cfg.max_grad_norm > 0:
-            torch.nn.utils.clip_grad_norm_(self.params, cfg.max_grad_norm)
-        self.optimizer.step()
-        self.step += 1
+        # Checked before the optimizer step: a NaN/inf loss or gradient must not reach the LoRA weights
+        # (a later checkpoint would store them), so the weights stay those of the last good step.
         value = float(loss_value)
         if not math.isfinite(value):
-            raise FloatingPointError(f"the loss became {value} at step {self.step}; lower the learning rate")
+            raise FloatingPointError(f"the loss became {value} at step {self.step + 1}; the LoRA keeps the weights "
+                                     f"of step {self.step}. Lower the learning rate, or check the data")
+        if cfg.max_grad_norm > 0:
+            norm = float(torch.nn.utils.clip_grad_norm_(self.params, cfg.max_grad_norm))
+            if not math.isfinite(norm):
+                raise FloatingPointError(f"the gradients became {norm} at step {self.step + 1}; the LoRA keeps the "
+                                         f"weights of step {self.step}. Lower the learning rate")
+        self.optimizer.step()
+        self.step += 1
         self.losses.append(value)
         return value
 
@@ -366,7 +394,8 @@ class Trainer:
     def state(self) -> dict:
         state = {"step": self.step, "lora": {k: v.detach().clone() for k, v in self.lora.state_dict().items()},
                  "optimizer": self.optimizer.state_dict(), "losses": list(self.losses),
-                 "seed": self.config.seed, "torch_rng": torch.get_rng_state()}
+                 "seed": self.config.seed, "torch_rng": torch.get_rng_state(),
+                 "run_identity": json.dumps(self.run_identity)}
         if self.text_lora is not None:
             state["text_lora"] = {k: v.detach().clone() for k, v in self.text_lora.state_dict().items()}
         return state
@@ -408,6 +437,22 @@ class Trainer:
             what = ("has a text-encoder LoRA and this run does not train one" if "text_lora" in state
                     else "has no text-encoder LoRA and this run trains one")
             raise ValueError(f"{file}: this checkpoint {what}; resume with the same text-encoder LoRA settings")
+        fit = _lora_mismatch(state, self.lora, self.text_lora)
+        if fit is not None:  # before the settings: a rank or target change is said in these words
+            raise ValueError(f"{file}: this checkpoint's LoRA does not fit this run ({fit}); resume with the "
+                             "preset, rank, targets and text-encoder rank it was trained with")
+        if "run_identity" in state:  # (checkpoints written before it was recorded are not checked)
+            saved = json.loads(state["run_identity"])
+            changed = [f"{k} {saved[k]!r} -> {self.run_identity[k]!r}" for k in saved
+                       if k in self.run_identity and saved[k] != self.run_identity[k]]
+            if changed:
+                raise ValueError(f"{file}: this checkpoint was trained with other settings than this run ("
+                                 f"{'; '.join(changed)}); resuming would mix two runs. Resume with the settings it "
+                                 "was trained with, or start a new run (another output, or without resuming)")
+        if int(state["step"]) > self.config.steps:
+            raise ValueError(f"{file}: this checkpoint is at step {int(state['step'])}, past this run's "
+                             f"{self.config.steps} steps; resume with steps {int(state['step'])} or more, or from "
+                             "an earlier checkpoint")
         try:
             self.lora.load_state_dict(state["lora"])
             if self.text_lora is not None:
@@ -420,6 +465,23 @@ class Trainer:
         self.step, self.losses = int(state["step"]), list(state["losses"])
         torch.set_rng_state(state["torch_rng"])
         logger.info("resumed from %s at step %d", file, self.step)
+
+
+def _lora_mismatch(state: dict, lora: LoRASet, text_lora: LoRASet | None) -> str | None:
+    """The first difference between a checkpoint's LoRA tensors and this run's (names, shapes), or None."""
+    for key, target in (("lora", lora), ("text_lora", text_lora)):
+        if target is None or not isinstance(state.get(key), dict):
+            continue
+        mine = {k: tuple(v.shape) for k, v in target.state_dict().items()}
+        saved = {k: tuple(v.shape) for k, v in state[key].items() if isinstance(v, torch.Tensor)}
+        for k in sorted(mine.keys() | saved.keys()):
+            if k not in saved:
+                return f"{key} {k} is missing from the checkpoint"
+            if k not in mine:
+                return f"{key} {k} is not in this run's LoRA"
+            if mine[k] != saved[k]:
+                return f"{key} {k}: {list(saved[k])} in the checkpoint, {list(mine[k])} in this run"
+    return None
 
 
 def checkpoints(folder: str | Path) -> list[tuple[int, Path]]:
