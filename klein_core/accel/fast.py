@@ -567,32 +567,72 @@ def _compile_group(modules: Sequence[torch.nn.Module], what: str, **options: Any
         module.forward = _compiled_forward(module, what, options, on_failure)  # type: ignore[method-assign]
 
 
-class _HookGuards:
-    """A context in which dynamo guards on the hooks of the modules it inlines (reentrant).
+# Compiled entries dynamo may keep per block kind (its default, 8, is per code object: every model
+# and LoRA copy of a process shares it). One model at one LoRA structure takes about four (batch 1
+# and larger, with and without per-token modulation for references); each further model size or
+# set of LoRA-adapted Linears takes as many again. Past the limit dynamo runs every new combination
+# eagerly for the rest of the process, with one warning in its log: a ComfyUI session that switched
+# a model and a LoRA or two was back to eager speed for good.
+RECOMPILE_LIMIT = 64
 
-    By default (``skip_nnmodule_hook_guards``) it does not: a graph traced for a block without
-    hooks was then reused for a LoRA copy of it, whose Linear children carry branch hooks, and the
-    LoRA was silently ignored. With the guards a hooked copy compiles its own graph. Set and put
-    back around each compiled call (a few microseconds), so other compiled code is left alone.
+
+class _HookGuards:
+    """A context for our compiled calls (reentrant): dynamo guards on the hooks of the modules it
+    inlines, and may keep :data:`RECOMPILE_LIMIT` graphs per block kind.
+
+    By default (``skip_nnmodule_hook_guards``) it does not guard hooks: a graph traced for a block
+    without hooks was then reused for a LoRA copy of it, whose Linear children carry branch hooks,
+    and the LoRA was silently ignored. With the guards a hooked copy compiles its own graph. Dynamo
+    reads both settings when it looks a call up or compiles it, inside this context. Set and put back
+    around each compiled call (a few microseconds), so other compiled code is left alone.
     """
 
     def __init__(self) -> None:
-        self._saved: list[bool] = []
+        self._saved: list[dict[str, Any]] = []
 
     def __enter__(self) -> None:
         import torch._dynamo  # loaded with torch.compile anyway; not at import time
 
         config = torch._dynamo.config
+        saved: dict[str, Any] = {}
         if hasattr(config, "skip_nnmodule_hook_guards"):  # (a torch without it always guards them)
-            self._saved.append(config.skip_nnmodule_hook_guards)
+            saved["skip_nnmodule_hook_guards"] = config.skip_nnmodule_hook_guards
             config.skip_nnmodule_hook_guards = False
+        # recompile_limit since torch 2.6 (cache_size_limit its old name, still an alias).
+        limit = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+        current = getattr(config, limit, None)
+        if isinstance(current, int) and current < RECOMPILE_LIMIT:  # never lower a user's setting
+            saved[limit] = current
+            setattr(config, limit, RECOMPILE_LIMIT)
+        self._saved.append(saved)
 
     def __exit__(self, *exc: object) -> None:
         if self._saved:
-            torch._dynamo.config.skip_nnmodule_hook_guards = self._saved.pop()
+            for name, value in self._saved.pop().items():
+                setattr(torch._dynamo.config, name, value)
 
 
 _hook_guards = _HookGuards()
+
+
+def _not_compiler_failures() -> tuple[type[BaseException], ...]:
+    """Exceptions that pass through a compiled forward untouched, never taken for a compiler failure.
+
+    Out of memory: eager would need the same memory (the caller explains it). Gradient
+    checkpointing's ``_StopRecomputationError``: non-reentrant ``torch.utils.checkpoint`` raises it
+    from inside the forward it recomputes in the backward pass, once it has the tensors it needs, to
+    stop the recomputation early. Taken for a compiler failure, the forward was re-run eagerly inside
+    that recomputation, where checkpoint refused it ("early_stop is set"): training a LoRA with
+    gradient checkpointing on a compiled model crashed at the first backward pass.
+    """
+    kinds: list[type[BaseException]] = [torch.OutOfMemoryError]
+    stop = getattr(importlib.import_module("torch.utils.checkpoint"), "_StopRecomputationError", None)
+    if isinstance(stop, type) and issubclass(stop, BaseException):  # private: absent from some torch
+        kinds.append(stop)
+    return tuple(kinds)
+
+
+_NOT_COMPILER_FAILURES = _not_compiler_failures()
 
 
 def _compiled_forward(module: torch.nn.Module, what: str, options: dict[str, Any],
@@ -610,8 +650,8 @@ def _compiled_forward(module: torch.nn.Module, what: str, options: dict[str, Any
         try:
             with _hook_guards:
                 return compiled(*args, **kwargs)
-        except torch.OutOfMemoryError:
-            raise  # eager would need the same memory; the caller explains it
+        except _NOT_COMPILER_FAILURES:
+            raise
         except Exception as exc:
             out = eager(*args, **kwargs)  # raises itself when the input is at fault
             on_failure(exc)

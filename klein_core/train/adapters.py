@@ -250,6 +250,9 @@ class gradient_checkpointing:
         self.streamer = streamer
 
     def __enter__(self) -> Self:
+        # A block's own instance forward (a compiled one, klein_core.accel) is wrapped, and put back on
+        # exit: popping it would leave the model uncompiled while its speed still says "compile".
+        self._previous = [block.__dict__.get("forward") for block in self.blocks]
         for i, block in enumerate(self.blocks):
             block.forward = self._checkpointed(i, block.forward)  # instance attribute: shadows the class method
         return self
@@ -275,5 +278,8 @@ class gradient_checkpointing:
         return run_streamed
 
     def __exit__(self, *exc: object) -> None:
-        for block in self.blocks:
-            block.__dict__.pop("forward", None)
+        for block, previous in zip(self.blocks, self._previous):
+            if previous is None:
+                block.__dict__.pop("forward", None)
+            else:
+                block.__dict__["forward"] = previous
