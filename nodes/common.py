@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -46,6 +47,21 @@ def model_file(node: str, input_name: str, folder: str, name: str, expect: str) 
         raise ValueError(f"{node}: {input_name} '{name}' is {noun} ({info.description}), not {wanted}: "
                          f"use it in {where}, and pick {wanted} here.")
     return path
+
+
+def file_state(folder: str, name: object) -> tuple | None:
+    """What identifies the file ``name`` of a models folder on disk now (its name, size and
+    modification time), for a node's ``fingerprint_inputs``: ComfyUI reuses a node's cached output
+    while its widget values stay the same, so a file replaced under the same name (a re-downloaded or
+    converted model) would otherwise keep being served from the old output. None when not found."""
+    if not isinstance(name, str) or not name:
+        return None
+    path = host.full_path(folder, name)
+    try:
+        stat = os.stat(path) if path else None
+    except OSError:  # deleted since it was listed: the node reports that by name when it runs
+        stat = None
+    return (name, stat.st_size, stat.st_mtime_ns) if stat else (name, None, None)
 
 
 @contextlib.contextmanager

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 from typing import Any
 
 import torch
@@ -16,7 +15,7 @@ from klein_core.pipeline.prompts import encoder_identity
 from klein_core.pipeline.tokenizer import count_tokens
 
 from . import cache, host, notices
-from .common import check_choices, check_widget, model_file, open_engine
+from .common import check_choices, check_widget, file_state, model_file, open_engine
 from .loaders import SPEEDS
 from .lora import LoRAModelRef
 from .types import KleinConditioning, KleinCondType
@@ -95,10 +94,11 @@ class KleinTextEncode(io.ComfyNode):
         return check_choices(cls, {"text_encoder": "text_encoders"}, text_encoder=text_encoder)
 
     @classmethod
-    def fingerprint_inputs(cls, lora_name: str = NO_LORA, **_: object) -> object:
-        # Encode again when the LoRA file is replaced under the same name (a retrained LoRA).
-        path = host.full_path("loras", lora_name) if lora_name not in (NO_LORA, None) else None
-        return (lora_name, os.stat(path).st_mtime_ns if path and os.path.isfile(path) else None)
+    def fingerprint_inputs(cls, text_encoder: str = "", lora_name: str = NO_LORA, **_: object) -> object:
+        # Encode again when the encoder or the LoRA file is replaced under the same name (a
+        # retrained LoRA, another encoder file): the prompt cache is keyed by the file's state too.
+        return (file_state("text_encoders", text_encoder),
+                file_state("loras", lora_name) if lora_name not in (NO_LORA, None) else None)
 
     @classmethod
     @notices.reported

@@ -16,7 +16,7 @@ from klein_core.quant.formats import describe_formats, prequantized_layers
 from klein_core.quant.fp8 import scaled_mm_available
 
 from . import cache, host, notices
-from .common import check_choices, check_widget, errors_named, model_file
+from .common import check_choices, check_widget, errors_named, file_state, model_file
 from .types import KleinModel, KleinModelType, KleinVAE, KleinVAEType
 
 logger = logging.getLogger(__name__)
@@ -134,6 +134,12 @@ class KleinModelLoader(io.ComfyNode):
         # not named keep the host's own checks (current ComfyUI checks every combo, vae_name too;
         # 0.3.75 checks none, so there vae_name is checked when the node runs, by name).
         return check_choices(cls, {"model_name": "diffusion_models"}, model_name=model_name)  # .gguf listed too
+
+    @classmethod
+    def fingerprint_inputs(cls, model_name: str = "", vae_name: str = "", **_: object) -> object:
+        # Load again when either file is replaced under the same name: the model refs this node
+        # outputs carry the file's time, so the new file is then read instead of the cached model.
+        return file_state("diffusion_models", model_name), file_state("vae", vae_name)
 
     @classmethod
     @notices.reported

@@ -15,7 +15,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
-import os
 import weakref
 from typing import Any
 
@@ -27,7 +26,7 @@ import klein_core as kc
 from klein_core.lora import check_loras
 
 from . import host, notices
-from .common import check_choices
+from .common import check_choices, file_state
 from .types import KleinModelType
 
 logger = logging.getLogger(__name__)
@@ -128,8 +127,7 @@ class KleinLoraLoader(io.ComfyNode):
     @classmethod
     def fingerprint_inputs(cls, lora_name: str = "", strength: float = 1.0, **_: Any) -> Any:
         # Re-run when the LoRA file is replaced under the same name.
-        path = host.full_path("loras", lora_name) if lora_name else None
-        return (lora_name, strength, os.stat(path).st_mtime_ns if path and os.path.isfile(path) else None)
+        return file_state("loras", lora_name), strength
 
     @classmethod
     @notices.reported

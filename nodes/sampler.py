@@ -72,6 +72,38 @@ def _native_entry(value: object, input_name: str) -> tuple[torch.Tensor, dict]:
     return value[0][0], value[0][1]
 
 
+# Options of a native CONDITIONING entry that ComfyUI's own samplers apply and the Klein Sampler
+# cannot: (option, the node that sets it, whether the value leaves sampling as it is).
+UNSUPPORTED_OPTIONS = (
+    ("start_percent", "ConditioningSetTimestepRange", lambda v: v == 0.0),
+    ("end_percent", "ConditioningSetTimestepRange", lambda v: v == 1.0),
+    ("area", "ConditioningSetArea / ConditioningSetAreaPercentage", lambda v: False),
+    ("mask", "ConditioningSetMask", lambda v: False),
+    ("strength", "ConditioningSetAreaStrength / ConditioningSetMask", lambda v: v == 1.0),
+    ("control", "a ControlNet node", lambda v: False),
+    ("gligen", "GLIGENTextBoxApply", lambda v: False),
+    ("hooks", "a hook node (Cond Set Props, Set CLIP Hooks...)", lambda v: False),
+)
+
+
+def check_options(options: dict, input_name: str) -> None:
+    """Refuse a native CONDITIONING whose options would change sampling in ComfyUI's own samplers
+    but which the Klein Sampler does not apply (it would otherwise ignore them without a word)."""
+    for key, source, harmless in UNSUPPORTED_OPTIONS:
+        if key not in options or options[key] is None:
+            continue
+        value = options[key]
+        try:
+            if harmless(value):
+                continue
+        except (TypeError, RuntimeError):  # a tensor or an odd value: it is set, so it would apply
+            pass
+        shown = value if isinstance(value, (int, float, str, tuple)) else type(value).__name__
+        raise ValueError(f"{NODE}: {input_name} has '{key}' = {shown} (set by {source}), which the Klein Sampler "
+                         f"does not apply; remove that node, or sample through Klein Model to MODEL with "
+                         f"ComfyUI's own sampler nodes (SamplerCustomAdvanced, KSampler), which apply it.")
+
+
 def native_references(options: dict, channels: int) -> list[torch.Tensor]:
     """A native CONDITIONING's ``reference_latents`` (ReferenceLatent nodes), checked to be FLUX.2
     latents the sampler runs with Klein's index method."""
@@ -101,6 +133,7 @@ def text_inputs(conditioning: KleinConditioning | list, negative: list | None,
         cond, has_negative = conditioning, True
     else:
         positive, options = _native_entry(conditioning, "conditioning")
+        check_options(options, "conditioning")
         refs = native_references(options, channels)
         source = options.get(NATIVE_ENCODER_KEY) or NATIVE_SOURCE
         width = positive.shape[-1]
@@ -108,7 +141,8 @@ def text_inputs(conditioning: KleinConditioning | list, negative: list | None,
                                  encoder_name(width // 3) if source != NATIVE_SOURCE else f"text width {width}")
         has_negative = False
     if negative is not None:
-        neg, _ = _native_entry(negative, "negative")
+        neg, neg_options = _native_entry(negative, "negative")
+        check_options(neg_options, "negative")
         if neg.shape[-1] != cond.text_dim:
             raise ValueError(f"{NODE}: negative (text width {neg.shape[-1]}) and conditioning (text width "
                              f"{cond.text_dim}) come from different encoders; encode both with the same "
@@ -129,15 +163,42 @@ def init_from_latent(latent: dict | None, mask: torch.Tensor | None, denoise: fl
             logger.warning("%s: denoise %.2f is used only with a latent input; sampling from noise", NODE, denoise)
         return None
     samples = flux2_samples(latent, channels, NODE, "latent", " (Flux2 VAE Encode)")
+    # Set Latent Noise Mask puts the mask into the latent ([B, 1, H, W] or [B, H, W], 1 = repaint, the
+    # same meaning as the mask input): ComfyUI's own samplers inpaint with it, so this one does too.
+    noise_mask = latent.get("noise_mask")
+    where = "mask"
+    if noise_mask is not None:
+        if mask is not None:
+            logger.warning("%s: both the mask input and the latent's noise_mask (Set Latent Noise Mask) are "
+                           "given; inpainting with the mask input", NODE)
+        elif not isinstance(noise_mask, torch.Tensor) or noise_mask.ndim not in (2, 3, 4):
+            raise ValueError(f"{NODE}: latent's noise_mask must be a MASK tensor (Set Latent Noise Mask), got "
+                             f"{type(noise_mask).__name__}.")
+        else:
+            mask, where = noise_mask.reshape(-1, *noise_mask.shape[-2:]), "latent's noise_mask (Set Latent Noise Mask)"
     lat_mask = None
     if mask is not None:
         try:
             lat_mask = comfy_mask_to_latents(mask, samples.shape[-2], samples.shape[-1])
         except ValueError as exc:
-            raise ValueError(f"{NODE}: mask: {exc}.") from exc
+            raise ValueError(f"{NODE}: {where}: {exc}.") from exc
     if not isinstance(denoise, (int, float)) or not math.isfinite(denoise) or not 0 < denoise <= 1:
         raise ValueError(f"{NODE}: denoise must be a number from 0.01 to 1, got {denoise!r}.")
     return InitLatents(samples.float(), float(denoise), lat_mask, as_reference=bool(as_reference))
+
+
+def check_batches(init: InitLatents | None, batch_size: int) -> None:
+    """Refuse, by input name and with the fix, a latent or mask batch that does not fit batch_size
+    (one image for every output, or one for all); the engine's own check knows no node inputs."""
+    if init is None:
+        return
+    b = init.latents.shape[0]
+    if b not in (1, batch_size):
+        raise ValueError(f"{NODE}: latent holds {b} images but batch_size is {batch_size}: set batch_size to {b} "
+                         f"(one output image from each), or give a latent of one image.")
+    if init.mask is not None and init.mask.shape[0] not in (1, batch_size):
+        raise ValueError(f"{NODE}: mask holds {init.mask.shape[0]} masks for {batch_size} output image(s): give "
+                         f"one mask for all, or one per output image (batch_size {init.mask.shape[0]}).")
 
 
 def settings(width: int, height: int, steps: int, guidance: float, seed: int, batch_size: int) -> kc.Settings:
@@ -251,11 +312,14 @@ class KleinSampler(io.ComfyNode):
                              f"negative ({ENCODER_NODE}'s negative output, or CLIPTextEncode with an empty "
                              f"prompt), or use {ENCODER_NODE}'s conditioning output.")
         cond = kc.Conditioning(conditioning.positive, conditioning.negative if run.cfg else None)
+        check_batches(init, run.batch_size)
         try:  # the engine's one check, before the model is loaded: a mismatch costs no load
             check_denoise_inputs(model.config, model.kind, cond, refs, run, init=init,
                                  negative_prompt=conditioning.has_negative)
         except TextWidthMismatch as exc:
             raise ValueError(str(encoder_mismatch(model, conditioning, exc))) from None  # as ComfyUI shows it
+        except ValueError as exc:  # the engine's words, with the node in front (ComfyUI shows only the message)
+            raise ValueError(f"{NODE}: {exc}.") from exc
         engine = open_engine(NODE, {"transformer": ("model", model.ref)}, kind=model.kind, device=host.torch_device(),
                              memory=model.memory, prompt_cache=None, ref_mode=REFERENCE_MODES[reference_mode],
                              kv_cache=cache.kv, speed=model.speed)

@@ -389,11 +389,12 @@ def test_sampler_refuses_a_mismatched_encoder_before_compute(comfy, spy_generate
     """The engine's one input check runs before the model loads; the node restates its refusal with
     the files on both sides and the encoder to select."""
     model9, _ = _load(comfy, M9B)
+    cond = _encode(comfy)  # before the spy: run alone, this loads the text encoder (through ModelRef.get too)
     loads = []
     real_get = type(model9.ref).get
     monkeypatch.setattr(type(model9.ref), "get", lambda self, *a, **kw: loads.append(1) or real_get(self, *a, **kw))
     with pytest.raises(ValueError) as err:
-        _sample(comfy, model9, _encode(comfy))
+        _sample(comfy, model9, cond)
     assert type(err.value) is ValueError  # what ComfyUI shows as the exception type
     msg = str(err.value)
     for part in ("Klein Sampler", M9B, Q4B, f"set text_encoder in Qwen3 Layer-Concat Encoder to {Q8B}",
