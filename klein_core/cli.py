@@ -354,6 +354,8 @@ def open_image(flag: str, path: Path) -> Image.Image:
         raise CLIError(f"{flag} {path}: no such file") from None
     except OSError as exc:
         raise CLIError(f"{flag} {path}: cannot read it ({exc.strerror or exc})") from None
+    except ValueError as exc:  # a path the OS cannot take (an embedded NUL byte)
+        raise CLIError(f"{flag} {str(path)!r}: not a usable file path ({exc})") from None
     if stat.S_ISDIR(st.st_mode):
         raise CLIError(f"{flag} {path}: is a folder, not an image file")
     if not stat.S_ISREG(st.st_mode):

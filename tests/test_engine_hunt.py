@@ -123,3 +123,23 @@ def test_a_mask_lost_when_fitted_to_the_processing_size_is_refused():
         prepare_inpaint(picture, dot)
     dot.paste(255, (1000, 1000, 1008, 1008))  # large enough to survive: accepted
     assert prepare_inpaint(picture, dot).mask.any()
+
+
+# ----- paths and sizes that the OS or a float cannot take ----------------------------------------------
+
+
+def test_a_path_with_a_nul_byte_is_one_line_naming_the_flag(tmp_path):
+    """os.stat raises ValueError for an embedded NUL byte: before, it escaped as a traceback (and
+    stopped a whole Ray batch job, whose rows read references through open_image)."""
+    with pytest.raises(cli.CLIError, match=r"--ref '.*bad\\x00\.png': not a usable file path"):
+        cli.open_image("--ref", tmp_path / "bad\x00.png")
+
+
+def test_an_absurd_size_is_refused_not_an_overflow():
+    """The size message computed megapixels as a float: a side of 10**308 raised OverflowError."""
+    from klein_core.pipeline.request import check_size
+
+    with pytest.raises(ValueError, match=r"is \d{300,}\.\d megapixels"):
+        check_size(10**308, 64)
+    with pytest.raises(ValueError, match=r"is 16\.8 megapixels"):  # 16.777216: the usual rounding kept
+        check_size(4096, 4096)

@@ -472,7 +472,8 @@ def test_the_host_is_asked_to_make_room_once_before_the_free_memory_is_measured(
 
     plan = plan_for(req, tr, te, vae, device="cuda", make_room=make_room)
     # the components are on the CPU, so the fastest plan's whole peak (weights too) is asked for
-    assert calls == [(fastest.peak_bytes + DEFAULT_RESERVE_BYTES, torch.device("cuda"))]
+    # with its index: a host compares it with its models' devices, and "cuda" != "cuda:0"
+    assert calls == [(fastest.peak_bytes + DEFAULT_RESERVE_BYTES, torch.device("cuda", 0))]
     assert plan.fits and plan.name == "resident" and plan.free_bytes == free[0]
 
     calls.clear()

@@ -94,10 +94,15 @@ def prepare_rows(config: BatchConfig, manifest: Manifest) -> tuple[list[RowSpec]
             except RowError as exc:
                 raise RowError(f"row {number} (id {row.id!r}): {exc}", row.id) from None
             todo.append(row)
-        except RowError as exc:  # a row without a usable id is recorded as "row-N"
+        except RowError as exc:
             if exc.row_id:
                 seen.setdefault(exc.row_id, number)
-            bad.append(Entry(exc.row_id or f"row-{number}", None, None, 0.0, None, str(exc)))
+            # The entry goes under the row's own id only if no other row owns it: "the last entry of an
+            # id wins", so a failed duplicate recorded under its id marked the first row's finished image
+            # failed (and that row was redone on the next run). Rows without an id of their own get a
+            # name no valid id can have (it has a space), so they cannot clash with a real row "row-3".
+            own = exc.row_id is not None and seen.get(exc.row_id) == number
+            bad.append(Entry(exc.row_id if own else f"row {number}", None, None, 0.0, None, str(exc)))
     todo.sort(key=lambda r: (r.shape_key(), r.id))
     return todo, bad, skipped, total
 

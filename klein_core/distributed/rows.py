@@ -36,6 +36,10 @@ FIELDS: tuple[str, ...] = ("id", "prompt", "negative_prompt", "width", "height",
 MAX_ID_LENGTH = 128
 MAX_REFERENCES = 10
 MAX_WHOLE_TOKENS = 8192  # with whole prompts (--max-tokens whole): a guard against runaway rows
+# Far beyond any size the engine accepts (4 MP with sides of at least 64 px), yet small enough for
+# the size rules' arithmetic: a width of 1e308 made their message overflow (OverflowError), which no
+# caller treats as the row's fault, so one such row stopped a whole batch job.
+MAX_SIDE = 1 << 20
 _ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
@@ -104,6 +108,9 @@ def read_rows(path: str | Path) -> Iterator[tuple[int, dict | RowError]]:
                     obj = json.loads(line)
                 except ValueError as exc:
                     yield n, RowError(f"row {n}: not valid JSON ({exc})")
+                    continue
+                except RecursionError:  # json's decoder recurses per level: a line of "[[[[..." stops it
+                    yield n, RowError(f"row {n}: JSON nested too deeply")
                     continue
                 yield n, obj if isinstance(obj, dict) else RowError(
                     f"row {n}: must be a JSON object, got {type(obj).__name__}")
@@ -196,6 +203,11 @@ def parse_row(raw: Mapping, number: int | None = None, *, where: str | None = No
         if len(rid) > MAX_ID_LENGTH or not _ID.match(rid):
             raise RowError(f"{where}: id must be 1 to {MAX_ID_LENGTH} letters, digits, '.', '_' or '-' "
                            "(it names the output file), starting with a letter or digit")
+        for key in ("width", "height"):
+            side = _int(raw, key, where)
+            if side is not None and side > MAX_SIDE:
+                raise RowError(f"{where}: {key} {raw[key]!r} is far too large; FLUX.2 Klein supports at most 4 "
+                               "megapixels (e.g. 2048x2048)")
         steps, seed = _int(raw, "steps", where), _int(raw, "seed", where)
         if steps is not None and not 1 <= steps <= MAX_STEPS:
             raise RowError(f"{where}: steps must be from 1 to {MAX_STEPS}, got {steps}")

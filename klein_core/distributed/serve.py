@@ -71,6 +71,8 @@ def parse_request(body: bytes, *, kind: str, max_tokens: int | None, lora_dir) -
         obj = json.loads(body)
     except ValueError as exc:
         raise RowError(f"request body is not JSON ({exc})") from None
+    except RecursionError:  # json's decoder recurses per level: "[[[[..." would otherwise be a 500
+        raise RowError("request body is JSON nested too deeply") from None
     if not isinstance(obj, dict):
         raise RowError(f"request body must be a JSON object, got {type(obj).__name__}")
     response = obj.pop("response", "json")

@@ -549,9 +549,12 @@ def plan_for(
         else:
             if make_room is not None:
                 fastest = choose_plan(est, 1 << 62, mode=mode)  # the first candidate: its peak is the wish
-                wanted = fastest.peak_bytes + DEFAULT_RESERVE_BYTES - _bytes_on(indexed_device(device), modules)
+                # The hook gets the device with its index: a host compares it with its models' devices
+                # ("cuda" != "cuda:0" in torch), and would free nothing for a bare "cuda".
+                here = indexed_device(device)
+                wanted = fastest.peak_bytes + DEFAULT_RESERVE_BYTES - _bytes_on(here, modules)
                 if wanted > 0:
-                    make_room(wanted, device)
+                    make_room(wanted, here)
             free_bytes = free_device_bytes(device, modules)
     plan = choose_plan(est, free_bytes, mode=mode)
     if device.type != "cuda":

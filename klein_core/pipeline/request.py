@@ -129,6 +129,12 @@ def reference_mode(kind: str, ref_mode: str | None = None) -> str:
     return ref_mode or ("kv" if kind == "kv" else "joint")
 
 
+def _megapixels(pixels: int) -> str:
+    """``pixels`` in megapixels with one decimal (rounded half up), exact for any integer."""
+    tenths = (pixels + 50_000) // 100_000
+    return f"{tenths // 10}.{tenths % 10}"
+
+
 def check_size(width: int, height: int, *, multiple: int = 16, warn: bool = True) -> tuple[int, int]:
     """``(width, height)`` rounded down to multiples of ``multiple`` (with a warning unless ``warn``
     is False); refuses sizes under 64 px a side or over 4 megapixels, judging the size that will be
@@ -141,7 +147,8 @@ def check_size(width: int, height: int, *, multiple: int = 16, warn: bool = True
         raise ValueError(f"Output size {width}x{height} is too small: both sides must be at least {MIN_SIDE} px.")
     if rw * rh > MAX_PIXELS:
         raise ValueError(
-            f"Output size {width}x{height} is {rw * rh / 1e6:.1f} megapixels; FLUX.2 Klein supports at most 4 "
+            # integer arithmetic: a side of 10**308 would overflow a float division (OverflowError)
+            f"Output size {width}x{height} is {_megapixels(rw * rh)} megapixels; FLUX.2 Klein supports at most 4 "
             f"megapixels (e.g. 2048x2048)."
         )
     if warn and (rw, rh) != (width, height):
