@@ -447,9 +447,12 @@ def run_generate(args: argparse.Namespace) -> int:
     if args.lora:
         from .lora import apply_loras, load_lora
         from .quant.ggml import ggml_layers
+        from .quant.nvfp4 import nvfp4_layers
 
-        # GGUF blocks cannot take a merged LoRA exactly: branches then (a small cost per step)
-        mode = "branch" if ggml_layers(transformer) else "merge"
+        # Packed blocks (GGUF, NVFP4) in either model cannot take a merged LoRA exactly: branches then
+        # (a small cost per step). The text encoder is None when the prompt came from the cache.
+        packed = any(m is not None and (ggml_layers(m) or nvfp4_layers(m)) for m in (transformer, text_encoder))
+        mode = "branch" if packed else "merge"
         apply_loras((transformer, text_encoder), [(load_lora(p), s) for p, s in args.lora], mode=mode)
     t_load = time.perf_counter() - t_load
     t0 = time.perf_counter()

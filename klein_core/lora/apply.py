@@ -59,7 +59,10 @@ def _components(models: nn.Module | Sequence[nn.Module] | Mapping[str, nn.Module
 
 
 def _normalise(loras: LoRASpec | Sequence[LoRASpec]) -> list[tuple[LoRA, float]]:
-    pair = isinstance(loras, tuple) and len(loras) == 2 and isinstance(loras[0], LoRA)
+    # A (LoRA, strength) pair, not a two-LoRA sequence: a tuple (la, lb) is a Sequence[LoRASpec] too,
+    # and reading lb as a strength failed with "float() argument must be ... not 'LoRA'".
+    pair = (isinstance(loras, tuple) and len(loras) == 2 and isinstance(loras[0], LoRA)
+            and not isinstance(loras[1], (LoRA, tuple)))
     single = isinstance(loras, LoRA) or pair
     items = [loras] if single else list(loras)  # type: ignore[arg-type]
     out = []

@@ -248,7 +248,15 @@ def load_lora(
         if role is None:
             skipped[key] = UNSUPPORTED_SUFFIXES[suffix]
             continue
-        groups.setdefault(path, {})[role] = (key, value)
+        group = groups.setdefault(path, {})
+        if role in group:
+            # Two spellings of one tensor ("x.lora_A.weight" and "x.lora_down.weight", or "x.lora_A.weight"
+            # and "x.lora_A.default.weight"): keeping the last one dropped the other without a word.
+            raise ValueError(
+                f"{name}: '{group[role][0]}' and '{key}' are both the {role} tensor of module '{path}'; the file "
+                "holds two copies of one module and it is unclear which to use."
+            )
+        group[role] = (key, value)
     if not groups:
         raise ValueError(
             f"{name}: not a LoRA: none of its {len(tensors)} tensors is a LoRA factor (lora_A/lora_B, "
