@@ -228,7 +228,8 @@ class Engine:
         """Stage 1 from the prompt cache alone: the embeddings if every text is cached (in memory or
         on disk), else None. ``identity`` names the encoder (:func:`~klein_core.pipeline.prompts.encoder_identity`
         of its file, dtype and this device), so the encoder need not be loaded; default: the
-        engine's text encoder's. Embeddings read from disk are on the CPU."""
+        engine's text encoder's. The embeddings are on the device of the entries the encoder made,
+        or on the CPU when all were read from disk."""
         cache = self.prompt_cache
         if identity is None and self.text_encoder is not None:
             identity = loaded_encoder_identity(self.text_encoder, self.device)

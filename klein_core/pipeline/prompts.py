@@ -126,6 +126,29 @@ def _file_identity(st: os.stat_result) -> tuple[int, int, int, int]:
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
+_stamp_lock = threading.Lock()
+_last_stamp = 0
+
+
+def _stamp() -> int:
+    """A file time in ns, later than every one this process stamped before. The kernel's own file
+    clock is coarse (one tick is a few ms), so an entry read right after another was written got the
+    same time and the eviction order between them was a coin toss; stamped times keep the use order."""
+    global _last_stamp
+    with _stamp_lock:
+        _last_stamp = max(time.time_ns(), _last_stamp + 1)
+        return _last_stamp
+
+
+def _touch(path: Path) -> None:
+    """Mark ``path`` as used now (raises what ``os.utime`` raises)."""
+    stamp = _stamp()
+    try:
+        os.utime(path, ns=(stamp, stamp))
+    except PermissionError:
+        os.utime(path)  # setting a given time needs the owner; "now" only write access (another user's entry)
+
+
 class _BadEntry(Exception):
     """An entry that is not what this key should hold; the message says why."""
 
@@ -147,7 +170,7 @@ class DiskPromptCache:
 
     def __init__(self, folder: str | os.PathLike, max_bytes: int = 2 << 30) -> None:
         self.max_bytes = check_bound("max_bytes", max_bytes)
-        self.folder = Path(folder)
+        self.folder = Path(folder).expanduser()  # "~/.cache/..." (as in the docs) is the home folder, not "./~"
         if self.folder.exists() and not self.folder.is_dir():
             raise NotADirectoryError(errno.ENOTDIR, f"the prompt cache folder {self.folder} is a file, not a folder",
                                      str(self.folder))
@@ -204,7 +227,7 @@ class DiskPromptCache:
                 break
             if self.write_error is None:
                 try:
-                    os.utime(path)  # recently used
+                    _touch(path)  # recently used
                 except (FileNotFoundError, PermissionError):
                     pass  # gone, or another user's file: only its place in the eviction order is lost
                 except OSError as exc:
@@ -298,9 +321,14 @@ class DiskPromptCache:
             fd, tmp = tempfile.mkstemp(dir=self.folder, prefix=_TMP_PREFIX, suffix=".tmp")
             os.close(fd)
             save_file({"embedding": tensor}, tmp, metadata=metadata)
-            os.replace(tmp, self.folder / (key + ".safetensors"))  # atomic: a reader never sees half a file
+            try:
+                _touch(Path(tmp))  # ordered against the times of entries read (see _stamp)
+            except OSError:
+                pass  # a file system that keeps its own times: the write time stands
+            path = self.folder / (key + ".safetensors")
+            os.replace(tmp, path)  # atomic: a reader never sees half a file
             tmp = None
-            self._evict()
+            self._evict(keep=path)
         except (OSError, SafetensorError) as exc:
             self._cannot_write(exc)
         finally:
@@ -332,10 +360,14 @@ class DiskPromptCache:
             found.append((st.st_mtime_ns, st.st_size, p))
         return found
 
-    def _evict(self) -> None:
+    def _evict(self, keep: Path) -> None:
+        """Remove the least recently used entries until the folder is within ``max_bytes``; ``keep``
+        (the entry just written) goes last, only if it alone is over the bound."""
         files = self._entries(clean=True)
         total = sum(size for _, size, _ in files)
-        for _, size, p in sorted(files):
+        # Not by time alone: entries timed ahead of the clock (a folder copied from a machine whose
+        # clock ran ahead, a clock set back) would make each new entry the oldest, removed as written.
+        for _, size, p in sorted(files, key=lambda f: (f[2] == keep, f)):
             if total <= self.max_bytes:
                 break
             p.unlink(missing_ok=True)
@@ -398,8 +430,8 @@ class PromptCache(BoundedCache[torch.Tensor]):
                width: int | None = None) -> torch.Tensor | None:
         """Embeddings ``[len(prompts), length, text_dim]`` when every prompt is cached (in memory or
         on disk) for the encoder with this identity, else None; the encoder need not be loaded.
-        ``width``: its text width, if known (else the width it was last seen to produce). Embeddings
-        read from disk are on the CPU."""
+        ``width``: its text width, if known (else the width it was last seen to produce). The result is
+        on the device of the entries the encoder made, or on the CPU when all were read from disk."""
         if identity is None or not prompts:
             return None
         width = width if width is not None else self._widths.get(identity)
@@ -412,7 +444,11 @@ class PromptCache(BoundedCache[torch.Tensor]):
             logger.debug("prompt cache: cached embeddings of %d prompts differ in width or dtype", len(embs))
             return None
         self.hits += len(prompts)
-        return torch.cat([found[p] for p in prompts])  # type: ignore[misc]
+        ordered = [found[p] for p in prompts]
+        # Entries the encoder made are on its device, those read from disk on the CPU: one call can
+        # find both (a prompt encoded this session, a negative stored by an earlier one).
+        device = next((e.device for e in ordered if e.device.type != "cpu"), ordered[0].device)  # type: ignore[union-attr]
+        return torch.cat([to_device(e, device) for e in ordered])  # type: ignore[arg-type]
 
     def encode(self, encoder: Any, prompts: Sequence[str], options: TextOptions | int = TextOptions(), *,
                identity: str | None = None) -> torch.Tensor:
