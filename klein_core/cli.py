@@ -126,7 +126,7 @@ def _add_generate_args(g: argparse.ArgumentParser) -> None:
     kind = g.add_mutually_exclusive_group()
     kind.add_argument("--base", action="store_true", help="base model: CFG with a negative prompt")
     kind.add_argument("--distilled", action="store_true", help="distilled model (default unless the name says base)")
-    g.add_argument("--out", type=Path, default=Path("klein.png"),
+    g.add_argument("--out", type=_out_path, default=Path("klein.png"),
                    help="output PNG; with --batch, _00, _01... are added before the suffix")
     g.add_argument("--device", default=None, help="cuda, cuda:1, cpu, mps (default: cuda if available, else cpu)")
     g.add_argument("--dtype", choices=DTYPES, default=None,
@@ -268,6 +268,14 @@ class _Progress:
         write_line(sys.stderr, f"\rdenoising [{bar}] {step}/{total}  {rate}   ")
         if step == total:
             write_line(sys.stderr, "\n")
+
+
+def _out_path(raw: str) -> Path:
+    """``--out`` as a path; one that ends with a path separator names a folder (``Path`` would drop
+    the separator, and ``outdir/`` would silently become the file ``outdir``)."""
+    if raw.endswith(("/", os.sep)):
+        raise argparse.ArgumentTypeError(f"{raw} is a folder; give a file name such as {Path(raw) / 'klein.png'}")
+    return Path(raw)
 
 
 def check_out(out: Path) -> Path:

@@ -52,6 +52,18 @@ def test_cli_bad_out_is_refused_before_generating(case, tmp_path, monkeypatch, c
     assert (tmp_path / "file.png").read_bytes() == b"x"
 
 
+def test_cli_out_naming_a_folder_that_does_not_exist_yet_is_refused(tmp_path, monkeypatch, capsys):
+    """``--out outdir/`` (a trailing separator: a folder) wrote the file ``outdir.png`` beside it, since
+    ``Path`` drops the separator; it is refused before anything runs, the folder not made."""
+    ran = []
+    monkeypatch.setattr(cli, "generate", lambda *a, **k: ran.append(1))
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["--demo", "--out", f"{tmp_path / 'outdir'}/", "-q"])
+    assert exit_.value.code == 2 and not ran
+    assert "is a folder; give a file name such as" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
 # ----- 16-bit, 32-bit and float pictures ----------------------------------------------------------------
 
 
