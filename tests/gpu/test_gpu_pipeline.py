@@ -218,3 +218,31 @@ def test_generate_copies_only_through_page_locked_memory(gpu, small, monkeypatch
         assert torch.equal(fast[name].latents, plain.latents), name
         assert torch.equal(fast[name].pixels, plain.pixels), name
         assert [a.tobytes() for a in fast[name].images] == [b.tobytes() for b in plain.images], name
+
+
+@pytest.mark.cuda("entries on the CPU and on the device meet only when the encoder runs on a GPU")
+def test_prompt_cache_joins_an_entry_from_disk_with_one_made_on_the_device(gpu, small, tmp_path):
+    """A negative prompt stored on disk by an earlier session, a positive encoded in this one: the
+    prompt cache joins the two (on the CPU, on the GPU) on the encoder's device. This raised a device
+    mismatch before (found on the CPU with the meta device, tests/test_text_hunt.py)."""
+    from klein_core.pipeline.prompts import DiskPromptCache, PromptCache, loaded_encoder_identity
+
+    _, te, _ = small
+    source = tmp_path / "qwen_3_4b.safetensors"
+    source.write_bytes(b"\0" * 64)  # the identity is the file's name, size and time
+    old_source = getattr(te, "source", None)
+    te.source = str(source)
+    try:
+        disk = DiskPromptCache(tmp_path / "prompts")
+        earlier = PromptCache()
+        earlier.disk = disk
+        negative = earlier.encode(te, [""])  # written to disk
+        now = PromptCache()
+        now.disk = disk
+        positive = now.encode(te, ["a red fox"])  # kept on the device
+        identity = loaded_encoder_identity(te)
+        both = now.cached(identity, ["a red fox", ""])
+    finally:
+        te.source = old_source
+    assert both is not None and both.device == positive.device == gpu.device
+    assert torch.equal(both[:1], positive) and torch.equal(both[1:], negative)
