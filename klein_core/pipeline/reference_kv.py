@@ -5,7 +5,8 @@ only among themselves (:meth:`~klein_core.models.transformer.Flux2Transformer.re
 keys and values depend on the weights and the reference tokens (and positions), never on the prompt,
 the seed, the noise or the step. So a second edit of the same pictures, with another prompt or seed,
 can skip the reference pass: :class:`ReferenceKVCache` keeps the last results, keyed by the model
-object, the state of its weights (:func:`weights_state`) and a digest of the reference tokens.
+object, the state of its weights (:func:`weights_state`), the block ops it computes with and a digest
+of the reference tokens.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import weakref
 import torch
 
 from ..lora.apply import has_loras
-from ..models.transformer import Flux2Transformer, ReferenceKV
+from ..models.transformer import Flux2Transformer, ReferenceKV, kv_bytes
 from .bounded_cache import BoundedCache
 from .sampling import ReferenceTokens
 
@@ -66,11 +67,30 @@ def weights_state(model: torch.nn.Module) -> tuple | None:
         return None
 
 
+class _Identity:
+    """A key part that equals only the very same object, and keeps it alive: while an entry's key
+    holds it, its ``id`` cannot be given to another object (ops need not be hashable)."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: object) -> None:
+        self.obj = obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Identity) and other.obj is self.obj
+
+
 class ReferenceKVCache(BoundedCache[ReferenceKV]):
     """The last reference keys/values, bounded by entries and bytes; entries live on the device
     they were computed on. An entry is served only to the very model it was made for (weak
     reference check) with the very weights it had (:func:`weights_state`: a reload or in-place
-    change misses, and drops that model's older entries); a model carrying LoRAs is never served.
+    change misses, and drops that model's older entries) and the very block ops it ran with
+    (``model.ops``: another speed's kernels round differently); a model carrying LoRAs is never
+    served. On a miss, the entries that the new one would push out are dropped before it is
+    computed, so the device never holds both (the memory planner counts one set).
     ``max_entries`` / ``max_bytes``: whole numbers >= 1 (TypeError / ValueError otherwise).
     """
 
@@ -85,10 +105,17 @@ class ReferenceKVCache(BoundedCache[ReferenceKV]):
         if weights is None:
             logger.debug("reference keys/values not cached: the model's weights cannot be followed")
             return model.reference_kv(refs.tokens, refs.ids, timestep=timestep)
+        # The ops are part of the key: the same weights give other keys/values under other kernels
+        # (a speed switched on the same model object), which a fresh run would not reproduce.
         key = (id(model), str(model.dtype), str(model.device), float(timestep), weights,
-               _digest(refs.tokens, refs.ids))
+               _digest(refs.tokens, refs.ids), _Identity(model.ops))
         with self._lock:
             hit = self._lookup(key, model)
+            if hit is None:
+                self._drop_stale(model, weights)
+                # Free now what storing the new entry would evict anyway: otherwise the old keys/values
+                # (GiBs for 9B-KV) stay on the device through the reference pass, next to the new ones.
+                self._make_room(kv_bytes(model.config, refs.tokens.shape[1], model.dtype.itemsize))
         if hit is not None:
             self.hits += 1
             logger.debug("reference keys/values from the cache (%d tokens)", hit.tokens)
@@ -96,9 +123,21 @@ class ReferenceKVCache(BoundedCache[ReferenceKV]):
         self.misses += 1
         kv = model.reference_kv(refs.tokens, refs.ids, timestep=timestep)
         with self._lock:
-            self._drop_stale(model, weights)
             self._store(key, model, kv)
         return kv
+
+    def _make_room(self, nbytes: int) -> None:
+        """Drop the oldest entries until one more of ``nbytes`` fits the bounds (all of them when it
+        cannot fit at all, as storing it would); under the lock."""
+        self._drop_orphans()
+        total = self.nbytes()
+        dropped = 0
+        while self._data and (len(self._data) >= self.max_entries or total + nbytes > self.max_bytes):
+            _, (_, old) = self._data.popitem(last=False)
+            total -= self._size(old)
+            dropped += 1
+        if dropped:
+            logger.debug("dropped %d reference key/value entries to make room before the reference pass", dropped)
 
     def _drop_stale(self, model: Flux2Transformer, weights: tuple) -> None:
         """Forget ``model``'s entries made with other weights (they can never hit again); under the lock."""

@@ -123,12 +123,15 @@ def reference_tokens(latents: Sequence[torch.Tensor]) -> ReferenceTokens | None:
     """Pack encoded references (each ``[1, C, h, w]``) in order, with time offsets 10, 20, ..."""
     if not latents:
         return None
+    # References may come from different places (latents given on the host, images the engine
+    # encoded on the device, an init image): gather them where the first one is, as one sequence.
+    device = latents[0].device
     toks, ids, sizes = [], [], []
     for i, lat in enumerate(latents):
         if lat.ndim != 4 or lat.shape[0] != 1:
             raise ValueError(f"reference {i + 1}: expected latents [1, C, h, w], got {list(lat.shape)}")
         _, _, h, w = lat.shape
-        toks.append(pack(lat)[0])
+        toks.append(pack(to_device(lat, device))[0])
         ids.append(position_ids(h, w, t=REF_TIME_OFFSET * (i + 1)))
         sizes.append((h, w))
     return ReferenceTokens(torch.cat(toks)[None], torch.cat(ids), tuple(sizes))
