@@ -22,6 +22,7 @@ from klein_core.models.transformer import Flux2Transformer
 from klein_core.models.transformer_math import rope_tables
 from klein_core.models.variants import encoder_for_text_width, variant_for_text_width
 from klein_core.pipeline.sampling import REF_TIME_OFFSET, pack, position_ids, text_position_ids, unpack
+from klein_core.quant.fp8 import FP8Linear
 
 from . import host, notices
 from .common import errors_named
@@ -39,6 +40,53 @@ REF_METHODS = ("index", "index_timestep_zero")
 STREAMED_MODES = ("blocks", "minimum")
 
 
+class PatchableFP8Linear(FP8Linear):
+    """The view of an :class:`FP8Linear` that ComfyUI's weight patching (LoRAs from LoraLoaderModelOnly)
+    can patch. Its ``weight`` is float8 *scaled* by ``weight_scale``: without these hooks ComfyUI adds a
+    LoRA's deltas to the raw float8 values, so the LoRA lands scaled by ``weight_scale`` (next to no
+    effect) without a warning. ``convert_weight`` / ``set_weight`` are the hooks ComfyUI's own scaled-fp8
+    layers give it (``comfy.model_patcher.get_key_weight`` looks them up by name).
+
+    A patched weight is re-quantised under a new scale (as the Klein LoRA Loader merges into fp8), so a
+    LoRA that widens the weight's range is not clipped. ComfyUI's unpatching restores only the
+    ``weight`` Parameter, so the new scale is kept next to the Parameter it belongs to and used only
+    while that Parameter is the layer's weight: once the original is back, so is its scale.
+    """
+
+    @property
+    def weight_scale(self) -> torch.Tensor:
+        patched = self.__dict__.get("_klein_patched_scale")
+        weight = self._parameters["weight"]
+        if patched is not None and patched[0] is weight:
+            return patched[1].to(weight.device)
+        return self._buffers["weight_scale"]
+
+    def convert_weight(self, weight: torch.Tensor, inplace: bool = False, **kwargs: Any) -> torch.Tensor:
+        """The raw float8 values (as float32, a copy ComfyUI made) -> the weight they stand for."""
+        scale = self.weight_scale.to(device=weight.device, dtype=weight.dtype)
+        scale = scale[:, None] if scale.ndim else scale
+        return weight.mul_(scale) if inplace else weight * scale
+
+    def set_weight(self, weight: torch.Tensor, inplace_update: bool = False, seed: Any = None,
+                   return_weight: bool = False, **kwargs: Any) -> torch.Tensor | None:
+        """The patched weight (float32) back to float8."""
+        fmax = float(torch.finfo(self.weight.dtype).max)
+        w = weight.float()
+        if return_weight:  # ComfyUI casts it per use under the layer's current scale
+            scale = self.weight_scale.to(device=w.device, dtype=torch.float32)
+            return (w / (scale[:, None] if scale.ndim else scale)).clamp(-fmax, fmax).to(self.weight.dtype)
+        per_row = self._buffers["weight_scale"].ndim == 1
+        amax = w.abs().amax(dim=1) if per_row else w.abs().amax()
+        scale = torch.where(amax > 0, amax / fmax, torch.ones_like(amax))
+        q = (w / (scale[:, None] if per_row else scale)).clamp(-fmax, fmax).to(self.weight.dtype)
+        # A new Parameter even for inplace_update: the old tensor is shared with the pack's transformer,
+        # which must never see ComfyUI's patch (unpatching puts the original Parameter back).
+        param = torch.nn.Parameter(q, requires_grad=False)
+        self.weight = param
+        self.__dict__["_klein_patched_scale"] = (param, scale)
+        return None
+
+
 def module_view(module: torch.nn.Module) -> torch.nn.Module:
     """A copy of ``module``'s tree of module objects sharing every parameter and buffer tensor: a
     parameter set on the view (as ComfyUI sets a patched weight) leaves ``module`` as it was. Forward
@@ -52,6 +100,8 @@ def module_view(module: torch.nn.Module) -> torch.nn.Module:
     # ComfyUI's mark that it has patched a module's weights (the pack's own ModelPatcher marks the
     # original when it loads it): the view's weights are not patched yet.
     view.__dict__.pop("comfy_patched_weights", None)
+    if type(module) is FP8Linear:  # ComfyUI's LoRA patching needs its convert/set hooks (see the class)
+        view.__class__ = PatchableFP8Linear
     for name, child in module._modules.items():
         view._modules[name] = module_view(child) if child is not None else None
     return view
