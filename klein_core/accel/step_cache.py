@@ -7,7 +7,9 @@ Every forward runs double block 0 and accumulates ``acc += mean|r_i - r_{i-1}| /
 ``acc < threshold`` (outside ``warmup``, the last step and ``max_consecutive_skips``) the rest is
 skipped: the output is ``final_layer(h0 + R)``, ``R`` the other blocks' residual stored at the last full
 forward, which resets ``acc``. Each CFG pass keeps its own state; callers other than ``denoise`` must
-call :meth:`StepCache.start_run` before a run. The error depends on the threshold and the weights:
+call :meth:`StepCache.start_run` before a run (and may call :meth:`StepCache.finish_run` after it to
+release the stored residuals at once; ``denoise`` does, and a pass releases its own after its last
+step). The error depends on the threshold and the weights:
 check it with :func:`relative_l2` against an uncached run. ``threshold=0`` never skips (bit-identical).
 """
 
@@ -117,6 +119,13 @@ class StepCache:
         self._passes = {}
         self._logged = False
 
+    def finish_run(self) -> None:
+        """Release every pass's stored tensors (block 0's and the later blocks' residuals, on the
+        device), keeping the counters in :attr:`last_run`. ``denoise`` calls it when a run ends, also
+        when it is cancelled or fails."""
+        for state in self._passes.values():
+            _release(state)
+
     @property
     def last_run(self) -> StepCacheStats:
         """Counters of the current run, or the last one once it has finished."""
@@ -168,6 +177,11 @@ class StepCache:
             state.residual = out - x
             state.accumulated, state.skips_in_row = 0.0, 0
         state.pattern.append("S" if skip else "C")
+        if self._steps is not None and len(state.pattern) >= self._steps:
+            # The pass's last step: nothing reads its residuals again. Held on, they would keep
+            # ~2 x [B, N, D] per pass on the device through decoding and between runs, memory the
+            # planner does not count.
+            _release(state)
         self._log_when_done()
         return out
 
@@ -192,6 +206,11 @@ class StepCache:
                     "threshold %g, warmup %d): %s", st.skipped, st.forwards, self._steps, st.passes,
                     "" if st.passes == 1 else "es", self.settings.threshold, self.settings.warmup,
                     " ".join(st.patterns))
+
+
+def _release(state: _Pass) -> None:
+    """Drop a pass's stored tensors; its pattern and measured changes stay for the counters."""
+    state.prev_first = state.prev_t = state.residual = None
 
 
 def enable_step_cache(

@@ -332,6 +332,10 @@ class Engine:
             size = (init.latents.shape[-1] * self.downscale, init.latents.shape[-2] * self.downscale)
             run = resolve(settings, self.kind, size, multiple=self.downscale,
                           size_from=f"the init image latents ({size[0]}x{size[1]} px)")
+        elif noise is not None and noise.ndim == 4:  # the noise's grid sets the size, as an init image's does
+            size = (noise.shape[-1] * self.downscale, noise.shape[-2] * self.downscale)
+            run = resolve(settings, self.kind, size, multiple=self.downscale,
+                          size_from=f"the given noise ({size[0]}x{size[1]} px)")
         else:
             first = reference_pixel_sizes((), references[:1], self.downscale)[0] if references else None
             run = resolve(settings, self.kind, first, multiple=self.downscale,
@@ -475,6 +479,9 @@ class Engine:
             size_from = size_source("reference latent 1", request.reference_latents[0])
         elif request.references:
             size_from = size_source("reference 1", request.references[0])
+        if init is None and request.noise is not None and request.noise.ndim == 4:  # its grid sets the size
+            first = (request.noise.shape[-1] * self.downscale, request.noise.shape[-2] * self.downscale)
+            size_from = f"the given noise ({first[0]}x{first[1]} px)"
         if init is not None:  # the image sets the size, and (as a reference) joins the sequence
             first = init.size
             size_from = size_source("the init image", init.original)

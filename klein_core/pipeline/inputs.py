@@ -15,7 +15,7 @@ from ..checks import require_finite
 from ..models.transformer import TransformerConfig
 from ..models.variants import check_text_width
 from .inpaint import check_strength
-from .request import Conditioning, ModelKind, Resolved, check_tensor
+from .request import Conditioning, ModelKind, Resolved, check_size, check_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -123,11 +123,26 @@ def check_denoise_inputs(
         logger.warning("%s: %s", UNUSED_NEGATIVE, why)
     if run.cfg and conditioning.negative is None:
         raise ValueError("CFG (a base model with guidance > 1) needs a negative prompt embedding")
+    negative = conditioning.negative
+    if run.cfg and negative is not None and negative.shape[0] not in (1, conditioning.positive.shape[0]):
+        # Pairing is by prompt (one negative for all, or one per prompt); any other count used to
+        # reach the sampler and fail there, after planning and loading, with the counts multiplied
+        # by batch_size.
+        raise ValueError(f"{negative.shape[0]} negative prompt embeddings for "
+                         f"{conditioning.positive.shape[0]} prompt(s): give one, or one per prompt")
     if noise is not None:
         check_tensor(noise, "the given noise", 4, channels)
         require_finite(noise, "the given noise")
         if noise.shape[0] != n_images:
             raise ValueError(f"noise batch {noise.shape[0]} != prompts x batch_size = {n_images}")
+        if init is None:
+            # Given noise sets the output size (the sampler follows its grid), so the size rules
+            # apply to it: without this a 1x1 grid (16 px) or a 10-megapixel one ran unchecked.
+            size = (noise.shape[-1] * downscale, noise.shape[-2] * downscale)
+            check_size(*size, multiple=downscale, warn=False)
+            if (run.width, run.height) != size:  # else the run said one size and made another
+                raise ValueError(f"the output size comes from the given noise ({size[0]}x{size[1]}); got "
+                                 f"width/height {run.width}x{run.height}: leave them unset")
         if init is not None and noise.shape[-2:] != init.latents.shape[-2:]:
             raise ValueError(f"the given noise {list(noise.shape)} does not match the init image latents "
                              f"{list(init.latents.shape)}")

@@ -310,11 +310,24 @@ def _keep_known(blend: InpaintBlend, latents: torch.Tensor, sigma: torch.Tensor 
 
 def run_denoise(job: DenoiseJob, callback: StepCallback | None = None) -> torch.Tensor:
     """The Euler loop over a prepared job; returns the latents ``[B, C, h, w]`` in the model dtype."""
-    latents, (h, w), total, dtype = job.latents, job.grid, job.steps, job.model.dtype
-    wants_denoised = bool(getattr(callback, "wants_denoised", False))
+    (h, w), total = job.grid, job.steps
     step_cache = getattr(job.model, "step_cache", None)
     if step_cache is not None:  # opt-in (klein_core.accel.step_cache): no state from an earlier run
         step_cache.start_run(total, h * w)
+    try:
+        return _euler_loop(job, callback)
+    finally:
+        # A cancelled or failed run leaves the cache's residuals on the device otherwise (a finished
+        # run has released them already). A hook without finish_run keeps its own state.
+        finish = getattr(step_cache, "finish_run", None)
+        if finish is not None:
+            finish()
+
+
+def _euler_loop(job: DenoiseJob, callback: StepCallback | None) -> torch.Tensor:
+    """The steps of :func:`run_denoise`; returns the latents ``[B, C, h, w]`` in the model dtype."""
+    latents, (h, w), total, dtype = job.latents, job.grid, job.steps, job.model.dtype
+    wants_denoised = bool(getattr(callback, "wants_denoised", False))
     for i in range(total):
         v = _velocity(job, latents, i)
         denoised = (latents.float() - job.sigmas[i] * v.float()) if wants_denoised else None
