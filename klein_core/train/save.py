@@ -3,6 +3,8 @@
 
 A double block's ``qkv`` LoRA is stored as diffusers' ``to_q``/``to_k``/``to_v`` (one factor pair
 each, :class:`~klein_core.train.adapters.LoRALayer` parts); every other module maps one to one.
+Kohya names are kohya's FLUX ones (``lora_unet_double_blocks_0_img_attn_qkv``, a fused ``qkv`` as
+one pair), which diffusers' and ComfyUI's Kohya readers map.
 """
 
 from __future__ import annotations
@@ -68,6 +70,21 @@ def _put_pair(out: dict[str, torch.Tensor], component: str, path: str, layer: Lo
         out[f"{key}.alpha"] = torch.tensor(layer.scale * layer.rank, dtype=torch.float32)
 
 
+def _put_kohya_fused(out: dict[str, torch.Tensor], core: str, layer: LoRALayer, dtype: torch.dtype) -> None:
+    """The transformer module ``core`` under Kohya's FLUX names, ``lora_unet_<core module with _>``
+    (``lora_unet_double_blocks_0_img_attn_qkv``): what kohya's FLUX LoRAs, diffusers' Flux2 Kohya
+    reader and ComfyUI's ``lora_unet_`` key map use. Underscored diffusers paths
+    (``lora_unet_transformer_blocks_0_attn_to_q``) are read by neither, so a file in them loaded
+    nothing outside this pack. A fused ``qkv``'s q/k/v pairs become one pair (A stacked, B
+    block-diagonal, rank 3r) with alpha = scale * 3r, the same delta; diffusers splits it back."""
+    key = "lora_unet_" + core.replace(".", "_")
+    down = layer.down.detach().reshape(-1, layer.down.shape[-1])
+    up = torch.block_diag(*layer.up.detach().unbind(0))
+    out[f"{key}.lora_down.weight"] = down.to("cpu", dtype).contiguous()
+    out[f"{key}.lora_up.weight"] = up.to("cpu", dtype).contiguous()
+    out[f"{key}.alpha"] = torch.tensor(layer.scale * down.shape[0], dtype=torch.float32)
+
+
 def _comfyui_tensors(lora: LoRASet, text_lora: LoRASet | None, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """BFL / ComfyUI names: ``diffusion_model.<core module>.lora_A/B.weight`` (the scale in B), and
     ``text_encoders.qwen3_4b.transformer.model.<core module>...`` (``qwen3_8b`` for Qwen3-8B): the keys
@@ -99,7 +116,8 @@ def lora_state_dict(lora: LoRASet, fmt: str = "diffusers", dtype: torch.dtype = 
                     text_lora: LoRASet | None = None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """``(tensors, extra metadata)`` of the LoRA in ``fmt`` (:data:`FORMATS`). diffusers: ``transformer.
     <path>.lora_A/B.weight`` and a PEFT ``lora_adapter_metadata`` (r, lora_alpha, rank/alpha
-    patterns); Kohya: ``lora_unet_<path with _>.lora_down/lora_up.weight`` and ``.alpha``.
+    patterns); Kohya: ``lora_unet_<core module with _>.lora_down/lora_up.weight`` and ``.alpha``
+    (:func:`_put_kohya_fused`).
     ComfyUI: BFL names (:func:`_comfyui_tensors`), which ComfyUI's own LoRA loaders, diffusers and
     the pack read. ``text_lora``: a text-encoder LoRA stored beside it (``text_encoder.model.layers...``,
     ``lora_te_model_layers_...`` or ``text_encoders.qwen3_4b.transformer.model.layers...``; diffusers'
@@ -109,27 +127,45 @@ def lora_state_dict(lora: LoRASet, fmt: str = "diffusers", dtype: torch.dtype = 
     if fmt == "comfyui":
         return _comfyui_tensors(lora, text_lora, dtype), {}
     tensors: dict[str, torch.Tensor] = {}
+    te_ranks: dict[str, int] = {}
+    te_alphas: dict[str, float] = {}
     for core, layer in text_lora.items() if text_lora is not None else ():
         if layer.parts != 1:
             raise ValueError(f"text encoder module {core}: {layer.parts} LoRA parts, expected 1")
         _put_pair(tensors, "text_encoder", f"model.{core}", layer, 0, fmt, dtype)  # transformers' module path
+        te_ranks[f"model.{core}"], te_alphas[f"model.{core}"] = layer.rank, layer.scale * layer.rank
     ranks: dict[str, int] = {}
     alphas: dict[str, float] = {}
+    if fmt == "kohya":
+        for core, layer in lora.items():
+            _put_kohya_fused(tensors, core, layer, dtype)
+        return tensors, {}
     for core, layer in lora.items():
         for p, path in enumerate(diffusers_names(core, layer.parts)):
             ranks[path], alphas[path] = layer.rank, layer.scale * layer.rank
             _put_pair(tensors, "transformer", path, layer, p, fmt, dtype)
     meta: dict[str, str] = {}
     if fmt == "diffusers":
-        r = max(set(ranks.values()), key=list(ranks.values()).count)
-        alpha = max(set(alphas.values()), key=list(alphas.values()).count)
-        config = {"r": r, "lora_alpha": alpha, "target_modules": sorted(ranks), "peft_type": "LORA",
-                  "rank_pattern": {k: v for k, v in ranks.items() if v != r},
-                  "alpha_pattern": {k: v for k, v in alphas.items() if v != alpha},
-                  "use_rslora": False, "use_dora": False, "lora_dropout": 0.0, "bias": "none",
-                  "init_lora_weights": True}
-        meta["lora_adapter_metadata"] = json.dumps({f"transformer.{k}": v for k, v in config.items()})
+        # One PEFT config per component, prefixed as diffusers' save_lora_weights does ("transformer.r",
+        # "text_encoder.r"). The text encoder's is needed too: its keys carry no alpha, so without it a
+        # text-encoder alpha other than its rank was read back at scale 1.
+        config = {f"transformer.{k}": v for k, v in _peft_config(ranks, alphas).items()}
+        if te_ranks:
+            config.update({f"text_encoder.{k}": v for k, v in _peft_config(te_ranks, te_alphas).items()})
+        meta["lora_adapter_metadata"] = json.dumps(config)
     return tensors, meta
+
+
+def _peft_config(ranks: Mapping[str, int], alphas: Mapping[str, float]) -> dict[str, object]:
+    """A PEFT ``LoraConfig`` dict for modules with these ranks and alphas: the most common of each as
+    ``r`` / ``lora_alpha``, the others as full-path rank / alpha patterns."""
+    r = max(set(ranks.values()), key=list(ranks.values()).count)
+    alpha = max(set(alphas.values()), key=list(alphas.values()).count)
+    return {"r": r, "lora_alpha": alpha, "target_modules": sorted(ranks), "peft_type": "LORA",
+            "rank_pattern": {k: v for k, v in ranks.items() if v != r},
+            "alpha_pattern": {k: v for k, v in alphas.items() if v != alpha},
+            "use_rslora": False, "use_dora": False, "lora_dropout": 0.0, "bias": "none",
+            "init_lora_weights": True}
 
 
 def save_lora(path: str | os.PathLike, lora: LoRASet, *, fmt: str = "diffusers",
