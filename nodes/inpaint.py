@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from comfy_api.latest import io
 
-from klein_core.pipeline.inpaint import composite_pixels, crop_region, crop_size, feather_mask
+from klein_core.pipeline.inpaint import composite_pixels, crop_region, crop_size, feather_mask, feather_radius
 
 from . import host, notices
 from .common import resize_image
@@ -37,6 +37,27 @@ class StitchInfo:
     def __str__(self) -> str:
         x1, y1, x2, y2 = self.box
         return f"crop {x2 - x1}x{y2 - y1} at ({x1}, {y1}) of a {self.original.shape[2]}x{self.original.shape[1]} image"
+
+
+def _rgb(images: torch.Tensor) -> torch.Tensor:
+    """IMAGE ``[B, H, W, C]`` as float32 RGB: alpha dropped, a grey image (1 channel, or grey + alpha)
+    repeated to three channels, as Flux2 VAE Encode and Klein Reference Stacker read one. The crop
+    and the stitch must agree on three channels, or pasting an RGB painted crop into a grey
+    original fails."""
+    images = images.float()
+    if images.shape[-1] >= 3:
+        return images[..., :3]
+    return images[..., :1].expand(*images.shape[:-1], 3)
+
+
+def _feather(mask: torch.Tensor, radius: int) -> torch.Tensor:
+    """``feather_mask`` at the largest radius up to ``radius`` that erases no painted region
+    (:func:`~klein_core.pipeline.inpaint.feather_radius`), said once when lowered."""
+    r = feather_radius(mask, radius)
+    if r != radius:
+        logger.warning("%s: feather %d would erase part of the mask (a spot or stroke narrower than the "
+                       "feather); feather %d used instead", STITCH_NODE, radius, r)
+    return feather_mask(mask, r)
 
 
 def _one_mask(mask: torch.Tensor, image: torch.Tensor, node: str) -> torch.Tensor:
@@ -105,7 +126,7 @@ class KleinInpaintCrop(io.ComfyNode):
         except ValueError as exc:
             raise ValueError(f"{CROP_NODE}: {exc}.") from exc
         x1, y1, x2, y2 = box
-        crop = resize_image(image[:, y1:y2, x1:x2, :3], tw, th)
+        crop = resize_image(_rgb(image[:, y1:y2, x1:x2]), tw, th)
         crop_mask = F.interpolate(m[None, None, y1:y2, x1:x2], size=(th, tw), mode="bilinear")[0].clamp(0, 1)
         logger.info("%s: %dx%d region at (%d, %d) painted at %dx%d", CROP_NODE, x2 - x1, y2 - y1, x1, y1, tw, th)
         info = StitchInfo(image[:1].to(host.intermediate_device()), m.to(host.intermediate_device()), box)
@@ -141,11 +162,11 @@ class KleinInpaintStitch(io.ComfyNode):
             raise ValueError(f"{STITCH_NODE}: image must be an IMAGE [batch, height, width, channels], got "
                              f"{list(image.shape)}.")
         x1, y1, x2, y2 = stitch.box
-        original = stitch.original[..., :3].float()
-        patch = resize_image(image[..., :3].float().cpu(), x2 - x1, y2 - y1)
+        original = _rgb(stitch.original)
+        patch = resize_image(_rgb(image).to(original.device), x2 - x1, y2 - y1)
         canvas = original.expand(image.shape[0], -1, -1, -1).clone()
         canvas[:, y1:y2, x1:x2] = patch
         if composite:
-            mask = feather_mask(stitch.mask.float(), int(feather))
+            mask = _feather(stitch.mask.float(), int(feather))
             canvas = composite_pixels(original.expand_as(canvas), canvas, mask)
         return io.NodeOutput(canvas.to(host.intermediate_device()))

@@ -114,6 +114,12 @@ class KleinVAEEncode(io.ComfyNode):
         check_widget(ENCODE_NODE, "size", size, SIZES)
         if size == SIZES[1]:
             w, h = processing_size(pixels.shape[2], pixels.shape[1], down)
+            if w < down or h < down:
+                # A very elongated picture over 1 megapixel: scaled down, its short side rounds to 0
+                # and the resize would fail with torch's own message.
+                raise ValueError(f"{ENCODE_NODE}: a {pixels.shape[2]}x{pixels.shape[1]} image scaled to 1 "
+                                 f"megapixel has a side under {down} pixels; use size 'crop to 16', or crop "
+                                 f"the image to a less elongated shape first.")
             px = resize_image(pixels, w, h)
         else:
             px = center_crop(pixels, down)

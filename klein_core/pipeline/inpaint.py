@@ -365,6 +365,37 @@ def feather_mask(mask: torch.Tensor, radius: int) -> torch.Tensor:
     return torch.minimum(flat, (2 * blurred - 1).clamp(0, 1)).reshape(mask.shape)
 
 
+def _within(mask: torch.Tensor, radius: int) -> torch.Tensor:
+    """Whether each pixel of ``mask`` ``[H, W]`` (bool) has a set pixel within ``radius`` pixels (a
+    square window). Box sums by cumulative sums: the cost does not grow with the radius."""
+    x = mask.float()
+    for dim in (0, 1):
+        n = x.shape[dim]
+        c = torch.cat([torch.zeros_like(x.narrow(dim, 0, 1)), x.cumsum(dim)], dim)
+        idx = torch.arange(n, device=x.device)
+        hi = (idx + radius + 1).clamp(max=n)
+        lo = (idx - radius).clamp(min=0)
+        x = (c.index_select(dim, hi) - c.index_select(dim, lo) > 0).float()
+    return x > 0
+
+
+def feather_radius(mask: torch.Tensor, radius: int) -> int:
+    """``radius``, halved until feathering ``mask`` ``[H, W]`` erases no painted region (0 at worst).
+
+    Feathering keeps ``2 * blur - 1`` inside the mask: a region narrower than about 1.2x the radius
+    (a 6x6 spot or a 5 px stroke at radius 8) ends up 0 everywhere, and a composite would silently
+    keep the original there. Each painted pixel (mask >= 0.5, what the sampler repaints) must lie
+    within the radius of a pixel that feathering the painted area keeps at >= 0.5. The check is on
+    the painted area, not on the mask's grey levels, so an already soft edge keeps its radius."""
+    painted = mask >= 0.5
+    r = radius
+    while r > 0 and painted.any():
+        if _within(feather_mask(painted.float(), r) >= 0.5, r)[painted].all():
+            break
+        r //= 2
+    return max(r, 0)
+
+
 def composite_pixels(original: torch.Tensor, generated: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """``generated`` under the mask, ``original`` elsewhere; channels last ``[..., H, W, C]``, mask
     ``[..., H, W]`` in [0, 1]. Where the mask is 0 the result is ``original`` bit for bit."""
@@ -382,7 +413,12 @@ def composite(original: Image.Image, generated: Image.Image, mask: Image.Image, 
         generated = generated.resize(original.size, Image.Resampling.LANCZOS)
     if mask.size != original.size:
         mask = mask.resize(original.size, Image.Resampling.LANCZOS)
-    m = feather_mask(torch.from_numpy(np.asarray(mask.convert("L"), dtype=np.float32) / 255.0), feather)
+    m = torch.from_numpy(np.asarray(mask.convert("L"), dtype=np.float32) / 255.0)
+    radius = feather_radius(m, feather)
+    if radius != feather:
+        logger.warning("feather %d would erase part of the mask (a spot or stroke narrower than the feather); "
+                       "feather %d used instead", feather, radius)
+    m = feather_mask(m, radius)
     a = torch.from_numpy(np.asarray(original, dtype=np.float32))
     b = torch.from_numpy(np.asarray(generated.convert("RGB"), dtype=np.float32))
     return Image.fromarray(composite_pixels(a, b, m).round().clamp(0, 255).to(torch.uint8).numpy(), "RGB")
@@ -497,6 +533,7 @@ __all__ = [
     "crop_region",
     "crop_size",
     "feather_mask",
+    "feather_radius",
     "mask_array",
     "mask_image",
     "outpaint",
