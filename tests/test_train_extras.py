@@ -11,7 +11,7 @@ import torch
 from extras import require
 from PIL import Image
 from quant_layers import random_nvfp4_layer
-from train_files import eval_loss, tiny_training_files
+from train_files import eval_loss, one_thread, tiny_training_files  # noqa: F401 (an autouse fixture)
 
 from klein_core.pipeline.engine import Engine
 from klein_core.pipeline.request import Conditioning
@@ -22,14 +22,6 @@ from klein_core.train.samples import CheckpointSampler
 from klein_core.train.trainer import TrainConfig, Trainer, TrainSample
 
 TEXT_DIM = 96  # the tiny transformer's context width
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matrices: threads only contend
-    yield
-    torch.set_num_threads(n)
 
 
 def _samples(n: int = 4, refs: int = 0, seed: int = 0) -> list[TrainSample]:

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from train_files import tiny_training_files
+from train_files import one_thread, tiny_training_files  # noqa: F401 (an autouse fixture)
 
 from klein_core.testing.tiny import tiny_transformer
 from klein_core.train import LoRASet, TrainConfig, Trainer, TrainSample, preset
@@ -33,14 +33,6 @@ from klein_core.train.data import (
     load_pixels,
     scan_dataset,
 )
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matrices: threads only contend on a shared 2-core machine
-    yield
-    torch.set_num_threads(n)
 
 
 def _args(*argv: str) -> argparse.Namespace:

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from train_files import one_thread  # noqa: F401 (an autouse fixture)
 
 from klein_core.files.loaders import load_transformer
 from klein_core.lora import load_lora
@@ -23,14 +24,6 @@ M4B, M4B_BASE = "flux-2-klein-4b.safetensors", "flux-2-klein-base-4b.safetensors
 Q4B, VAE = "qwen_3_4b.safetensors", "flux2-vae.safetensors"
 FOLDERS = ("diffusion_models", "text_encoders", "vae", "loras")
 STEPS = 4
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matrices: threads only contend on a shared 2-core machine
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import torch
 from extras import require
 from safetensors import safe_open
 from tiny_reference import CTX, tiny_diffusers_transformer
-from train_files import eval_loss
+from train_files import eval_loss, one_thread  # noqa: F401 (an autouse fixture)
 
 from klein_core.files.loaders import load_transformer
 from klein_core.lora import apply_loras, load_lora
@@ -26,15 +26,6 @@ require("peft")
 
 CFG = TrainConfig(steps=50, learning_rate=1e-2, batch_size=2, seed=4, gradient_checkpointing=True,
                   weight_decay=0.0)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Tiny matrices: threads only contend (10x slower on a shared 2-core machine).
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

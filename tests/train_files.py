@@ -4,10 +4,21 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 from PIL import Image
 
 from klein_core.testing import write_tiny_model_files
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One torch thread for a test module (import it there): the training tests' tiny matrices only
+    contend for threads on a shared 2-core machine (10x slower)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 
 def tiny_training_files(root: Path) -> tuple[dict[str, Path], Path]:
