@@ -101,27 +101,40 @@ def file_source(path: Path, component: str = "weights") -> WeightSource:
 
 
 def sharded_source(name: str, files: Sequence[Path], key_to_file: Mapping[str, Path] | None) -> WeightSource:
+    """One source over several shards. ``key_to_file`` (a shard index's ``weight_map``) settles which
+    copy of a tensor held by two shards is read; the shards' own headers say where each tensor is, as
+    for transformers' and diffusers' loaders, which read every shard whole: an index that lists a
+    tensor under another shard than the one holding it still loads (with a warning)."""
     parts = {f: file_source(f) for f in files}
     infos: dict[str, TensorInfo] = {}
-    owner: dict[str, WeightSource] = {}
+    owner: dict[str, Path] = {}
     metadata: dict[str, str] = {}
     for f, src in parts.items():
         metadata.update(src.metadata)
         for k in src.keys():
-            if key_to_file is not None and key_to_file.get(k, f) != f:
-                continue
+            listed = key_to_file.get(k) if key_to_file is not None else None
             if k in owner:
-                raise WeightFormatError(f"{name}: tensor '{k}' appears in two shards ({owner[k].name}, {f}).")
+                if listed == owner[k]:
+                    continue  # the index names the copy already taken
+                if listed != f:
+                    raise WeightFormatError(f"{name}: tensor '{k}' appears in two shards ({owner[k]}, {f}).")
             infos[k] = src.info(k)
-            owner[k] = src
+            owner[k] = f
     if key_to_file is not None:
         absent = [k for k in key_to_file if k not in infos]
         if absent:
             raise WeightFormatError(
-                f"{name}: the shard index lists {len(absent)} tensors that are not in the shards "
-                f"(first: {absent[:3]}); a shard is missing or incomplete."
+                f"{name}: the shard index lists {len(absent)} tensors that no shard holds (first: "
+                + ", ".join(f"'{k}' in {key_to_file[k].name}" for k in absent[:3])
+                + "); a shard is incomplete. Download it again."
             )
-    return WeightSource(name, infos, lambda k: owner[k].get(k), metadata)
+        moved = [k for k, f in owner.items() if k in key_to_file and key_to_file[k] != f]
+        if moved:
+            # The data is where the shard headers say; the index is only a table of contents.
+            logger.warning("%s: the shard index lists %d tensors under another shard than the one holding "
+                           "them (e.g. '%s' is listed in %s but stored in %s); reading them from where they "
+                           "are", name, len(moved), moved[0], key_to_file[moved[0]].name, owner[moved[0]].name)
+    return WeightSource(name, infos, lambda k: parts[owner[k]].get(k), metadata)
 
 
 def _read_weight_map(index_path: Path) -> dict[str, str]:
