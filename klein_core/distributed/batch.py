@@ -19,7 +19,7 @@ from pathlib import Path
 
 from ..cli import CLIError
 from ..errors import GenerationCancelled, KleinOutOfMemory, WeightFormatError
-from .manifest import Entry, Manifest, image_path, png_bytes, write_atomic
+from .manifest import Entry, Manifest, OutputInUse, OutputLock, image_path, png_bytes, write_atomic
 from .models import ModelSpec
 from .ray_support import init_ray, require_ray
 from .rows import RowError, RowSpec, check_row, open_reference, parse_row, read_rows
@@ -148,7 +148,16 @@ Progress = Callable[[int, int, int, float], None]  # (finished, to run, failed, 
 def run_batch_job(config: BatchConfig, progress: Progress | None = None) -> Summary:
     """Run ``config``; returns the :class:`Summary` (also written to ``out_dir/summary.json``).
     Bad rows are recorded, never raised; a missing Ray raises
-    :class:`~klein_core.distributed.ray_support.RayMissing`."""
+    :class:`~klein_core.distributed.ray_support.RayMissing`; an output folder another job is writing
+    to raises :class:`~klein_core.cli.CLIError`."""
+    try:
+        with OutputLock(config.out_dir):  # one job per folder: see OutputLock
+            return _run_locked(config, progress)
+    except OutputInUse as exc:
+        raise CLIError(str(exc)) from None
+
+
+def _run_locked(config: BatchConfig, progress: Progress | None) -> Summary:
     t0 = time.perf_counter()
     manifest = Manifest(config.out_dir)
     removed = manifest.clean_temporaries()

@@ -24,6 +24,7 @@ from .. import __version__
 logger = logging.getLogger(__name__)
 
 MANIFEST = "manifest.jsonl"
+LOCK = ".klein-batch.lock"
 IMAGES = "images"
 _TMP_TAG = ".tmp-"
 
@@ -73,6 +74,55 @@ def write_atomic(path: Path, data: bytes) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+class OutputInUse(RuntimeError):
+    """Another job holds the output folder's lock."""
+
+
+class OutputLock:
+    """An exclusive lock on an output folder for the duration of a job (``with OutputLock(out_dir):``).
+
+    Two jobs on one folder each ran every row, and the second one's start-up removed the temporary
+    PNGs the first was about to rename, so the first job's rows failed. The lock is an ``flock`` on
+    ``out_dir/.klein-batch.lock``: the kernel drops it when the holder exits, even when killed, so a
+    stopped job never leaves a stale lock. Where ``fcntl`` is missing (Windows) nothing is locked.
+    """
+
+    def __init__(self, out_dir: str | os.PathLike) -> None:
+        self.path = Path(out_dir) / LOCK
+        self._fh = None
+
+    def __enter__(self) -> OutputLock:  # noqa: PYI034 - typing.Self needs Python 3.11; 3.10 is supported
+        try:
+            import fcntl
+        except ImportError:
+            logger.warning("no fcntl here: %s is not locked against a second job", self.path.parent)
+            return self
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fh = open(self.path, "a+", encoding="utf-8")
+        try:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            fh.seek(0)
+            holder = fh.read().strip() or "another process"
+            fh.close()
+            raise OutputInUse(f"{self.path.parent} is in use by another batch job ({holder}); wait for it to "
+                              "finish or give another --out") from None
+        except BaseException:
+            fh.close()
+            raise
+        fh.seek(0)
+        fh.truncate()
+        fh.write(f"pid {os.getpid()}\n")  # who holds it, for the message the next job gives
+        fh.flush()
+        self._fh = fh
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._fh is not None:
+            self._fh.close()  # closing the file releases the flock
+            self._fh = None
 
 
 class Manifest:

@@ -11,6 +11,7 @@ import logging
 import os
 import socket
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -22,6 +23,10 @@ from .models import ModelSpec, open_engine
 from .rows import RowSpec, lora_path
 
 logger = logging.getLogger(__name__)
+
+# LoRAs a worker keeps loaded. A serve replica lives for days and may see many LoRA names: without a
+# bound every one it ever loaded stayed in memory.
+MAX_CACHED_LORAS = 8
 
 
 def worker_name() -> str:
@@ -45,7 +50,9 @@ class RowRunner:
         self.spec = spec
         self.engine = engine if engine is not None else open_engine(spec)
         self.worker = worker_name()
-        self._loras: dict[str, object] = {}
+        # Keyed by the file and its stat, not the row's name: a LoRA file replaced on disk (an updated
+        # style) must be read again, or a long-running replica kept generating with the old weights.
+        self._loras: OrderedDict[tuple, object] = OrderedDict()
 
     def run(self, row: RowSpec, images: Sequence[Image.Image], *, callback=None) -> RowOutput:
         """Generate ``row`` (references already opened as ``images``); raises what the engine raises.
@@ -69,11 +76,27 @@ class RowRunner:
         from ..lora import apply_loras, load_lora
         from ..quant.ggml import ggml_layers
 
-        pairs = []
-        for name, strength in row.loras:
-            if name not in self._loras:
-                self._loras[name] = load_lora(lora_path(self.spec.lora_dir, name))
-            pairs.append((self._loras[name], strength))
+        pairs = [(self._lora(load_lora, lora_path(self.spec.lora_dir, name)), strength)
+                 for name, strength in row.loras]
         engine = self.engine
         mode = "branch" if ggml_layers(engine.transformer) else "merge"
         return apply_loras((engine.transformer, engine.text_encoder), pairs, mode=mode)
+
+    def _lora(self, load_lora, path):
+        """The LoRA at ``path``, from the cache while the file is unchanged (same inode, size and
+        modification time), else loaded again; the least recently used beyond the bound is dropped."""
+        resolved = path.resolve()
+        st = resolved.stat()  # a missing file raises here, as load_lora would
+        key = (str(resolved), st.st_ino, st.st_size, st.st_mtime_ns)
+        lora = self._loras.get(key)
+        if lora is None:
+            lora = load_lora(resolved)
+            # An older version of the same file is never used again: drop it now.
+            for old in [k for k in self._loras if k[0] == key[0]]:
+                del self._loras[old]
+            self._loras[key] = lora
+            while len(self._loras) > MAX_CACHED_LORAS:
+                self._loras.popitem(last=False)
+        else:
+            self._loras.move_to_end(key)
+        return lora
