@@ -194,6 +194,17 @@ def _per_token(main: tuple[torch.Tensor, ...], ref: tuple[torch.Tensor, ...], n_
     return tuple(out)
 
 
+_FP16_MAX = 65504.0
+
+
+def _clip_fp16(x: torch.Tensor) -> torch.Tensor:
+    """Clamp an fp16 residual stream to the largest finite fp16 value, as diffusers and BFL do after
+    the double blocks' text stream and every single block: an overflow there would otherwise turn
+    into inf, then NaN in the next LayerNorm, and poison every token through the joint attention.
+    Other dtypes pass through untouched (no extra op)."""
+    return x.clamp(-_FP16_MAX, _FP16_MAX) if x.dtype == torch.float16 else x
+
+
 class DoubleStreamBlock(nn.Module):
     def __init__(self, cfg: TransformerConfig) -> None:
         super().__init__()
@@ -228,7 +239,7 @@ class DoubleStreamBlock(nn.Module):
         img = ops.gated_residual(img, i_gate1, self.img_attn.proj(out[:, n_txt:]))
         img = ops.gated_residual(img, i_gate2, _run_mlp(self.img_mlp, ops.modulate(img, i_shift2, i_scale2), ops))
         txt = ops.gated_residual(txt, t_gate2, _run_mlp(self.txt_mlp, ops.modulate(txt, t_shift2, t_scale2), ops))
-        return img, txt
+        return img, _clip_fp16(txt)
 
     def reference(
         self, ref: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mod: tuple[torch.Tensor, ...],
@@ -283,7 +294,8 @@ class SingleStreamBlock(nn.Module):
         v = v.transpose(1, 2)
         keys, values = _with_reference(k, v, kv) if kv is not None else (k, v)
         attn = ops.attention(q, keys, values)
-        return ops.gated_residual(x, gate, self.linear2(ops.attention_and_mlp(attn, mlp))), k, v
+        out = ops.gated_residual(x, gate, self.linear2(ops.attention_and_mlp(attn, mlp)))
+        return _clip_fp16(out), k, v
 
 
 class _TimeEmbedder(nn.Module):
