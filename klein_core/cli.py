@@ -28,7 +28,7 @@ from .files.safetensors import open_safetensors
 from .models.variants import check_text_width
 from .pipeline.engine import Engine, GenerationResult, generate
 from .pipeline.images import oriented_size, reference_size
-from .pipeline.inpaint import outpaint
+from .pipeline.inpaint import DEFAULT_STRENGTH_IMAGE_TO_IMAGE, DEFAULT_STRENGTH_INPAINT, outpaint
 from .pipeline.prompts import (
     DiskPromptCache,
     PromptCache,
@@ -107,7 +107,8 @@ def _add_generate_args(g: argparse.ArgumentParser) -> None:
     src.add_argument("--models-dir", type=Path,
                      help="a ComfyUI models/ folder with diffusion_models/, text_encoders/, vae/")
     src.add_argument("--model", default=None,
-                     help="file name in diffusion_models/ (with --models-dir; default: the first file there)")
+                     help="file name in diffusion_models/ (with --models-dir; default: the first "
+                          "transformer there, in name order)")
     src.add_argument("--demo", action="store_true",
                      help="tiny random models built in memory: checks the install, the image is noise "
                           "(256x256 unless --width/--height say otherwise)")
@@ -197,6 +198,15 @@ def _pick(folder: Path, what: str, name: str | None = None) -> Path:
         noun = {"diffusion_models": "Klein transformer (e.g. flux-2-klein-4b.safetensors)",
                 "vae": "FLUX.2 VAE (flux2-vae.safetensors)"}.get(what, what)
         raise CLIError(f"no .safetensors files in {folder}; put the {noun} there (README: Model files)")
+    if what == "diffusion_models":
+        # ComfyUI's diffusion_models/ holds other models too (a VAE, a LoRA, another family): the first
+        # file by name is not necessarily a transformer, and picking it blindly failed with a message
+        # about that file. The first file whose header is a transformer's is the default.
+        transformers = [f for f in files if probe(f).kind == "transformer"]
+        if not transformers:
+            raise CLIError(f"no transformer in {folder} (it has {', '.join(f.name for f in files)}); put the Klein "
+                           "transformer (e.g. flux-2-klein-4b.safetensors) there, or name it with --model")
+        return transformers[0]
     return files[0]
 
 
@@ -210,6 +220,12 @@ def _refuse_non_weights(path: Path, component: str) -> None:
 def resolve_files(args: argparse.Namespace) -> tuple[Path, Path, Path]:
     """Transformer, text encoder and VAE paths from explicit flags and/or ``--models-dir``."""
     tr, te, vae = args.transformer, args.text_encoder, args.vae
+    # --model names a file in --models-dir's diffusion_models/; anywhere else it used to be ignored
+    # without a word, and another transformer than the one asked for ran.
+    if args.model is not None and not args.models_dir:
+        raise CLIError(f"--model {args.model}: needs --models-dir (or give the file with --transformer)")
+    if args.model is not None and tr is not None:
+        raise CLIError(f"--model {args.model} and --transformer {tr}: give one of them")
     if args.models_dir:
         md = args.models_dir
         tr = tr or _pick(md / "diffusion_models", "diffusion_models", args.model)
@@ -475,16 +491,21 @@ def run_generate(args: argparse.Namespace) -> int:
         negative_embeds=cond.negative if cond is not None else None, speed=args.speed,
     )
     total = time.perf_counter() - t0
+    # Everything that changed the pixels, resolved, so the parameters can reproduce the image: the
+    # weights' dtype and quantisation, the batch size, exact LoRA strengths and every inpaint option.
     params = {
         "prompt": args.prompt, "negative_prompt": args.negative_prompt, "width": result.width,
         "height": result.height, "steps": result.steps, "guidance": result.guidance, "seed": args.seed,
-        "model_kind": kind, "references": [str(r) for r in args.ref],
-        "demo": bool(args.demo), **names, "loras": [f"{p.name}:{s:g}" for p, s in args.lora],
+        "batch": args.batch, "model_kind": kind, "references": [str(r) for r in args.ref],
+        "reference_sizes": [list(s) for s in result.reference_sizes],
+        "demo": bool(args.demo), **names, "loras": [f"{p.name}:{_strength_text(s)}" for p, s in args.lora],
+        "dtype": str(dtype).removeprefix("torch."), "quantize": args.quantize,
         "text_precision": args.text_precision, "max_tokens": args.max_tokens,
         "ref_mode": reference_mode(kind, args.ref_mode),
         "speed": args.speed,
-        **({"image": str(args.image), "mask": str(args.mask) if args.mask else None, "strength": args.strength,
-            "outpaint": args.outpaint} if args.image else {}),
+        **({"image": str(args.image), "mask": str(args.mask) if args.mask else None,
+            "strength": _resolved_strength(args), "outpaint": args.outpaint, "crop_padding": args.crop_padding,
+            "feather": args.feather, "composite": not args.no_composite} if args.image else {}),
     }
     paths = _save_images(result, args.out, params)
     stages = ", ".join(f"{k} {v:.2f} s" for k, v in result.timings.items())
@@ -493,6 +514,21 @@ def run_generate(args: argparse.Namespace) -> int:
     if not args.quiet:
         write_line(sys.stderr, f"speed {describe_speed(transformer)}\n")
     return 0
+
+
+def _strength_text(strength: float) -> str:
+    """A LoRA strength as the parameters keep it: short (``0.5``, ``1``) when that is exact, else every
+    digit (``"%g"`` alone rounded 0.123456789 to 0.123457, a strength that did not run)."""
+    short = f"{strength:g}"
+    return short if float(short) == strength else repr(strength)
+
+
+def _resolved_strength(args: argparse.Namespace) -> float:
+    """The strength that ran: the given one, else the engine's default (the mask from --outpaint counts)."""
+    if args.strength is not None:
+        return float(args.strength)
+    masked = args.mask is not None or args.outpaint is not None
+    return DEFAULT_STRENGTH_INPAINT if masked else DEFAULT_STRENGTH_IMAGE_TO_IMAGE
 
 
 def log_to_stderr() -> None:

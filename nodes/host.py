@@ -129,21 +129,29 @@ def use_models(handles: list, memory_required: int = 0) -> None:
 def install_unload_hook(on_unload: Callable[[], object]) -> bool:
     """Call ``on_unload()`` whenever ComfyUI unloads all models (``POST /free``, OOM recovery,
     ``--disable-smart-memory``). Wraps ``comfy.model_management.unload_all_models`` once, chaining to
-    the original; returns False if it was already wrapped."""
+    the original; a later call adds its callback to that wrapper (the pack loaded again under another
+    module name, whose nodes ComfyUI then keeps, must be released too). Returns False if
+    ``on_unload`` was hooked already."""
     mm = _mm()
+    hooks = getattr(mm.unload_all_models, "_klein_unload_hooks", None)
+    if hooks is not None:
+        if on_unload in hooks:
+            return False
+        hooks.append(on_unload)
+        return True
     original = mm.unload_all_models
-    if getattr(original, "_klein_unload_hook", False):
-        return False
+    hooks = [on_unload]
 
     @functools.wraps(original)
     def unload_all_models(*args, **kwargs):
-        try:
-            on_unload()
-        except Exception:  # never let the pack break ComfyUI's own unloading
-            logger.exception("Klein: releasing cached models failed")
+        for hook in hooks[:]:  # a copy: a hook may be added while they run
+            try:
+                hook()
+            except Exception:  # never let the pack break ComfyUI's own unloading
+                logger.exception("Klein: releasing cached models failed")
         return original(*args, **kwargs)
 
-    unload_all_models._klein_unload_hook = True
+    unload_all_models._klein_unload_hooks = hooks
     mm.unload_all_models = unload_all_models
     return True
 

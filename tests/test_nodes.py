@@ -523,11 +523,29 @@ def test_free_hook_releases_every_cache_and_models_reload_on_demand(comfy, caplo
 
 def test_free_hook_is_installed_once(comfy):
     hooked = comfy.mm.unload_all_models
-    assert hooked._klein_unload_hook
-    assert not comfy.host.install_unload_hook(lambda: None)
+    assert comfy.cache.release_all in hooked._klein_unload_hooks
+    assert not comfy.host.install_unload_hook(comfy.cache.release_all)  # the same callback: hooked already
     asyncio.run(comfy.pack.comfy_entrypoint())
-    assert comfy.mm.unload_all_models is hooked
-    assert not getattr(hooked.__wrapped__, "_klein_unload_hook", False)
+    assert comfy.mm.unload_all_models is hooked and hooked._klein_unload_hooks.count(comfy.cache.release_all) == 1
+    assert not hasattr(hooked.__wrapped__, "_klein_unload_hooks")  # one wrapper, around ComfyUI's own
+
+
+def test_free_hook_releases_every_copy_of_the_pack(comfy):
+    """The pack loaded again under another module name (ComfyUI keeps that copy's nodes): its
+    release_all is added to the one wrapper, so Free releases both copies' caches."""
+    hooked = comfy.mm.unload_all_models
+    released = []
+
+    def other_copy() -> None:
+        released.append(1)
+
+    assert comfy.host.install_unload_hook(other_copy)
+    try:
+        assert comfy.mm.unload_all_models is hooked  # no second wrapper
+        comfy.mm.unload_all_models()
+        assert released == [1]
+    finally:
+        hooked._klein_unload_hooks.remove(other_copy)
 
 
 def test_models_are_registered_with_comfy_model_management(comfy):
