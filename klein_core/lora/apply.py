@@ -310,29 +310,77 @@ class LoRABranch:
         if dense is not None and not (_finite(dense) and _finite(dense.to(dtype))):
             raise _overflow(plan, dtype, "the delta overflows")
         self.dense = dense.to(dtype) if dense is not None else None
+        self._names: dict[str, str] = {}  # factor -> buffer name on the hooked module, once attached
 
-    def _to(self, device: torch.device) -> None:
-        for name in ("a", "b", "dense"):
-            t = getattr(self, name)
-            if t is not None and t.device != device:
-                setattr(self, name, t.to(device))
-        if self.kron and self.kron[0][0].device != device:
-            self.kron = [(w1.to(device), w2.to(device), rows, swap) for w1, w2, rows, swap in self.kron]
+    def _factor_items(self) -> list[tuple[str, torch.Tensor]]:
+        items = [(n, t) for n, t in (("a", self.a), ("b", self.b), ("dense", self.dense)) if t is not None]
+        for k, (w1, w2, _, _) in enumerate(self.kron):
+            items += [(f"kron{k}_1", w1), (f"kron{k}_2", w2)]
+        return items
+
+    def attach(self, module: nn.Module) -> list[str]:
+        """Keep the factors as non-persistent buffers of ``module`` (returns their names).
+
+        Why buffers rather than attributes of the hook: every memory tool sees a module's buffers.
+        A block streamed by the BlockOffloader (or a component staged by ``on_device``) then
+        brings its LoRA factors to the device with its weights and takes them back with them,
+        and ``module_bytes`` (the planner's sizes) counts them. Kept as plain attributes, the
+        factors were moved to the compute device on the first call and left there: every block's
+        factors piled up on the GPU during a streamed run and stayed after it, uncounted.
+        Non-persistent: a state dict of the model stays that of the base weights.
+        """
+        # The first free index on this module, not a global counter: a copy made again the same
+        # way gets the same names, so a compiled block's graph (guarded on them) is reused.
+        k = 0
+        while any(n.startswith(f"klein_lora{k}_") for n in module._buffers):
+            k += 1
+        base = f"klein_lora{k}_"
+        # A packed layer's factors were made on the CPU (its weight stand-in is on meta): give them
+        # the module's device, or a resident GPU model would copy them in on every call.
+        home = next((t.device for t in module.parameters(recurse=False) if t.device.type != "meta"),
+                    next((t.device for t in module.buffers(recurse=False) if t.device.type != "meta"), None))
+        for name, t in self._factor_items():
+            t = t if home is None else t.to(home)
+            buffer = base + name
+            module.register_buffer(buffer, t, persistent=False)
+            self._names[name] = buffer
+        # The module holds the factors now; the hook reads them from it at each call.
+        self.a = self.b = self.dense = None
+        self.kron = [(None, None, rows, swap) for _, _, rows, swap in self.kron]  # type: ignore[misc]
+        return list(self._names.values())
+
+    def detach(self, module: nn.Module) -> None:
+        """Drop the factor buffers :meth:`attach` put on ``module``."""
+        for buffer in self._names.values():
+            module._buffers.pop(buffer, None)
+
+    def _factors(self, module: nn.Module, device: torch.device) -> tuple[Any, Any, Any, list[Any]]:
+        """The factors on ``device``: read from ``module``'s buffers (wherever the memory tools put
+        them). One not on ``device`` (a packed layer's, made on the CPU, or a module moved without
+        its buffers) is copied for this call only, never stored: the module keeps its home copy."""
+        def get(name: str, own: torch.Tensor | None) -> torch.Tensor | None:
+            t = module._buffers.get(self._names[name]) if name in self._names else own
+            return t if t is None or t.device == device else t.to(device)
+
+        kron = []
+        for k, (w1, w2, rows, swap) in enumerate(self.kron):
+            kron.append((get(f"kron{k}_1", w1), get(f"kron{k}_2", w2), rows, swap))
+        return get("a", self.a), get("b", self.b), get("dense", self.dense), kron
 
     def __call__(self, module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> torch.Tensor:
         x = args[0]
-        self._to(x.device)
+        a, b, dense, kron = self._factors(module, x.device)
         extra = None
-        if self.a is not None and self.b is not None:
-            extra = F.linear(F.linear(x.to(self.a.dtype), self.a), self.b)
-        if self.dense is not None:
-            d = F.linear(x.to(self.dense.dtype), self.dense)
+        if a is not None and b is not None:
+            extra = F.linear(F.linear(x.to(a.dtype), a), b)
+        if dense is not None:
+            d = F.linear(x.to(dense.dtype), dense)
             extra = d if extra is None else extra + d
-        if self.kron:
+        if kron:
             lead = x.shape[:-1]
             if extra is None:
-                extra = x.new_zeros(*lead, self.out_features, dtype=self.kron[0][0].dtype)
-            for w1, w2, rows, swap in self.kron:
+                extra = x.new_zeros(*lead, self.out_features, dtype=kron[0][0].dtype)
+            for w1, w2, rows, swap in kron:
                 xr = x.to(w1.dtype).reshape(*lead, w1.shape[1], w2.shape[1])  # [..., b, d]
                 y = torch.einsum("ab,...bd,cd->...ac", w1, xr, w2).reshape(*lead, -1)  # [..., a*c]
                 if swap:  # diffusers' final-layer rows: swap the output halves
@@ -369,6 +417,7 @@ class AppliedLoRAs:
         self.modules: list[str] = []
         self._backups: list[tuple[nn.Module, torch.Tensor | tuple[torch.Tensor, torch.Tensor]]] = []
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
+        self._branches: list[tuple[nn.Module, LoRABranch]] = []
         self._models: list[nn.Module] = []
         self.active = True
 
@@ -411,6 +460,9 @@ class AppliedLoRAs:
             for hook in self._hooks:
                 hook.remove()
             self._hooks.clear()
+            for module, branch in self._branches:  # the factors, kept as the modules' buffers
+                branch.detach(module)
+            self._branches.clear()
         self.active = False
         logger.info("removed LoRAs %s (%s mode)", self.loras, self.mode)
 
@@ -474,7 +526,10 @@ def _apply_plans(handle: AppliedLoRAs, plans: dict[tuple[str, str], _ModulePlan]
             weight.data = merged
             handle._backups.append((plan.module, original.to("cpu")))
         else:
-            handle._hooks.append(plan.module.register_forward_hook(LoRABranch(plan, weight)))
+            branch = LoRABranch(plan, weight)
+            branch.attach(plan.module)
+            handle._branches.append((plan.module, branch))
+            handle._hooks.append(plan.module.register_forward_hook(branch))
         handle.modules.append(f"{comp}:{name}")
 
 
@@ -548,7 +603,9 @@ def with_loras(model: nn.Module, loras: LoRASpec | Sequence[LoRASpec]) -> nn.Mod
 
     for (_, name), plan in plans.items():
         module = copied(name)
-        module.register_forward_hook(LoRABranch(plan, _weight_of(module)))  # type: ignore[arg-type]
+        branch = LoRABranch(plan, _weight_of(module))  # type: ignore[arg-type]
+        branch.attach(module)  # on the copy's own buffer dict: the input model gains nothing
+        module.register_forward_hook(branch)
     # Every repeated block is copied too, adapted or not (objects only; the tensors stay shared):
     # switching the copy's speed then compiles or uncompiles the copy's blocks, never the model's.
     for list_name, blocks in model.named_children():
