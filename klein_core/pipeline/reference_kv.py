@@ -99,7 +99,7 @@ class ReferenceKVCache(BoundedCache[ReferenceKV]):
 
     def get(self, model: Flux2Transformer, refs: ReferenceTokens, timestep: float = 0.0) -> ReferenceKV:
         """The keys/values of ``refs`` under ``model``: from the cache, or computed and kept."""
-        if has_loras(model):  # branches do not change the weights, so the key cannot see them
+        if has_loras(model):  # branches: their factors are buffers the key follows; not cached all the same
             return model.reference_kv(refs.tokens, refs.ids, timestep=timestep)
         weights = weights_state(model)
         if weights is None:
