@@ -23,6 +23,7 @@ from test_native_model import (  # noqa: F401
     _native_cond,
     host,
 )
+from train_files import nonzero_lora
 
 from klein_core.quant.fp8 import FP8Linear, dequantize
 
@@ -36,14 +37,10 @@ def _loaded(h, dtype: str):
 
 def _lora_file(h, tmp_path, transformer):
     """A rank-2 LoRA over every block Linear, saved in ComfyUI names, its up matrices made non-zero."""
-    from klein_core.train.adapters import LoRASet, preset
+    from klein_core.train.adapters import preset
     from klein_core.train.save import save_lora
 
-    lora = LoRASet(transformer, preset("full", rank=2), seed=1)  # hooks never attached: the model is unchanged
-    g = torch.Generator().manual_seed(4)
-    with torch.no_grad():
-        for layer in lora.layers.values():
-            layer.up.copy_(torch.randn(layer.up.shape, generator=g) * 0.5)
+    lora = nonzero_lora(transformer, preset("full", rank=2))
     return save_lora(tmp_path / "hunt_lora.safetensors", lora, fmt="comfyui")
 
 

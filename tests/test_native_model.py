@@ -19,6 +19,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from train_files import nonzero_lora
 
 from klein_core.memory.placement import module_bytes
 from klein_core.testing import write_tiny_model_files
@@ -372,7 +373,7 @@ def test_blocks_memory_mode_streams_the_bridged_model_and_gives_the_same_latents
     """The loader's memory_mode blocks carries over to the native MODEL: each step streams the blocks
     (klein_core's BlockOffloader, here with host-to-host copies), with the same latents as the model
     ComfyUI loads whole."""
-    import klein_core.memory.placement as placement
+    from klein_core.memory import placement
 
     model, _ = _load(host)
     pos = _native_cond(host, _encode(host).positive)
@@ -422,18 +423,14 @@ def test_comfyuis_own_lora_loader_applies_to_the_bridged_model(host, tmp_path, c
     from safetensors.torch import load_file
 
     import klein_core as kc
-    from klein_core.train.adapters import LoRASet, preset
+    from klein_core.train.adapters import preset
     from klein_core.train.save import save_lora
 
     lora_mod = importlib.import_module(f"{PACK}.lora")
     model, _ = _load(host)
     transformer = model.ref.get()
     before = {k: v.detach().clone() for k, v in transformer.state_dict().items()}
-    lora = LoRASet(transformer, preset("full", rank=2), seed=1)  # hooks never attached: the model is unchanged
-    g = torch.Generator().manual_seed(4)
-    with torch.no_grad():
-        for layer in lora.layers.values():
-            layer.up.copy_(torch.randn(layer.up.shape, generator=g) * 0.5)
+    lora = nonzero_lora(transformer, preset("full", rank=2))
     path = save_lora(tmp_path / "native.safetensors", lora, fmt="comfyui")
     cond = _encode(host)
     plain = _core(host, _bridge(host, model), _native_cond(host, cond.positive))
@@ -458,7 +455,7 @@ def test_lora_after_a_compiled_run_takes_effect(host, tmp_path, monkeypatch):
     backend here, so compiled and plain give the same bits."""
     import klein_core as kc
     from klein_core.accel import fast, speed
-    from klein_core.train.adapters import LoRASet, preset
+    from klein_core.train.adapters import preset
     from klein_core.train.save import save_lora
 
     monkeypatch.setattr(speed, "enable_fast_paths", lambda m, compile=False: fast.enable_fast_paths(
@@ -468,11 +465,7 @@ def test_lora_after_a_compiled_run_takes_effect(host, tmp_path, monkeypatch):
     lora_mod = importlib.import_module(f"{PACK}.lora")
     plain_model, _ = _load(host)
     transformer = plain_model.ref.get()
-    lora = LoRASet(transformer, preset("style", rank=2), seed=1)  # double blocks: the single ones stay shared
-    g = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for layer in lora.layers.values():
-            layer.up.copy_(torch.randn(layer.up.shape, generator=g) * 0.5)
+    lora = nonzero_lora(transformer, preset("style", rank=2), up_seed=5)  # double blocks: the single ones stay shared
     path = save_lora(tmp_path / "style.safetensors", lora)
     cond = _encode(host)
     want = _klein(host, lora_mod.patch_model(plain_model, kc.load_lora(path), 1.0), cond)  # speed fast (CPU: plain)

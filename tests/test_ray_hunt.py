@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
+from train_files import nonzero_lora
 
 from klein_core.cli import CLIError
 from klein_core.distributed import batch as dbatch
@@ -23,7 +23,7 @@ from klein_core.distributed.models import ModelSpec
 from klein_core.distributed.rows import RowSpec
 from klein_core.distributed.runner import RowRunner
 from klein_core.testing import tiny as demo
-from klein_core.train.adapters import LoRASet, preset
+from klein_core.train.adapters import preset
 from klein_core.train.save import save_lora
 
 
@@ -74,11 +74,7 @@ def test_second_job_on_the_same_out_is_refused_and_leaves_the_first_jobs_files(t
 
 
 def _write_lora(path: Path, seed: int) -> Path:
-    lora = LoRASet(demo.tiny_transformer(), preset("full", rank=2), seed=seed)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for layer in lora.layers.values():
-            layer.up.copy_(torch.randn(layer.up.shape, generator=g))
+    lora = nonzero_lora(demo.tiny_transformer(), preset("full", rank=2), seed=seed, up_seed=seed, scale=1.0)
     return save_lora(path, lora)
 
 

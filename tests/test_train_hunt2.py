@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import load_file
 from script_module import load_script
 from tiny_reference import CTX, tiny_diffusers_transformer
+from train_files import nonzero_lora
 
 from klein_core.files.loaders import load_transformer
 from klein_core.pipeline.sampling import position_ids, text_position_ids
@@ -34,12 +35,7 @@ def _mixed_lora(model) -> LoRASet:
     groups = preset("full").groups
     cfg = AdapterConfig(tuple(TargetGroup(g.name, g.pattern, r, a)
                               for g, r, a in zip(groups, (6, 4, 3, 2), (3.0, None, 5.0, None))))
-    lora = LoRASet(model, cfg, seed=1)
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for layer in lora.layers.values():
-            layer.up.copy_(torch.randn(layer.up.shape, generator=g) * 0.3)
-    return lora
+    return nonzero_lora(model, cfg, up_seed=0, scale=0.3)
 
 
 def test_kohya_file_loads_in_diffusers_with_the_trained_effect(tmp_path):

@@ -21,6 +21,20 @@ def one_thread():
     torch.set_num_threads(n)
 
 
+def nonzero_lora(model, config, *, seed: int = 1, up_seed: int = 4, scale: float = 0.5):
+    """A ``LoRASet`` over ``model`` for ``config`` (an ``AdapterConfig``, e.g. ``preset("full", rank=2)``)
+    with random up matrices (a fresh LoRA's are zero: it would change nothing). Its hooks are never
+    attached, so ``model`` is unchanged."""
+    from klein_core.train.adapters import LoRASet
+
+    lora = LoRASet(model, config, seed=seed)
+    g = torch.Generator().manual_seed(up_seed)
+    with torch.no_grad():
+        for layer in lora.layers.values():
+            layer.up.copy_(torch.randn(layer.up.shape, generator=g) * scale)
+    return lora
+
+
 def tiny_training_files(root: Path) -> tuple[dict[str, Path], Path]:
     """``(model paths, dataset folder)`` under ``root``: fp32 tiny models (``write_tiny_model_files``)
     and ``data/`` with two 32x32 images, each with a ``.txt`` caption."""
