@@ -7,7 +7,7 @@ not depend on the device), while its matmuls are about 2.8 TFLOP, a few millisec
 The text stage measured 22-24 ms there on every eager speed, plain and fast alike
 (``benchmarks/results/2026-11-26_h100_gpupass``), and twice that under the profiler, which slows
 the host and not the GPU. Compiled, each layer's norms, rotary embedding and SwiGLU fuse into a few
-kernels. The gain on the GPU is not measured yet.
+kernels. On an H100 (2026-11-27) the compiled stage took 25.8 ms: no gain, still host-bound.
 
 Only each layer's ``forward`` is compiled: the encoder's own forward (token embedding, RoPE tables,
 the attention mask) stays eager, and so do hooks on the layers themselves (block streaming, the
@@ -15,6 +15,8 @@ per-layer casts of ``activations=float32``). LoRA branches on the layers' Linear
 them, their hooks guarded (a LoRA copy compiles its own graph). A compiler failure re-runs the call
 eagerly and turns compilation off for the encoder with one warning. The ``fast`` speed leaves the
 encoder on the plain path.
+
+So on CUDA the whole forward is also replayed as a CUDA graph per prompt shape (:mod:`.text_graph`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import logging
 
 from ..models.qwen3 import Qwen3TextEncoder
 from .fast import SPEED_ATTR, _compile_group, _CompileTimer, _remove_hooks, _uncompile
+from .text_graph import GraphedTextForward, graphed_forward
 
 logger = logging.getLogger(__name__)
 
@@ -35,12 +38,16 @@ def enable_fast_text_encoder(
     compile: bool = True,
     compile_mode: str | None = None,
     compile_backend: str = "inductor",
+    graphs: bool = True,
 ) -> None:
     """Compile the decoder layers of ``encoder`` in place (``compile=False``: the plain path).
 
     The first encode at each ``[batch, length]`` (and ``activations`` dtype) compiles, logged with
     its duration; torch's on-disk cache (``TORCHINDUCTOR_CACHE_DIR``) keeps the result for later
     processes. ``compile_mode`` / ``compile_backend``: ``torch.compile``'s ``mode`` and ``backend``.
+    ``graphs``: on CUDA, replay each prompt shape's forward as a CUDA graph
+    (:mod:`klein_core.accel.text_graph`: recorded at the first encode of the shape, eager wherever
+    replay could differ).
     """
     if not isinstance(encoder, Qwen3TextEncoder):
         raise TypeError(f"enable_fast_text_encoder expects a Qwen3TextEncoder, got {type(encoder).__name__}")
@@ -51,8 +58,11 @@ def enable_fast_text_encoder(
     # Timed from the first layer's call to the last one's return (``encode`` calls ``forward``
     # directly, so hooks on the encoder itself would never run).
     timer = _CompileTimer()
-    encoder.__dict__[_HOOKS] = [(0, encoder.layers[0].register_forward_pre_hook(timer.pre, with_kwargs=True)),
-                                (-1, encoder.layers[-1].register_forward_hook(timer.post, with_kwargs=True))]
+    hooks = [(0, encoder.layers[0].register_forward_pre_hook(timer.pre, with_kwargs=True)),
+             (-1, encoder.layers[-1].register_forward_hook(timer.post, with_kwargs=True))]
+    encoder.__dict__[_HOOKS] = hooks
+    if graphs:
+        encoder.forward = GraphedTextForward(encoder, frozenset(h.id for _, h in hooks))  # type: ignore[method-assign]
     logger.info("torch.compile (%s) enabled for the %d text encoder layers (mode=%s); compiled on first use",
                 compile_backend, len(encoder.layers), compile_mode or "default")
 
@@ -60,6 +70,8 @@ def enable_fast_text_encoder(
 def disable_fast_text_encoder(encoder: Qwen3TextEncoder) -> None:
     """Back to the plain path: no compiled layers, no timing hooks."""
     encoder.__dict__.pop(SPEED_ATTR, None)
+    if graphed_forward(encoder) is not None:
+        del encoder.__dict__["forward"]
     for layer in encoder.layers:
         _uncompile(layer)
     for index, handle in encoder.__dict__.pop(_HOOKS, ()):

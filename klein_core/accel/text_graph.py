@@ -1,0 +1,201 @@
+"""CUDA-graph replay of the text encoder's forward under ``speed="compile"``.
+
+Why: even compiled, the text stage is bound by the host. On an H100 (2026-11-27,
+``benchmarks/results/2026-11-27_h100``) the compiled encoder took 25.8 ms for one 512-token prompt
+whose matmuls are a few milliseconds of GPU work: the host launches the 27 layers' kernels more
+slowly than the GPU runs them. Klein's prompts are always padded to the same length, so the forward
+has one shape per batch size, the case CUDA graphs are made for: the kernels are recorded once and
+replayed with one launch.
+
+A graph is recorded per ``[batch, length]``, input dtypes and padding side, at the first encode of
+that shape (two warm-up forwards on a side stream, compilation included, then the capture), and
+replayed while the encoder's weights stay at the same device addresses: every call compares the
+address, dtype and shape of each parameter and buffer (about 300 tensors at 4B) with the graph's, so
+weights moved, replaced or staged elsewhere are re-recorded, never read from stale memory (after
+:data:`MAX_MOVES` such moves, as a staged encoder makes on every run, replay is given up for the
+encoder). Weights changed in place (a merged LoRA) are read as they are at replay. At most :data:`MAX_GRAPHS` graphs
+are kept per encoder (each holds its own activation memory, tens of MB for a 512-token prompt).
+
+Eager (the class's forward, compiled layers and all) whenever replay could differ from it: with
+autograd on, an ``activations`` dtype (per-layer casts), a mask whose padding side is not known on
+the host, a device other than CUDA, weights off the input's device (streamed blocks), or any hook on
+the encoder's modules other than the compile timer's (a LoRA branch, a cast, block streaming).
+A capture failure turns replay off for that encoder with one warning; the call runs eagerly.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..memory.placement import _tensors
+from ..models.qwen3 import Qwen3TextEncoder
+
+logger = logging.getLogger(__name__)
+
+MAX_GRAPHS = 2
+"""Graphs kept per encoder: one prompt, and a prompt with its negative (batch 1 and 2)."""
+
+MAX_MOVES = 2
+"""Times the weights may turn up at new addresses before replay is given up for the encoder (a
+staged encoder is copied in anew for each run: it would record a graph every time)."""
+
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_forward_hooks_with_kwargs",
+               "_forward_pre_hooks_with_kwargs", "_backward_hooks", "_backward_pre_hooks")
+_GLOBAL_HOOKS = ("_global_forward_pre_hooks", "_global_forward_hooks", "_global_backward_hooks",
+                 "_global_backward_pre_hooks")
+
+
+@dataclass
+class _Graph:
+    replay: Callable[[], None]  # the recorded CUDA graph's replay (its memory lives as long as it)
+    ids: torch.Tensor  # the static inputs the graph reads
+    mask: torch.Tensor
+    out: torch.Tensor  # the static output it writes (overwritten at every replay: callers get a copy)
+    weights: tuple[Hashable, ...]
+
+
+class GraphedTextForward:
+    """The instance ``forward`` of a :class:`Qwen3TextEncoder` under ``speed="compile"`` (same
+    signature as :meth:`Qwen3TextEncoder.forward`): CUDA-graph replay where it gives the eager
+    result, else the eager forward. ``captures`` / ``replays`` count what it did."""
+
+    def __init__(self, encoder: Qwen3TextEncoder, allowed_hooks: frozenset[int] = frozenset()) -> None:
+        self.encoder = encoder
+        self.allowed_hooks = allowed_hooks  # ids of hooks that only observe (the compile timer's)
+        self.graphs: OrderedDict[Hashable, _Graph] = OrderedDict()
+        self.disabled: str | None = None
+        self.captures = 0
+        self.replays = 0
+        self.moves = 0  # times the weights were found at new addresses
+
+    def klein_rebind(self, copy: nn.Module) -> GraphedTextForward:
+        """A shallow copy of the encoder (``with_loras``) gets its own graphs, never this one's."""
+        return GraphedTextForward(copy, self.allowed_hooks)  # type: ignore[arg-type]
+
+    def reset(self) -> None:
+        """Drop every graph (their memory is freed with them)."""
+        self.graphs.clear()
+
+    def _eager(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return type(self.encoder).forward(self.encoder, *args, **kwargs)
+
+    def ineligible(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                   activations: torch.dtype | None, left_padded: bool | None) -> str | None:
+        """Why this call runs eagerly (None: it may replay). The weights' placement is checked
+        apart, with their addresses (:meth:`_weights`)."""
+        if self.disabled is not None:
+            return self.disabled
+        if torch.is_grad_enabled():
+            return "autograd is on"
+        if activations is not None:
+            return "an activations dtype casts the weights per layer"
+        if left_padded is None:
+            return "the padding side is not known on the host"
+        for name in _GLOBAL_HOOKS:
+            if getattr(torch.nn.modules.module, name, None):
+                return "global module hooks are set"
+        for module in self.encoder.modules():
+            for name in _HOOK_DICTS:
+                hooks = getattr(module, name, None)
+                if hooks and any(key not in self.allowed_hooks for key in hooks):
+                    return f"a hook on {type(module).__name__}"
+        if input_ids.device.type != "cuda" or attention_mask.device != input_ids.device:
+            return "not on a CUDA device"
+        if torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
+            return "inside another compilation or capture"
+        return None
+
+    def _weights(self, device: torch.device) -> tuple[Hashable, ...] | None:
+        """Address, dtype and shape of every parameter and buffer; None if one is elsewhere."""
+        key = []
+        for t in _tensors(self.encoder):
+            if t.device != device:
+                return None
+            key.append((t.data_ptr(), t.dtype, t.shape))
+        return tuple(key)
+
+    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                 activations: torch.dtype | None = None, *, left_padded: bool | None = None) -> torch.Tensor:
+        if self.ineligible(input_ids, attention_mask, activations, left_padded) is not None:
+            return self._eager(input_ids, attention_mask, activations, left_padded=left_padded)
+        weights = self._weights(input_ids.device)
+        if weights is None:
+            return self._eager(input_ids, attention_mask, activations, left_padded=left_padded)
+        key = (tuple(input_ids.shape), input_ids.dtype, attention_mask.dtype, str(input_ids.device),
+               bool(left_padded))
+        entry = self.graphs.get(key)
+        if entry is not None and entry.weights != weights:
+            entry = None
+        if entry is None:
+            # graphs recorded on other weights (moved, replaced) are stale for good
+            stale = [k for k, g in self.graphs.items() if g.weights != weights]
+            for k in stale:
+                del self.graphs[k]
+            if stale:
+                self.moves += 1
+                if self.moves > MAX_MOVES:  # staged in and out at new addresses: recording never pays
+                    self.disabled = "its weights move between calls"
+                    logger.info("text encoder: %s (staged on the device per run); no CUDA graph replay",
+                                self.disabled)
+                    return self._eager(input_ids, attention_mask, activations, left_padded=left_padded)
+            entry = self._capture(input_ids, attention_mask, bool(left_padded), weights)
+            if entry is None:
+                return self._eager(input_ids, attention_mask, activations, left_padded=left_padded)
+            self.graphs[key] = entry
+            while len(self.graphs) > MAX_GRAPHS:
+                self.graphs.popitem(last=False)
+        else:
+            self.graphs.move_to_end(key)
+        entry.ids.copy_(input_ids)
+        entry.mask.copy_(attention_mask)
+        entry.replay()
+        self.replays += 1
+        return entry.out.clone()
+
+    def _capture(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, left_padded: bool,
+                 weights: tuple[Hashable, ...]) -> _Graph | None:
+        ids, mask = input_ids.clone(), attention_mask.clone()
+        try:
+            replay, out = self._record(ids, mask, left_padded)
+        except Exception as exc:  # noqa: BLE001 - any failure: eager from now on, said once
+            self.disabled = f"capture failed ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+            self.reset()
+            logger.warning("CUDA graph of the text encoder: %s; it runs without replay from now on", self.disabled)
+            return None
+        self.captures += 1
+        logger.info("text encoder: CUDA graph recorded for input %s on %s", list(input_ids.shape), input_ids.device)
+        return _Graph(replay, ids, mask, out, weights)
+
+    def _record(self, ids: torch.Tensor, mask: torch.Tensor, left_padded: bool
+                ) -> tuple[Callable[[], None], torch.Tensor]:
+        """The forward on the static inputs ``ids`` / ``mask`` recorded as a CUDA graph: its replay
+        function, and the output tensor each replay writes."""
+        device = ids.device
+        # Warm-up on a side stream, as torch.cuda.graphs asks: compilation, autotuning and the
+        # kernels' lazy set-up happen here, not inside the capture.
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self._eager(ids, mask, None, left_padded=left_padded)
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            out = self._eager(ids, mask, None, left_padded=left_padded)
+        return graph.replay, out
+
+
+def graphed_forward(encoder: nn.Module) -> GraphedTextForward | None:
+    """The encoder's :class:`GraphedTextForward`, if replay is set up on it."""
+    forward = encoder.__dict__.get("forward")
+    return forward if isinstance(forward, GraphedTextForward) else None
+
+
+__all__ = ["MAX_GRAPHS", "MAX_MOVES", "GraphedTextForward", "graphed_forward"]

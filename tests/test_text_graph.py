@@ -1,0 +1,229 @@
+"""CUDA-graph replay of the text encoder under ``speed="compile"`` (klein_core.accel.text_graph), on the CPU.
+
+A CUDA graph cannot be recorded here, so the recording step (``GraphedTextForward._record``) is
+replaced by a stand-in that "replays" by running the eager forward on the static inputs into the
+static output, the contract a real graph keeps. Everything around it runs as on a GPU: when a call
+may replay, which graph it takes, re-recording when the weights move, the limit on graphs, a
+capture failure, the copy handed to the caller. The real recording is compared with the plain path
+on a GPU (tests/gpu/test_gpu_fast.py::test_text_encoder_graph_replay).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from klein_core import testing as demo
+from klein_core.accel import speed, text_graph
+from klein_core.accel.text_encoder import disable_fast_text_encoder, enable_fast_text_encoder
+from klein_core.accel.text_graph import MAX_GRAPHS, MAX_MOVES, GraphedTextForward, graphed_forward
+from klein_core.lora import load_lora
+from klein_core.lora.apply import with_loras
+from klein_core.pipeline.tokenizer import tokenize_prompts
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _tokens(prompts=("a red fox in the snow", "two cats"), length=40):
+    return tokenize_prompts(list(prompts), max_length=length)
+
+
+@pytest.fixture
+def cpu_graphs(monkeypatch):
+    """Replay allowed on the CPU, with a stand-in recorder; returns the list of recordings."""
+    recorded = []
+    original = GraphedTextForward.ineligible
+
+    def ineligible(self, input_ids, attention_mask, activations, left_padded):
+        why = original(self, input_ids, attention_mask, activations, left_padded)
+        return None if why == "not on a CUDA device" else why
+
+    def record(self, ids, mask, left_padded):
+        out = self._eager(ids, mask, None, left_padded=left_padded)
+        recorded.append((ids, mask))
+
+        def replay():
+            out.copy_(self._eager(ids, mask, None, left_padded=left_padded))
+        return replay, out
+
+    monkeypatch.setattr(GraphedTextForward, "ineligible", ineligible)
+    monkeypatch.setattr(GraphedTextForward, "_record", record)
+    return recorded
+
+
+def _graphed(te):
+    enable_fast_text_encoder(te, compile_backend="eager")
+    forward = graphed_forward(te)
+    assert forward is not None
+    return forward
+
+
+def test_compile_speed_sets_up_replay_and_other_speeds_remove_it():
+    te = demo.tiny_text_encoder()
+    speed.apply_speed(None, None, "compile", te)
+    assert isinstance(graphed_forward(te), GraphedTextForward)
+    speed.apply_speed(None, None, "fast", te)
+    assert graphed_forward(te) is None and "forward" not in te.__dict__
+    enable_fast_text_encoder(te, compile_backend="eager", graphs=False)
+    assert graphed_forward(te) is None
+    disable_fast_text_encoder(te)
+
+
+def test_on_the_cpu_it_never_records_and_gives_the_plain_features():
+    te = demo.tiny_text_encoder()
+    ids, mask = _tokens()
+    plain = te.encode(ids, mask)
+    forward = _graphed(te)
+    try:
+        assert torch.equal(te.encode(ids, mask), plain)
+        with torch.no_grad():
+            assert forward.ineligible(ids, mask, None, False) == "not on a CUDA device"
+        assert (forward.captures, forward.replays) == (0, 0)
+    finally:
+        disable_fast_text_encoder(te)
+
+
+def test_the_reasons_to_run_eagerly():
+    te = demo.tiny_text_encoder()
+    ids, mask = _tokens()
+    forward = _graphed(te)
+    try:
+        assert forward.ineligible(ids, mask, None, False) == "autograd is on"  # outside encode's no_grad
+        with torch.no_grad():
+            assert forward.ineligible(ids, mask, torch.float64, False).startswith("an activations dtype")
+            assert forward.ineligible(ids, mask, None, None).startswith("the padding side")
+            # the compile timer's own hooks do not count; a LoRA branch's do
+            assert forward.ineligible(ids, mask, None, False) == "not on a CUDA device"
+            handle = te.layers[3].mlp.register_forward_hook(lambda *a: None)
+            assert forward.ineligible(ids, mask, None, False) == "a hook on Qwen3MLP"
+            handle.remove()
+            forward.disabled = "capture failed (stand-in)"
+            assert forward.ineligible(ids, mask, None, False) == "capture failed (stand-in)"
+    finally:
+        disable_fast_text_encoder(te)
+
+
+def test_replays_other_prompts_of_the_same_shape_and_hands_out_copies(cpu_graphs):
+    te = demo.tiny_text_encoder()
+    ids, mask = _tokens()
+    other_ids, other_mask = _tokens(("an old boat", "rain on a window"))  # same shape, other tokens
+    plain, plain_other = te.encode(ids, mask), te.encode(other_ids, other_mask)
+    forward = _graphed(te)
+    try:
+        first = te.encode(ids, mask)
+        other = te.encode(other_ids, other_mask)
+        again = te.encode(ids, mask)
+    finally:
+        disable_fast_text_encoder(te)
+    assert (forward.captures, forward.replays) == (1, 3)
+    assert torch.equal(first, plain) and torch.equal(again, plain) and torch.equal(other, plain_other)
+    assert not torch.equal(first, other)  # the first result was not overwritten by the later replays
+    (entry,) = forward.graphs.values()
+    assert first.data_ptr() != entry.out.data_ptr()
+
+
+def test_one_graph_per_shape_at_most_max_graphs(cpu_graphs):
+    te = demo.tiny_text_encoder()
+    forward = _graphed(te)
+    shapes = [(("a fox",), 40), (("a fox", "a cat"), 40), (("a fox",), 48)]
+    try:
+        outs = {}
+        for prompts, length in shapes + shapes[:1]:
+            ids, mask = _tokens(prompts, length)
+            outs[(prompts, length)] = (te.encode(ids, mask), ids, mask)
+    finally:
+        disable_fast_text_encoder(te)
+    assert MAX_GRAPHS == 2 and len(forward.graphs) == MAX_GRAPHS
+    assert forward.captures == 4  # the first shape was evicted by the third, so recorded again
+    for out, ids, mask in outs.values():
+        assert torch.equal(out, te.encode(ids, mask))
+
+
+def test_weights_at_new_addresses_are_recorded_again_then_replay_is_given_up(cpu_graphs, caplog):
+    te = demo.tiny_text_encoder()
+    ids, mask = _tokens()
+    forward = _graphed(te)
+    layer = te.layers[0].mlp.down_proj
+    try:
+        te.encode(ids, mask)
+        for move in range(1, MAX_MOVES + 2):
+            # replaced by a tensor elsewhere (as a staged copy would be), with other values
+            layer.weight = torch.nn.Parameter(layer.weight.detach() * 1.5, requires_grad=False)
+            with caplog.at_level(logging.INFO, logger=text_graph.__name__):
+                out = te.encode(ids, mask)
+            assert forward.moves == move
+            with torch.no_grad():
+                ref = forward._eager(ids, mask, None, left_padded=False)
+            assert torch.equal(out, ref), move  # never the old weights' result
+        assert forward.captures == 1 + MAX_MOVES
+        assert forward.disabled == "its weights move between calls"
+        assert any("no CUDA graph replay" in r.getMessage() for r in caplog.records)
+    finally:
+        disable_fast_text_encoder(te)
+
+
+def test_a_weight_changed_in_place_is_read_at_replay(cpu_graphs):
+    te = demo.tiny_text_encoder()
+    ids, mask = _tokens()
+    forward = _graphed(te)
+    try:
+        before = te.encode(ids, mask)
+        with torch.no_grad():
+            te.layers[1].self_attn.o_proj.weight.mul_(2.0)  # as a merged LoRA changes it
+        after = te.encode(ids, mask)
+    finally:
+        disable_fast_text_encoder(te)
+    assert forward.captures == 1 and forward.replays == 2
+    assert not torch.equal(before, after)
+    assert torch.equal(after, te.encode(ids, mask))
+
+
+def test_a_capture_failure_runs_eagerly_from_then_on_with_one_warning(cpu_graphs, monkeypatch, caplog):
+    def fail(self, ids, mask, left_padded):
+        raise RuntimeError("CUDA error: operation not permitted when stream is capturing (stand-in)")
+
+    monkeypatch.setattr(GraphedTextForward, "_record", fail)
+    te = demo.tiny_text_encoder()
+    ids, mask = _tokens()
+    plain = te.encode(ids, mask)
+    forward = _graphed(te)
+    try:
+        with caplog.at_level(logging.WARNING, logger=text_graph.__name__):
+            outs = [te.encode(ids, mask) for _ in range(3)]
+    finally:
+        disable_fast_text_encoder(te)
+    assert all(torch.equal(o, plain) for o in outs)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "operation not permitted" in warnings[0], warnings
+    assert forward.disabled.startswith("capture failed") and not forward.graphs
+
+
+def test_a_lora_copy_gets_its_own_forward_and_runs_its_branches(cpu_graphs):
+    te = demo.tiny_text_encoder()
+    ids, mask = _tokens()
+    forward = _graphed(te)
+    try:
+        base = te.encode(ids, mask)
+        proj = te.layers[0].self_attn.q_proj
+        g = torch.Generator().manual_seed(1)
+        lora = load_lora({"text_encoder.model.layers.0.self_attn.q_proj.lora_A.weight":
+                          torch.randn(4, proj.in_features, generator=g),
+                          "text_encoder.model.layers.0.self_attn.q_proj.lora_B.weight":
+                          torch.randn(proj.out_features, 4, generator=g)})
+        copy = with_loras(te, (lora, 1.0))
+        copied = graphed_forward(copy)
+        assert copied is not None and copied is not forward and copied.encoder is copy
+        out = copy.encode(ids, mask)
+        assert copied.captures == 0 and copied.replays == 0  # its LoRA branch is a hook: eager
+        assert not torch.equal(out, base)
+        assert torch.equal(te.encode(ids, mask), base)
+        assert forward.captures == 1  # the base encoder still replays its own graph
+    finally:
+        disable_fast_text_encoder(te)
