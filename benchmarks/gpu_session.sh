@@ -28,6 +28,8 @@
 # 55 s), compile4b (speed.py 4B a, b: compile against diffusers+compile, 2 timed runs; did not finish in
 # the 126 s it had left; 300 s now, on a cold compile cache, since both sides also compile their text
 # encoder's layers).
+# profilec (profile_run.py under speed="compile", 4B a) and texttests (the suite's text encoder tests:
+# compiled, CUDA graph replay): added 2026-11-27, seconds not measured yet.
 # Optional, not measured yet: train (benchmarks/train_speed.py, LoRA training steps of issue 30: 4B, 9B,
 # 9B edit in bf16, 9B streamed (memory blocks), and 9B, 9B edit on an fp8 base, rank 32, 2 warm-up + 5 timed steps each, against diffusers
 # + peft in bf16; writes train.json; its timeout is 300 s).
@@ -57,11 +59,11 @@ PY="${PYTHON:-python3}"
 DRY=0
 PHASES=()
 ALL=(speed4b speed9b vae tests memory9b)
-OPTIONAL=(warm peer kernels memory fastpass blocks profile fasttests compile4b train)
+OPTIONAL=(warm peer kernels memory fastpass blocks profile profilec texttests fasttests compile4b train)
 for arg in "$@"; do
     case "$arg" in
         --dry-run) DRY=1 ;;
-        speed4b|speed9b|tests|memory9b|vae|warm|peer|kernels|memory|fastpass|blocks|profile|fasttests|compile4b|train)
+        speed4b|speed9b|tests|memory9b|vae|warm|peer|kernels|memory|fastpass|blocks|profile|profilec|texttests|fasttests|compile4b|train)
             PHASES+=("$arg") ;;
         all) PHASES+=("${ALL[@]}") ;;
         -h|--help) sed -n '2,/^$/p' "${BASH_SOURCE[0]}"; exit 0 ;;
@@ -224,6 +226,19 @@ phase_profile() {  # one warm default generation under torch.profiler: kernels b
     local -a tiny=()
     [ "$DRY" -eq 1 ] && tiny=(--tiny --device cpu)
     step profile_4b_a 60 "$PY" benchmarks/profile_run.py --model 4b --case a "${tiny[@]}" --out "$OUT/profile_4b_a.json"
+}
+
+phase_profilec() {  # the same under speed="compile" (a new process: Inductor's on-disk cache from earlier phases helps)
+    local -a tiny=()
+    [ "$DRY" -eq 1 ] && tiny=(--tiny --device cpu --speed fast)  # inductor takes minutes on a few CPU cores
+    step profile_4b_a_compile 120 "$PY" benchmarks/profile_run.py --model 4b --case a --speed compile "${tiny[@]}" \
+        --out "$OUT/profile_4b_a_compile.json"
+}
+
+phase_texttests() {  # the GPU suite's text encoder tests only (compiled, CUDA graph replay)
+    local -a env_vars=("KLEIN_PARITY_JSON=$OUT/parity_text.json" "KLEIN_PARITY_TABLE=1")
+    [ "$DRY" -eq 1 ] && env_vars+=("KLEIN_GPU_TESTS_DEVICE=cpu")
+    step texttests 90 env "${env_vars[@]}" "$PY" -m pytest -q -p no:cacheprovider -rs -k text_encoder tests/gpu/test_gpu_fast.py
 }
 
 phase_fasttests() {

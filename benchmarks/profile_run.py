@@ -8,7 +8,9 @@ conversion, launch latency) only shows as ``e2e - sum(stages)``. This script run
 * ``kernels``: GPU time per kernel family (matmul, attention, norm/rope, elementwise, copies,
   convolution, other), and the top kernels by total time;
 * ``gaps``: total GPU idle time inside the run, and the largest idle gaps with the kernels on
-  either side, so host-side stalls can be placed;
+  either side and (the largest eight) what the host was doing meanwhile: the engine's ``klein.*``
+  profiler ranges (stages, input checks, the denoising set-up, each step) and the host events
+  overlapping the gap, so host-side stalls can be placed;
 * ``cpu_ops``: the host operators with the most self time;
 * ``unprofiled``: one run without the profiler, its wall time against the engine's own stage clocks
   (``GenerationResult.timings``); ``cprofile_cumulative``: Python's profile of one more run.
@@ -59,6 +61,21 @@ def family(name: str) -> str:
     return "other"
 
 
+def host_during(events: list[Any], start: float, end: float, top: int = 8) -> dict[str, Any]:
+    """What the host was doing while the GPU sat idle from ``start`` to ``end`` (profiler us): the
+    engine's ``klein.*`` ranges and the other host events overlapping the gap, by overlap (ms).
+    Nested events all count (a range and the operators inside it)."""
+    klein: dict[str, float] = defaultdict(float)
+    other: dict[str, float] = defaultdict(float)
+    for e in events:
+        overlap = min(e.time_range.end, end) - max(e.time_range.start, start)
+        if overlap > 0:
+            (klein if e.name.startswith("klein.") else other)[e.name] += overlap / 1000
+    ranked = sorted(other.items(), key=lambda kv: -kv[1])[:top]
+    return {"klein": dict(sorted(klein.items(), key=lambda kv: -kv[1])),
+            "ops": [{"op": k[:80], "ms": round(v, 3)} for k, v in ranked]}
+
+
 def summarise(prof: Any, wall_ms: float) -> dict[str, Any]:
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     by_name: dict[str, float] = defaultdict(float)
@@ -75,10 +92,11 @@ def summarise(prof: Any, wall_ms: float) -> dict[str, Any]:
     prev = spans[0][2] if spans else ""
     for start, end, name in spans[1:]:
         if start > busy_end:
-            gaps.append(((start - busy_end) / 1000, prev, name, (busy_end - spans[0][0]) / 1000))
+            gaps.append(((start - busy_end) / 1000, prev, name, (busy_end - spans[0][0]) / 1000, busy_end, start))
         if end > busy_end:
             busy_end, prev = end, name
     gaps.sort(reverse=True)
+    host = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU]
     cpu = sorted(((e.key, e.self_cpu_time_total / 1000, e.count) for e in prof.key_averages()
                   if e.self_cpu_time_total > 0), key=lambda r: -r[1])
     copies: dict[str, dict[str, float]] = {}  # host <-> device copies by kind (pageable ones stall the GPU)
@@ -94,7 +112,9 @@ def summarise(prof: Any, wall_ms: float) -> dict[str, Any]:
         "gpu_idle_ms": sum(g[0] for g in gaps),
         "kernels_by_family_ms": dict(sorted(by_family.items(), key=lambda kv: -kv[1])),
         "top_kernels_ms": sorted(by_name.items(), key=lambda kv: -kv[1])[:25],
-        "largest_gaps": [{"ms": g[0], "at_ms": g[3], "after": g[1][:80], "before": g[2][:80]} for g in gaps[:20]],
+        "largest_gaps": [{"ms": g[0], "at_ms": g[3], "after": g[1][:80], "before": g[2][:80],
+                          **({"host": host_during(host, g[4], g[5])} if i < 8 else {})}
+                         for i, g in enumerate(gaps[:20])],
         "cpu_ops_self_ms": [{"op": k, "self_ms": ms, "count": n} for k, ms, n in cpu[:25]],
         "memcpy": copies,
         "host_waits": {k: {"self_ms": ms, "count": n} for k, ms, n in cpu

@@ -457,6 +457,7 @@ class Probe:
     after_step: Callable[[int], None] | None = None  # called with the number of steps done
     _open: dict[str, Any] = field(default_factory=dict)
     handles: list[Any] = field(default_factory=list)
+    unwrap: list[tuple[Any, str]] = field(default_factory=list)
 
     def reset(self) -> None:
         self.spans, self.steps, self._open = {}, [], {}
@@ -474,6 +475,24 @@ class Probe:
         self.handles.append(start.register_forward_pre_hook(pre))
         self.handles.append((end or start).register_forward_hook(post))
 
+    def around(self, stage: str, obj: Any, method: str) -> None:
+        """Time ``stage`` around each call of ``obj.method`` (an instance attribute wrapping it, put
+        back by :meth:`remove`). Unlike module hooks it leaves the modules hook-free: a hook on the
+        text encoder's modules turns off its CUDA graph replay (klein_core.accel.text_graph), so
+        hooks would time a path users do not run."""
+        inner = getattr(obj, method)
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if not self.active:
+                return inner(*args, **kwargs)
+            start = self.clock.mark()
+            out = inner(*args, **kwargs)
+            self.spans.setdefault(stage, []).append((start, self.clock.mark()))
+            return out
+
+        obj.__dict__[method] = timed
+        self.unwrap.append((obj, method))
+
     def denoiser(self, module: torch.nn.Module) -> None:
         def pre(*_: Any) -> None:
             if self.active and not self.steps:
@@ -490,6 +509,8 @@ class Probe:
     def remove(self) -> None:
         for h in self.handles:
             h.remove()
+        for obj, method in self.unwrap:
+            obj.__dict__.pop(method, None)
 
     def result(self) -> dict[str, Any]:
         ms = self.clock.ms
@@ -507,6 +528,9 @@ class RunOutput:
     activation_gib: float
     latents: torch.Tensor  # packed [B, N, 128], float32 CPU
     image: np.ndarray  # uint8 [H, W, 3]
+    # klein_core's own stage clocks (host wall time, each stage waited for: GenerationResult.timings), ms;
+    # against the CUDA-event spans they show the host's share of each stage. None for diffusers.
+    engine_wall: dict[str, float] | None = None
 
 
 def _memory_start(device: torch.device) -> int:
@@ -549,7 +573,8 @@ def run_ours(components: tuple[Flux2Transformer, Qwen3TextEncoder, Flux2VAE], ca
     e2e = (time.perf_counter() - t0) * 1000.0
     peak, act = _memory_peak(device, start)
     latents = pack(res.latents).float().cpu()
-    return RunOutput(probe.result(), e2e, peak, act, latents, np.asarray(res.images[0]))
+    return RunOutput(probe.result(), e2e, peak, act, latents, np.asarray(res.images[0]),
+                     {k: v * 1000.0 for k, v in res.timings.items()})
 
 
 def run_diffusers(pipe: Any, case: Case, probe: Probe, noise: torch.Tensor, refs: list[Image.Image],
@@ -667,7 +692,7 @@ def bench_model(spec: ModelSpec, cases: list[Case], args: argparse.Namespace, de
         weights["diffusers"] = _weights_gib(parts["transformer"], parts["text_encoder"], parts["vae"])
 
     probe_ours = Probe(clock)
-    probe_ours.span("text", te.embed_tokens, te.layers[-1])
+    probe_ours.around("text", te, "encode")
     probe_ours.span("references", vae.encoder)
     probe_ours.span("decode", vae.decoder)
     probe_ours.denoiser(tr)
@@ -762,6 +787,8 @@ def bench_model(spec: ModelSpec, cases: list[Case], args: argparse.Namespace, de
                 "e2e_ms": statistics.median(r.e2e_ms for r in rs),
                 "e2e_all_ms": [r.e2e_ms for r in rs],
                 "stages_per_run_ms": [{k: v for k, v in r.stages.items() if k != "steps"} for r in rs],
+                "engine_wall_ms": ({k: statistics.median(r.engine_wall[k] for r in rs) for k in rs[0].engine_wall}
+                                   if rs[0].engine_wall is not None else None),
                 "first_call_ms": warm_ms[name],
                 "peak_alloc_gib": max(r.peak_alloc_gib for r in rs),
                 "activation_gib": max(r.activation_gib for r in rs),

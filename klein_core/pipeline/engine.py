@@ -370,8 +370,9 @@ class Engine:
         """
         references = as_list(references, "reference_latents")
         mode = self.ref_mode if ref_mode is None else reference_mode(self.kind, ref_mode)
-        run = self.check_inputs(conditioning, references, settings, noise=noise, init=init,
-                                negative_prompt=negative_prompt)
+        with torch.profiler.record_function("klein.check_inputs"):
+            run = self.check_inputs(conditioning, references, settings, noise=noise, init=init,
+                                    negative_prompt=negative_prompt)
         if init is not None and init.as_reference and init.latents.shape[0] > 1:
             logger.warning("the init image joins the references only as a single image; the %d images given only "
                            "seed the noise", init.latents.shape[0])
@@ -416,7 +417,8 @@ class Engine:
                               else model.reference_kv(refs.tokens, refs.ids))
                 latents = denoise(model, noise, txt, sigmas, neg_txt=neg, guidance=run.guidance, refs=refs,
                                   callback=callback, image=image, mask=mask, ref_mode=mode, ref_kv=ref_kv)
-        check_output(latents, "The sampler", tr, overflow_cause(tr.dtype))
+        with torch.profiler.record_function("klein.check_output"):
+            check_output(latents, "The sampler", tr, overflow_cause(tr.dtype))
         return latents, run
 
     def decode(self, latents: torch.Tensor, *, plan: MemoryPlan | None = None) -> torch.Tensor:
@@ -555,10 +557,13 @@ class Engine:
 
 @contextlib.contextmanager
 def _timed(timings: dict[str, float], name: str, device: torch.device) -> Iterator[None]:
-    """``timings[name]``: the seconds the block took, the device's queued work included."""
+    """``timings[name]``: the seconds the block took, the device's queued work included. The block
+    is also a ``klein.<name>`` range for torch.profiler (benchmarks/profile_run.py places the GPU's
+    idle gaps by them; without a profiler running a range costs about a microsecond)."""
     t0 = time.perf_counter()
-    yield
-    _sync(device)
+    with torch.profiler.record_function(f"klein.{name}"):
+        yield
+        _sync(device)
     timings[name] = time.perf_counter() - t0
 
 
