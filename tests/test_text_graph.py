@@ -227,3 +227,21 @@ def test_a_lora_copy_gets_its_own_forward_and_runs_its_branches(cpu_graphs):
         assert forward.captures == 1  # the base encoder still replays its own graph
     finally:
         disable_fast_text_encoder(te)
+
+
+def test_graphs_are_dropped_when_the_weights_leave_the_device(cpu_graphs, monkeypatch):
+    """An offloaded encoder keeps no graph memory on the GPU: the first call that finds its weights
+    elsewhere drops the graphs, and runs eagerly."""
+    te = demo.tiny_text_encoder()
+    ids, mask = _tokens()
+    forward = _graphed(te)
+    try:
+        te.encode(ids, mask)
+        assert len(forward.graphs) == 1
+        monkeypatch.setattr(GraphedTextForward, "_weights", lambda self, device: None)
+        out = te.encode(ids, mask)
+        assert not forward.graphs and forward.replays == 1  # the first call's replay only
+        with torch.no_grad():
+            assert torch.equal(out, forward._eager(ids, mask, None, left_padded=False))
+    finally:
+        disable_fast_text_encoder(te)

@@ -14,7 +14,9 @@ address, dtype and shape of each parameter and buffer (about 300 tensors at 4B) 
 weights moved, replaced or staged elsewhere are re-recorded, never read from stale memory (after
 :data:`MAX_MOVES` such moves, as a staged encoder makes on every run, replay is given up for the
 encoder). Weights changed in place (a merged LoRA) are read as they are at replay. At most :data:`MAX_GRAPHS` graphs
-are kept per encoder (each holds its own activation memory, tens of MB for a 512-token prompt).
+are kept per encoder (each holds its own activation memory, tens of MB for a 512-token prompt),
+and none once the encoder runs off the GPU (offloaded by a host): they are recorded again on its
+return.
 
 Eager (the class's forward, compiled layers and all) whenever replay could differ from it: with
 autograd on, an ``activations`` dtype (per-layer casts), a mask whose padding side is not known on
@@ -45,6 +47,8 @@ MAX_GRAPHS = 2
 MAX_MOVES = 2
 """Times the weights may turn up at new addresses before replay is given up for the encoder (a
 staged encoder is copied in anew for each run: it would record a graph every time)."""
+
+NOT_CUDA = "not on a CUDA device"
 
 _HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_forward_hooks_with_kwargs",
                "_forward_pre_hooks_with_kwargs", "_backward_hooks", "_backward_pre_hooks")
@@ -107,7 +111,7 @@ class GraphedTextForward:
                 if hooks and any(key not in self.allowed_hooks for key in hooks):
                     return f"a hook on {type(module).__name__}"
         if input_ids.device.type != "cuda" or attention_mask.device != input_ids.device:
-            return "not on a CUDA device"
+            return NOT_CUDA
         if torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
             return "inside another compilation or capture"
         return None
@@ -123,10 +127,14 @@ class GraphedTextForward:
 
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                  activations: torch.dtype | None = None, *, left_padded: bool | None = None) -> torch.Tensor:
-        if self.ineligible(input_ids, attention_mask, activations, left_padded) is not None:
+        why = self.ineligible(input_ids, attention_mask, activations, left_padded)
+        if why is not None:
+            if why == NOT_CUDA:
+                self.reset()  # the encoder left the GPU (offloaded): its graphs' memory would sit there unused
             return self._eager(input_ids, attention_mask, activations, left_padded=left_padded)
         weights = self._weights(input_ids.device)
-        if weights is None:
+        if weights is None:  # some weights elsewhere (streamed, partly offloaded): same as above
+            self.reset()
             return self._eager(input_ids, attention_mask, activations, left_padded=left_padded)
         key = (tuple(input_ids.shape), input_ids.dtype, attention_mask.dtype, str(input_ids.device),
                bool(left_padded))
