@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from klein_core import testing as demo
-from klein_core.accel import speed, text_graph
+from klein_core.accel import fast, speed, text_graph
 from klein_core.accel.text_encoder import disable_fast_text_encoder, enable_fast_text_encoder
 from klein_core.accel.text_graph import MAX_GRAPHS, MAX_MOVES, GraphedTextForward, graphed_forward
 from klein_core.lora import load_lora
@@ -73,7 +73,12 @@ def test_compile_speed_sets_up_replay_and_other_speeds_remove_it():
     assert graphed_forward(te) is None and "forward" not in te.__dict__
     enable_fast_text_encoder(te, compile_backend="eager", graphs=False)
     assert graphed_forward(te) is None
+    enable_fast_text_encoder(te, compile=False)  # the plain path, as before graphs existed
+    assert graphed_forward(te) is None and not fast.is_compiled(te.layers[0])
+    enable_fast_text_encoder(te, compile=False, graphs=True)  # replay of the plain forward
+    assert graphed_forward(te) is not None and not fast.is_compiled(te.layers[0])
     disable_fast_text_encoder(te)
+    assert graphed_forward(te) is None
 
 
 def test_on_the_cpu_it_never_records_and_gives_the_plain_features():
@@ -245,3 +250,18 @@ def test_graphs_are_dropped_when_the_weights_leave_the_device(cpu_graphs, monkey
             assert torch.equal(out, forward._eager(ids, mask, None, left_padded=False))
     finally:
         disable_fast_text_encoder(te)
+
+
+def test_replay_of_the_plain_forward_gives_the_plain_features(cpu_graphs):
+    te = demo.tiny_text_encoder()
+    ids, mask = _tokens()
+    other_ids, other_mask = _tokens(("an old boat", "rain on a window"))
+    plain, plain_other = te.encode(ids, mask), te.encode(other_ids, other_mask)
+    enable_fast_text_encoder(te, compile=False, graphs=True)
+    forward = graphed_forward(te)
+    try:
+        assert torch.equal(te.encode(ids, mask), plain)
+        assert torch.equal(te.encode(other_ids, other_mask), plain_other)
+    finally:
+        disable_fast_text_encoder(te)
+    assert (forward.captures, forward.replays) == (1, 2)

@@ -38,7 +38,7 @@ def enable_fast_text_encoder(
     compile: bool = True,
     compile_mode: str | None = None,
     compile_backend: str = "inductor",
-    graphs: bool = True,
+    graphs: bool | None = None,
 ) -> None:
     """Compile the decoder layers of ``encoder`` in place (``compile=False``: the plain path).
 
@@ -47,12 +47,17 @@ def enable_fast_text_encoder(
     processes. ``compile_mode`` / ``compile_backend``: ``torch.compile``'s ``mode`` and ``backend``.
     ``graphs``: on CUDA, replay each prompt shape's forward as a CUDA graph
     (:mod:`klein_core.accel.text_graph`: recorded at the first encode of the shape, eager wherever
-    replay could differ).
+    replay could differ); None (the default) is ``compile``. ``compile=False, graphs=True`` replays
+    the plain forward (opt-in, for measuring it: ``benchmarks/speed.py``'s ``default+text_graph``).
     """
     if not isinstance(encoder, Qwen3TextEncoder):
         raise TypeError(f"enable_fast_text_encoder expects a Qwen3TextEncoder, got {type(encoder).__name__}")
     disable_fast_text_encoder(encoder)
+    graphs = compile if graphs is None else graphs
     if not compile:
+        if graphs:
+            encoder.forward = GraphedTextForward(encoder)  # type: ignore[method-assign]
+            logger.info("text encoder: CUDA graph replay of the plain forward enabled")
         return
     _compile_group(list(encoder.layers), "text encoder layers", mode=compile_mode, backend=compile_backend)
     # Timed from the first layer's call to the last one's return (``encode`` calls ``forward``
