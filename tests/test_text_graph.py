@@ -58,8 +58,13 @@ def cpu_graphs(monkeypatch):
     return recorded
 
 
-def _graphed(te):
-    enable_fast_text_encoder(te, compile_backend="eager")
+def _graphed(te, compiled=False):
+    """Replay set up on ``te``: over its plain forward (no tracing: fast), or ``compiled`` as under
+    speed="compile" (dynamo's eager backend, with the compile timer's hooks)."""
+    if compiled:
+        enable_fast_text_encoder(te, compile_backend="eager")
+    else:
+        enable_fast_text_encoder(te, compile=False, graphs=True)
     forward = graphed_forward(te)
     assert forward is not None
     return forward
@@ -85,7 +90,7 @@ def test_on_the_cpu_it_never_records_and_gives_the_plain_features():
     te = demo.tiny_text_encoder()
     ids, mask = _tokens()
     plain = te.encode(ids, mask)
-    forward = _graphed(te)
+    forward = _graphed(te, compiled=True)
     try:
         assert torch.equal(te.encode(ids, mask), plain)
         with torch.no_grad():
@@ -98,7 +103,7 @@ def test_on_the_cpu_it_never_records_and_gives_the_plain_features():
 def test_the_reasons_to_run_eagerly():
     te = demo.tiny_text_encoder()
     ids, mask = _tokens()
-    forward = _graphed(te)
+    forward = _graphed(te, compiled=True)
     try:
         assert forward.ineligible(ids, mask, None, False) == "autograd is on"  # outside encode's no_grad
         with torch.no_grad():
@@ -120,7 +125,7 @@ def test_replays_other_prompts_of_the_same_shape_and_hands_out_copies(cpu_graphs
     ids, mask = _tokens()
     other_ids, other_mask = _tokens(("an old boat", "rain on a window"))  # same shape, other tokens
     plain, plain_other = te.encode(ids, mask), te.encode(other_ids, other_mask)
-    forward = _graphed(te)
+    forward = _graphed(te, compiled=True)
     try:
         first = te.encode(ids, mask)
         other = te.encode(other_ids, other_mask)
@@ -213,7 +218,7 @@ def test_a_capture_failure_runs_eagerly_from_then_on_with_one_warning(cpu_graphs
 def test_a_lora_copy_gets_its_own_forward_and_runs_its_branches(cpu_graphs):
     te = demo.tiny_text_encoder()
     ids, mask = _tokens()
-    forward = _graphed(te)
+    forward = _graphed(te, compiled=True)
     try:
         base = te.encode(ids, mask)
         proj = te.layers[0].self_attn.q_proj

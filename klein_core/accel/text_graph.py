@@ -27,6 +27,7 @@ A capture failure turns replay off for that encoder with one warning; the call r
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
@@ -36,7 +37,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..memory.placement import _tensors
 from ..models.qwen3 import Qwen3TextEncoder
 
 logger = logging.getLogger(__name__)
@@ -119,7 +119,7 @@ class GraphedTextForward:
     def _weights(self, device: torch.device) -> tuple[Hashable, ...] | None:
         """Address, dtype and shape of every parameter and buffer; None if one is elsewhere."""
         key = []
-        for t in _tensors(self.encoder):
+        for t in itertools.chain(self.encoder.parameters(), self.encoder.buffers()):
             if t.device != device:
                 return None
             key.append((t.data_ptr(), t.dtype, t.shape))
