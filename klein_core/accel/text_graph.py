@@ -1,4 +1,5 @@
-"""CUDA-graph replay of the text encoder's forward under ``speed="compile"``.
+"""CUDA-graph replay of the text encoder's forward under ``speed="compile"`` (and, opt-in, of its plain
+forward: ``enable_fast_text_encoder(te, compile=False, graphs=True)``).
 
 Why: even compiled, the text stage is bound by the host. On an H100 (2026-11-27,
 ``benchmarks/results/2026-11-27_h100``) the compiled encoder took 25.8 ms for one 512-token prompt
@@ -66,9 +67,10 @@ class _Graph:
 
 
 class GraphedTextForward:
-    """The instance ``forward`` of a :class:`Qwen3TextEncoder` under ``speed="compile"`` (same
-    signature as :meth:`Qwen3TextEncoder.forward`): CUDA-graph replay where it gives the eager
-    result, else the eager forward. ``captures`` / ``replays`` count what it did."""
+    """The instance ``forward`` of a :class:`Qwen3TextEncoder` with replay on (same signature as
+    :meth:`Qwen3TextEncoder.forward`): CUDA-graph replay where it gives the eager result, else the
+    eager forward (the class's, with compiled layers under ``compile``). ``captures`` / ``replays``
+    count what it did."""
 
     def __init__(self, encoder: Qwen3TextEncoder, allowed_hooks: frozenset[int] = frozenset()) -> None:
         self.encoder = encoder
