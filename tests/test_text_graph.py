@@ -270,3 +270,62 @@ def test_replay_of_the_plain_forward_gives_the_plain_features(cpu_graphs):
     finally:
         disable_fast_text_encoder(te)
     assert (forward.captures, forward.replays) == (1, 2)
+
+
+def test_threads_sharing_an_encoder_each_get_their_own_prompt(cpu_graphs, monkeypatch):
+    """A graph's inputs and output are shared buffers: two threads encoding at once (a serve replica
+    running two batches) must not read each other's prompt. The stand-in replay yields to the other
+    thread midway, as a host thread does while the GPU runs the graph."""
+    import threading
+    import time
+
+    record = GraphedTextForward._record
+
+    def slow_record(self, ids, mask, left_padded):
+        replay, out = record(self, ids, mask, left_padded)
+
+        def slow_replay():
+            time.sleep(0.002)
+            replay()
+        return slow_replay, out
+
+    monkeypatch.setattr(GraphedTextForward, "_record", slow_record)
+    te = demo.tiny_text_encoder()
+    prompts = [("a red fox in the snow", "two cats"), ("an old boat", "rain on a window")]
+    tokens = [_tokens(p) for p in prompts]
+    expected = [te.encode(ids, mask) for ids, mask in tokens]
+    _graphed(te)
+    wrong = []
+
+    def work(k):
+        ids, mask = tokens[k]
+        for _ in range(20):
+            if not torch.equal(te.encode(ids, mask), expected[k]):
+                wrong.append(k)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in (0, 1)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        disable_fast_text_encoder(te)
+    assert wrong == []
+
+
+def test_a_deep_copy_gets_its_own_forward(cpu_graphs):
+    import copy
+
+    te = demo.tiny_text_encoder()
+    ids, mask = _tokens()
+    forward = _graphed(te)
+    try:
+        plain = te.encode(ids, mask)
+        twin = copy.deepcopy(te)
+        copied = graphed_forward(twin)
+        assert copied is not None and copied is not forward and copied.encoder is twin
+        assert not copied.graphs and torch.equal(twin.encode(ids, mask), plain)
+        assert copied.captures == 1 and forward.captures == 1
+    finally:
+        disable_fast_text_encoder(te)

@@ -28,8 +28,10 @@ A capture failure turns replay off for that encoder with one warning; the call r
 
 from __future__ import annotations
 
+import copy
 import itertools
 import logging
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
@@ -80,14 +82,23 @@ class GraphedTextForward:
         self.captures = 0
         self.replays = 0
         self.moves = 0  # times the weights were found at new addresses
+        # One graph's inputs and output are shared buffers: callers in two threads (a serve replica
+        # running two batches) take turns from writing the inputs to copying the output out.
+        self._lock = threading.RLock()  # reentrant: a failed capture resets inside it
 
     def klein_rebind(self, copy: nn.Module) -> GraphedTextForward:
         """A shallow copy of the encoder (``with_loras``) gets its own graphs, never this one's."""
         return GraphedTextForward(copy, self.allowed_hooks)  # type: ignore[arg-type]
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> GraphedTextForward:
+        # A deep copy of the encoder gets its own forward, bound to that copy; graphs and the lock
+        # cannot be copied (and must not be shared).
+        return GraphedTextForward(copy.deepcopy(self.encoder, memo), self.allowed_hooks)
+
     def reset(self) -> None:
         """Drop every graph (their memory is freed with them)."""
-        self.graphs.clear()
+        with self._lock:
+            self.graphs.clear()
 
     def _eager(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         return type(self.encoder).forward(self.encoder, *args, **kwargs)
@@ -138,6 +149,11 @@ class GraphedTextForward:
         if weights is None:  # some weights elsewhere (streamed, partly offloaded): same as above
             self.reset()
             return self._eager(input_ids, attention_mask, activations, left_padded=left_padded)
+        with self._lock:
+            return self._replay(input_ids, attention_mask, activations, left_padded, weights)
+
+    def _replay(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, activations: torch.dtype | None,
+                left_padded: bool | None, weights: tuple[Hashable, ...]) -> torch.Tensor:
         key = (tuple(input_ids.shape), input_ids.dtype, attention_mask.dtype, str(input_ids.device),
                bool(left_padded))
         entry = self.graphs.get(key)
