@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import stat
 import sys
@@ -350,6 +351,8 @@ def _check_request(args: argparse.Namespace, refs: list[Image.Image]) -> None:
     args.height = None if args.height is None else height
     if args.steps is not None and not 1 <= args.steps <= MAX_STEPS:
         raise CLIError(f"--steps must be from 1 to {MAX_STEPS}, got {args.steps}")
+    if args.guidance is not None and not (math.isfinite(args.guidance) and args.guidance >= 0):
+        raise CLIError(f"--guidance must be a finite number >= 0, got {args.guidance}")
     if args.batch < 1:
         raise CLIError(f"--batch must be at least 1, got {args.batch}")
     if not 0 <= args.seed <= MAX_SEED:

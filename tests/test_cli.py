@@ -116,6 +116,7 @@ def test_device_and_size_errors_are_one_line_before_loading(models, monkeypatch,
     files = ["--transformer", str(p["klein_4b"]), "--text-encoder", str(p["qwen_4b"]), "--vae", str(p["vae"])]
     for extra, words in ((["--width", "100000"], "at most 4 megapixels"), (["--width", "30"], "too small"),
                          (["--steps", "0"], "--steps must be"), (["--seed", "-1"], "--seed must be"),
+                         (["--guidance", "nan"], "--guidance must be"), (["--guidance", "-2"], "--guidance must be"),
                          (["--device", "cuda" if not torch.cuda.is_available() else "bogus"], "device")):
         rc = cli.main([*files, *extra])
         err = capsys.readouterr().err.strip()
