@@ -158,3 +158,31 @@ def test_a_row_lora_applies_to_its_row_only(replica, tmp_path):
     assert not np.array_equal(plain, styled)  # the LoRA took effect on its row
     assert np.array_equal(plain, again)  # and was removed: the next row is as before
     assert all(torch.equal(before[k], v) for k, v in tr.state_dict().items())
+
+
+@pytest.mark.parametrize("options, words", [
+    ({"max_ongoing": 2, "max_batch": 4}, "max_ongoing (--max-ongoing) must be at least max_batch (4)"),
+    ({"max_batch": 0}, "max_batch (--max-batch) must be an integer >= 1"),
+    ({"min_replicas": 3, "max_replicas": 2}, "min_replicas (--min-replicas) must be an integer from 0 to"),
+    ({"max_queued": -5}, "max_queued (--max-queued)"),
+    ({"batch_wait_s": float("nan")}, "batch_wait_s (--batch-wait) must be a finite number >= 0"),
+    ({"target_ongoing": 0.0}, "target_ongoing (--target-ongoing) must be a finite number > 0"),
+    ({"gpus": -1.0}, "gpus (--gpus-per-worker)"),
+])
+def test_serve_options_are_checked_when_made(options, words):
+    with pytest.raises(ValueError, match=words.replace("(", r"\(").replace(")", r"\)")):
+        ServeOptions(**options)
+    ServeOptions(min_replicas=0, max_queued=-1, batch_wait_s=0.0, gpus=0.5)  # the edges Ray accepts
+
+
+def test_the_serve_command_refuses_bad_options_before_ray_starts(monkeypatch, capsys):
+    from klein_core import cli
+    from klein_core.distributed import ray_support
+
+    def no_ray(*a, **k):
+        raise AssertionError("Ray was started before the options were checked")
+
+    monkeypatch.setattr(ray_support, "init_ray", no_ray)
+    rc = cli.main(["serve", "--demo", "--max-ongoing", "2", "--max-batch", "4"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "max_ongoing (--max-ongoing) must be at least max_batch (4)" in err, err

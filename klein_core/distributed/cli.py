@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 from pathlib import Path
@@ -156,11 +157,13 @@ def run_serve(args: argparse.Namespace) -> int:
 
         require_ray("serve")
         spec = spec_from_args(args)
-        init_ray(args.address)
+        # checked before Ray starts; the GPUs per replica may need the started cluster to tell
         options = ServeOptions(min_replicas=args.min_replicas, max_replicas=args.max_replicas,
                                target_ongoing=args.target_ongoing, max_ongoing=args.max_ongoing,
                                max_queued=args.max_queued, max_batch=args.max_batch, batch_wait_s=args.batch_wait,
-                               cpus=args.cpus_per_worker, gpus=_gpus(args))
+                               cpus=args.cpus_per_worker, gpus=args.gpus_per_worker or 0.0)
+        init_ray(args.address)
+        options = dataclasses.replace(options, gpus=_gpus(args))
         start(spec, options, host=args.host, port=args.port)
         write_line(sys.stderr, f"serving on http://{args.host}:{args.port} (POST /generate, GET /health, GET /ready); "
                            "Ctrl-C stops\n")

@@ -15,6 +15,7 @@ import asyncio
 import base64
 import json
 import logging
+import math
 import threading
 import time
 import uuid
@@ -50,6 +51,33 @@ class ServeOptions:
     batch_wait_s: float = 0.05
     cpus: float = 1.0
     gpus: float = 0.0
+
+    def __post_init__(self) -> None:
+        # Checked here, before Ray starts: Ray took some of these only at deployment, others never
+        # (max_ongoing < max_batch: batches could never fill, each waited batch_wait_s for nothing).
+        def bad(name: str, rule: str) -> ValueError:
+            flag = {"batch_wait_s": "--batch-wait", "cpus": "--cpus-per-worker",
+                    "gpus": "--gpus-per-worker"}.get(name, "--" + name.replace("_", "-"))
+            return ValueError(f"{name} ({flag}) must be {rule}, got {getattr(self, name)!r}")
+
+        for name in ("max_replicas", "max_ongoing", "max_batch"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise bad(name, "an integer >= 1")
+        if isinstance(self.min_replicas, bool) or not isinstance(self.min_replicas, int) or \
+                not 0 <= self.min_replicas <= self.max_replicas:
+            raise bad("min_replicas", f"an integer from 0 to max_replicas ({self.max_replicas})")
+        if isinstance(self.max_queued, bool) or not isinstance(self.max_queued, int) or self.max_queued < -1:
+            raise bad("max_queued", "an integer >= 0 (-1: no limit)")
+        if self.max_ongoing < self.max_batch:
+            raise bad("max_ongoing", f"at least max_batch ({self.max_batch}), so that batches can fill")
+        for name, low, strict in (("target_ongoing", 0.0, True), ("batch_wait_s", 0.0, False),
+                                  ("cpus", 0.0, False), ("gpus", 0.0, False)):
+            value = getattr(self, name)
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and \
+                (value > low if strict else value >= low)
+            if not ok:
+                raise bad(name, f"a finite number {'>' if strict else '>='} {low:g}")
 
 
 @dataclass
