@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from script_module import load_script
 
@@ -42,3 +43,19 @@ def test_profile_run_reports_stages_and_host_profile(tmp_path):
     assert set(stages) >= {"text", "denoise", "decode"} and all(v > 0 for k, v in stages.items() if k != "references")
     assert report["wall_ms"] > 0 and report["gpu_busy_ms"] == 0  # no CUDA kernels on the CPU
     assert any("engine.py" in line and "(generate)" in line for line in report["cprofile_cumulative"])
+
+
+def test_profile_train_profiles_one_step_of_each_side(tmp_path):
+    pytest.importorskip("diffusers")
+    pytest.importorskip("peft")
+    out = tmp_path / "pt.json"
+    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "profile_train.py"), "--tiny", "--device", "cpu",
+                           "--warmup", "1", "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert report["errors"] == {} and report["case"] == "4b"
+    for side in ("ours", "diffusers"):
+        r = report[side]
+        assert r["wall_ms"] > 0 and r["gpu_busy_ms"] == 0 and r["cpu_ops_self_ms"]  # host operators on the CPU
+        assert any(op["op"].startswith("aten::mm") or op["op"].startswith("aten::addmm") for op in r["cpu_ops_self_ms"])
+    assert "family" in done.stdout and "ours" in done.stdout and "diffusers" in done.stdout
