@@ -39,11 +39,11 @@ def _tokens(prompts=("a red fox in the snow", "two cats"), length=40):
 def cpu_graphs(monkeypatch):
     """Replay allowed on the CPU, with a stand-in recorder; returns the list of recordings."""
     recorded = []
-    original = GraphedTextForward.ineligible
+    original = GraphedTextForward._check
 
-    def ineligible(self, input_ids, attention_mask, activations, left_padded):
-        why = original(self, input_ids, attention_mask, activations, left_padded)
-        return None if why == "not on a CUDA device" else why
+    def check(self, input_ids, attention_mask, activations, left_padded):
+        why, weights = original(self, input_ids, attention_mask, activations, left_padded)
+        return (None if why == "not on a CUDA device" else why), weights
 
     def record(self, ids, mask, left_padded):
         out = self._eager(ids, mask, None, left_padded=left_padded)
@@ -53,7 +53,7 @@ def cpu_graphs(monkeypatch):
             out.copy_(self._eager(ids, mask, None, left_padded=left_padded))
         return replay, out
 
-    monkeypatch.setattr(GraphedTextForward, "ineligible", ineligible)
+    monkeypatch.setattr(GraphedTextForward, "_check", check)
     monkeypatch.setattr(GraphedTextForward, "_record", record)
     return recorded
 
@@ -248,7 +248,8 @@ def test_graphs_are_dropped_when_the_weights_leave_the_device(cpu_graphs, monkey
     try:
         te.encode(ids, mask)
         assert len(forward.graphs) == 1
-        monkeypatch.setattr(GraphedTextForward, "_weights", lambda self, device: None)
+        # the weights found off the input's device (a host offloaded part of the encoder)
+        monkeypatch.setattr(GraphedTextForward, "_check", lambda self, *a: (None, None))
         out = te.encode(ids, mask)
         assert not forward.graphs and forward.replays == 1  # the first call's replay only
         with torch.no_grad():
