@@ -10,13 +10,12 @@ import logging
 
 import pytest
 import torch
+from text_encoder_files import fresh_dynamo, tokens  # noqa: F401 - fresh_dynamo is autouse
 
 import klein_core
 from klein_core import testing as demo
 from klein_core.accel import fast, speed
 from klein_core.accel.text_encoder import disable_fast_text_encoder, enable_fast_text_encoder
-from klein_core.pipeline.tokenizer import tokenize_prompts
-
 
 
 def _compile_that_fails(*args, **kwargs):
@@ -25,23 +24,12 @@ def _compile_that_fails(*args, **kwargs):
     return compiled
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
-
-def _tokens(prompts=("a red fox in the snow", "two cats"), length=40):
-    return tokenize_prompts(list(prompts), max_length=length)
-
-
 def test_compiled_layers_give_the_plain_features_and_one_graph(caplog):
     import torch._dynamo.utils as dynamo_utils
 
     te = demo.tiny_text_encoder()
-    ids, mask = _tokens()
-    other_ids, other_mask = _tokens(("an old boat", "rain on a window"))  # the same shape, other tokens
+    ids, mask = tokens()
+    other_ids, other_mask = tokens(("an old boat", "rain on a window"))  # the same shape, other tokens
     plain = te.encode(ids, mask)
     plain_other = te.encode(other_ids, other_mask)
     plain32 = te.encode(ids, mask, activations=torch.float64)
@@ -66,7 +54,7 @@ def test_compiled_layers_give_the_plain_features_and_one_graph(caplog):
 
 def test_a_compiler_failure_falls_back_to_the_plain_path_with_one_warning(monkeypatch, caplog):
     te = demo.tiny_text_encoder()
-    ids, mask = _tokens()
+    ids, mask = tokens()
     plain = te.encode(ids, mask)
     monkeypatch.setattr(fast.torch, "compile", _compile_that_fails)
     enable_fast_text_encoder(te)

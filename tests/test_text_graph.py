@@ -10,10 +10,12 @@ on a GPU (tests/gpu/test_gpu_fast.py::test_text_encoder_graph_replay).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import pytest
 import torch
+from text_encoder_files import fresh_dynamo, tokens  # noqa: F401 - fresh_dynamo is autouse
 
 from klein_core import testing as demo
 from klein_core.accel import fast, speed, text_graph
@@ -21,18 +23,6 @@ from klein_core.accel.text_encoder import disable_fast_text_encoder, enable_fast
 from klein_core.accel.text_graph import MAX_GRAPHS, MAX_MOVES, GraphedTextForward, graphed_forward
 from klein_core.lora import load_lora
 from klein_core.lora.apply import with_loras
-from klein_core.pipeline.tokenizer import tokenize_prompts
-
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
-
-def _tokens(prompts=("a red fox in the snow", "two cats"), length=40):
-    return tokenize_prompts(list(prompts), max_length=length)
 
 
 @pytest.fixture
@@ -58,16 +48,21 @@ def cpu_graphs(monkeypatch):
     return recorded
 
 
+@contextlib.contextmanager
 def _graphed(te, compiled=False):
-    """Replay set up on ``te``: over its plain forward (no tracing: fast), or ``compiled`` as under
-    speed="compile" (dynamo's eager backend, with the compile timer's hooks)."""
+    """Replay set up on ``te`` for the block (its forward yielded; the plain path again after):
+    over its plain forward (no tracing: fast), or ``compiled`` as under speed="compile" (dynamo's
+    eager backend, with the compile timer's hooks)."""
     if compiled:
         enable_fast_text_encoder(te, compile_backend="eager")
     else:
         enable_fast_text_encoder(te, compile=False, graphs=True)
     forward = graphed_forward(te)
     assert forward is not None
-    return forward
+    try:
+        yield forward
+    finally:
+        disable_fast_text_encoder(te)
 
 
 def test_compile_speed_sets_up_replay_and_other_speeds_remove_it():
@@ -88,23 +83,19 @@ def test_compile_speed_sets_up_replay_and_other_speeds_remove_it():
 
 def test_on_the_cpu_it_never_records_and_gives_the_plain_features():
     te = demo.tiny_text_encoder()
-    ids, mask = _tokens()
+    ids, mask = tokens()
     plain = te.encode(ids, mask)
-    forward = _graphed(te, compiled=True)
-    try:
+    with _graphed(te, compiled=True) as forward:
         assert torch.equal(te.encode(ids, mask), plain)
         with torch.no_grad():
             assert forward.ineligible(ids, mask, None, False) == "not on a CUDA device"
         assert (forward.captures, forward.replays) == (0, 0)
-    finally:
-        disable_fast_text_encoder(te)
 
 
 def test_the_reasons_to_run_eagerly():
     te = demo.tiny_text_encoder()
-    ids, mask = _tokens()
-    forward = _graphed(te, compiled=True)
-    try:
+    ids, mask = tokens()
+    with _graphed(te, compiled=True) as forward:
         assert forward.ineligible(ids, mask, None, False) == "autograd is on"  # outside encode's no_grad
         with torch.no_grad():
             assert forward.ineligible(ids, mask, torch.float64, False).startswith("an activations dtype")
@@ -116,22 +107,17 @@ def test_the_reasons_to_run_eagerly():
             handle.remove()
             forward.disabled = "capture failed (stand-in)"
             assert forward.ineligible(ids, mask, None, False) == "capture failed (stand-in)"
-    finally:
-        disable_fast_text_encoder(te)
 
 
 def test_replays_other_prompts_of_the_same_shape_and_hands_out_copies(cpu_graphs):
     te = demo.tiny_text_encoder()
-    ids, mask = _tokens()
-    other_ids, other_mask = _tokens(("an old boat", "rain on a window"))  # same shape, other tokens
+    ids, mask = tokens()
+    other_ids, other_mask = tokens(("an old boat", "rain on a window"))  # same shape, other tokens
     plain, plain_other = te.encode(ids, mask), te.encode(other_ids, other_mask)
-    forward = _graphed(te, compiled=True)
-    try:
+    with _graphed(te, compiled=True) as forward:
         first = te.encode(ids, mask)
         other = te.encode(other_ids, other_mask)
         again = te.encode(ids, mask)
-    finally:
-        disable_fast_text_encoder(te)
     assert (forward.captures, forward.replays) == (1, 3)
     assert torch.equal(first, plain) and torch.equal(again, plain) and torch.equal(other, plain_other)
     assert not torch.equal(first, other)  # the first result was not overwritten by the later replays
@@ -141,15 +127,12 @@ def test_replays_other_prompts_of_the_same_shape_and_hands_out_copies(cpu_graphs
 
 def test_one_graph_per_shape_at_most_max_graphs(cpu_graphs):
     te = demo.tiny_text_encoder()
-    forward = _graphed(te)
     shapes = [(("a fox",), 40), (("a fox", "a cat"), 40), (("a fox",), 48)]
-    try:
+    with _graphed(te) as forward:
         outs = {}
         for prompts, length in shapes + shapes[:1]:
-            ids, mask = _tokens(prompts, length)
+            ids, mask = tokens(prompts, length)
             outs[(prompts, length)] = (te.encode(ids, mask), ids, mask)
-    finally:
-        disable_fast_text_encoder(te)
     assert MAX_GRAPHS == 2 and len(forward.graphs) == MAX_GRAPHS
     assert forward.captures == 4  # the first shape was evicted by the third, so recorded again
     for out, ids, mask in outs.values():
@@ -158,10 +141,9 @@ def test_one_graph_per_shape_at_most_max_graphs(cpu_graphs):
 
 def test_weights_at_new_addresses_are_recorded_again_then_replay_is_given_up(cpu_graphs, caplog):
     te = demo.tiny_text_encoder()
-    ids, mask = _tokens()
-    forward = _graphed(te)
+    ids, mask = tokens()
     layer = te.layers[0].mlp.down_proj
-    try:
+    with _graphed(te) as forward:
         te.encode(ids, mask)
         for move in range(1, MAX_MOVES + 2):
             # replaced by a tensor elsewhere (as a staged copy would be), with other values
@@ -175,21 +157,16 @@ def test_weights_at_new_addresses_are_recorded_again_then_replay_is_given_up(cpu
         assert forward.captures == 1 + MAX_MOVES
         assert forward.disabled == "its weights move between calls"
         assert any("no CUDA graph replay" in r.getMessage() for r in caplog.records)
-    finally:
-        disable_fast_text_encoder(te)
 
 
 def test_a_weight_changed_in_place_is_read_at_replay(cpu_graphs):
     te = demo.tiny_text_encoder()
-    ids, mask = _tokens()
-    forward = _graphed(te)
-    try:
+    ids, mask = tokens()
+    with _graphed(te) as forward:
         before = te.encode(ids, mask)
         with torch.no_grad():
             te.layers[1].self_attn.o_proj.weight.mul_(2.0)  # as a merged LoRA changes it
         after = te.encode(ids, mask)
-    finally:
-        disable_fast_text_encoder(te)
     assert forward.captures == 1 and forward.replays == 2
     assert not torch.equal(before, after)
     assert torch.equal(after, te.encode(ids, mask))
@@ -201,14 +178,10 @@ def test_a_capture_failure_runs_eagerly_from_then_on_with_one_warning(cpu_graphs
 
     monkeypatch.setattr(GraphedTextForward, "_record", fail)
     te = demo.tiny_text_encoder()
-    ids, mask = _tokens()
+    ids, mask = tokens()
     plain = te.encode(ids, mask)
-    forward = _graphed(te)
-    try:
-        with caplog.at_level(logging.WARNING, logger=text_graph.__name__):
-            outs = [te.encode(ids, mask) for _ in range(3)]
-    finally:
-        disable_fast_text_encoder(te)
+    with _graphed(te) as forward, caplog.at_level(logging.WARNING, logger=text_graph.__name__):
+        outs = [te.encode(ids, mask) for _ in range(3)]
     assert all(torch.equal(o, plain) for o in outs)
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(warnings) == 1 and "operation not permitted" in warnings[0], warnings
@@ -217,9 +190,8 @@ def test_a_capture_failure_runs_eagerly_from_then_on_with_one_warning(cpu_graphs
 
 def test_a_lora_copy_gets_its_own_forward_and_runs_its_branches(cpu_graphs):
     te = demo.tiny_text_encoder()
-    ids, mask = _tokens()
-    forward = _graphed(te, compiled=True)
-    try:
+    ids, mask = tokens()
+    with _graphed(te, compiled=True) as forward:
         base = te.encode(ids, mask)
         proj = te.layers[0].self_attn.q_proj
         g = torch.Generator().manual_seed(1)
@@ -235,17 +207,14 @@ def test_a_lora_copy_gets_its_own_forward_and_runs_its_branches(cpu_graphs):
         assert not torch.equal(out, base)
         assert torch.equal(te.encode(ids, mask), base)
         assert forward.captures == 1  # the base encoder still replays its own graph
-    finally:
-        disable_fast_text_encoder(te)
 
 
 def test_graphs_are_dropped_when_the_weights_leave_the_device(cpu_graphs, monkeypatch):
     """An offloaded encoder keeps no graph memory on the GPU: the first call that finds its weights
     elsewhere drops the graphs, and runs eagerly."""
     te = demo.tiny_text_encoder()
-    ids, mask = _tokens()
-    forward = _graphed(te)
-    try:
+    ids, mask = tokens()
+    with _graphed(te) as forward:
         te.encode(ids, mask)
         assert len(forward.graphs) == 1
         # the weights found off the input's device (a host offloaded part of the encoder)
@@ -254,22 +223,16 @@ def test_graphs_are_dropped_when_the_weights_leave_the_device(cpu_graphs, monkey
         assert not forward.graphs and forward.replays == 1  # the first call's replay only
         with torch.no_grad():
             assert torch.equal(out, forward._eager(ids, mask, None, left_padded=False))
-    finally:
-        disable_fast_text_encoder(te)
 
 
 def test_replay_of_the_plain_forward_gives_the_plain_features(cpu_graphs):
     te = demo.tiny_text_encoder()
-    ids, mask = _tokens()
-    other_ids, other_mask = _tokens(("an old boat", "rain on a window"))
+    ids, mask = tokens()
+    other_ids, other_mask = tokens(("an old boat", "rain on a window"))
     plain, plain_other = te.encode(ids, mask), te.encode(other_ids, other_mask)
-    enable_fast_text_encoder(te, compile=False, graphs=True)
-    forward = graphed_forward(te)
-    try:
+    with _graphed(te) as forward:  # enable_fast_text_encoder(te, compile=False, graphs=True)
         assert torch.equal(te.encode(ids, mask), plain)
         assert torch.equal(te.encode(other_ids, other_mask), plain_other)
-    finally:
-        disable_fast_text_encoder(te)
     assert (forward.captures, forward.replays) == (1, 2)
 
 
@@ -293,25 +256,22 @@ def test_threads_sharing_an_encoder_each_get_their_own_prompt(cpu_graphs, monkey
     monkeypatch.setattr(GraphedTextForward, "_record", slow_record)
     te = demo.tiny_text_encoder()
     prompts = [("a red fox in the snow", "two cats"), ("an old boat", "rain on a window")]
-    tokens = [_tokens(p) for p in prompts]
-    expected = [te.encode(ids, mask) for ids, mask in tokens]
-    _graphed(te)
+    encoded = [tokens(p) for p in prompts]
+    expected = [te.encode(ids, mask) for ids, mask in encoded]
     wrong = []
 
     def work(k):
-        ids, mask = tokens[k]
+        ids, mask = encoded[k]
         for _ in range(20):
             if not torch.equal(te.encode(ids, mask), expected[k]):
                 wrong.append(k)
 
     threads = [threading.Thread(target=work, args=(k,)) for k in (0, 1)]
-    try:
+    with _graphed(te):
         for t in threads:
             t.start()
         for t in threads:
             t.join()
-    finally:
-        disable_fast_text_encoder(te)
     assert wrong == []
 
 
@@ -319,14 +279,11 @@ def test_a_deep_copy_gets_its_own_forward(cpu_graphs):
     import copy
 
     te = demo.tiny_text_encoder()
-    ids, mask = _tokens()
-    forward = _graphed(te)
-    try:
+    ids, mask = tokens()
+    with _graphed(te) as forward:
         plain = te.encode(ids, mask)
         twin = copy.deepcopy(te)
         copied = graphed_forward(twin)
         assert copied is not None and copied is not forward and copied.encoder is twin
         assert not copied.graphs and torch.equal(twin.encode(ids, mask), plain)
         assert copied.captures == 1 and forward.captures == 1
-    finally:
-        disable_fast_text_encoder(te)
