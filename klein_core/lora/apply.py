@@ -209,10 +209,6 @@ def _summed_delta(plan: _ModulePlan, weight: torch.Tensor) -> torch.Tensor:
     return delta
 
 
-def _finite(t: torch.Tensor) -> bool:
-    return bool(torch.isfinite(t).all())
-
-
 def _overflow(plan: _ModulePlan, dtype: torch.dtype, how: str) -> ValueError:
     """The error for LoRAs whose finite factors make a non-finite delta (``1e30`` up and down
     factors: ``up @ down`` is ``1e60``) or one that does not fit ``dtype``: names the LoRA(s) (their
@@ -221,7 +217,7 @@ def _overflow(plan: _ModulePlan, dtype: torch.dtype, how: str) -> ValueError:
     names = []
     for patch, strength in plan.items:
         d = strength * patch.delta("cpu")
-        if not _finite(d) or not _finite(d.to(dtype)):
+        if not is_finite(d) or not is_finite(d.to(dtype)):
             names.append(plan.lora_of.get(id(patch), "a LoRA"))
     together = not names
     if together:
@@ -239,9 +235,9 @@ def _check_delta(plan: _ModulePlan, dtype: torch.dtype, original: torch.Tensor, 
                  merged: torch.Tensor) -> None:
     """Merge mode: refuse a delta that is not finite, or a merged weight that is not although the
     original was (an overflow in the weight dtype), before anything is written."""
-    if not _finite(delta):
+    if not is_finite(delta):
         raise _overflow(plan, dtype, "the merge overflows float32")
-    if not _finite(merged) and is_finite(original):
+    if not is_finite(merged) and is_finite(original):
         raise _overflow(plan, dtype, "the merged weight overflows")
 
 
@@ -250,13 +246,13 @@ def _check_branch_factors(plan: _ModulePlan, dtype: torch.dtype, rank: int, up: 
     """Branch mode: the factors must fit ``dtype`` and so must the delta they multiply to. A cheap
     bound decides for almost every LoRA (``|delta| <= rank * max|up| * max|down|``); only where it
     does not is the delta formed (``product``) and checked."""
-    if not (_finite(up.to(dtype)) and _finite(down.to(dtype))):
+    if not (is_finite(up.to(dtype)) and is_finite(down.to(dtype))):
         raise _overflow(plan, dtype, "its factors overflow in the dtype the branch computes in")
     bound = rank * float(up.abs().amax()) * float(down.abs().amax()) if up.numel() and down.numel() else 0.0
     if bound < torch.finfo(dtype).max:
         return
     d = product()
-    if not (_finite(d) and _finite(d.to(dtype))):
+    if not (is_finite(d) and is_finite(d.to(dtype))):
         raise _overflow(plan, dtype, "up @ down overflows")
 
 
@@ -307,7 +303,7 @@ class LoRABranch:
                 dense[rows] += strength * patch.delta(device)
         self.a = torch.cat(a_parts).to(dtype) if a_parts else None
         self.b = torch.cat(b_parts, dim=1).to(dtype) if b_parts else None
-        if dense is not None and not (_finite(dense) and _finite(dense.to(dtype))):
+        if dense is not None and not (is_finite(dense) and is_finite(dense.to(dtype))):
             raise _overflow(plan, dtype, "the delta overflows")
         self.dense = dense.to(dtype) if dense is not None else None
         self._names: dict[str, str] = {}  # factor -> buffer name on the hooked module, once attached

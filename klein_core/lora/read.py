@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from ..checks import is_finite
 from ..files.safetensors import open_safetensors
 from .formats import (
     TEXT_ENCODER,
@@ -75,7 +76,7 @@ def _check_finite(name: str, tensors: Mapping[str, torch.Tensor]) -> None:
     """LoRAs are small: every float tensor is checked once, where it enters, so a NaN is named here
     and not later as a broken image."""
     for key, t in tensors.items():
-        if t.is_floating_point() and not bool(torch.isfinite(t.float()).all()):
+        if not is_finite(t):
             raise ValueError(f"{name}: tensor '{key}' contains NaN or infinite values; the LoRA file is corrupt. "
                              "Download it again or use another LoRA.")
 

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from ..checks import is_finite
 from ..errors import WeightFormatError
 from ..files.safetensors import open_safetensors
 from ..lora.apply import has_loras
@@ -266,7 +267,7 @@ class DiskPromptCache:
         if not 0 < expected_width <= _MAX_WIDTH:
             raise _BadEntry(f"width {expected_width} is not a text encoder's")
         emb = sf.read("embedding")
-        if not bool(torch.isfinite(emb).all()):
+        if not is_finite(emb):
             raise _BadEntry("it holds NaN or infinite values")
         return emb
 
@@ -482,7 +483,7 @@ class PromptCache(BoundedCache[torch.Tensor]):
             with self._lock:
                 for p, e in zip(todo, embs):
                     found[p] = e[None]
-                    if bool(torch.isfinite(e).all()):  # garbage is returned (the caller names it), never cached
+                    if is_finite(e):  # garbage is returned (the caller names it), never cached
                         keep.append(p)
                         self._store((identity or id(encoder), p, length, options.key()), owner, e[None])
             if identity is not None and self.disk is not None:
