@@ -28,6 +28,7 @@ def is_finite(t: torch.Tensor) -> bool:
     """
     if not t.is_floating_point():
         return True
+    t = t.detach()  # a check, not part of any graph (and no warning for a tensor that needs grad)
     if t.dtype.itemsize == 1:  # float8 has no reductions
         t = t.float()
     total = t.sum(dtype=torch.float64 if t.dtype == torch.float64 else torch.float32)
