@@ -21,6 +21,7 @@ import torch
 
 from ..models.block_ops import PLAIN_OPS, BlockOps, QKPart
 from ..models.transformer_math import NORM_EPS
+from .qk_norm_rope_grad import FusedQKNormRope, records_grad
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +62,10 @@ class KitchenOps(BlockOps):
     ``rope`` / ``modulation`` choose which of the two steps it runs; the other stays plain, and so
     do modulations with per-token vectors (the timestep-zero reference mode). Attention is plain
     here; :class:`klein_core.accel.fast.FastOps` combines these steps with an attention backend.
+
+    Under autograd (training a LoRA on the fast path) the kernels, which have no backward, still run
+    the QK-norm + RoPE forward, with the backward of :mod:`klein_core.accel.qk_norm_rope_grad`; the
+    modulation runs plain (LayerNorm is already one kernel each way there).
     """
 
     def __init__(self, rope: bool = True, modulation: bool = True) -> None:
@@ -73,7 +78,7 @@ class KitchenOps(BlockOps):
         self._tables: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
 
     def modulate(self, x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        if not self.modulation or shift.shape[1] != 1:
+        if not self.modulation or shift.shape[1] != 1 or records_grad(x, shift, scale):
             return PLAIN_OPS.modulate(x, shift, scale)
         with _device_guard(x.device):
             return self._ck.adaln(x, scale, shift, NORM_EPS)
@@ -99,7 +104,11 @@ class KitchenOps(BlockOps):
                 n = q.shape[1]
                 # q/k [B, L_i, H, D] views of the projection in, new contiguous [B, L_i, H, D] out:
                 # the attention kernels read that layout (as [B, H, L, D] views) without a copy.
-                qq, kk = self._ck.rms_rope(q, k, freqs[:, offset : offset + n], q_scale, k_scale, NORM_EPS)
+                part_freqs = freqs[:, offset : offset + n]
+                if records_grad(q, k, q_scale, k_scale):
+                    qq, kk = FusedQKNormRope.apply(q, k, part_freqs, q_scale, k_scale, NORM_EPS, self._ck.rms_rope)
+                else:
+                    qq, kk = self._ck.rms_rope(q, k, part_freqs, q_scale, k_scale, NORM_EPS)
                 qs.append(qq)
                 ks.append(kk)
                 offset += n

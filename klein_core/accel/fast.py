@@ -36,6 +36,7 @@ from .comfy_kitchen import (
     kitchen_available,
     kitchen_serves_group_norm,
 )
+from .qk_norm_rope_grad import records_grad
 from .triton_swiglu import swiglu as triton_swiglu
 from .triton_swiglu import triton_available
 
@@ -221,12 +222,12 @@ class _BoundOps(BlockOps):
         return torch.addcmul(x, gate, y)  # one pass, the product kept in float32 before the sum
 
     def swiglu(self, x: torch.Tensor) -> torch.Tensor:
-        if self._swiglu is None or _tracks_grad(x):  # the kernel has no backward
+        if self._swiglu is None or records_grad(x):  # the kernel has no backward
             return super().swiglu(x)
         return self._swiglu(x, None)
 
     def attention_and_mlp(self, attn: torch.Tensor, mlp: torch.Tensor) -> torch.Tensor:
-        if not self._elementwise or _tracks_grad(attn, mlp):  # out= and the kernel have no backward
+        if not self._elementwise or records_grad(attn, mlp):  # out= and the kernel have no backward
             return super().attention_and_mlp(attn, mlp)
         d = attn.shape[-1]
         out = attn.new_empty(*attn.shape[:-1], d + mlp.shape[-1] // 2)
@@ -237,11 +238,6 @@ class _BoundOps(BlockOps):
             gate, up = mlp.chunk(2, dim=-1)
             torch.mul(F.silu(gate), up, out=out[..., d:])
         return out
-
-
-def _tracks_grad(*tensors: torch.Tensor) -> bool:
-    """Whether autograd records an op on ``tensors`` (training, or a LoRA being fitted)."""
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
 def _compare(fused: Sequence[torch.Tensor], plain: Sequence[torch.Tensor], dtype: torch.dtype) -> str | None:
@@ -444,6 +440,8 @@ class FastVAENorm:
         self._vae = weakref.ref(vae) if vae is not None else None
 
     def __call__(self, norm: GroupNormAct, x: torch.Tensor) -> torch.Tensor | None:
+        if records_grad(x, norm.weight, norm.bias):  # the kernel has no backward: the plain GroupNorm
+            return None
         if not self._usable_for(x) or x.ndim != 4 or not kitchen_serves_group_norm(
                 x.shape[1], norm.num_groups, x.shape[0]):
             return None
