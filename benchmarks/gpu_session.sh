@@ -32,6 +32,8 @@
 # compiled, CUDA graph replay): 31 s and 35 s on 2026-11-27. trainprof (profile_train.py: one LoRA training
 # step of ours and of diffusers + peft under torch.profiler, 4B 1024² rank 32) and textgraph (speed.py 4B a:
 # default against default+text_graph, 3 runs): not measured yet.
+# trainfast (train_speed.py 4B at speed fast against diffusers + peft, then at speed compile; the
+# training path of TrainJob(speed=...), 2 warm-up + 5 timed steps): not measured yet.
 # Optional, not measured yet: train (benchmarks/train_speed.py, LoRA training steps of issue 30: 4B, 9B,
 # 9B edit in bf16, 9B streamed (memory blocks), and 9B, 9B edit on an fp8 base, rank 32, 2 warm-up + 5 timed steps each, against diffusers
 # + peft in bf16; writes train.json; its timeout is 300 s).
@@ -61,11 +63,11 @@ PY="${PYTHON:-python3}"
 DRY=0
 PHASES=()
 ALL=(speed4b speed9b vae tests memory9b)
-OPTIONAL=(warm peer kernels memory fastpass blocks profile profilec texttests textgraph trainprof fasttests compile4b train)
+OPTIONAL=(warm peer kernels memory fastpass blocks profile profilec texttests textgraph trainprof trainfast fasttests compile4b train)
 for arg in "$@"; do
     case "$arg" in
         --dry-run) DRY=1 ;;
-        speed4b|speed9b|tests|memory9b|vae|warm|peer|kernels|memory|fastpass|blocks|profile|profilec|texttests|textgraph|trainprof|fasttests|compile4b|train)
+        speed4b|speed9b|tests|memory9b|vae|warm|peer|kernels|memory|fastpass|blocks|profile|profilec|texttests|textgraph|trainprof|trainfast|fasttests|compile4b|train)
             PHASES+=("$arg") ;;
         all) PHASES+=("${ALL[@]}") ;;
         -h|--help) sed -n '2,/^$/p' "${BASH_SOURCE[0]}"; exit 0 ;;
@@ -216,6 +218,14 @@ phase_train() {  # LoRA training steps (issue 30): klein_core's trainer (bf16, f
     local -a args=(--warmup 2 --steps 5)
     [ "$DRY" -eq 1 ] && args=(--tiny --device cpu --warmup 1 --steps 2)
     step train 300 "$PY" benchmarks/train_speed.py --cases all "${args[@]}" --out "$OUT/train.json"
+}
+
+phase_trainfast() {  # LoRA training 4B on the fast path (against diffusers + peft), then compiled
+    local -a args=(--warmup 2 --steps 5) compiled=(--speed compile)
+    [ "$DRY" -eq 1 ] && args=(--tiny --device cpu --warmup 1 --steps 2) && compiled=(--speed fast)  # inductor: minutes on a CPU
+    step train_4b_fast 150 "$PY" benchmarks/train_speed.py --cases 4b --speed fast "${args[@]}" --out "$OUT/train_4b_fast.json"
+    step train_4b_compile 240 "$PY" benchmarks/train_speed.py --cases 4b "${compiled[@]}" --no-diffusers "${args[@]}" \
+        --out "$OUT/train_4b_compile.json"
 }
 
 phase_blocks() {  # one double and one single block per fast-path variant (kernels.py --ops blocks)

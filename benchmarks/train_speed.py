@@ -22,6 +22,9 @@ Cases (``--cases``, comma list or ``all``):
 * ``9b_edit_fp8``: ``9b_fp8`` with one reference. Targets: peak <= 24 GB and time per step <= 2.2x
   ``9b_fp8``'s.
 
+``--speed fast`` / ``compile`` puts our transformer on that path first, as ``TrainJob(speed=...)`` does
+(default ``plain``, the trainer's default); diffusers runs as it always does.
+
 Per case: ``--warmup`` untimed steps, then ``--steps`` timed ones (the benchmarks' one timing loop,
 ``benchmarks.timing.call_times``: CUDA events on a GPU); it reports the median seconds per step, it/s (1 / median), the peak
 ``torch.cuda.max_memory_allocated`` since ``reset_peak_memory_stats`` at the start of the case
@@ -85,6 +88,7 @@ if str(REPO) not in sys.path:  # run as a script from a checkout
 
 from benchmarks.peers import diffusers_flux2_transformer
 from benchmarks.timing import call_times
+from klein_core.accel.speed import SPEEDS, apply_speed
 from klein_core.memory.placement import BlockOffloader
 from klein_core.models import Flux2Transformer, TransformerConfig
 from klein_core.models.variants import KLEIN_4B, KLEIN_9B
@@ -374,6 +378,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="FP8Linear path of the fp8 cases (default auto: what training runs)")
     ap.add_argument("--no-fp8-retry", action="store_true",
                     help="when the fp8 matmul fails, record the error instead of measuring again with upcasting")
+    ap.add_argument("--speed", choices=SPEEDS, default="plain",
+                    help="our transformer's path while training (apply_speed; default plain, as TrainJob)")
     ap.add_argument("--no-diffusers", action="store_true", help="skip the diffusers + peft peer")
     ap.add_argument("--tiny", action="store_true", help="tiny test transformers and latents (CPU self-test)")
     ap.add_argument("--device", default=None, help="default: cuda if available, else cpu")
@@ -435,6 +441,7 @@ def measure(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, 
         t0 = time.perf_counter()
         try:
             model = build_ours(cfg, device, dtype)
+            apply_speed(transformer=model, speed=args.speed)  # as TrainJob(speed=...) sets it
         except (RuntimeError, torch.OutOfMemoryError) as exc:  # the diffusers row may still fit
             for case in mine:
                 rows[case.name]["ours"] = {"error": f"build: {type(exc).__name__}: {str(exc).splitlines()[0]}"}
@@ -563,7 +570,8 @@ def _s(x: float | None, fmt: str = ".3f") -> str:
 def print_table(report: dict[str, Any], out: Any = sys.stdout) -> None:
     env = report["env"]
     print(f"\nLoRA training, {env['device_name']} ({env['device']}, {env['dtype']}), torch {env['torch']}, "
-          f"diffusers {env['diffusers']}, peft {env['peft']}; preset {report['args']['preset']} rank "
+          f"diffusers {env['diffusers']}, peft {env['peft']}; ours at speed {report['args'].get('speed', 'plain')}; "
+          f"preset {report['args']['preset']} rank "
           f"{report['args']['rank']}, {report['args']['steps']} timed steps after {report['args']['warmup']} warm-up "
           "(median)", file=out)
     print("\n| case | base | refs | ours s/step | ours it/s | ours peak GB (GiB) | target | verdict "

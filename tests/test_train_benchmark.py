@@ -54,6 +54,21 @@ def test_unknown_case_is_refused():
     assert bench.parse_args(["--cases", "9b_edit_fp8,4b"]).cases == ["4b", "9b_edit_fp8"]  # documented order
 
 
+def test_speed_puts_our_model_on_that_path(tmp_path, monkeypatch):
+    """``--speed fast`` sets our transformer as ``TrainJob(speed="fast")`` does, before the first case,
+    and the report says so; an unknown speed is refused."""
+    bench = _bench()
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--speed", "fastest"])
+    speeds = []
+    real = bench.apply_speed
+    monkeypatch.setattr(bench, "apply_speed", lambda **kw: speeds.append(kw["speed"]) or real(**kw))
+    report = bench.main(["--tiny", "--device", "cpu", "--cases", "4b", "--speed", "fast", "--no-diffusers",
+                         "--warmup", "1", "--steps", "1", "--out", str(tmp_path / "t.json")])
+    assert speeds == ["fast"] and report["args"]["speed"] == "fast"
+    assert report["rows"]["4b"]["ours"]["s_per_step"] > 0
+
+
 def _check_report(report: dict, fp8_forced: bool) -> None:
     bench = _bench()
     assert report["env"]["device"] == "cpu" and report["env"]["torch"] == torch.__version__ and report["env"]["date"]

@@ -78,3 +78,42 @@ def test_train_cli_resume_auto_continues_from_the_latest_checkpoint(tmp_path, ca
     assert run(tmp_path / "b" / "l.safetensors", 3) == 0
     a, b = load_file(str(resumed)), load_file(str(tmp_path / "b" / "l.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_train_cli_speed_fast_trains_the_same_lora(tmp_path, monkeypatch, capsys):
+    """``--speed fast`` (comfy-kitchen's QK-norm + RoPE forward with klein_core's backward, here on the
+    CPU through its eager backend) writes the LoRA of the plain run, to float32 rounding; the kernel
+    ran under autograd. A speed that does not exist is refused before any model loads."""
+    from extras import require
+    from safetensors.torch import load_file
+
+    from klein_core.accel import fast
+
+    ck = require("comfy_kitchen")
+    monkeypatch.setattr(fast, "KITCHEN_DEVICES", ("cuda", "cpu"))
+    launches = []
+    real = ck.rms_rope
+    monkeypatch.setattr(ck, "rms_rope", lambda q, *a: launches.append(q.requires_grad) or real(q, *a))
+    paths, data = tiny_training_files(tmp_path)
+    common = ["--dataset", str(data), "--vae", str(paths["vae"]), "--text-encoder", str(paths["qwen_4b"]),
+              "--transformer", str(paths["klein_base_4b"]), "--steps", "2", "--resolution", "32", "--rank", "2",
+              "--device", "cpu", "--preset", "full", "--lr", "1e-2", "--cache-dir", str(tmp_path / "cache")]
+    loras = {}
+    with ck.use_backend("eager"):
+        for speed in ("plain", "fast"):
+            out = tmp_path / speed / "l.safetensors"
+            assert run_train(_args(*common, "--output", str(out), "--speed", speed)) == 0
+            loras[speed] = load_file(str(out))
+    assert True in launches
+    plain, fused = loras["plain"], loras["fast"]
+    assert plain.keys() == fused.keys() and any(plain[k].abs().sum() > 0 for k in plain if "lora_B" in k)
+    for k in plain:  # Adam's steps are lr-sized (1e-2) whatever the gradient: 2e-5 is 0.1 % of one
+        torch.testing.assert_close(fused[k], plain[k], rtol=1e-3, atol=2e-5)
+
+    capsys.readouterr()
+    toml = tmp_path / "bad.toml"
+    toml.write_text('speed = "fastest"\n')
+    assert run_train(_args(str(toml), *common, "--output", str(tmp_path / "bad" / "l.safetensors"))) == 2
+    err = capsys.readouterr().err
+    assert "speed must be one of fast, compile, plain; got 'fastest'" in err, err
+    assert not (tmp_path / "bad").exists()

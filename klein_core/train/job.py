@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from ..accel.speed import apply_speed, check_speed
 from ..files.loaders import load_text_encoder, load_transformer, load_vae
 from ..memory.placement import BlockOffloader
 from ..pipeline.prompts import encoder_identity
@@ -43,7 +44,11 @@ class TrainJob:
     ``config.text_encoder_lr``): the captions are then encoded at every step and the text encoder
     stays loaded (streamed too with ``memory="blocks"``). ``config.sample_prompts``: sample images
     at checkpoints (the prompts are encoded before the text encoder is dropped, or at every sample
-    when it trains; the VAE stays loaded to decode them)."""
+    when it trains; the VAE stays loaded to decode them). ``speed``: the transformer's path while it
+    trains (:func:`klein_core.accel.apply_speed`): ``plain`` (the default), ``fast`` (on CUDA the
+    attention backend and comfy-kitchen's QK-norm + RoPE forward, with klein_core's backward for it)
+    or ``compile`` (``torch.compile`` of the blocks, forward and backward); the same LoRA either way,
+    to rounding (docs/training.md)."""
 
     dataset: str | os.PathLike
     transformer: str | os.PathLike
@@ -66,6 +71,7 @@ class TrainJob:
     memory: str = "resident"
     text_encoder_rank: int | None = None
     text_encoder_alpha: float | None = None
+    speed: str = "plain"
 
 
 class TrainingStopped(RuntimeError):
@@ -113,6 +119,7 @@ def _run(job: TrainJob, on_step: Callable[[StepReport], bool | None] | None,
         raise ValueError(f"quantize must be None or 'fp8', got {job.quantize!r}")
     if job.memory not in TRAIN_MEMORY:
         raise ValueError(f"memory must be one of {TRAIN_MEMORY}, got {job.memory!r}")
+    check_speed(job.speed)
     if job.text_encoder_rank is not None and job.text_encoder_rank < 0:
         raise ValueError(f"text_encoder_rank must be positive (0 or None: no text-encoder LoRA), got "
                          f"{job.text_encoder_rank}")
@@ -161,6 +168,7 @@ def _run(job: TrainJob, on_step: Callable[[StepReport], bool | None] | None,
         engine.memory = "blocks"  # sample images stream the blocks too (from where the streamer keeps them)
     else:
         model = load_transformer(job.transformer, device=device, dtype=dtype, quantize=job.quantize)
+    apply_speed(transformer=model, speed=job.speed)
     engine.transformer = model
     lora = LoRASet(model, adapter_config, seed=job.config.seed)
     if train_text:

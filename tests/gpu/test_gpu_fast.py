@@ -99,6 +99,54 @@ def test_fused_kernels_match_plain(gpu, model, which, parity, fused_here):
     assert rel < (_tol(gpu) if gpu.half else 1e-6), rel
 
 
+def test_lora_training_step_on_the_fast_path(gpu, model, parity, fused_here, monkeypatch):
+    """A LoRA training step (gradient checkpointing on) on the model set to ``fast``: comfy-kitchen's
+    QK-norm + RoPE kernel runs the forward, under autograd, with klein_core's own backward
+    (klein_core.accel.qk_norm_rope_grad); the attention backend's backward runs too. The LoRA
+    gradients match the plain path's (before the fix the first backward pass failed)."""
+    from klein_core.accel import comfy_kitchen as kitchen_mod
+    from klein_core.train import LoRASet, TrainConfig, Trainer, TrainSample, preset
+
+    real = kitchen_mod.FusedQKNormRope
+    applied = []
+
+    class Counted:
+        @staticmethod
+        def apply(*args):
+            applied.append(1)
+            return real.apply(*args)
+
+    monkeypatch.setattr(kitchen_mod, "FusedQKNormRope", Counted)
+    g = torch.Generator().manual_seed(0)
+    sample = TrainSample(torch.randn(1, 128, 16, 16, generator=g),
+                         torch.randn(1, 64, model.config.context_dim, generator=g))
+    grads = {}
+    try:
+        for speed in ("plain", "fast"):
+            if speed == "fast":
+                ops = fast.enable_fast_paths(model)
+            lora = LoRASet(model, preset("style", rank=4), seed=1, device=gpu.device)
+            up = torch.Generator().manual_seed(2)
+            with torch.no_grad():  # B off zero, so A gets gradients too
+                for layer in lora.layers.values():
+                    layer.up.copy_(torch.randn(layer.up.shape, generator=up).to(layer.up) * 0.1)
+            trainer = Trainer(model, lora, [sample], TrainConfig(steps=1, seed=0, gradient_checkpointing=True))
+            try:
+                trainer.train_step()
+            finally:
+                trainer.close()
+            grads[speed] = torch.cat([p.grad.flatten().float() for p in trainer.params])
+    finally:
+        fast.disable_fast_paths(model)
+    (described,) = ops.resolved().values()
+    assert "qk-norm+rope=comfy-kitchen" in described, described
+    assert applied, "the fused QK-norm + RoPE did not run under autograd"
+    assert torch.isfinite(grads["fast"]).all() and grads["fast"].abs().sum() > 0
+    rel = parity(tag(gpu, f"LoRA gradients, fast path ({described}) vs plain, relative L2"),
+                 rel_l2(grads["fast"], grads["plain"]))
+    assert rel < (5e-2 if gpu.half else 1e-4), rel
+
+
 @pytest.mark.cuda("the one-pass SwiGLU is a Triton kernel for CUDA; tests/test_fast.py covers its seam on the CPU")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_one_pass_swiglu_kernel(gpu, dtype, parity):
