@@ -91,7 +91,7 @@ SPECS = {
     "KleinLoraTrainer": Spec(
         widgets=("dataset", "model_name", "vae_name", "text_encoder", "preset", "rank", "steps", "learning_rate",
                  "seed", "lora_name", "resolution", "base_precision", "sample_prompts", "sample_every",
-                 "sample_steps", "memory_mode", "text_encoder_rank", "checkpoint_every"),
+                 "sample_steps", "memory_mode", "text_encoder_rank", "checkpoint_every", "speed"),
         outputs=(("lora_name", "STRING"), ("loss_curve", "IMAGE"), ("samples", "IMAGE")), size=(380, 520)),
     "KleinLoraLoader": Spec(sockets=(("model", "KLEIN_MODEL", False),), widgets=("lora_name", "strength"),
                             outputs=(("model", "KLEIN_MODEL"),), size=(320, 110)),
@@ -360,7 +360,7 @@ WORKFLOWS = [
             "resolution": 1024, "base_precision": "default",
             "sample_prompts": "A lighthouse on a rocky coast at dusk, in the trained style", "sample_every": 250,
             "sample_steps": 20, "memory_mode": "resident", "text_encoder_rank": 0,
-            "checkpoint_every": 250}, title="Klein LoRA Trainer (base model)"),
+            "checkpoint_every": 250, "speed": "plain"}, title="Klein LoRA Trainer (base model)"),
         Node(8, "PreviewAny", (-420, 640), links={"source": (7, 0)}, title="Trained LoRA file"),
         Node(9, "SaveImage", (-880, 80), {"filename_prefix": "Klein-LoRA-loss"}, {"images": (7, 1)},
              title="Loss curve"),

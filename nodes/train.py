@@ -24,6 +24,7 @@ from comfy_api.latest import io
 from PIL import Image, ImageDraw
 from safetensors import safe_open
 
+from klein_core.accel.speed import SPEEDS
 from klein_core.train import PRESETS, TrainConfig, TrainJob, loss_curve_image, run_job
 from klein_core.train.data import IMAGE_EXTS, DatasetError
 from klein_core.train.job import TRAIN_MEMORY
@@ -253,6 +254,11 @@ class KleinLoraTrainer(io.ComfyNode):
                     "<lora_name>-<settings>/ (the newest 2 are kept). Queued again with the same inputs after a "
                     "Cancel, an error or a restart, the run continues from its last checkpoint; with more steps "
                     "it trains on.")),
+                io.Combo.Input("speed", options=list(SPEEDS), default="plain", optional=True, tooltip=(
+                    "The transformer's path while it trains. plain (default): plain PyTorch. fast: on the GPU the "
+                    "fused QK-norm + RoPE kernel (with its own backward) and the fastest attention. compile: "
+                    "torch.compile of the blocks (a slow first step). The same LoRA to rounding; which is "
+                    "fastest is not measured yet.")),
             ],
             outputs=[
                 io.String.Output(display_name="lora_name", tooltip=(
@@ -283,7 +289,7 @@ class KleinLoraTrainer(io.ComfyNode):
                 lora_name: str = "klein_lora", resolution: int = 1024, base_precision: str = "default",
                 sample_prompts: str = "", sample_every: int = 250, sample_steps: int = 20,
                 memory_mode: str = "resident", text_encoder_rank: int = 0,
-                checkpoint_every: int = 250) -> io.NodeOutput:
+                checkpoint_every: int = 250, speed: str = "plain") -> io.NodeOutput:
         file_name = lora_file_name(lora_name)
         if preset not in PRESETS:
             raise ValueError(f"{NODE}: preset '{preset}' is not one of {', '.join(PRESETS)}.")
@@ -291,6 +297,8 @@ class KleinLoraTrainer(io.ComfyNode):
             raise ValueError(f"{NODE}: base_precision '{base_precision}' is not one of {', '.join(PRECISIONS)}.")
         if memory_mode not in TRAIN_MEMORY:
             raise ValueError(f"{NODE}: memory_mode '{memory_mode}' is not one of {', '.join(TRAIN_MEMORY)}.")
+        if speed not in SPEEDS:
+            raise ValueError(f"{NODE}: speed '{speed}' is not one of {', '.join(SPEEDS)}.")
         if int(sample_steps) < 1:
             raise ValueError(f"{NODE}: sample_steps must be 1 or more, got {sample_steps}.")
         prompts = sample_prompt_list(sample_prompts)
@@ -324,7 +332,7 @@ class KleinLoraTrainer(io.ComfyNode):
             dataset=dataset.strip(), transformer=paths["model_name"], vae=paths["vae_name"],
             text_encoder=paths["text_encoder"], output=out, preset=preset, rank=int(rank),
             resolution=side, device=device, dtype=dtype, quantize=PRECISIONS[base_precision], memory=memory_mode,
-            text_encoder_rank=int(text_encoder_rank) or None,
+            text_encoder_rank=int(text_encoder_rank) or None, speed=speed,
             config=TrainConfig(steps=int(steps), learning_rate=float(learning_rate), seed=int(seed),
                                sample_prompts=prompts, sample_every=every, sample_steps=int(sample_steps),
                                sample_seed=int(seed), sample_size=(side, side),

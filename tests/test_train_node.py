@@ -85,7 +85,7 @@ def test_schema(env):
     assert [i.id for i in schema.inputs] == ["dataset", "model_name", "vae_name", "text_encoder", "preset", "rank",
                                             "steps", "learning_rate", "seed", "lora_name", "resolution",
                                             "base_precision", "sample_prompts", "sample_every", "sample_steps",
-                                            "memory_mode", "text_encoder_rank", "checkpoint_every"]
+                                            "memory_mode", "text_encoder_rank", "checkpoint_every", "speed"]
     assert all(i.optional for i in schema.inputs[10:])  # appended: saved workflows keep their widget order
     assert "ON THE SERVER" in schema.inputs[0].tooltip
     assert schema.inputs[1].options == sorted(os.listdir(env.paths["klein_4b"].parent))
@@ -95,6 +95,7 @@ def test_schema(env):
     assert (schema.inputs[13].default, schema.inputs[14].default) == (250, 20)
     assert schema.inputs[15].options == ["resident", "blocks"] and schema.inputs[15].default == "resident"
     assert schema.inputs[16].default == 0
+    assert schema.inputs[18].options == ["fast", "compile", "plain"] and schema.inputs[18].default == "plain"
     assert [o.io_type for o in schema.outputs] == ["STRING", "IMAGE", "IMAGE"]
     assert [o.display_name for o in schema.outputs] == ["lora_name", "loss_curve", "samples"]
     assert "no sample prompts" in schema.outputs[2].tooltip
@@ -335,6 +336,18 @@ def test_memory_mode_blocks_trains_the_same_lora(env, trained, monkeypatch):
     (env.loras / name).unlink()
     with pytest.raises(ValueError, match="Klein LoRA Trainer: memory_mode 'swap' is not one of resident, blocks."):
         _run(env, lora_name="tiny_blocks", memory_mode="swap")
+
+
+def test_speed_reaches_the_job_and_a_wrong_one_is_refused(env, monkeypatch):
+    """The speed choice goes to the job (which applies it to the transformer: tests/test_train_cli.py
+    trains the same LoRA at fast); one that is not a choice is refused before anything runs."""
+    jobs = _spy_jobs(env, monkeypatch)
+    with pytest.raises(ValueError, match="Klein LoRA Trainer: speed 'turbo' is not one of fast, compile, plain."):
+        _run(env, lora_name="tiny_speed", speed="turbo")
+    assert not jobs
+    name = _run(env, lora_name="tiny_speed", speed="fast").args[0]
+    assert [j.speed for j in jobs] == ["fast"]
+    (env.loras / name).unlink()
 
 
 def test_cancel_during_sample_images_stops_between_their_steps(env, monkeypatch):
