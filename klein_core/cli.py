@@ -39,6 +39,7 @@ from .pipeline.prompts import (
 )
 from .pipeline.request import MAX_STEPS, as_device, guess_model_kind, reference_mode, resolve_size
 from .pipeline.sampling import MAX_SEED
+from .provenance import run_environment
 
 logger = logging.getLogger("klein_core.cli")
 
@@ -506,6 +507,7 @@ def run_generate(args: argparse.Namespace) -> int:
         "text_precision": args.text_precision, "max_tokens": args.max_tokens,
         "ref_mode": reference_mode(kind, args.ref_mode),
         "speed": args.speed,
+        "environment": run_environment(transformer),
         **({"image": str(args.image), "mask": str(args.mask) if args.mask else None,
             "strength": _resolved_strength(args), "outpaint": args.outpaint, "crop_padding": args.crop_padding,
             "feather": args.feather, "composite": not args.no_composite} if args.image else {}),

@@ -14,6 +14,7 @@ import torch
 from extras import require
 from PIL import Image
 
+import klein_core
 from klein_core import cli
 from klein_core.testing import write_tiny_model_files
 
@@ -30,7 +31,7 @@ def test_demo_runs_as_module(tmp_path):
     out = tmp_path / "demo.png"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, "-m", "klein_core", "generate", "--demo", "--prompt", "a fox",
-                           "--out", str(out)], capture_output=True, text=True, env=env, timeout=300)
+                           "--out", str(out)], check=False, capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.count("\n") == 1 and "denoise" in proc.stdout  # stdout: the summary with per-stage times
     assert proc.stderr.count("will be noise") == 1 and "--demo" not in proc.stdout  # the demo's note, once
@@ -39,6 +40,9 @@ def test_demo_runs_as_module(tmp_path):
     assert img.size == (256, 256)
     params = json.loads(img.text["parameters"])
     assert params["prompt"] == "a fox" and params["steps"] == 4 and params["demo"] is True
+    env = params["environment"]  # what ran: the same seed differs across torch versions and GPUs
+    assert env["klein_core"] == klein_core.__version__ and env["torch"] == torch.__version__
+    assert env["device"] == "cpu" and env["fast_paths"].startswith("fast (cpu torch.float32: attention=plain"), env
 
 
 def test_models_dir_run_picks_fitting_encoder(models, tmp_path, capsys):

@@ -99,6 +99,7 @@ def test_batch_equals_generate_and_records_bad_rows(cluster, models, tmp_path, c
         assert np.array_equal(np.asarray(got), np.asarray(want)), r["id"]
         params = json.loads(got.text["parameters"])
         assert (params["id"], params["seed"], params["transformer"]) == (r["id"], r["seed"], "flux-2-klein-4b.safetensors")
+        assert params["environment"]["torch"] == torch.__version__ and params["environment"]["device"] == "cpu"
 
 
 def test_killed_job_resumes_without_redoing_rows(cluster, tmp_path):

@@ -19,6 +19,7 @@ from PIL import Image
 
 from ..pipeline.engine import Engine, GenerationResult
 from ..pipeline.request import GenerationRequest
+from ..provenance import run_environment
 from .models import ModelSpec, open_engine
 from .rows import RowSpec, lora_path
 
@@ -69,7 +70,8 @@ class RowRunner:
                   "width": result.width, "height": result.height, "steps": result.steps,
                   "guidance": result.guidance, "seed": row.seed,
                   "references": list(row.references),
-                  "loras": [f"{n}:{s:g}" for n, s in row.loras], **self.spec.png_params()}
+                  "loras": [f"{n}:{s:g}" for n, s in row.loras], **self.spec.png_params(),
+                  "environment": run_environment(self.engine.transformer)}
         return RowOutput(result, params, time.perf_counter() - t0)
 
     def _apply_loras(self, row: RowSpec):
