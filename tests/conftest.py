@@ -67,6 +67,8 @@ FULL_TIER: tuple[str, ...] = (
     # the training benchmark's self-tests: every case on the CPU with the diffusers peer, and the phase
     "tests/test_train_benchmark.py::test_tiny_run_with_the_diffusers_peer",
     "tests/test_train_benchmark.py::test_gpu_session_dry_run_train",
+    # training at speed compile (dynamo's eager backend), resident and streamed, against plain: 30 s
+    "tests/test_train_cli.py::test_train_cli_speed_compile_with_streamed_blocks",
     # text-encoder LoRA: resume bit-exact, and the Kohya naming (the diffusers naming stays in the default tier)
     "tests/test_train_text_encoder.py::test_resume_with_a_text_encoder_lora_is_bit_exact",
     "tests/test_train_text_encoder.py::test_saved_text_encoder_lora_loads_with_the_trained_effect[kohya]",
