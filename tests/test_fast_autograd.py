@@ -175,27 +175,29 @@ def test_fast_path_gradients_in_bf16_are_as_close_as_the_plain_ones(kitchen_on_c
         assert err_fast <= 1.5 * err_plain + 2e-3, (i, err_fast, err_plain)
 
 
-def _samples(n=3, seed=0):
+def _samples(n=3, refs=0, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return [TrainSample(torch.randn(1, 128, 2, 2, generator=g) * 0.5, torch.randn(1, 3, 96, generator=g))
-            for _ in range(n)]
+    return [TrainSample(torch.randn(1, 128, 2, 2, generator=g) * 0.5, torch.randn(1, 3, 96, generator=g),
+                        tuple(torch.randn(1, 128, 2, 2, generator=g) for _ in range(refs))) for _ in range(n)]
 
 
-def _train(fast_on, steps=3):
+def _train(fast_on, steps=3, refs=0):
     model = demo.tiny_transformer()
     if fast_on:
         fast.enable_fast_paths(model, attention="plain")
     lora = LoRASet(model, preset("style", rank=4), seed=1)
-    trainer = Trainer(model, lora, _samples(), TrainConfig(steps=steps, learning_rate=1e-3))
+    trainer = Trainer(model, lora, _samples(refs=refs), TrainConfig(steps=steps, learning_rate=1e-3))
     losses = [trainer.train_step() for _ in range(steps)]
     return losses, {k: v.detach().clone() for k, v in lora.state_dict().items()}
 
 
-def test_trainer_on_the_fast_path_with_gradient_checkpointing(kitchen_on_cpu):
+@pytest.mark.parametrize("refs", [0, 1])
+def test_trainer_on_the_fast_path_with_gradient_checkpointing(kitchen_on_cpu, refs):
     """The Trainer (gradient checkpointing on: each block's forward runs again in the backward pass)
-    on a model set to fast trains as on the plain path: the same losses and LoRA weights."""
-    losses_plain, plain = _train(False)
-    losses_fast, trained = _train(True)
+    on a model set to fast trains as on the plain path, text only and editing (a reference joins the
+    sequence with its own RoPE time offset): the same losses and LoRA weights."""
+    losses_plain, plain = _train(False, refs=refs)
+    losses_fast, trained = _train(True, refs=refs)
     assert kitchen_on_cpu
     torch.testing.assert_close(losses_fast, losses_plain, rtol=1e-4, atol=1e-6)
     assert plain.keys() == trained.keys()
