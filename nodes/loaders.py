@@ -7,7 +7,7 @@ import logging
 import torch
 from comfy_api.latest import io
 
-from klein_core.files.loaders import meta_model
+from klein_core.files.loaders import meta_model, quantize_for
 from klein_core.memory.placement import module_bytes
 from klein_core.memory.planner import weights_home
 from klein_core.pipeline.inputs import check_compatible
@@ -153,7 +153,9 @@ class KleinModelLoader(io.ComfyNode):
         model_path = model_file(NODE, "model_name", "diffusion_models", model_name, expect="transformer")
         vae_path = model_file(NODE, "vae_name", "vae", vae_name, expect="vae")
         dtype, vae_device = weight_dtype_for(weight_dtype, device), host.vae_device()
-        quantize = QUANTIZE.get(weight_dtype)
+        # A device without float8 (Apple's MPS) gets fp8 layers dequantised as they load, wherever they load
+        with errors_named(NODE, "weight_dtype", weight_dtype):
+            quantize = quantize_for(model_path, "transformer", device, QUANTIZE.get(weight_dtype), dtype=dtype)
         home = transformer_home(memory_mode, device, model_path, dtype, quantize)
         tref = cache.model_ref("transformer", model_path, model_name, home, dtype, quantize)
         vref = cache.model_ref("vae", vae_path, vae_name, vae_device, host.vae_dtype(vae_device))

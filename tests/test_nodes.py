@@ -677,6 +677,35 @@ def test_storage_choices_that_a_quantised_file_overrides_are_said(comfy, monkeyp
     assert not caplog.text
 
 
+def test_a_device_without_float8_loads_fp8_files_dequantised(comfy, monkeypatch):
+    """On Apple's MPS (no float8 dtypes; the CPU stands in, its answer patched) the loader loads an fp8
+    file's layers dequantised, whichever memory mode keeps its weights in CPU memory first, and
+    refuses weight_dtype fp8 naming the input and the device."""
+    from safetensors.torch import load_file, save_file
+
+    import klein_core.files.loaders as core_loaders
+    from klein_core.quant.fp8 import block_linear_names, fp8_layers
+
+    sd = load_file(str(comfy.paths["klein_4b"]))
+    layers = block_linear_names(kc.load_transformer(comfy.paths["klein_4b"]))
+    name = "flux-2-klein-4b-fp8.safetensors"
+    save_file(quantize_state_dict(sd, layers, style="comfy_quant"), str(comfy.models / "diffusion_models" / name))
+    comfy.folder_paths.filename_list_cache.clear()
+    monkeypatch.setattr(core_loaders, "holds_float8", lambda device: False)
+    try:
+        for memory_mode in ("resident", "blocks"):
+            with torch.inference_mode():
+                model = comfy.pack.KleinModelLoader.execute(name, VAE, "bf16", "auto", memory_mode).args[0]
+            assert model.ref.quantize == "dequantize" and not fp8_layers(model.ref.get())
+            comfy.cache.release_all("next mode")
+        with pytest.raises(ValueError, match="weight_dtype.*cpu cannot hold float8 tensors"):
+            comfy.pack.KleinModelLoader.execute(M4B, VAE, "fp8", "auto")
+    finally:
+        comfy.cache.release_all("test done")
+        (comfy.models / "diffusion_models" / name).unlink()
+        comfy.folder_paths.filename_list_cache.clear()
+
+
 def test_fp8_weight_option_keeps_block_weights_in_fp8(comfy):
     from klein_core.quant.fp8 import fp8_layers
 

@@ -375,3 +375,75 @@ def test_stored_formats_are_counted_and_named():
     assert describe_formats({"fp8 e4m3fn": 1, "NVFP4": 2}) == "1 layer in fp8 e4m3fn and 2 in NVFP4"
     assert prequantized_layers(model, "q8") == {"fp8 e4m3fn": 1, "fp8 e5m2": 1, "GGUF Q4_K": 1, "NVFP4": 1}
     assert prequantized_layers(model, None) == {} and prequantized_layers(nn.Linear(2, 2), "fp8") == {}
+
+
+def test_a_device_without_float8_gets_fp8_files_dequantised(tmp_path, tiny, monkeypatch, caplog):
+    """Apple's MPS has no float8 dtypes (ComfyUI#8988). An fp8 file loaded for such a device (the CPU
+    stands in here, its probe answering no) loads with no fp8 layer, its weights dequantised to the
+    compute dtype as they load: the values of quantize='dequantize', with one warning naming the file.
+    With quantize='q8' its fp8 layers are dequantised too, never read as raw float8 into GGML blocks.
+    quantize='fp8' there is refused, naming the device and what to load with instead."""
+    import logging
+
+    import klein_core.files.materialize as mat
+
+    sd, layers = tiny
+    path = _write_file(tmp_path, "flux-2-klein-4b-fp8.safetensors", quantize_state_dict(sd, layers, style="comfy_quant"))
+    want = load_transformer(path, dtype=torch.bfloat16, quantize="dequantize")
+    assert fp8_layers(load_transformer(path, dtype=torch.bfloat16))  # the CPU holds float8: kept
+    monkeypatch.setattr(mat, "holds_float8", lambda device: torch.device(device).type != "cpu")
+    for quantize in (None, "q8"):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="klein_core.files.materialize"):
+            got = load_transformer(path, dtype=torch.bfloat16, quantize=quantize)
+        assert not fp8_layers(got) and not any(type(m).__name__ == "GGMLLinear" for m in got.modules())
+        a, b = got.state_dict(), want.state_dict()
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), quantize
+        assert caplog.text.count("cpu holds no float8 tensors; the") == 1, caplog.text
+        assert "flux-2-klein-4b-fp8.safetensors are dequantised to torch.bfloat16" in caplog.text
+    bf16 = _write_file(tmp_path, "flux-2-klein-4b.safetensors", sd)
+    with pytest.raises(ValueError, match=r"cpu cannot hold float8 tensors.*quantize=None"):
+        load_transformer(bf16, dtype=torch.bfloat16, quantize="fp8")
+
+
+def test_float8_storage_probe(monkeypatch):
+    """The CPU and CUDA hold float8 (answered without touching CUDA); another device type is probed
+    once, by making a one-element float8 tensor there (MPS's refusal stands in)."""
+    from klein_core.quant import fp8 as fp8_mod
+
+    assert fp8_mod.holds_float8("cpu") and fp8_mod.holds_float8(torch.device("cuda", 1))
+    monkeypatch.setattr(fp8_mod, "_float8_storage", {})
+    tried = []
+
+    def no_float8(*args, dtype=None, device=None, **kwargs):
+        tried.append((dtype, str(device)))
+        raise TypeError("Trying to convert Float8_e4m3fn to the MPS backend but it does not have support for that "
+                        "dtype.")
+
+    monkeypatch.setattr(fp8_mod.torch, "zeros", no_float8)
+    assert not fp8_mod.holds_float8("mps") and not fp8_mod.holds_float8(torch.device("mps"))
+    assert tried == [(torch.float8_e4m3fn, "mps")]  # once per device type
+
+
+def test_quantize_for_a_device_without_float8(tmp_path, tiny, monkeypatch):
+    """What the node loader and the training job load with when the weights go to CPU memory first
+    (to be streamed or copied to the device): on a device without float8 an fp8 file loads
+    dequantised (so its layers never reach the device in fp8), a bf16 file as asked; fp8 storage is
+    refused naming the device. Elsewhere the choice passes through untouched."""
+    from klein_core.files import loaders
+
+    sd, layers = tiny
+    fp8_file = _write_file(tmp_path, "klein-fp8.safetensors", quantize_state_dict(sd, layers, style="comfy_quant"))
+    bf16_file = _write_file(tmp_path, "klein.safetensors", sd)
+    cpu = torch.device("cpu")
+    assert loaders.quantize_for(fp8_file, "transformer", cpu) is None  # the CPU holds float8
+    monkeypatch.setattr(loaders, "holds_float8", lambda device: False)  # as MPS answers
+    assert loaders.quantize_for(fp8_file, "transformer", cpu) == "dequantize"
+    assert loaders.quantize_for(fp8_file, "transformer", cpu, "q8") == "dequantize"
+    assert loaders.quantize_for(bf16_file, "transformer", cpu) is None
+    assert loaders.quantize_for(bf16_file, "transformer", cpu, "q8") == "q8"
+    with pytest.raises(ValueError, match=r"klein.safetensors: cpu cannot hold float8 tensors.*quantize=None"):
+        loaders.quantize_for(bf16_file, "transformer", cpu, "fp8")
+    model = load_transformer(fp8_file, device=cpu, dtype=torch.bfloat16,
+                             quantize=loaders.quantize_for(fp8_file, "transformer", cpu))
+    assert not fp8_layers(model)

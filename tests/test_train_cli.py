@@ -157,3 +157,35 @@ def test_train_cli_speed_compile_with_streamed_blocks(tmp_path, monkeypatch):
         for k in plain:
             torch.testing.assert_close(lora[k], plain[k], rtol=1e-3, atol=2e-5)
         assert (img.int() - img_plain.int()).abs().max() <= 1, name  # 8-bit pixels
+
+
+def test_train_cli_streamed_fp8_base_on_a_device_without_float8(tmp_path, monkeypatch):
+    """``--memory blocks`` loads the base into CPU memory to stream it: on a device without float8
+    (Apple's MPS; the CPU stands in, its answer patched) an fp8 base's layers load dequantised there,
+    so no fp8 tensor is ever streamed to it, and the run writes its LoRA."""
+    from safetensors.torch import load_file, save_file
+
+    import klein_core.files.loaders as core_loaders
+    from klein_core.files.fp8 import quantize_state_dict
+    from klein_core.quant.fp8 import block_linear_names, fp8_layers
+    from klein_core.train import job as job_mod
+
+    paths, data = tiny_training_files(tmp_path)
+    base = load_file(str(paths["klein_base_4b"]))
+    layers = block_linear_names(job_mod.load_transformer(paths["klein_base_4b"], device="meta"))
+    fp8_base = tmp_path / "flux-2-klein-base-4b-fp8.safetensors"
+    save_file(quantize_state_dict(base, layers, style="comfy_quant"), str(fp8_base))
+    monkeypatch.setattr(core_loaders, "holds_float8", lambda device: False)
+    loaded = []
+    real = job_mod.load_transformer
+
+    def spy(*args, **kwargs):
+        loaded.append(real(*args, **kwargs))
+        return loaded[-1]
+
+    monkeypatch.setattr(job_mod, "load_transformer", spy)
+    out = tmp_path / "out" / "l.safetensors"
+    assert run_train(_args("--dataset", str(data), "--vae", str(paths["vae"]), "--text-encoder", str(paths["qwen_4b"]),
+                           "--transformer", str(fp8_base), "--output", str(out), "--steps", "1", "--resolution", "32",
+                           "--rank", "2", "--device", "cpu", "--memory", "blocks")) == 0
+    assert out.exists() and len(loaded) == 1 and not fp8_layers(loaded[0])

@@ -18,6 +18,7 @@ import torch
 from ..models.qwen3 import Qwen3Config, Qwen3TextEncoder
 from ..models.transformer import Flux2Transformer
 from ..models.vae import Flux2VAE
+from ..quant.fp8 import fp8_layers, holds_float8
 from .materialize import materialize
 from .opening import open_weights
 from .qwen3_layout import COMPONENT, normalise_keys, qwen3_key_map, read_hf_config
@@ -166,4 +167,25 @@ def meta_model(source: Source, component: str, *, dtype: torch.dtype | str | Non
     return LOADERS[component](source, device="meta", dtype=dtype, **kwargs)
 
 
-__all__ = ["LOADERS", "as_dtype", "load_text_encoder", "load_transformer", "load_vae", "meta_model"]
+def quantize_for(source: Source, component: str, device: torch.device | str, quantize: str | None = None, *,
+                 dtype: torch.dtype | str | None = None) -> str | None:
+    """The ``quantize=`` to load ``source`` with, for a model that computes on ``device`` but may be
+    loaded into CPU memory first (to stream or copy its weights in): ``quantize`` itself, except on a
+    device that holds no float8 tensors (Apple's MPS), where a file storing fp8 layers gives
+    ``"dequantize"`` (they then never reach the device in fp8; ``"q8"``/``"q4"`` too, since fp8
+    layers are never requantised), and ``quantize="fp8"`` raises, naming the device. A load straight
+    onto such a device needs none of this (:func:`materialize` dequantises there itself)."""
+    device = torch.device(device)
+    if holds_float8(device):
+        return quantize
+    name = Path(source).name if isinstance(source, (str, os.PathLike)) else component
+    if quantize == "fp8":
+        raise ValueError(f"{name}: {device.type} cannot hold float8 tensors, so the weights cannot be stored in "
+                         "fp8 for it; load with quantize=None (the file's dtype), or 'q8' for 8-bit GGML blocks")
+    if quantize in (None, "q8", "q4") and fp8_layers(meta_model(source, component, dtype=dtype)):
+        logger.info("%s: %s holds no float8 tensors; its fp8 layers are dequantised as it loads", name, device.type)
+        return "dequantize"
+    return quantize
+
+
+__all__ = ["LOADERS", "as_dtype", "load_text_encoder", "load_transformer", "load_vae", "meta_model", "quantize_for"]

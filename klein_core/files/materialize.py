@@ -8,7 +8,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from ..quant.fp8 import is_fp8
+from ..quant.fp8 import holds_float8, is_fp8
 from . import fp8 as fp8_files
 from . import gguf as gguf_files
 from . import nvfp4 as nvfp4_files
@@ -56,8 +56,19 @@ def materialize(
     # "q4" converts float weights only (a packed tensor read as float would be its raw bytes).
     packed = {k for k, op in plan.ops.items() if gguf_files.reads_ggml(op, src) or nvfp4_files.reads_nvfp4(op, src)}
     fp8 = fp8_files.plan_fp8(module, {k: v for k, v in plan.ops.items() if k not in packed}, src, quantize)
+    if fp8 and not holds_float8(device):  # Apple's MPS: no float8 dtypes at all
+        if quantize == "fp8":
+            raise ValueError(f"{component}: {device.type} cannot hold float8 tensors, so its weights cannot be "
+                             "stored in fp8 there; load with quantize=None (the file's dtype), or 'q8' for "
+                             "8-bit GGML blocks")
+        logger.warning("%s: %s holds no float8 tensors; the %d fp8 weights of %s are dequantised to %s as they "
+                       "load (%d bytes a weight instead of 1)", component, device.type, len(fp8), src.name, dtype,
+                       dtype.itemsize)
+        dequantized, fp8 = set(fp8), {}  # read below as any float8 tensor is: dequantised to dtype
+    else:
+        dequantized = set()
     fp8_files.swap_to_fp8_(module, fp8.values())  # free: the module is still on the meta device
-    ggml = gguf_files.plan_ggml(module, {k: v for k, v in plan.ops.items() if k not in fp8
+    ggml = gguf_files.plan_ggml(module, {k: v for k, v in plan.ops.items() if k not in fp8 and k not in dequantized
                                          and not nvfp4_files.reads_nvfp4(v, src)}, src, quantize)
     gguf_files.swap_to_ggml_(module, ggml, dtype)
     nv = nvfp4_files.plan_nvfp4(module, plan.ops, src, quantize)

@@ -71,6 +71,28 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.
     return (q.float() * s).to(dtype)
 
 
+_float8_storage: dict[str, bool] = {}
+
+
+def holds_float8(device: torch.device | str) -> bool:
+    """Whether tensors of a float8 dtype can live on ``device``: yes on the CPU and CUDA; Apple's MPS
+    has had no float8 dtypes, so fp8 files are dequantised as they load there. Other device types
+    are probed once (a one-element float8 tensor made and read there), never at import."""
+    kind = torch.device(device).type
+    if kind in ("cpu", "cuda", "meta"):
+        return True
+    if kind not in _float8_storage:
+        try:
+            torch.zeros(1, dtype=torch.float8_e4m3fn, device=device).float().cpu()
+            ok = True
+        except (TypeError, RuntimeError, NotImplementedError) as exc:
+            logger.info("%s holds no float8 tensors (%s): fp8 weights are dequantised as they load", kind,
+                        str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+            ok = False
+        _float8_storage[kind] = ok
+    return _float8_storage[kind]
+
+
 # ---------------------------------------------------------------------------------------------
 # The layer
 
@@ -316,5 +338,5 @@ def fp8_layers(model: nn.Module) -> list[str]:
 
 __all__ = [
     "E4M3_MAX", "FLOAT8_DTYPES", "FP8Linear", "FP8_DTYPES", "FP8_FORMAT_OF", "block_linear_names", "dequantize",
-    "fp8_layers", "is_fp8", "quantize_fp8", "quantize_model_", "scaled_mm_available",
+    "fp8_layers", "holds_float8", "is_fp8", "quantize_fp8", "quantize_model_", "scaled_mm_available",
 ]

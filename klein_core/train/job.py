@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from ..accel.speed import apply_speed, check_speed
-from ..files.loaders import load_text_encoder, load_transformer, load_vae
+from ..files.loaders import load_text_encoder, load_transformer, load_vae, quantize_for
 from ..memory.placement import BlockOffloader
 from ..pipeline.prompts import encoder_identity
 from ..pipeline.tokenizer import tokenize_prompts
@@ -128,7 +128,10 @@ def _run(job: TrainJob, on_step: Callable[[StepReport], bool | None] | None,
     streamed = job.memory == "blocks"
     # A trained text encoder stays for the whole run (streamed: from CPU memory); otherwise it only
     # encodes the captions (and sample prompts) first and is then dropped.
-    te = load_text_encoder(job.text_encoder, device="cpu" if train_text and streamed else device, dtype=dtype)
+    # Loaded into CPU memory to stream: a device without float8 (Apple's MPS) gets fp8 layers dequantised
+    te_quantize = quantize_for(job.text_encoder, "text_encoder", device, dtype=dtype) if train_text and streamed else None
+    te = load_text_encoder(job.text_encoder, device="cpu" if train_text and streamed else device, dtype=dtype,
+                           quantize=te_quantize)
     vae = load_vae(job.vae, device=device, dtype=dtype)
     engine = Engine(None, te, vae, kind="base", device=device, memory="resident", prompt_cache=None,
                     check_cancel=check_cancel)  # cancels sample images between their steps
@@ -163,7 +166,8 @@ def _run(job: TrainJob, on_step: Callable[[StepReport], bool | None] | None,
 
     streamer = text_streamer = text_lora = None
     if streamed:  # the blocks live in CPU memory; the rest (and the LoRA) on the device
-        model = load_transformer(job.transformer, device="cpu", dtype=dtype, quantize=job.quantize)
+        model = load_transformer(job.transformer, device="cpu", dtype=dtype,
+                                 quantize=quantize_for(job.transformer, "transformer", device, job.quantize, dtype=dtype))
         streamer = BlockOffloader(model, device, prefetch=1).attach(hooks=False)
         engine.memory = "blocks"  # sample images stream the blocks too (from where the streamer keeps them)
     else:
