@@ -143,3 +143,24 @@ def test_stage_placer_runs_each_placement(placement):
     assert not any(b._forward_pre_hooks for b in model.double_blocks)
     with pytest.raises(ValueError, match="unknown placements"):
         StagePlacer("cpu", {"transformer": model}, {"transformer": "swap"})
+
+
+@pytest.mark.parametrize("placement", ["staged", "blocks"])
+def test_fp8_weights_are_not_copied_to_a_device_without_float8(placement, monkeypatch):
+    """A model kept in CPU memory with fp8 layers, staged or streamed onto a device without float8
+    (Apple's MPS; "meta" stands in, its answer patched): refused before any copy, naming the fix,
+    instead of torch's dtype error from inside the copy. A bf16 model goes as before."""
+    from klein_core.memory import placement as placement_mod
+
+    monkeypatch.setattr(placement_mod, "holds_float8", lambda device: torch.device(device).type != "meta")
+    model = demo.tiny_transformer()
+    plain = placement_mod.StagePlacer("meta", {"transformer": model}, {"transformer": placement})
+    with plain.stage("transformer"):
+        pass
+    quantize_model_(model)
+    placer = placement_mod.StagePlacer("meta", {"transformer": model}, {"transformer": placement})
+    refused = (r"the transformer holds fp8 weights, which meta cannot hold; load it with "
+               r"quantize=klein_core.files.loaders.quantize_for\(path, 'transformer', 'meta'\)")
+    with pytest.raises(ValueError, match=refused), placer.stage("transformer"):
+        pass
+    assert all(t.device.type == "cpu" for t in model.state_dict().values())  # nothing moved

@@ -25,6 +25,7 @@ from torch import nn
 from typing_extensions import Self
 
 from ..pipeline.request import indexed_device
+from ..quant.fp8 import holds_float8, is_fp8
 
 logger = logging.getLogger(__name__)
 
@@ -384,6 +385,12 @@ class StagePlacer:
         module = self.components[component]
         placement = self.placements.get(component, "resident")
         here = all(_same_device(t.device, self.device) for t in _tensors(module))
+        if not here and not holds_float8(self.device) and any(is_fp8(t.dtype) for t in _tensors(module)):
+            # Copying them in would fail inside torch with a dtype message that names neither.
+            raise ValueError(
+                f"the {component.replace('_', ' ')} holds fp8 weights, which {self.device.type} cannot hold; load "
+                f"it with quantize=klein_core.files.loaders.quantize_for(path, {component!r}, {self.device.type!r}) "
+                "(its fp8 layers dequantised as it loads), or load it straight onto the device")
         if placement == "resident" and here:
             yield module
         elif placement in ("resident", "staged"):
