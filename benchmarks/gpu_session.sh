@@ -30,7 +30,8 @@
 # encoder's layers).
 # profilec (profile_run.py under speed="compile", 4B a) and texttests (the suite's text encoder tests:
 # compiled, CUDA graph replay): 31 s and 35 s on 2026-11-27. trainprof (profile_train.py: one LoRA training
-# step of ours and of diffusers + peft under torch.profiler, 4B 1024² rank 32) and textgraph (speed.py 4B a:
+# step of ours and of diffusers + peft under torch.profiler, 4B 1024² rank 32, then ours at speed fast) and
+# textgraph (speed.py 4B a:
 # default against default+text_graph, 3 runs): not measured yet.
 # trainfast (train_speed.py 4B at speed fast against diffusers + peft, then at speed compile; the
 # training path of TrainJob(speed=...), 2 warm-up + 5 timed steps): not measured yet.
@@ -257,6 +258,8 @@ phase_trainprof() {  # one training step of ours and of diffusers + peft under t
     local -a args=(--case 4b --warmup 2)
     [ "$DRY" -eq 1 ] && args=(--tiny --device cpu --warmup 1)
     step profile_train_4b 120 "$PY" benchmarks/profile_train.py "${args[@]}" --out "$OUT/profile_train_4b.json"
+    step profile_train_4b_fast 90 "$PY" benchmarks/profile_train.py "${args[@]}" --speed fast --no-diffusers \
+        --out "$OUT/profile_train_4b_fast.json"
 }
 
 phase_texttests() {  # the GPU suite's text encoder tests only (compiled, CUDA graph replay)

@@ -11,6 +11,7 @@ difference can be named.
 Usage (GPU, from the repository root)::
 
     python benchmarks/profile_train.py --case 4b --out profile_train_4b.json
+    python benchmarks/profile_train.py --case 4b --speed fast --no-diffusers --out profile_train_4b_fast.json
     python benchmarks/profile_train.py --tiny --device cpu --out /tmp/pt.json   # CPU self-test
 
 On the CPU there are no GPU kernels: the families are empty and only the host operators are listed.
@@ -65,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--device", default=None)
     ap.add_argument("--tiny", action="store_true", help="tiny models (checks the script; numbers mean nothing)")
+    ap.add_argument("--speed", default="plain", choices=train_speed.SPEEDS,
+                    help="our transformer's path (apply_speed, as TrainJob(speed=...)); default plain")
     ap.add_argument("--no-diffusers", action="store_true")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
@@ -72,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--warmup must be at least 1 (the optimizer's state and the kernels' choices come first)")
     # train_speed's own options, for its measure(): one case, this preset and rank
     ts_args = train_speed.parse_args(["--cases", args.case, "--preset", args.preset, "--rank", str(args.rank),
-                                      "--warmup", str(args.warmup), "--steps", "1", "--out", str(args.out)]
+                                      "--warmup", str(args.warmup), "--steps", "1", "--out", str(args.out),
+                                      "--speed", args.speed]
                                      + (["--tiny"] if args.tiny else []) + (["--no-diffusers"] if args.no_diffusers
                                                                             else []))
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -86,12 +90,12 @@ def main(argv: list[str] | None = None) -> int:
                         "diffusers: skipped (--no-diffusers)" if args.no_diffusers else None)
     errors = {k: v["error"] for k, v in [("ours", rows[args.case].get("ours", {})), *peers.items()] if "error" in v}
     names = ["ours", "diffusers"][:len(reports)]
-    result = {"case": args.case, "preset": args.preset, "rank": args.rank, "device": str(device),
+    result = {"case": args.case, "preset": args.preset, "rank": args.rank, "speed": args.speed, "device": str(device),
               "dtype": str(dtype), "errors": errors, **dict(zip(names, reports))}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
     families = sorted({f for n in names for f in result[n]["kernels_by_family_ms"]})
-    print(f"one training step, case {args.case} ({device}, {dtype}); GPU ms by kernel family")
+    print(f"one training step, case {args.case} ({device}, {dtype}), ours at speed {args.speed}; GPU ms by kernel family")
     print(f"{'family':14}" + "".join(f"{n:>12}" for n in names))
     for fam in families:
         print(f"{fam:14}" + "".join(f"{result[n]['kernels_by_family_ms'].get(fam, 0.0):12.1f}" for n in names))

@@ -59,3 +59,12 @@ def test_profile_train_profiles_one_step_of_each_side(tmp_path):
         assert r["wall_ms"] > 0 and r["gpu_busy_ms"] == 0 and r["cpu_ops_self_ms"]  # host operators on the CPU
         assert any(op["op"].startswith("aten::mm") or op["op"].startswith("aten::addmm") for op in r["cpu_ops_self_ms"])
     assert "family" in done.stdout and "ours" in done.stdout and "diffusers" in done.stdout
+    assert report["speed"] == "plain"
+    fast = tmp_path / "pt_fast.json"  # ours on the fast path alone (the GPU session's second run)
+    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "profile_train.py"), "--tiny", "--device", "cpu",
+                           "--warmup", "1", "--speed", "fast", "--no-diffusers", "--out", str(fast)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(fast.read_text())
+    assert report["speed"] == "fast" and "ours" in report and "diffusers" not in report
+    assert "ours at speed fast" in done.stdout
