@@ -153,9 +153,12 @@ class KleinModelLoader(io.ComfyNode):
         model_path = model_file(NODE, "model_name", "diffusion_models", model_name, expect="transformer")
         vae_path = model_file(NODE, "vae_name", "vae", vae_name, expect="vae")
         dtype, vae_device = weight_dtype_for(weight_dtype, device), host.vae_device()
-        # A device without float8 (Apple's MPS) gets fp8 layers dequantised as they load, wherever they load
-        with errors_named(NODE, "weight_dtype", weight_dtype):
-            quantize = quantize_for(model_path, "transformer", device, QUANTIZE.get(weight_dtype), dtype=dtype)
+        # A device without float8 (Apple's MPS) gets fp8 layers dequantised as they load, wherever they
+        # load; fp8 storage asked of it is refused (the input named: the error is the choice, not the file)
+        quantize = QUANTIZE.get(weight_dtype)
+        input_name, value = ("weight_dtype", weight_dtype) if quantize == "fp8" else ("model_name", model_name)
+        with errors_named(NODE, input_name, value):
+            quantize = quantize_for(model_path, "transformer", device, quantize, dtype=dtype)
         home = transformer_home(memory_mode, device, model_path, dtype, quantize)
         tref = cache.model_ref("transformer", model_path, model_name, home, dtype, quantize)
         vref = cache.model_ref("vae", vae_path, vae_name, vae_device, host.vae_dtype(vae_device))
