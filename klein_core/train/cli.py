@@ -7,11 +7,16 @@ LoRA on the frozen base transformer, writes checkpoints and the final ``.safeten
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import difflib
 import logging
+import os
 import sys
 import time
 from typing import Any
+
+import torch
+import torch.distributed as dist
 
 from ..accel.speed import SPEEDS
 from .adapters import PRESETS
@@ -149,26 +154,62 @@ def _progress(report: StepReport) -> None:
     sys.stderr.flush()
 
 
+def torchrun_device(device: str | None) -> tuple[str | None, bool]:
+    """Under torchrun (``WORLD_SIZE`` above 1 in the environment, no process group yet): start the
+    process group from torchrun's variables (NCCL on CUDA, gloo on the CPU) and give each process its
+    own GPU, ``cuda:LOCAL_RANK``. Returns the device to train on and whether the group was started
+    here. Elsewhere ``(device, False)``: one process, as always."""
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if world <= 1 or dist.is_initialized():
+        return device, False
+    local = int(os.environ.get("LOCAL_RANK", "0") or 0)
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    kind = torch.device(device)
+    if kind.type == "cuda":
+        if kind.index is not None:
+            raise OptionError(f"--device {device}: under torchrun each of the {world} processes trains on its own "
+                              f"GPU (cuda:LOCAL_RANK); give --device cuda, or no --device")
+        if local >= torch.cuda.device_count():
+            raise OptionError(f"torchrun process {local} has no GPU of its own (this machine has "
+                              f"{torch.cuda.device_count()}); start at most that many processes per node")
+        device = f"cuda:{local}"
+        torch.cuda.set_device(torch.device(device))
+    elif kind.type != "cpu":
+        raise OptionError(f"--device {device}: data-parallel training runs on CUDA GPUs (NCCL) or the CPU (gloo)")
+    dist.init_process_group("nccl" if kind.type == "cuda" else "gloo")
+    logger.info("data-parallel training: process %d of %d on %s", dist.get_rank(), world, device)
+    return device, True
+
+
 def run_train(args: argparse.Namespace) -> int:
-    """Run ``train``; returns the exit code (0 done, 1 the loss or gradients diverged, 2 bad input)."""
+    """Run ``train``; returns the exit code (0 done, 1 the loss or gradients diverged, 2 bad input).
+    Under torchrun every process runs it: data-parallel, one writes the LoRA (:func:`torchrun_device`)."""
     try:
         job = _job(_options(args))
+        if job is None:
+            return 2
+        device, started = torchrun_device(None if job.device is None else str(job.device))
     except OptionError as exc:
         sys.stderr.write(f"error: {exc}\n")
         return 2
-    if job is None:
-        return 2
+    job = dataclasses.replace(job, device=device)
+    first = not dist.is_initialized() or dist.get_rank() == 0  # says progress and results, once
     try:
-        result = run_job(job, on_step=_progress)
+        result = run_job(job, on_step=_progress if first else None)
     except (DatasetError, ValueError, FileNotFoundError) as exc:  # bad input: the message says what to fix
         sys.stderr.write(f"error: {exc}\n")
         return 2
     except FloatingPointError as exc:  # the run diverged: said in one line, no traceback
         sys.stderr.write(f"\nerror: {exc}\n")
         return 1
-    for name, reason in result.skipped.items():
-        sys.stderr.write(f"skipped {name}: {reason}\n")
-    sys.stderr.write(f"wrote {result.path}\n")
+    finally:
+        if started:
+            dist.destroy_process_group()
+    if first:
+        for name, reason in result.skipped.items():
+            sys.stderr.write(f"skipped {name}: {reason}\n")
+        sys.stderr.write(f"wrote {result.path}\n")
     return 0
 
 

@@ -272,10 +272,15 @@ class TensorCache:
         value = build()
         self.builds += 1
         self.folder.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp")
-        save_file({"value": value.detach().cpu().contiguous()}, str(tmp), metadata={"identity": self.identity,
-                                                                                     "source": source})
-        os.replace(tmp, path)
+        # A name of this process's own: processes building one cache together (data-parallel training
+        # under torchrun) would otherwise interleave their bytes in one temporary file.
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        try:
+            save_file({"value": value.detach().cpu().contiguous()}, str(tmp),
+                      metadata={"identity": self.identity, "source": source})
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
         return value
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from ..accel.speed import apply_speed, check_speed
 from ..files.loaders import load_text_encoder, load_transformer, load_vae, quantize_for
@@ -95,7 +96,9 @@ def run_job(job: TrainJob, *, on_step: Callable[[StepReport], bool | None] | Non
     """Run ``job``. ``check_cancel()`` runs before each encoding and (with ``on_step``) after each
     step; it cancels by raising. Bad input raises :class:`~klein_core.train.data.DatasetError`
     before any model is loaded (a distilled base, an empty folder, images without captions).
-    Runs with autograd on even when called under ``torch.inference_mode()`` (as ComfyUI runs nodes)."""
+    Runs with autograd on even when called under ``torch.inference_mode()`` (as ComfyUI runs nodes).
+    In a process group (data-parallel, e.g. the CLI under torchrun) every process runs it with its
+    own ``device``; process 0 writes the LoRA and the others return once it is written."""
     with torch.inference_mode(False), torch.enable_grad():
         return _run(job, on_step, check_cancel)
 
@@ -213,7 +216,10 @@ def _run(job: TrainJob, on_step: Callable[[StepReport], bool | None] | None,
     if trainer.step < job.config.steps:
         raise TrainingStopped(f"training stopped at step {trainer.step} of {job.config.steps}; no LoRA was written")
     cfg = job.config
-    save_lora(out, lora, fmt=job.fmt, text_lora=text_lora, metadata={
-        "base_model": f"{Path(job.transformer).name} ({model.config.variant})", "steps": trainer.step,
-        "dataset_hash": data_hash, "seed": cfg.seed, "learning_rate": cfg.learning_rate})
+    if trainer.rank == 0:  # data-parallel: every process holds the same LoRA; one writes it
+        save_lora(out, lora, fmt=job.fmt, text_lora=text_lora, metadata={
+            "base_model": f"{Path(job.transformer).name} ({model.config.variant})", "steps": trainer.step,
+            "dataset_hash": data_hash, "seed": cfg.seed, "learning_rate": cfg.learning_rate})
+    if trainer.world > 1:
+        dist.barrier()  # the file exists when any process returns its path
     return TrainResult(out, list(trainer.losses), trainer.step, dict(scan.skipped), tuple(trainer.sample_paths))
