@@ -31,7 +31,7 @@ from klein_core.train.job import TRAIN_MEMORY
 from klein_core.train.trainer import latest_checkpoint
 
 from . import host, notices
-from .common import check_choices, model_file
+from .common import check_choices, check_widget, model_file
 
 logger = logging.getLogger(__name__)
 
@@ -291,14 +291,10 @@ class KleinLoraTrainer(io.ComfyNode):
                 memory_mode: str = "resident", text_encoder_rank: int = 0,
                 checkpoint_every: int = 250, speed: str = "plain") -> io.NodeOutput:
         file_name = lora_file_name(lora_name)
-        if preset not in PRESETS:
-            raise ValueError(f"{NODE}: preset '{preset}' is not one of {', '.join(PRESETS)}.")
-        if base_precision not in PRECISIONS:
-            raise ValueError(f"{NODE}: base_precision '{base_precision}' is not one of {', '.join(PRECISIONS)}.")
-        if memory_mode not in TRAIN_MEMORY:
-            raise ValueError(f"{NODE}: memory_mode '{memory_mode}' is not one of {', '.join(TRAIN_MEMORY)}.")
-        if speed not in SPEEDS:
-            raise ValueError(f"{NODE}: speed '{speed}' is not one of {', '.join(SPEEDS)}.")
+        check_widget(NODE, "preset", preset, PRESETS)
+        check_widget(NODE, "base_precision", base_precision, PRECISIONS)
+        check_widget(NODE, "memory_mode", memory_mode, TRAIN_MEMORY)
+        check_widget(NODE, "speed", speed, SPEEDS)
         if int(sample_steps) < 1:
             raise ValueError(f"{NODE}: sample_steps must be 1 or more, got {sample_steps}.")
         prompts = sample_prompt_list(sample_prompts)
