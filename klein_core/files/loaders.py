@@ -18,7 +18,7 @@ import torch
 from ..models.qwen3 import Qwen3Config, Qwen3TextEncoder
 from ..models.transformer import Flux2Transformer
 from ..models.vae import Flux2VAE
-from ..quant.fp8 import fp8_layers, holds_float8
+from ..quant.fp8 import float8_refused, fp8_layers, holds_float8
 from .materialize import materialize
 from .opening import open_weights
 from .qwen3_layout import COMPONENT, normalise_keys, qwen3_key_map, read_hf_config
@@ -180,8 +180,7 @@ def quantize_for(source: Source, component: str, device: torch.device | str, qua
         return quantize
     name = Path(source).name if isinstance(source, (str, os.PathLike)) else component
     if quantize == "fp8":
-        raise ValueError(f"{name}: {device.type} cannot hold float8 tensors, so the weights cannot be stored in "
-                         "fp8 for it; load with quantize=None (the file's dtype), or 'q8' for 8-bit GGML blocks")
+        raise float8_refused(name, device)
     if quantize in (None, "q8", "q4") and fp8_layers(meta_model(source, component, dtype=dtype)):
         logger.info("%s: %s holds no float8 tensors; its fp8 layers are dequantised as it loads", name, device.type)
         return "dequantize"

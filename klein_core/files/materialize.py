@@ -8,7 +8,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from ..quant.fp8 import holds_float8, is_fp8
+from ..quant.fp8 import float8_refused, holds_float8, is_fp8
 from . import fp8 as fp8_files
 from . import gguf as gguf_files
 from . import nvfp4 as nvfp4_files
@@ -58,9 +58,7 @@ def materialize(
     fp8 = fp8_files.plan_fp8(module, {k: v for k, v in plan.ops.items() if k not in packed}, src, quantize)
     if fp8 and not holds_float8(device):  # Apple's MPS: no float8 dtypes at all
         if quantize == "fp8":
-            raise ValueError(f"{component}: {device.type} cannot hold float8 tensors, so its weights cannot be "
-                             "stored in fp8 there; load with quantize=None (the file's dtype), or 'q8' for "
-                             "8-bit GGML blocks")
+            raise float8_refused(component, device)
         logger.warning("%s: %s holds no float8 tensors; the %d fp8 weights of %s are dequantised to %s as they "
                        "load (%d bytes a weight instead of 1)", component, device.type, len(fp8), src.name, dtype,
                        dtype.itemsize)

@@ -93,6 +93,13 @@ def holds_float8(device: torch.device | str) -> bool:
     return _float8_storage[kind]
 
 
+def float8_refused(what: str, device: torch.device) -> ValueError:
+    """The error for fp8 storage asked of a device that holds no float8 tensors (``what``: the file
+    or the component, named first)."""
+    return ValueError(f"{what}: {device.type} cannot hold float8 tensors, so its weights cannot be stored in fp8 "
+                      "there; load with quantize=None (the file's dtype), or 'q8' for 8-bit GGML blocks")
+
+
 # ---------------------------------------------------------------------------------------------
 # The layer
 
@@ -338,5 +345,5 @@ def fp8_layers(model: nn.Module) -> list[str]:
 
 __all__ = [
     "E4M3_MAX", "FLOAT8_DTYPES", "FP8Linear", "FP8_DTYPES", "FP8_FORMAT_OF", "block_linear_names", "dequantize",
-    "fp8_layers", "holds_float8", "is_fp8", "quantize_fp8", "quantize_model_", "scaled_mm_available",
+    "float8_refused", "fp8_layers", "holds_float8", "is_fp8", "quantize_fp8", "quantize_model_", "scaled_mm_available",
 ]
