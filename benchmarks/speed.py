@@ -461,7 +461,7 @@ class Probe:
     after_step: Callable[[int], None] | None = None  # called with the number of steps done
     _open: dict[str, Any] = field(default_factory=dict)
     handles: list[Any] = field(default_factory=list)
-    unwrap: list[tuple[Any, str]] = field(default_factory=list)
+    unwrap: list[tuple[Any, str, Any]] = field(default_factory=list)
 
     def reset(self) -> None:
         self.spans, self.steps, self._open = {}, [], {}
@@ -494,8 +494,8 @@ class Probe:
             self.spans.setdefault(stage, []).append((start, self.clock.mark()))
             return out
 
+        self.unwrap.append((obj, method, obj.__dict__.get(method)))
         obj.__dict__[method] = timed
-        self.unwrap.append((obj, method))
 
     def denoiser(self, module: torch.nn.Module) -> None:
         def pre(*_: Any) -> None:
@@ -513,8 +513,12 @@ class Probe:
     def remove(self) -> None:
         for h in self.handles:
             h.remove()
-        for obj, method in self.unwrap:
-            obj.__dict__.pop(method, None)
+        for obj, method, previous in reversed(self.unwrap):  # an instance attribute it wrapped comes back
+            if previous is None:
+                obj.__dict__.pop(method, None)
+            else:
+                obj.__dict__[method] = previous
+        self.unwrap.clear()
 
     def result(self) -> dict[str, Any]:
         ms = self.clock.ms

@@ -21,6 +21,7 @@ from script_module import load_script
 import klein_core
 from klein_core import testing as demo
 from klein_core.accel import fast
+from klein_core.accel.text_encoder import disable_fast_text_encoder, enable_fast_text_encoder
 from klein_core.models.block_ops import PLAIN_OPS
 from klein_core.pipeline.sampling import position_ids, text_position_ids
 from klein_core.pipeline.tokenizer import tokenize_prompts
@@ -416,6 +417,14 @@ def test_speed_benchmark_times_the_text_encoder_without_module_hooks():
                    for d in ("_forward_hooks", "_forward_pre_hooks"))
     probe.remove()
     assert "encode" not in te.__dict__
+    # an instance attribute it wrapped (the graph replay's forward) is put back, not dropped
+    enable_fast_text_encoder(te, compile=False, graphs=True)
+    replaying = te.__dict__["forward"]
+    probe.around("text", te, "forward")
+    assert te.__dict__["forward"] is not replaying
+    probe.remove()
+    assert te.__dict__["forward"] is replaying
+    disable_fast_text_encoder(te)
 
 
 def test_step_flops_counts_every_matmul():
