@@ -5,16 +5,28 @@ reference pixels and latents, noise, latents to decode) and each stage's output 
 (:func:`check_output`). When an output is not finite although its inputs were, the component's
 weights are scanned to name the corrupt tensor and its file; only if they are clean is the cause
 numeric (an fp16 overflow, an extreme setting). One reduction per tensor: no per-step host syncs.
+
+A run's checks may also wait and be read together (:class:`Checks` with ``defer=True``): reading a
+check's answer makes the host wait for every kernel queued before it, which between the stages of
+a run left the GPU idle while the host prepared the next stage.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import NoReturn
 
 import torch
 from torch import nn
 
 from .errors import NonFiniteWeights
+from .transfer import to_host
+
+#: Device types whose checks :class:`Checks` (``defer=True``) queues; tensors on any other device
+#: are checked at once. The host has nothing to gain (its tensors are ready when a check reads
+#: them); tests add ``"cpu"`` to run the queued path on the CPU.
+DEFERRED_DEVICES: tuple[str, ...] = ("cuda",)
 
 
 def is_finite(t: torch.Tensor) -> bool:
@@ -40,8 +52,12 @@ def is_finite(t: torch.Tensor) -> bool:
 def require_finite(t: torch.Tensor, what: str) -> None:
     """Raise ValueError naming ``what`` ("reference 2", "the noise") if ``t`` holds NaN or Inf."""
     if not is_finite(t):
-        raise ValueError(f"{what} contains NaN or infinite values; klein_core does not run on them. Check where "
-                         "it came from (a corrupt image or file, or an earlier step that overflowed).")
+        _refuse(what)
+
+
+def _refuse(what: str) -> NoReturn:
+    raise ValueError(f"{what} contains NaN or infinite values; klein_core does not run on them. Check where "
+                     "it came from (a corrupt image or file, or an earlier step that overflowed).")
 
 
 def non_finite_tensor(module: nn.Module) -> tuple[str, str] | None:
@@ -73,8 +89,12 @@ def non_finite_weight(module: nn.Module) -> str | None:
 def check_output(t: torch.Tensor, stage: str, module: nn.Module, cause: str) -> None:
     """After a stage: raise if ``t`` is not finite, naming the corrupt weight of ``module`` (a
     :class:`~klein_core.errors.NonFiniteWeights`) or else the numeric ``cause`` (FloatingPointError)."""
-    if is_finite(t):
-        return
+    if not is_finite(t):
+        _blame(stage, module, cause)
+
+
+def _blame(stage: str, module: nn.Module, cause: str) -> NoReturn:
+    """Raise for a stage whose output was not finite: the corrupt weight of ``module``, else ``cause``."""
     bad = non_finite_tensor(module)
     source = getattr(module, "source", None) or f"the in-memory {type(module).__name__}"
     if bad is not None:
@@ -85,4 +105,67 @@ def check_output(t: torch.Tensor, stage: str, module: nn.Module, cause: str) -> 
     raise FloatingPointError(f"{stage} produced NaN/Inf values ({source}); likely cause: {cause}.")
 
 
-__all__ = ["check_output", "is_finite", "non_finite_tensor", "non_finite_weight", "require_finite"]
+class Checks:
+    """Where the finiteness checks of a run go: read at once (the default), or queued and read together.
+
+    ``Checks(defer=True)`` queues the check of a tensor on a device of :data:`DEFERRED_DEVICES` as a
+    flag computed there (no wait), and :meth:`resolve` reads every flag in one copy, once the run's
+    result is on its way to the host anyway. The errors are those of :func:`require_finite` and
+    :func:`check_output`, and the one raised is the first check that failed in the order they were
+    queued: where the NaN entered (later stages only carry it on). Work queued after a failed check
+    runs to no purpose, which happens only on the way to an error. Tensors on other devices (the
+    host) are checked at once. Not thread-safe: one per run.
+    """
+
+    def __init__(self, *, defer: bool = False) -> None:
+        self.defer = defer
+        self._queued: list[tuple[torch.Tensor, Callable[[bool], object]]] = []
+
+    @property
+    def pending(self) -> int:
+        """How many checks wait for :meth:`resolve`."""
+        return len(self._queued)
+
+    def _queue(self, t: torch.Tensor, on_result: Callable[[bool], object]) -> bool:
+        """Queue ``on_result(finite)`` for ``t`` if its check waits; False if the caller must check now."""
+        if not (self.defer and t.device.type in DEFERRED_DEVICES and t.is_floating_point()):
+            return False
+        x = t.detach()
+        if x.dtype.itemsize == 1:  # float8 has no isfinite
+            x = x.float()
+        self._queued.append((torch.isfinite(x).all(), on_result))  # exact: no sum that could overflow
+        return True
+
+    def require_finite(self, t: torch.Tensor, what: str) -> None:
+        """:func:`require_finite`, queued where this object defers."""
+        if not self._queue(t, lambda ok: ok or _refuse(what)):
+            require_finite(t, what)
+
+    def check_output(self, t: torch.Tensor, stage: str, module: nn.Module, cause: str) -> None:
+        """:func:`check_output`, queued where this object defers (the weights are scanned only if it fails)."""
+        if not self._queue(t, lambda ok: ok or _blame(stage, module, cause)):
+            check_output(t, stage, module, cause)
+
+    def when_finite(self, t: torch.Tensor, action: Callable[[], object]) -> None:
+        """Call ``action()`` once ``t`` is known to be finite (now, or at :meth:`resolve`); never if
+        it is not (a cache that must not keep garbage). Raises nothing itself."""
+        if not self._queue(t, lambda ok: ok and action()) and is_finite(t):
+            action()
+
+    def resolve(self) -> None:
+        """Read every queued flag (one copy per device) and act on them in the order they were queued:
+        the first failed check raises; an action of :meth:`when_finite` queued before it still runs.
+        The queue is empty afterwards, whatever happens."""
+        queued, self._queued = self._queued, []
+        if not queued:
+            return
+        devices = list(dict.fromkeys(flag.device for flag, _ in queued))
+        stacked = [torch.stack([flag for flag, _ in queued if flag.device == d]) for d in devices]
+        read = {d: iter(host.tolist()) for d, host in zip(devices, to_host(*stacked))}
+        results = [next(read[flag.device]) for flag, _ in queued]
+        for ok, (_, on_result) in zip(results, queued):
+            on_result(bool(ok))
+
+
+__all__ = ["DEFERRED_DEVICES", "Checks", "check_output", "is_finite", "non_finite_tensor", "non_finite_weight",
+           "require_finite"]

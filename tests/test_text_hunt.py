@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 import klein_core as kc
+from klein_core import checks
 from klein_core.pipeline import prompts
 from klein_core.pipeline.prompts import DiskPromptCache, PromptCache, TextOptions, loaded_encoder_identity
 
@@ -47,8 +48,9 @@ def test_cached_joins_an_entry_made_on_the_encoder_device_with_one_read_from_dis
     real_isfinite = torch.isfinite
     # A meta tensor has no values to check; the encoder's output counts as finite, as on a GPU.
     monkeypatch.setattr(torch, "isfinite", lambda t: torch.ones((), dtype=torch.bool) if t.is_meta else real_isfinite(t))
-    real_is_finite = prompts.is_finite  # the cache's check (klein_core.checks.is_finite): the same stand-in
-    monkeypatch.setattr(prompts, "is_finite", lambda t: True if t.is_meta else real_is_finite(t))
+    real_is_finite = checks.is_finite  # the cache's checks (of a disk entry, of a new embedding): the same stand-in
+    for module in (prompts, checks):
+        monkeypatch.setattr(module, "is_finite", lambda t: True if t.is_meta else real_is_finite(t))
     source = tmp_path / "qwen_3_4b.safetensors"
     source.write_bytes(b"\0" * 64)
     encoder = _EncoderOnMeta(source)

@@ -5,6 +5,11 @@ Stages: :meth:`Engine.encode_prompts` (prompts -> :class:`Conditioning`), :meth:
 and :meth:`Engine.decode` (latents -> pixels). :meth:`Engine.generate` runs them for one
 :class:`~klein_core.pipeline.request.GenerationRequest` under one memory plan; :func:`generate` is the
 keyword front. The engine alone places components (:class:`~klein_core.memory.placement.StagePlacer`).
+
+:meth:`Engine.generate` makes the host wait for the device once, when the images come to the host:
+its finiteness checks wait in a :class:`~klein_core.checks.Checks` until then, and its stage
+timings are CUDA events. Each wait between stages used to leave the GPU idle while the host
+prepared the next stage. A stage method called alone checks at once, as before.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import torch
 from PIL import Image
 
 from ..accel.speed import apply_speed, check_speed
-from ..checks import check_output, require_finite
+from ..checks import Checks
 from ..errors import KleinOutOfMemory
 from ..memory import tiling
 from ..memory.placement import StagePlacer
@@ -72,11 +77,6 @@ class GenerationResult:
     seed: int
     timings: dict[str, float] = field(default_factory=dict)
     reference_sizes: list[tuple[int, int]] = field(default_factory=list)  # (width, height) in pixels
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _on_grid(sizes: Sequence[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
@@ -242,12 +242,14 @@ class Engine:
         return self._conditioning(embeds, n, negative_prompt is not None)  # type: ignore[arg-type]
 
     def encode_prompts(self, prompts: Sequence[str], negative_prompt: str | None = None, *,
-                       plan: MemoryPlan | None = None) -> Conditioning:
+                       plan: MemoryPlan | None = None, checks: Checks | None = None) -> Conditioning:
         """Stage 1: embeddings ``[len(prompts), L, text_dim]`` (and the negative's, if given).
 
         ``L`` is 512, or with ``TextOptions(max_tokens=None)`` the longest prompt's token count
         (at least 512; the negative prompt then has its own length). Cached prompts are not
-        encoded again, and when every one is cached the encoder is not even placed."""
+        encoded again, and when every one is cached the encoder is not even placed.
+        ``checks`` (every stage method takes it): a run's :class:`~klein_core.checks.Checks`, which
+        may queue the finiteness checks for its caller to resolve; default: checked before returning."""
         groups, n = self._text_groups(prompts, negative_prompt)
         cache = self.prompt_cache
         identity = loaded_encoder_identity(self.text_encoder, self.device) if self.text_encoder is not None else None
@@ -260,15 +262,17 @@ class Engine:
                                                 text_length=self.text.length(texts)))
             with explain_oom("encoding the prompts", self.device, batch=sum(map(len, groups))):
                 with self._stage("text_encoder", plan) as te:
+                    check = checks or Checks()
                     embeds = [e if e is not None else
-                              encode_prompts(te, g, cache=cache, options=self.text, identity=identity)
+                              encode_prompts(te, g, cache=cache, options=self.text, identity=identity, checks=check)
                               for e, g in zip(embeds, groups)]
                     for emb in embeds:
-                        check_output(emb, "The text encoder", te, overflow_cause(emb.dtype))
+                        check.check_output(emb, "The text encoder", te, overflow_cause(emb.dtype))
         return self._conditioning([to_device(e, self.device) for e in embeds], n, negative_prompt is not None)  # type: ignore[union-attr]
 
     def encode_references(self, images: Sequence[Image.Image | torch.Tensor], *,
-                          plan: MemoryPlan | None = None, first: int = 1) -> list[torch.Tensor]:
+                          plan: MemoryPlan | None = None, first: int = 1,
+                          checks: Checks | None = None) -> list[torch.Tensor]:
         """Stage 2: each reference VAE-encoded once, ``[1, 128, h, w]`` per image. ``first``: the
         number of the first image in messages (``reference 3`` when two came before)."""
         images = [as_reference(img, first + i) for i, img in enumerate(as_list(images, "references"))]
@@ -282,10 +286,11 @@ class Engine:
             with self._stage("vae", plan) as vae:
                 for i, image in enumerate(images):
                     self._next_image()
-                    out += encode_references(vae, [image], tile=plan.vae_tile, first=first + i)
+                    out += encode_references(vae, [image], tile=plan.vae_tile, first=first + i, checks=checks)
         return out
 
-    def encode_pixels(self, pixels: torch.Tensor, *, plan: MemoryPlan | None = None) -> torch.Tensor:
+    def encode_pixels(self, pixels: torch.Tensor, *, plan: MemoryPlan | None = None,
+                      checks: Checks | None = None) -> torch.Tensor:
         """VAE-encode images ``[B, 3, H, W]`` in [-1, 1] (H, W multiples of 16) to normalised latents
         ``[B, 128, H/16, W/16]``, one image at a time, tiled as the plan says."""
         if pixels.ndim != 4:
@@ -293,7 +298,8 @@ class Engine:
         h, w = pixels.shape[-2:]
         if plan is None:
             plan = self.plan(memory_request(1024, 1024, [(w, h)], encode_text=False, denoise=False, decode=False))
-        require_finite(pixels, "the pixels to encode")
+        check = checks or Checks()
+        check.require_finite(pixels, "the pixels to encode")
         latents = []
         with explain_oom("encoding the image", self.device, w, h):
             with self._stage("vae", plan) as vae:
@@ -301,7 +307,7 @@ class Engine:
                     self._next_image()
                     latents.append(tiling.encode(vae, pixels[i : i + 1], plan.vae_tile))
                 out = torch.cat(latents)
-                check_output(out, "The VAE encoder", vae, overflow_cause(vae.dtype))
+                check.check_output(out, "The VAE encoder", vae, overflow_cause(vae.dtype))
         return out
 
     def schedule(self, run: Resolved) -> torch.Tensor:
@@ -317,6 +323,7 @@ class Engine:
         noise: torch.Tensor | None = None,
         init: InitLatents | None = None,
         negative_prompt: bool = False,
+        checks: Checks | None = None,
     ) -> Resolved:
         """Every check of a denoising request, once, before any compute (see :func:`check_denoise_inputs`);
         returns the resolved settings (this engine's model-kind defaults and size rules applied)."""
@@ -341,7 +348,7 @@ class Engine:
             run = resolve(settings, self.kind, first, multiple=self.downscale,
                           size_from=size_source("reference 1", references[0]) if references else None)
         check_denoise_inputs(tr.config, self.kind, conditioning, references, run, noise=noise, init=init,
-                             negative_prompt=negative_prompt, downscale=self.downscale)
+                             negative_prompt=negative_prompt, downscale=self.downscale, checks=checks)
         return run
 
     def denoise(
@@ -356,6 +363,7 @@ class Engine:
         init: InitLatents | None = None,
         negative_prompt: bool = False,
         ref_mode: str | None = None,
+        checks: Checks | None = None,
     ) -> tuple[torch.Tensor, Resolved]:
         """Stage 3: latents ``[P * batch, 128, H/16, W/16]`` from the prompts' embeddings and the
         encoded references; returns them with the resolved settings.
@@ -366,13 +374,14 @@ class Engine:
         latents; the first ``int(steps * (1 - strength))`` steps are skipped (diffusers' rule).
         ``negative_prompt``: a negative prompt was given but not encoded (said once if unused).
         ``ref_mode``: this call's reference mode (None: the engine's).
-        Everything is checked first, once (:meth:`check_inputs`).
+        Everything is checked first, once (:meth:`check_inputs`); with a deferring ``checks`` the
+        checks of device tensors are queued on it instead (see :meth:`encode_prompts`).
         """
         references = as_list(references, "reference_latents")
         mode = self.ref_mode if ref_mode is None else reference_mode(self.kind, ref_mode)
         with torch.profiler.record_function("klein.check_inputs"):
             run = self.check_inputs(conditioning, references, settings, noise=noise, init=init,
-                                    negative_prompt=negative_prompt)
+                                    negative_prompt=negative_prompt, checks=checks)
         if init is not None and init.as_reference and init.latents.shape[0] > 1:
             logger.warning("the init image joins the references only as a single image; the %d images given only "
                            "seed the noise", init.latents.shape[0])
@@ -418,17 +427,18 @@ class Engine:
                 latents = denoise(model, noise, txt, sigmas, neg_txt=neg, guidance=run.guidance, refs=refs,
                                   callback=callback, image=image, mask=mask, ref_mode=mode, ref_kv=ref_kv)
         with torch.profiler.record_function("klein.check_output"):
-            check_output(latents, "The sampler", tr, overflow_cause(tr.dtype))
+            (checks or Checks()).check_output(latents, "The sampler", tr, overflow_cause(tr.dtype))
         return latents, run
 
-    def decode(self, latents: torch.Tensor, *, plan: MemoryPlan | None = None) -> torch.Tensor:
+    def decode(self, latents: torch.Tensor, *, plan: MemoryPlan | None = None,
+               checks: Checks | None = None) -> torch.Tensor:
         """Stage 4: pixels ``[B, 3, H, W]`` in [0, 1] (CPU float32) from latents ``[B, 128, h, w]``,
         one image at a time, tiled as the plan says; if the device still runs out of memory, smaller
         tiles are tried in turn."""
-        return self._decode(latents, plan, images=False)[0]
+        return self._decode(latents, plan, images=False, checks=checks)[0]
 
-    def _decode(self, latents: torch.Tensor, plan: MemoryPlan | None, *, images: bool
-                ) -> tuple[torch.Tensor, list[Image.Image]]:
+    def _decode(self, latents: torch.Tensor, plan: MemoryPlan | None, *, images: bool,
+                checks: Checks | None = None) -> tuple[torch.Tensor, list[Image.Image]]:
         """:meth:`decode`, and with ``images`` the PIL images too: each image is checked, clamped
         and (for the PIL images) rounded to 8 bits where it was decoded, so the host only receives
         the results, through page-locked memory (:mod:`klein_core.transfer`)."""
@@ -436,14 +446,15 @@ class Engine:
         width, height = latents.shape[-1] * down, latents.shape[-2] * down
         if plan is None:
             plan = self.plan(memory_request(width, height, encode_text=False, denoise=False))
-        require_finite(latents, "the latents to decode")
+        check = checks or Checks()
+        check.require_finite(latents, "the latents to decode")
         frames, pictures = [], []
         with explain_oom("VAE decoding", self.device, width, height):
             with self._stage("vae", plan) as vae:
                 tile = plan.vae_tile
                 for i in range(latents.shape[0]):
                     self._next_image()
-                    pixels, tile = self._decode_one(vae, latents[i : i + 1], tile)
+                    pixels, tile = self._decode_one(vae, latents[i : i + 1], tile, check)
                     if images:
                         pics, pixels = to_pil_and_host(pixels)
                         pictures += pics
@@ -453,13 +464,14 @@ class Engine:
         # one image (the usual case): no 12 MB host copy at 1024x1024 on the way out
         return (frames[0] if len(frames) == 1 else torch.cat(frames)), pictures
 
-    def _decode_one(self, vae: Any, latents: torch.Tensor, tile: int | None) -> tuple[torch.Tensor, int | None]:
+    def _decode_one(self, vae: Any, latents: torch.Tensor, tile: int | None,
+                    check: Checks) -> tuple[torch.Tensor, int | None]:
         """One image decoded, and the tile size that worked (kept for the next image)."""
         tiles = [tile] + [t for t in TILE_SIDES if tile is None or t < tile]
         for i, tile in enumerate(tiles):
             try:
                 pixels = decode_to_pixels(vae, latents, tile=tile, clamp=False, host=False)
-                check_output(pixels, "The VAE decoder", vae, overflow_cause(vae.decoder_dtype))
+                check.check_output(pixels, "The VAE decoder", vae, overflow_cause(vae.decoder_dtype))
                 return pixels.clamp(0, 1), tile
             except RuntimeError as exc:
                 if not is_out_of_memory(exc) or i == len(tiles) - 1:
@@ -519,53 +531,94 @@ class Engine:
         if cond is not None and memory.cfg and cond.negative is None and self.text_encoder is None:
             raise ValueError("CFG needs a text_encoder for the negative prompt, or a negative embedding")
         plan = self.plan(memory)
-        timings: dict[str, float] = {}
-        with _timed(timings, "text", self.device):
+        checks = Checks(defer=True)  # read once, when the result is on the host (the module's docstring)
+        clock = StageClock(self.device)
+        with clock.stage("text"):
             if cond is None:
-                cond = self.encode_prompts(request.prompts, request.negative_prompt if memory.cfg else None, plan=plan)
+                cond = self.encode_prompts(request.prompts, request.negative_prompt if memory.cfg else None, plan=plan,
+                                           checks=checks)
             elif memory.cfg and cond.negative is None:
-                cond = Conditioning(cond.positive, self.encode_prompts([request.negative_prompt], plan=plan).positive)
-        with _timed(timings, "references", self.device):
+                cond = Conditioning(cond.positive, self.encode_prompts([request.negative_prompt], plan=plan,
+                                                                       checks=checks).positive)
+        with clock.stage("references"):
             given = list(request.reference_latents)
-            refs = given + self.encode_references(request.references, plan=plan, first=len(given) + 1)
+            refs = given + self.encode_references(request.references, plan=plan, first=len(given) + 1, checks=checks)
             start = None
             if init is not None and prepared is not None:
-                image_latents = self.encode_pixels(prepared.pixels, plan=plan)
+                image_latents = self.encode_pixels(prepared.pixels, plan=plan, checks=checks)
                 h, w = image_latents.shape[-2:]
                 mask = resize_mask_to_latents(prepared.mask, h, w) if prepared.mask is not None else None
                 start = InitLatents(image_latents, init.resolved_strength, mask, as_reference=init.as_reference)
         unused_negative = bool(request.negative_prompt) and request.conditioning is None and not memory.cfg
-        with _timed(timings, "denoise", self.device):
+        with clock.stage("denoise"):
             latents, run = self.denoise(cond, refs, request.settings, noise=request.noise, callback=callback,
                                         plan=plan, init=start, negative_prompt=unused_negative,
-                                        ref_mode=request.ref_mode)
+                                        ref_mode=request.ref_mode, checks=checks)
         ref_sizes = reference_pixel_sizes((), with_init_reference(refs, start), self.downscale)
         width, height = latents.shape[-1] * self.downscale, latents.shape[-2] * self.downscale
-        result = GenerationResult(latents, None, None, width, height, run.steps, run.guidance, run.seed, timings,
+        result = GenerationResult(latents, None, None, width, height, run.steps, run.guidance, run.seed, {},
                                   ref_sizes)
         if request.output == "latent":
+            checks.resolve()
+            result.timings = clock.read()
             return result
-        with _timed(timings, "decode", self.device):
-            result.pixels, result.images = self._decode(latents, plan, images=True)
+        with clock.stage("decode"):
+            result.pixels, result.images = self._decode(latents, plan, images=True, checks=checks)
+            checks.resolve()  # the images are on the host: the flags are ready, no GPU time is lost
             if prepared is not None and init is not None and (
                     prepared.box is not None or (prepared.original_mask is not None and init.composite)):
                 # back into the picture: the crop resized into its box; only masked pixels changed
                 result.images = [stitch(prepared.original, img, prepared.box, prepared.original_mask,
                                         feather=init.feather, keep_unmasked=init.composite) for img in result.images]
                 result.width, result.height = result.images[0].size
+        result.timings = clock.read()
         return result
 
 
-@contextlib.contextmanager
-def _timed(timings: dict[str, float], name: str, device: torch.device) -> Iterator[None]:
-    """``timings[name]``: the seconds the block took, the device's queued work included. The block
-    is also a ``klein.<name>`` range for torch.profiler (benchmarks/profile_run.py places the GPU's
-    idle gaps by them; without a profiler running a range costs about a microsecond)."""
-    t0 = time.perf_counter()
-    with torch.profiler.record_function(f"klein.{name}"):
-        yield
-        _sync(device)
-    timings[name] = time.perf_counter() - t0
+class StageClock:
+    """The seconds each stage of a run took (``GenerationResult.timings``), without a wait between stages.
+
+    On CUDA a stage's time runs from an event recorded on the device's current stream when the
+    stage begins to one recorded when it ends: the device's time for it (the work queued before it
+    excluded; the device idling while the host prepares it included). :meth:`read` waits for the
+    last event, once the run's result is on the host. Elsewhere it is the host's clock (the CPU
+    computes as the host calls). Each stage is also a ``klein.<name>`` range for torch.profiler
+    (benchmarks/profile_run.py places the GPU's idle gaps by them; without a profiler running a
+    range costs about a microsecond).
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._marks: dict[str, float | tuple[Any, Any]] = {}
+
+    def _event(self) -> Any:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    @contextlib.contextmanager
+    def stage(self, name: str) -> Iterator[None]:
+        with torch.profiler.record_function(f"klein.{name}"):
+            if self.device.type == "cuda":
+                start = self._event()
+                yield
+                self._marks[name] = (start, self._event())
+            else:
+                t0 = time.perf_counter()
+                yield
+                self._marks[name] = time.perf_counter() - t0
+
+    def read(self) -> dict[str, float]:
+        """Seconds per stage, in the order the stages ran."""
+        out = {}
+        for name, mark in self._marks.items():
+            if isinstance(mark, tuple):
+                start, end = mark
+                end.synchronize()
+                out[name] = start.elapsed_time(end) / 1000.0
+            else:
+                out[name] = mark
+        return out
 
 
 def generate(

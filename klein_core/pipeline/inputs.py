@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from ..checks import require_finite
+from ..checks import Checks
 from ..models.transformer import TransformerConfig
 from ..models.variants import check_text_width
 from .inpaint import check_strength
@@ -72,6 +72,7 @@ def check_denoise_inputs(
     init: InitLatents | None = None,
     negative_prompt: bool = False,
     downscale: int = 16,
+    checks: Checks | None = None,
 ) -> None:
     """Every check of a denoising request, in one place, before any compute (diffusers'
     ``check_inputs``): the embeddings' text width and finiteness, the references, the init image and
@@ -82,19 +83,22 @@ def check_denoise_inputs(
     ``negative_prompt``: a negative prompt was given but not encoded (the notice is the same as for
     a given negative embedding that the run does not use). A text width that does not fit raises
     :class:`~klein_core.models.variants.TextWidthMismatch` (a ValueError), which a caller may restate.
+    ``checks``: a run's :class:`~klein_core.checks.Checks` that may queue the finiteness checks of
+    device tensors (default: read at once).
     """
+    check = checks or Checks()
     channels = config.in_channels
     n_images = conditioning.positive.shape[0] * run.batch_size
     if init is not None:
         check_tensor(init.latents, "the init image latents", 4, channels)
-        require_finite(init.latents, "the init image latents")
+        check.require_finite(init.latents, "the init image latents")
         check_strength(init.strength)
         b = init.latents.shape[0]
         if b not in (1, n_images):
             raise ValueError(f"the init image batch {b} must be 1 or prompts x batch_size = {n_images}")
         if init.mask is not None:
             check_tensor(init.mask, "the inpaint mask", 4, 1)
-            require_finite(init.mask, "the inpaint mask")
+            check.require_finite(init.mask, "the inpaint mask")
             low, high = float(init.mask.min()), float(init.mask.max())
             if low < 0 or high > 1:  # a blend weight outside [0, 1] would extrapolate, not blend
                 raise ValueError(f"the inpaint mask must lie in [0, 1] (1 = repaint), got values from {low:g} to "
@@ -108,14 +112,14 @@ def check_denoise_inputs(
                              f"{run.width}x{run.height}: leave them unset (0 in ComfyUI)")
     check_text_width(conditioning.positive.shape[-1], config.context_dim, encoded_by="The prompt embedding",
                      model=f"the {config.variant} transformer")
-    require_finite(conditioning.positive, "the prompt embeddings")
+    check.require_finite(conditioning.positive, "the prompt embeddings")
     if conditioning.negative is not None:
         check_text_width(conditioning.negative.shape[-1], config.context_dim,
                          encoded_by="The negative prompt embedding", model=f"the {config.variant} transformer")
-        require_finite(conditioning.negative, "the negative prompt embeddings")
+        check.require_finite(conditioning.negative, "the negative prompt embeddings")
     for i, ref in enumerate(with_init_reference(references, init)):
         check_tensor(ref, f"reference latent {i + 1}", 4, channels)
-        require_finite(ref, f"reference latent {i + 1}")
+        check.require_finite(ref, f"reference latent {i + 1}")
     if (negative_prompt or conditioning.negative is not None) and not run.cfg:
         why = (f"guidance {run.guidance:g} is not above 1" if kind == "base" else
                "distilled Klein models run without CFG (for a base model: model_kind base on the loader node, "
@@ -132,7 +136,7 @@ def check_denoise_inputs(
                          f"{conditioning.positive.shape[0]} prompt(s): give one, or one per prompt")
     if noise is not None:
         check_tensor(noise, "the given noise", 4, channels)
-        require_finite(noise, "the given noise")
+        check.require_finite(noise, "the given noise")
         if noise.shape[0] != n_images:
             raise ValueError(f"noise batch {noise.shape[0]} != prompts x batch_size = {n_images}")
         if init is None:

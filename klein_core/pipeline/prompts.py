@@ -22,12 +22,13 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ..checks import is_finite
+from ..checks import Checks, is_finite
 from ..errors import WeightFormatError
 from ..files.safetensors import open_safetensors
 from ..lora.apply import has_loras
@@ -452,10 +453,12 @@ class PromptCache(BoundedCache[torch.Tensor]):
         return torch.cat([to_device(e, device) for e in ordered])  # type: ignore[arg-type]
 
     def encode(self, encoder: Any, prompts: Sequence[str], options: TextOptions | int = TextOptions(), *,
-               identity: str | None = None) -> torch.Tensor:
+               identity: str | None = None, checks: Checks | None = None) -> torch.Tensor:
         """Embeddings ``[len(prompts), length, text_dim]``; only prompts found in neither cache are
         encoded. ``options`` may be a plain max length (the older signature). ``identity`` (see
-        :func:`loaded_encoder_identity`) defaults to the encoder's own, on the device its weights are on."""
+        :func:`loaded_encoder_identity`) defaults to the encoder's own, on the device its weights are on.
+        New embeddings are kept once known to be finite: at once, or when ``checks`` (a run's
+        :class:`~klein_core.checks.Checks` that defers) resolves, so the host need not wait here."""
         if isinstance(options, int):
             options = TextOptions(max_tokens=options)
         length = options.length(prompts)
@@ -479,17 +482,20 @@ class PromptCache(BoundedCache[torch.Tensor]):
             self.misses += len(todo)
             embs = _encode(encoder, todo, options, length)
             owner = None if identity is not None else encoder
-            keep = []
-            with self._lock:
-                for p, e in zip(todo, embs):
-                    found[p] = e[None]
-                    if is_finite(e):  # garbage is returned (the caller names it), never cached
-                        keep.append(p)
-                        self._store((identity or id(encoder), p, length, options.key()), owner, e[None])
-            if identity is not None and self.disk is not None:
-                for p in keep:
-                    self.disk.put(identity, p, length, options, found[p])  # type: ignore[arg-type]
+            for p, e in zip(todo, embs):
+                found[p] = e[None]
+                # garbage is returned (the caller names it), never cached
+                (checks or Checks()).when_finite(e, partial(self._keep, identity, encoder, owner, p, length,
+                                                            options, e[None]))
         return torch.cat([found[p] for p in prompts])  # type: ignore[misc]
+
+    def _keep(self, identity: str | None, encoder: Any, owner: Any, prompt: str, length: int,
+              options: TextOptions, emb: torch.Tensor) -> None:
+        """Cache a new embedding ``[1, length, width]`` known to be finite (and write it to disk)."""
+        with self._lock:
+            self._store((identity or id(encoder), prompt, length, options.key()), owner, emb)
+        if identity is not None and self.disk is not None:
+            self.disk.put(identity, prompt, length, options, emb)
 
 
 def _encode(encoder: Any, prompts: list[str], options: TextOptions, length: int) -> torch.Tensor:
@@ -505,19 +511,22 @@ default_prompt_cache = PromptCache()
 def encode_prompts(
     text_encoder: Any, prompts: Sequence[str], *, cache: PromptCache | None = default_prompt_cache,
     max_length: int = MAX_LENGTH, options: TextOptions | None = None, identity: str | None = None,
+    checks: Checks | None = None,
 ) -> torch.Tensor:
     """Tokenize and encode prompts: ``[len(prompts), length, text_dim]``, cached by default.
 
     ``options`` (:class:`TextOptions`) chooses the BFL / diffusers or the ComfyUI way; without it,
     prompts are cut at ``max_length`` and encoded in the model dtype. ``identity``: the cache key
     of the encoder (:func:`loaded_encoder_identity` with the compute device); default: derived from it.
+    ``checks``: a run's :class:`~klein_core.checks.Checks`; the cache keeps new embeddings when it
+    finds them finite (see :meth:`PromptCache.encode`).
     """
     if isinstance(prompts, str):
         raise TypeError("prompts must be a list of strings; wrap a single prompt as [prompt]")
     options = options or TextOptions(max_tokens=max_length)
     if cache is None:
         return _encode(text_encoder, list(prompts), options, options.length(prompts))
-    return cache.encode(text_encoder, list(prompts), options, identity=identity)
+    return cache.encode(text_encoder, list(prompts), options, identity=identity, checks=checks)
 
 
 __all__ = ["COMFYUI_TEXT", "DiskPromptCache", "PromptCache", "TextOptions", "default_prompt_cache", "encode_prompts",

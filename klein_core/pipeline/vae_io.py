@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from PIL import Image
 
-from ..checks import check_output, require_finite
+from ..checks import Checks
 from ..memory import tiling
 from ..transfer import to_host
 from .images import oriented_size, prepare_reference_image, reference_size
@@ -36,14 +36,17 @@ def decode_to_pixels(vae: Any, latents: torch.Tensor, *, tile: int | None = None
 
 
 def encode_references(
-    vae: Any, images: Sequence[Image.Image | torch.Tensor], *, tile: int | None = None, first: int = 1
+    vae: Any, images: Sequence[Image.Image | torch.Tensor], *, tile: int | None = None, first: int = 1,
+    checks: Checks | None = None,
 ) -> list[torch.Tensor]:
     """VAE-encode each reference once: a list of normalised latents ``[1, 128, h, w]``.
 
     PIL images are preprocessed with :func:`~klein_core.pipeline.images.prepare_reference_image`; tensors
     must already be ``[1, 3, H, W]`` in [-1, 1] with H and W multiples of 16. ``tile``: encode in
-    tiles of this many latent positions; ``first``: the number of the first image in messages.
+    tiles of this many latent positions; ``first``: the number of the first image in messages;
+    ``checks``: a run's :class:`~klein_core.checks.Checks` (default: each check read at once).
     """
+    check = checks or Checks()
     out = []
     for n, img in enumerate(as_list(images, "references"), start=first):
         img = as_reference(img, n)
@@ -59,9 +62,9 @@ def encode_references(
             px = img
         if not isinstance(px, torch.Tensor) or px.ndim != 4 or px.shape[0] != 1:
             raise ValueError(f"reference {n}: expected a PIL image or a [1, 3, H, W] tensor")
-        require_finite(px, f"reference {n}")
+        check.require_finite(px, f"reference {n}")
         latent = tiling.encode(vae, px, tile)
-        check_output(latent, f"The VAE encoder (reference {n})", vae, overflow_cause(vae.dtype))
+        check.check_output(latent, f"The VAE encoder (reference {n})", vae, overflow_cause(vae.dtype))
         out.append(latent)
     return out
 
