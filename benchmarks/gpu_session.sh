@@ -29,7 +29,8 @@
 # the 126 s it had left; 300 s now, on a cold compile cache, since both sides also compile their text
 # encoder's layers).
 # profilec (profile_run.py under speed="compile", 4B a) and texttests (the suite's text encoder tests:
-# compiled, CUDA graph replay): 31 s and 35 s on 2026-11-27. trainprof (profile_train.py: one LoRA training
+# compiled, CUDA graph replay; since the eleventh session also the test that a generation waits for the
+# GPU only for its results): 31 s and 35 s on 2026-11-27. trainprof (profile_train.py: one LoRA training
 # step of ours and of diffusers + peft under torch.profiler, 4B 1024² rank 32, then ours at speed fast) and
 # textgraph (speed.py 4B a:
 # default against default+text_graph, 3 runs): not measured yet.
@@ -262,10 +263,11 @@ phase_trainprof() {  # one training step of ours and of diffusers + peft under t
         --out "$OUT/profile_train_4b_fast.json"
 }
 
-phase_texttests() {  # the GPU suite's text encoder tests only (compiled, CUDA graph replay)
+phase_texttests() {  # the GPU suite's text encoder tests (compiled, CUDA graph replay) and its one-wait test
     local -a env_vars=("KLEIN_PARITY_JSON=$OUT/parity_text.json" "KLEIN_PARITY_TABLE=1")
     [ "$DRY" -eq 1 ] && env_vars+=("KLEIN_GPU_TESTS_DEVICE=cpu")
-    step texttests 90 env "${env_vars[@]}" "$PY" -m pytest -q -p no:cacheprovider -rs -k text_encoder tests/gpu/test_gpu_fast.py
+    step texttests 90 env "${env_vars[@]}" "$PY" -m pytest -q -p no:cacheprovider -rs \
+        -k "text_encoder or waits_for_the_device" tests/gpu/test_gpu_fast.py tests/gpu/test_gpu_pipeline.py
 }
 
 phase_fasttests() {

@@ -13,7 +13,9 @@ conversion, launch latency) only shows as ``e2e - sum(stages)``. This script run
   overlapping the gap, so host-side stalls can be placed;
 * ``cpu_ops``: the host operators with the most self time;
 * ``unprofiled``: one run without the profiler, its wall time against the engine's own stage clocks
-  (``GenerationResult.timings``); ``cprofile_cumulative``: Python's profile of one more run.
+  (``GenerationResult.timings``: on CUDA the device's time from each stage's start to its end, the
+  host waiting for the device only at the end of the run); ``cprofile_cumulative``: Python's
+  profile of one more run.
 
 Usage (GPU)::
 

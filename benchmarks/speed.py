@@ -536,8 +536,8 @@ class RunOutput:
     activation_gib: float
     latents: torch.Tensor  # packed [B, N, 128], float32 CPU
     image: np.ndarray  # uint8 [H, W, 3]
-    # klein_core's own stage clocks (host wall time, each stage waited for: GenerationResult.timings), ms;
-    # against the CUDA-event spans they show the host's share of each stage. None for diffusers.
+    # klein_core's own stage clocks (GenerationResult.timings: CUDA events from the start of each stage
+    # to its end, the device idling for the host included), ms. None for diffusers.
     engine_wall: dict[str, float] | None = None
 
 
@@ -566,17 +566,20 @@ def _images(size: int, n: int) -> list[Image.Image]:
 
 
 def run_ours(components: tuple[Flux2Transformer, Qwen3TextEncoder, Flux2VAE], case: Case, probe: Probe,
-             noise: torch.Tensor, refs: list[Image.Image], device: torch.device) -> RunOutput:
+             noise: torch.Tensor, refs: list[Image.Image], device: torch.device,
+             waits: list[str] | None = None) -> RunOutput:
+    """One generation, timed; ``waits``: collect where it made the host wait for the GPU."""
     tr, te, vae = components
     probe.reset()
     start = _memory_start(device)
     probe.clock.sync()
     t0 = time.perf_counter()
-    res = klein_core.generate(
-        tr, te, vae, prompt=PROMPT, references=refs, width=case.size, height=case.size, steps=case.steps,
-        guidance=case.guidance, kind="distilled" if case.distilled else "base", noise=noise, cache=None,
-        callback=lambda i, n, lat: probe.step_done(),
-    )
+    with _host_waits(device, waits):
+        res = klein_core.generate(
+            tr, te, vae, prompt=PROMPT, references=refs, width=case.size, height=case.size, steps=case.steps,
+            guidance=case.guidance, kind="distilled" if case.distilled else "base", noise=noise, cache=None,
+            callback=lambda i, n, lat: probe.step_done(),
+        )
     probe.clock.sync()
     e2e = (time.perf_counter() - t0) * 1000.0
     peak, act = _memory_peak(device, start)
@@ -655,10 +658,33 @@ def _sync_audit(device: torch.device, probe: Probe, tr: torch.nn.Module, steps: 
             torch.cuda.set_sync_debug_mode(0)
             handle.remove()
             probe.after_step = None
-    # torch's one-off notice that the debug mode is a prototype is not a sync (it counted as one for
-    # whichever variant switched the mode on first in a process)
-    found.extend(f"{w.filename}:{w.lineno}: {str(w.message).splitlines()[0]}" for w in caught
-                 if "synchroniz" in str(w.message) and "prototype feature" not in str(w.message))
+    found.extend(_sync_locations(caught))
+
+
+def _sync_locations(caught: list[warnings.WarningMessage]) -> list[str]:
+    """``file:line: message`` of each synchronising CUDA call among the caught warnings. torch's
+    one-off notice that the debug mode is a prototype is not a sync (it counted as one for whichever
+    variant switched the mode on first in a process)."""
+    return [f"{w.filename}:{w.lineno}: {str(w.message).splitlines()[0]}" for w in caught
+            if "synchroniz" in str(w.message) and "prototype feature" not in str(w.message)]
+
+
+@contextlib.contextmanager
+def _host_waits(device: torch.device, found: list[str] | None) -> Iterator[None]:
+    """With a list: collect into it where the block made the host wait for the GPU (each synchronising
+    CUDA call, ``torch.cuda.set_sync_debug_mode("warn")``). klein_core's generate should wait once the
+    images are to come to the host, and only then (klein_core.pipeline.engine)."""
+    if found is None or device.type != "cuda":
+        yield
+        return
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    found.extend(_sync_locations(caught))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -779,8 +805,11 @@ def bench_model(spec: ModelSpec, cases: list[Case], args: argparse.Namespace, de
             if is_ours and device.type == "cuda" and case is cases[0]:
                 with _sync_audit(device, probe_ours, tr, case.steps) as found:
                     go()
+                waits: list[str] = []
+                run_ours(ours, case, probe_ours, noise, refs, device, waits)
                 notes.setdefault("sync_audit", {})[name] = {"syncs_inside_denoise": len(found),
-                                                           "where": found[:20]}
+                                                           "where": found[:20], "syncs_per_run": len(waits),
+                                                           "where_per_run": waits[:20]}
             probe.active = False
             if teardown is not None:
                 teardown()

@@ -220,6 +220,43 @@ def test_generate_copies_only_through_page_locked_memory(gpu, small, monkeypatch
         assert [a.tobytes() for a in fast[name].images] == [b.tobytes() for b in plain.images], name
 
 
+@pytest.mark.cuda("the host waits only for a CUDA device; the CPU computes as it is called")
+def test_generate_waits_for_the_device_only_for_its_results(gpu, small):
+    """generate makes the host wait for the GPU only once its results are to come to the host
+    (klein_core.transfer.to_host: the images, then the finiteness flags that waited for them), never
+    between stages (klein_core.pipeline.engine: each wait there left the GPU idle while the host
+    prepared the next stage). torch.cuda.set_sync_debug_mode names every synchronising call."""
+    import warnings
+
+    import klein_core.transfer
+    from klein_core.pipeline.sampling import make_noise
+
+    tr, te, vae = small
+    refs = reference_images(gpu.ref_sizes)
+    w, h = gpu.ref_sizes[0]
+    runs = {  # (arguments, the most waits: the images' copy and the flags' copy)
+        "t2i": ({"prompt": "a red fox", "width": gpu.size, "height": gpu.size, "steps": 2, "seed": 4}, 2),
+        "edit": ({"prompt": "make it night", "references": refs, "steps": 2,
+                  "noise": make_noise(5, 1, 128, h // 16, w // 16)}, 2),
+        "latent": ({"prompt": "a lake", "width": gpu.size, "height": gpu.size, "steps": 2, "output": "latent"}, 1),
+    }
+    transfer = klein_core.transfer.__file__
+    for name, (kw, most) in runs.items():
+        kc.generate(tr, te, vae, cache=None, **kw)  # warm: kernels chosen, page-locked blocks cached
+        torch.cuda.synchronize(gpu.device)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                res = kc.generate(tr, te, vae, cache=None, **kw)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        waits = [f"{c.filename}:{c.lineno}" for c in caught
+                 if "synchroniz" in str(c.message) and "prototype feature" not in str(c.message)]
+        assert waits and all(p.startswith(transfer) for p in waits) and len(waits) <= most, (name, waits)
+        assert {"text", "denoise"} <= set(res.timings) and all(v >= 0 for v in res.timings.values()), res.timings
+
+
 @pytest.mark.cuda("entries on the CPU and on the device meet only when the encoder runs on a GPU")
 def test_prompt_cache_joins_an_entry_from_disk_with_one_made_on_the_device(gpu, small, tmp_path):
     """A negative prompt stored on disk by an earlier session, a positive encoded in this one: the
