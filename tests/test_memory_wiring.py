@@ -33,3 +33,25 @@ def test_loaders_quantize(tmp_path):
     vae = klein_core.load_vae(paths["vae"])
     out = klein_core.generate(tr, te, vae, prompt="x", steps=1, width=64, height=64, cache=None, memory="auto", device="cpu")
     assert torch.isfinite(out.pixels).all()
+
+
+def test_module_tensors_walks_each_submodule_once_as_modules_does():
+    """The planner's and the stages' walk (a stack, not ``module.modules()``) visits the same tensors:
+    each submodule once, also one registered under two names, and every float8 or meta tensor."""
+    from klein_core.memory.placement import module_bytes, module_tensors, tensor_devices
+
+    tr, te, vae = demo.build_tiny_components()
+    shared = torch.nn.Linear(3, 3)
+    twice = torch.nn.Sequential(shared, torch.nn.ReLU(), shared)
+    twice.register_buffer("scale", torch.ones(2, dtype=torch.float8_e4m3fn))
+    twice.register_buffer("absent", None)
+    with torch.device("meta"):
+        twice.add_module("on_meta", torch.nn.Linear(2, 2))
+    for module in (tr, te, vae, twice):
+        expected = [t for m in module.modules() for t in (*m._parameters.values(), *m._buffers.values())
+                    if t is not None]
+        got = list(module_tensors(module))
+        assert sorted(map(id, got)) == sorted(map(id, expected))
+        assert module_bytes(module) == sum(t.numel() * t.element_size() for t in expected)
+    assert tensor_devices(twice) == {torch.device("cpu"), torch.device("meta")}
+    assert tensor_devices(tr) == {torch.device("cpu")}

@@ -67,21 +67,35 @@ def _set(slot: _Slot, t: torch.Tensor) -> None:
         slot.owner._buffers[slot.name] = t
 
 
-def _tensors(module: nn.Module) -> Iterator[torch.Tensor]:
-    """Every parameter and buffer of ``module`` (as :func:`_slots`, without building slots: the
-    planner and each stage walk whole models on every run)."""
-    for owner in module.modules():
+def module_tensors(module: nn.Module) -> Iterator[torch.Tensor]:
+    """Every parameter and buffer of ``module``, each submodule visited once (as :func:`_slots`,
+    without building slots). The planner and each stage walk whole models on every run, before the
+    GPU has work or between its stages; a plain stack walks a 4B text encoder's 381 modules in half
+    the time of ``module.modules()``, which builds a name for each (0.25 against 0.54 ms, 2-core
+    CPU machine). The order is not :func:`_slots`' order."""
+    stack, seen = [module], set()
+    while stack:
+        owner = stack.pop()
+        if id(owner) in seen:
+            continue
+        seen.add(id(owner))
         for t in owner._parameters.values():
             if t is not None:
                 yield t
         for t in owner._buffers.values():
             if t is not None:
                 yield t
+        stack.extend(child for child in owner._modules.values() if child is not None)
+
+
+def tensor_devices(module: nn.Module) -> set[torch.device]:
+    """The devices ``module``'s parameters and buffers are on."""
+    return {t.device for t in module_tensors(module)}
 
 
 def module_bytes(module: nn.Module) -> int:
     """Bytes of all parameters and buffers of ``module``."""
-    return sum(t.numel() * t.element_size() for t in _tensors(module))
+    return sum(t.nbytes for t in module_tensors(module))
 
 
 def _pinnable() -> bool:
@@ -384,8 +398,8 @@ class StagePlacer:
     def stage(self, component: str) -> Iterator[nn.Module]:
         module = self.components[component]
         placement = self.placements.get(component, "resident")
-        here = all(_same_device(t.device, self.device) for t in _tensors(module))
-        if not here and not holds_float8(self.device) and any(is_fp8(t.dtype) for t in _tensors(module)):
+        here = all(_same_device(d, self.device) for d in tensor_devices(module))
+        if not here and not holds_float8(self.device) and any(is_fp8(t.dtype) for t in module_tensors(module)):
             # Copying them in would fail inside torch with a dtype message that names neither.
             raise ValueError(
                 f"the {component.replace('_', ' ')} holds fp8 weights, which {self.device.type} cannot hold; load "
@@ -416,6 +430,6 @@ def offload_blocks(model: nn.Module, device: torch.device | str, *, prefetch: in
 
 
 __all__ = [
-    "BlockOffloader", "OffloadStats", "StagePlacer", "find_block_lists", "module_bytes", "offload_blocks",
-    "on_device", "pin_memory_",
+    "BlockOffloader", "OffloadStats", "StagePlacer", "find_block_lists", "module_bytes", "module_tensors",
+    "offload_blocks", "on_device", "pin_memory_", "tensor_devices",
 ]

@@ -28,7 +28,7 @@ from ..models.transformer import Flux2Transformer
 from ..models.vae import Flux2VAE
 from ..pipeline.request import indexed_device
 from ..quant.fp8 import block_linear_names
-from .placement import find_block_lists, module_bytes
+from .placement import find_block_lists, module_bytes, module_tensors
 from .tiling import TILE_SIDES, tile_overlap
 
 logger = logging.getLogger(__name__)
@@ -491,7 +491,7 @@ def _bytes_on(device: torch.device, modules: Sequence[nn.Module]) -> int:
     mine = 0
     seen: set[int] = set()
     for m in modules:
-        for t in [*m.parameters(), *m.buffers()]:
+        for t in module_tensors(m):
             if t.device == device and id(t) not in seen:
                 seen.add(id(t))
                 mine += t.numel() * t.element_size()
