@@ -119,7 +119,10 @@ def test_host_tensors_are_checked_at_once_by_default():
 # -- generate --------------------------------------------------------------------------------------
 
 def test_a_deferred_run_gives_the_same_images_and_reads_once_after_the_decode(tiny, deferred, monkeypatch):
-    reference = _run(*tiny)
+    kw = {"references": [torch.zeros(1, 3, 64, 64)], "prompt": ["a fox", "a hare"]}
+    with monkeypatch.context() as m:  # the reference: every check read at once
+        m.setattr(checks_module, "DEFERRED_DEVICES", ("cuda",))
+        reference = _run(*tiny, **kw)
     order = []
     real_resolve, real_decode = Checks.resolve, Engine._decode_one
 
@@ -139,15 +142,16 @@ def test_a_deferred_run_gives_the_same_images_and_reads_once_after_the_decode(ti
     monkeypatch.setattr(Engine, "_decode_one", decode_one)
     monkeypatch.setattr(checks_module, "require_finite", at_once)
     monkeypatch.setattr(checks_module, "check_output", at_once)
-    res = _run(*tiny, references=[torch.zeros(1, 3, 64, 64)], prompt=["a fox", "a hare"])
+    res = _run(*tiny, **kw)
+    assert torch.equal(res.pixels, reference.pixels) and torch.equal(res.latents, reference.latents)
     assert order[:-1] == ["decode", "decode"] and order[-1][0] == "resolve"
     # per prompt group: the text output; the conditioning; the reference pixels, its latents and the
     # reference latents again as an input; the sampler's output; the latents to decode; two images
     assert order[-1][1] == 9
     assert list(res.timings) == ["text", "references", "denoise", "decode"]
     assert all(v >= 0 for v in res.timings.values())
-    monkeypatch.undo()
-    again = _run(*tiny)
+    monkeypatch.undo()  # and the library is as usable as before
+    again = _run(*tiny, **kw)
     assert torch.equal(again.pixels, reference.pixels)
 
 

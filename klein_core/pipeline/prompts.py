@@ -482,11 +482,11 @@ class PromptCache(BoundedCache[torch.Tensor]):
             self.misses += len(todo)
             embs = _encode(encoder, todo, options, length)
             owner = None if identity is not None else encoder
+            check = checks or Checks()
             for p, e in zip(todo, embs):
                 found[p] = e[None]
                 # garbage is returned (the caller names it), never cached
-                (checks or Checks()).when_finite(e, partial(self._keep, identity, encoder, owner, p, length,
-                                                            options, e[None]))
+                check.when_finite(e, partial(self._keep, identity, encoder, owner, p, length, options, e[None]))
         return torch.cat([found[p] for p in prompts])  # type: ignore[misc]
 
     def _keep(self, identity: str | None, encoder: Any, owner: Any, prompt: str, length: int,
