@@ -13,15 +13,18 @@ a run left the GPU idle while the host prepared the next stage.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
-from typing import NoReturn
+from typing import NoReturn, Self
 
 import torch
 from torch import nn
 
 from .errors import NonFiniteWeights
 from .transfer import to_host
+
+logger = logging.getLogger(__name__)
 
 #: Device types whose checks :class:`Checks` (``defer=True``) queues; tensors on any other device
 #: are checked at once. The host has nothing to gain (its tensors are ready when a check reads
@@ -114,12 +117,24 @@ class Checks:
     :func:`check_output`, and the one raised is the first check that failed in the order they were
     queued: where the NaN entered (later stages only carry it on). Work queued after a failed check
     runs to no purpose, which happens only on the way to an error. Tensors on other devices (the
-    host) are checked at once. Not thread-safe: one per run.
+    host) are checked at once. Not thread-safe: one per run. As a context manager it resolves what
+    is left when its block ends, or settles it when the block fails (:meth:`settle`).
     """
 
     def __init__(self, *, defer: bool = False) -> None:
         self.defer = defer
         self._queued: list[tuple[torch.Tensor, Callable[[bool], object]]] = []
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
+        """Leaving a ``with Checks(...)`` block: what is still queued is resolved (raising as
+        :meth:`resolve` does), or settled if the block is leaving on an exception (:meth:`settle`)."""
+        if kind is None:
+            self.resolve()
+        else:
+            self.settle()
 
     @property
     def pending(self) -> int:
@@ -157,14 +172,40 @@ class Checks:
         the first failed check raises; an action of :meth:`when_finite` queued before it still runs.
         The queue is empty afterwards, whatever happens."""
         queued, self._queued = self._queued, []
-        if not queued:
+        for ok, (_, on_result) in zip(_read(queued), queued):
+            on_result(ok)
+
+    def settle(self) -> None:
+        """After the run failed for another reason (a cancel, out of memory): read the queued flags
+        and run each :meth:`when_finite` action whose tensor proved finite, so what a run finished
+        before it failed is kept (the prompt cache's new embeddings: the next run does not encode
+        them again). Raises nothing, since another error is on its way: the first failed check is
+        logged as a warning instead, and a device that cannot be read any more (a CUDA error) only
+        empties the queue."""
+        queued, self._queued = self._queued, []
+        try:
+            results = _read(queued)
+        except Exception as exc:  # noqa: BLE001 - the error on its way says what went wrong
+            logger.debug("the queued checks could not be read after the run failed: %s", exc)
             return
-        devices = list(dict.fromkeys(flag.device for flag, _ in queued))
-        stacked = [torch.stack([flag for flag, _ in queued if flag.device == d]) for d in devices]
-        read = {d: iter(host.tolist()) for d, host in zip(devices, to_host(*stacked))}
-        results = [next(read[flag.device]) for flag, _ in queued]
+        warned = False
         for ok, (_, on_result) in zip(results, queued):
-            on_result(bool(ok))
+            if ok or not warned:  # a failed check's message once: where the NaN entered
+                try:
+                    on_result(ok)
+                except Exception as exc:  # noqa: BLE001 - logged, not raised (see above)
+                    warned = True
+                    logger.warning("the run failed, and a check found besides: %s", exc)
+
+
+def _read(queued: list[tuple[torch.Tensor, Callable[[bool], object]]]) -> list[bool]:
+    """The queued flags' values, read in one copy per device."""
+    if not queued:
+        return []
+    devices = list(dict.fromkeys(flag.device for flag, _ in queued))
+    stacked = [torch.stack([flag for flag, _ in queued if flag.device == d]) for d in devices]
+    read = {d: iter(host.tolist()) for d, host in zip(devices, to_host(*stacked))}
+    return [bool(next(read[flag.device])) for flag, _ in queued]
 
 
 __all__ = ["DEFERRED_DEVICES", "Checks", "check_output", "is_finite", "non_finite_tensor", "non_finite_weight",

@@ -101,6 +101,47 @@ def test_when_finite_acts_only_on_finite_tensors_and_in_order(deferred):
     assert done == ["first"]
 
 
+def test_settle_keeps_what_proved_finite_and_only_logs_a_failed_check(deferred, caplog):
+    done = []
+    checks = Checks(defer=True)
+    checks.when_finite(torch.ones(2), lambda: done.append("before"))
+    checks.require_finite(torch.tensor([NAN]), "the first bad input")
+    checks.require_finite(torch.tensor([NAN]), "the second bad input")
+    checks.when_finite(torch.tensor([NAN]), lambda: done.append("never"))
+    checks.when_finite(torch.ones(2), lambda: done.append("after"))
+    with caplog.at_level("WARNING", logger="klein_core.checks"):
+        checks.settle()  # raises nothing: another error is on its way
+    assert done == ["before", "after"]  # each action on its own tensor's flag, past the failed check
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1 and "the first bad input contains NaN" in warnings[0]
+    assert checks.pending == 0
+
+
+def test_settle_empties_the_queue_when_the_device_cannot_be_read(deferred, monkeypatch):
+    def broken(*tensors):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(checks_module, "to_host", broken)
+    done = []
+    checks = Checks(defer=True)
+    checks.when_finite(torch.ones(2), lambda: done.append(1))
+    checks.settle()
+    assert done == [] and checks.pending == 0
+
+
+def test_checks_as_a_block_resolve_at_its_end_or_settle_on_an_error(deferred):
+    done = []
+    with pytest.raises(ValueError, match="the input contains NaN"):
+        with Checks(defer=True) as checks:
+            checks.require_finite(torch.tensor([NAN]), "the input")
+    with pytest.raises(KeyError, match="unrelated"):  # the block's own error, not the check's
+        with Checks(defer=True) as checks:
+            checks.require_finite(torch.tensor([NAN]), "the input")
+            checks.when_finite(torch.ones(1), lambda: done.append(1))
+            raise KeyError("unrelated")
+    assert done == [1] and checks.pending == 0
+
+
 def test_checks_that_do_not_defer_raise_at_once(deferred):
     with pytest.raises(ValueError, match="the input contains NaN"):
         Checks().require_finite(torch.tensor([NAN]), "the input")
@@ -202,6 +243,28 @@ def test_the_prompt_cache_keeps_only_what_proved_finite(tiny, deferred):
     hits = cache.hits
     _run(tr, te, vae, cache=cache, output="latent")
     assert cache.hits == hits + 1
+
+
+def test_a_cancelled_run_keeps_the_prompts_it_encoded(tiny, deferred):
+    """A cancel (or an out-of-memory error) after the text stage: the next run with the same prompt
+    finds its embeddings cached (with an offloaded text encoder, encoding again costs a reload)."""
+    tr, te, vae = tiny
+    cache = PromptCache()
+
+    def cancel(step, total, latents):
+        return False
+
+    with pytest.raises(kc.GenerationCancelled):
+        _run(tr, te, vae, cache=cache, callback=cancel)
+    assert len(cache) == 1
+    misses = cache.misses
+    _run(tr, te, vae, cache=cache, output="latent")
+    assert cache.misses == misses
+    # and a prompt whose embedding is not finite is still never kept
+    bad_te = _poisoned(te, "layers.0.self_attn.q_proj.weight")
+    with pytest.raises(kc.GenerationCancelled):
+        _run(tr, bad_te, vae, cache=cache, callback=cancel, prompt="another prompt")
+    assert len(cache) == 1
 
 
 def test_a_stage_method_alone_checks_before_it_computes(tiny, deferred, monkeypatch):

@@ -531,46 +531,50 @@ class Engine:
         if cond is not None and memory.cfg and cond.negative is None and self.text_encoder is None:
             raise ValueError("CFG needs a text_encoder for the negative prompt, or a negative embedding")
         plan = self.plan(memory)
-        checks = Checks(defer=True)  # read once, when the result is on the host (the module's docstring)
-        clock = StageClock(self.device)
-        with clock.stage("text"):
-            if cond is None:
-                cond = self.encode_prompts(request.prompts, request.negative_prompt if memory.cfg else None, plan=plan,
-                                           checks=checks)
-            elif memory.cfg and cond.negative is None:
-                cond = Conditioning(cond.positive, self.encode_prompts([request.negative_prompt], plan=plan,
-                                                                       checks=checks).positive)
-        with clock.stage("references"):
-            given = list(request.reference_latents)
-            refs = given + self.encode_references(request.references, plan=plan, first=len(given) + 1, checks=checks)
-            start = None
-            if init is not None and prepared is not None:
-                image_latents = self.encode_pixels(prepared.pixels, plan=plan, checks=checks)
-                h, w = image_latents.shape[-2:]
-                mask = resize_mask_to_latents(prepared.mask, h, w) if prepared.mask is not None else None
-                start = InitLatents(image_latents, init.resolved_strength, mask, as_reference=init.as_reference)
-        unused_negative = bool(request.negative_prompt) and request.conditioning is None and not memory.cfg
-        with clock.stage("denoise"):
-            latents, run = self.denoise(cond, refs, request.settings, noise=request.noise, callback=callback,
-                                        plan=plan, init=start, negative_prompt=unused_negative,
-                                        ref_mode=request.ref_mode, checks=checks)
-        ref_sizes = reference_pixel_sizes((), with_init_reference(refs, start), self.downscale)
-        width, height = latents.shape[-1] * self.downscale, latents.shape[-2] * self.downscale
-        result = GenerationResult(latents, None, None, width, height, run.steps, run.guidance, run.seed, {},
-                                  ref_sizes)
-        if request.output == "latent":
-            checks.resolve()
-            result.timings = clock.read()
-            return result
-        with clock.stage("decode"):
-            result.pixels, result.images = self._decode(latents, plan, images=True, checks=checks)
-            checks.resolve()  # the images are on the host: the flags are ready, no GPU time is lost
-            if prepared is not None and init is not None and (
-                    prepared.box is not None or (prepared.original_mask is not None and init.composite)):
-                # back into the picture: the crop resized into its box; only masked pixels changed
-                result.images = [stitch(prepared.original, img, prepared.box, prepared.original_mask,
-                                        feather=init.feather, keep_unmasked=init.composite) for img in result.images]
-                result.width, result.height = result.images[0].size
+        # read once, when the result is on the host (the module's docstring); if the run fails, what it
+        # finished and proved finite is still kept (the prompt cache's new embeddings: Checks.settle)
+        with Checks(defer=True) as checks:
+            clock = StageClock(self.device)
+            with clock.stage("text"):
+                if cond is None:
+                    negative = request.negative_prompt if memory.cfg else None
+                    cond = self.encode_prompts(request.prompts, negative, plan=plan, checks=checks)
+                elif memory.cfg and cond.negative is None:
+                    cond = Conditioning(cond.positive, self.encode_prompts([request.negative_prompt], plan=plan,
+                                                                           checks=checks).positive)
+            with clock.stage("references"):
+                given = list(request.reference_latents)
+                refs = given + self.encode_references(request.references, plan=plan, first=len(given) + 1,
+                                                      checks=checks)
+                start = None
+                if init is not None and prepared is not None:
+                    image_latents = self.encode_pixels(prepared.pixels, plan=plan, checks=checks)
+                    h, w = image_latents.shape[-2:]
+                    mask = resize_mask_to_latents(prepared.mask, h, w) if prepared.mask is not None else None
+                    start = InitLatents(image_latents, init.resolved_strength, mask, as_reference=init.as_reference)
+            unused_negative = bool(request.negative_prompt) and request.conditioning is None and not memory.cfg
+            with clock.stage("denoise"):
+                latents, run = self.denoise(cond, refs, request.settings, noise=request.noise, callback=callback,
+                                            plan=plan, init=start, negative_prompt=unused_negative,
+                                            ref_mode=request.ref_mode, checks=checks)
+            ref_sizes = reference_pixel_sizes((), with_init_reference(refs, start), self.downscale)
+            width, height = latents.shape[-1] * self.downscale, latents.shape[-2] * self.downscale
+            result = GenerationResult(latents, None, None, width, height, run.steps, run.guidance, run.seed, {},
+                                      ref_sizes)
+            if request.output == "latent":
+                checks.resolve()
+                result.timings = clock.read()
+                return result
+            with clock.stage("decode"):
+                result.pixels, result.images = self._decode(latents, plan, images=True, checks=checks)
+                checks.resolve()  # the images are on the host: the flags are ready, no GPU time is lost
+                if prepared is not None and init is not None and (
+                        prepared.box is not None or (prepared.original_mask is not None and init.composite)):
+                    # back into the picture: the crop resized into its box; only masked pixels changed
+                    result.images = [stitch(prepared.original, img, prepared.box, prepared.original_mask,
+                                            feather=init.feather, keep_unmasked=init.composite)
+                                     for img in result.images]
+                    result.width, result.height = result.images[0].size
         result.timings = clock.read()
         return result
 
