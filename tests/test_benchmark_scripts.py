@@ -45,6 +45,26 @@ def test_profile_run_reports_stages_and_host_profile(tmp_path):
     assert any("engine.py" in line and "(generate)" in line for line in report["cprofile_cumulative"])
 
 
+def test_profile_families_place_inductor_kernels_by_what_they_compute():
+    """Inductor names a fused kernel after every op it fuses: the QK norm carries ``_to_copy`` and
+    the SwiGLU ``cat`` in their names, and were counted as copies (2026-11-27 compile profile)."""
+    profile = load_script("klein_profile_run", REPO / "benchmarks" / "profile_run.py")
+    cases = {
+        "triton_red_fused__scaled_dot_product_cudnn_attention__to_copy__unsafe_view_add_mean_mul_neg_pow_rsqrt"
+        "_split_split_with_sizes_stack_transpose_unbind_view_1": "norm/rope",
+        "triton_poi_fused__unsafe_view_cat_mul_silu_split_split_with_sizes_transpose_view_2": "elementwise",
+        "triton_red_fused_clone_convolution_native_group_norm_silu_45": "norm/rope",
+        "triton_poi_fused_convolution_0": "elementwise",
+        "triton_poi_fused_cat_clone_1": "copy",
+        "triton_tem_fused_mm_4": "matmul",
+        "triton_poi_fused_addmm_gelu_2": "matmul",
+        "nvjet_sm90_tst_192x192_64x4_2x1_v_bz_coopB_TNN": "matmul",
+        "void at::native::(anonymous namespace)::CatArrayBatchedCopy<OpaqueType<2u>>": "copy",
+        "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7": "attention",
+    }
+    assert {name: profile.family(name) for name in cases} == cases
+
+
 def test_profile_train_profiles_one_step_of_each_side(tmp_path):
     pytest.importorskip("diffusers")
     pytest.importorskip("peft")
