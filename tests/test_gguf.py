@@ -204,6 +204,28 @@ def test_loras_run_as_branches_on_ggml_layers_and_refuse_to_merge(tmp_path, floa
     assert (_run(kc.with_loras(exact, lora)) - _run(patched)).abs().max().item() < 1e-5
 
 
+def test_dora_on_ggml_layers_rescales_the_unpacked_weight(tmp_path, float_transformer, parity):
+    """A DoRA LoRA on a GGUF layer: its change is computed from the unpacked weight (kept dense as a
+    branch), so the output is that of the same LoRA merged into the float model of the file's values."""
+    sd = {k: v.numpy() for k, v in float_transformer.state_dict().items()}
+    path = tmp_path / "m.gguf"
+    _write_gguf(path, {k: (v, _kind(k, v, "Q8_0")) for k, v in sd.items()}, "flux")
+    model = kc.load_transformer(path, dtype=torch.float32)
+    exact = Flux2Transformer(CFG).eval()
+    exact.load_state_dict(_gguf_reference_values(path))
+    name = "double_blocks.0.img_attn.qkv"
+    g = torch.Generator().manual_seed(0)
+    norms = exact.get_submodule(name).weight.detach().norm(dim=1, keepdim=True)
+    lora = kc.load_lora({f"diffusion_model.{name}.lora_A.weight": torch.randn(4, 256, generator=g) * 0.1,
+                         f"diffusion_model.{name}.lora_B.weight": torch.randn(768, 4, generator=g) * 0.1,
+                         f"diffusion_model.{name}.dora_scale": norms * (0.5 + torch.rand(768, 1, generator=g))})
+    patched = kc.with_loras(model, [(lora, 0.7)])
+    kc.apply_loras(exact, [(lora, 0.7)])  # merged into the float weights
+    diff = (_run(exact) - _run(patched)).abs().max().item()
+    parity("DoRA on GGUF Q8_0 layers (branch) vs merged into the file's float values", diff)
+    assert diff < 1e-5 and (_run(patched) - _run(model)).abs().max().item() > 1e-2
+
+
 def test_gguf_errors_name_the_file(tmp_path):
     (tmp_path / "broken.gguf").write_bytes(b"GGUF\x03\x00\x00\x00" + b"\x07" * 40)
     with pytest.raises(kc.WeightFormatError, match="broken.gguf"):

@@ -23,6 +23,7 @@ import pytest
 import torch
 from extras import require
 from PIL import Image
+from safetensors import safe_open
 from safetensors.torch import save_file
 from tiny_reference import CTX, tiny_diffusers_transformer
 from torch import nn
@@ -166,6 +167,69 @@ def test_diffusers_peft_format_matches_diffusers(base, tmp_path, parity):
         if isinstance(m, BaseTunerLayer):
             m.merge()
     _assert_close(parity, "diffusers/PEFT vs diffusers+PEFT merged", out, base.run_diffusers(dm), tol=1e-6)
+
+
+def _peft_dora_file(base: Base, tmp_path: Path, seed: int = 6) -> tuple[Path, nn.Module]:
+    """A diffusers/PEFT DoRA LoRA on every linear (random factors and magnitudes), and the diffusers
+    model carrying it unmerged."""
+    dm = copy.deepcopy(base.dm)
+    linears = [n for n, m in dm.named_modules() if isinstance(m, nn.Linear)]
+    cfg = LoraConfig(r=4, lora_alpha=8, target_modules=linears, init_lora_weights=False, use_dora=True)
+    dm.add_adapter(cfg)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, p in dm.named_parameters():
+            if "lora_magnitude_vector" in n:  # PEFT starts it at the weight's row norms: move it off them
+                p.mul_(0.5 + torch.rand(p.shape, generator=g))
+            elif "lora_" in n:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    sd = get_peft_model_state_dict(dm)
+    assert any(k.endswith("lora_magnitude_vector") for k in sd)
+    diffusers.Flux2KleinPipeline.save_lora_weights(tmp_path, transformer_lora_layers=sd,
+                                                   transformer_lora_adapter_metadata=cfg.to_dict())
+    return tmp_path / "pytorch_lora_weights.safetensors", dm
+
+
+@pytest.mark.parametrize("mode", ["merge", "branch"])
+def test_peft_dora_matches_diffusers(base, tmp_path, parity, mode):
+    """PEFT's DoRA (``lora_magnitude_vector``): every row of each weight rescaled to its magnitude,
+    the final layer's magnitude halves swapped like its rows; merged, or kept dense as a branch."""
+    path, dm = _peft_dora_file(base, tmp_path)
+    ref = base.run_diffusers(dm)
+    lora = load_lora(path)
+    assert not lora.skipped and {p.dora for p in lora.patches} == {"peft"}
+    model = base.ours()
+    apply_loras(model, [lora], mode=mode)
+    out = base.run(model)
+    _check(parity, f"PEFT DoRA ({mode}) vs diffusers+PEFT", out, ref, base.out)
+    # the magnitudes matter: the same factors without them give another output
+    with safe_open(str(path), "pt") as f:
+        plain = load_lora({k: f.get_tensor(k) for k in f.keys() if "magnitude" not in k},  # noqa: SIM118
+                          metadata=f.metadata())
+    model = base.ours()
+    apply_loras(model, [plain])
+    assert (base.run(model) - ref).abs().max().item() > 0.05
+
+
+def test_dora_magnitudes_of_the_wrong_shape_are_refused_by_key():
+    def one(extra: dict[str, torch.Tensor], name: str = "img_in", out: int = 64, inp: int = 128):
+        key = f"diffusion_model.{name}"
+        return {f"{key}.lora_A.weight": torch.zeros(2, inp), f"{key}.lora_B.weight": torch.zeros(out, 2),
+                **{f"{key}.{k}": v for k, v in extra.items()}}
+
+    lora = load_lora(one({"dora_scale": torch.ones(64, 1)}))
+    assert lora.format == "ai-toolkit/BFL DoRA" and lora.patches[0].dora == "comfyui"
+    assert load_lora(one({"dora_scale": torch.ones(1, 128)})).patches[0].dora == "comfyui"
+    with pytest.raises(ValueError, match=r"'diffusion_model\.img_in\.dora_scale' has shape \[64\]; a DoRA scale of "
+                                         r"this \[64, 128\] module is \[64, 1\] .* or \[1, 128\]"):
+        load_lora(one({"dora_scale": torch.ones(64)}))
+    with pytest.raises(ValueError, match=r"lora_magnitude_vector' is a PEFT DoRA magnitude with shape \[1, 128\]"):
+        load_lora(one({"lora_magnitude_vector": torch.ones(1, 128)}))
+    with pytest.raises(ValueError, match="both a dora_scale and a lora_magnitude_vector"):
+        load_lora(one({"dora_scale": torch.ones(64, 1), "lora_magnitude_vector": torch.ones(64)}))
+    with pytest.raises(ValueError, match="DoRA magnitude on a full weight delta"):
+        load_lora({"diffusion_model.img_in.diff": torch.zeros(64, 128), "diffusion_model.img_in.dora_scale":
+                   torch.ones(64, 1)})
 
 
 def test_diffusers_format_without_metadata_uses_alpha_equal_rank(base, tmp_path, parity):
@@ -454,7 +518,7 @@ def test_unknown_and_unused_keys_reported_by_name(base, caplog):
     sd = _lora_state_dict(_factors({"img_in": base.shapes["img_in"]}, 2, seed=14), "ai-toolkit")
     sd["diffusion_model.double_blocks.0.img_attn.foo.lora_A.weight"] = torch.zeros(2, 32)
     sd["diffusion_model.double_blocks.0.img_attn.foo.lora_B.weight"] = torch.zeros(32, 2)
-    sd["diffusion_model.img_in.dora_scale"] = torch.ones(1, 32)
+    sd["diffusion_model.img_in.lora_A.bias"] = torch.ones(2)
     sd["diffusion_model.txt_in.lora_A.weight"] = torch.zeros(2, CTX)  # its B is missing
     sd["text_encoder.model.layers.30.mlp.up_proj.lora_A.weight"] = torch.zeros(2, 32)
     sd["text_encoder.model.layers.30.mlp.up_proj.lora_B.weight"] = torch.zeros(48, 2)
@@ -465,7 +529,7 @@ def test_unknown_and_unused_keys_reported_by_name(base, caplog):
         lora = load_lora(sd)
     s = lora.skipped
     assert "no FLUX.2 Klein module" in s["diffusion_model.double_blocks.0.img_attn.foo.lora_A.weight"]
-    assert "DoRA" in s["diffusion_model.img_in.dora_scale"]
+    assert "bias terms are not supported" in s["diffusion_model.img_in.lora_A.bias"]
     assert "incomplete" in s["diffusion_model.txt_in.lora_A.weight"]
     assert s["text_encoder.model.layers.30.mlp.up_proj.lora_B.weight"].startswith("ignored: layer not used by Klein")
     assert "guidance embedder" in s["guidance_in.in_layer.lora_A.weight"]
@@ -762,3 +826,57 @@ def test_merge_into_fp8_weights_recomputes_the_scale(tmp_path, parity):
     parity("LoRA fp8: branch vs merge output, relative L2", rel)
     # measured 1.6e-3, with a LoRA that moves the output 4.7%: a LoRA that did nothing would fail
     assert rel < min(4e-3, effect / 4), (rel, effect)
+
+
+def test_dora_on_fp8_weights_rescales_the_dequantized_weight(tmp_path, parity):
+    """DoRA on FP8Linear layers: the magnitude rescales the weight as it computes (float8 times its
+    scale), merged and re-quantised, or kept dense as a branch; both against the same LoRA merged
+    into a float model holding those dequantised weights."""
+    from klein_core.quant.fp8 import dequantize
+    from klein_core.testing import tiny_transformer
+
+    torch.manual_seed(6)
+    sd = {k: v.contiguous() for k, v in tiny_transformer().state_dict().items()}
+    save_file(sd, tmp_path / "base.safetensors")
+    q = load_transformer(tmp_path / "base.safetensors", quantize="fp8")
+    mods = dict(q.named_modules())
+    g = torch.Generator().manual_seed(7)
+    lora_sd = {}
+    for name, axis in (("double_blocks.0.img_attn.proj", 1), ("single_blocks.1.linear1", 0)):
+        w = dequantize(mods[name].weight, mods[name].weight_scale)
+        out_f, in_f = w.shape
+        key = f"diffusion_model.{name}"
+        lora_sd[f"{key}.lora_A.weight"] = torch.randn(4, in_f, generator=g) * 0.3
+        lora_sd[f"{key}.lora_B.weight"] = torch.randn(out_f, 4, generator=g) * 0.3
+        norms = w.norm(dim=axis, keepdim=True)
+        lora_sd[f"{key}.dora_scale"] = norms * (0.5 + torch.rand(norms.shape, generator=g))
+    lora = load_lora(lora_sd)
+    exact = load_transformer(tmp_path / "base.safetensors")
+    with torch.no_grad():
+        for name, m in exact.named_modules():
+            if name in mods and hasattr(mods[name], "weight_scale"):
+                m.weight.copy_(dequantize(mods[name].weight, mods[name].weight_scale))
+    ids, tids = position_ids(4, 6), text_position_ids(5)
+    x, txt = torch.randn(1, 24, 128, generator=g), torch.randn(1, 5, 96, generator=g)
+
+    def run(model):
+        with torch.no_grad():
+            return model(img=x, img_ids=ids, txt=txt, txt_ids=tids, timesteps=torch.tensor([0.5]))
+
+    base_out = run(exact)
+    apply_loras(exact, [(lora, 0.7)])
+    want = run(exact)
+    with apply_loras(q, [(lora, 0.7)]):
+        for name in ("double_blocks.0.img_attn.proj", "single_blocks.1.linear1"):
+            got = dequantize(mods[name].weight, mods[name].weight_scale)
+            expect = exact.get_submodule(name).weight
+            bound = expect.abs() * 2**-4 + mods[name].weight_scale * 2**-9  # half an e4m3 step
+            assert bool(((got - expect).abs() <= bound + 1e-7).all())
+        merged_rel = ((run(q) - want).norm() / want.norm()).item()
+    with apply_loras(q, [(lora, 0.7)], mode="branch"):
+        branch = run(q)
+    branch_rel = ((branch - want).norm() / want.norm()).item()
+    effect = ((want - base_out).norm() / base_out.norm()).item()
+    parity("DoRA fp8 merge vs float merge of the dequantised weights, output relative L2", merged_rel)
+    parity("DoRA fp8 branch vs float merge of the dequantised weights, output relative L2", branch_rel)
+    assert branch_rel < min(4e-3, effect / 4) and merged_rel < min(2e-2, effect / 2), (branch_rel, merged_rel, effect)

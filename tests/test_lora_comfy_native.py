@@ -5,6 +5,7 @@ MODEL) against Klein LoRA Loader on the Klein Sampler."""
 
 from __future__ import annotations
 
+import copy
 import logging
 from pathlib import Path
 from types import SimpleNamespace
@@ -69,3 +70,75 @@ def test_lora_in_comfyui_names_loads_in_comfyuis_own_lora_code(comfy_pack, tmp_p
     parity("trained LoRA (comfyui names) through ComfyUI's load_lora + calculate_weight vs the trained delta",
            worst)
     assert worst <= 1e-5
+
+
+def _lycoris_dora(tr: torch.nn.Module, names: dict[str, str], rank: int, seed: int) -> dict[str, torch.Tensor]:
+    """A LyCORIS-style DoRA LoRA in ComfyUI's names: ``lora_down`` / ``lora_up`` / ``alpha`` and a
+    ``dora_scale`` per module, per output row (``"out"``: ``[out, 1]``) or per input column
+    (``"in"``: ``[1, in]``), near the weight's own norms as training leaves it."""
+    g = torch.Generator().manual_seed(seed)
+    sd: dict[str, torch.Tensor] = {}
+    for name, axis in names.items():
+        w = tr.get_submodule(name).weight.detach().float()
+        out, inp = w.shape
+        key = f"diffusion_model.{name}"
+        sd[f"{key}.lora_down.weight"] = torch.randn(rank, inp, generator=g) * 0.3
+        sd[f"{key}.lora_up.weight"] = torch.randn(out, rank, generator=g) * 0.3
+        sd[f"{key}.alpha"] = torch.tensor(3.0)
+        if axis:
+            norms = w.norm(dim=1, keepdim=True) if axis == "out" else w.norm(dim=0, keepdim=True)
+            sd[f"{key}.dora_scale"] = norms * (0.5 + torch.rand(norms.shape, generator=g))
+    return sd
+
+
+def test_dora_loras_match_comfyuis_own_lora_code(comfy_pack, tmp_path, parity):
+    """LyCORIS DoRA (``dora_scale``) as ComfyUI 0.3.75 applies it (``load_lora`` + ``calculate_weight``,
+    the patches of two LoRAs on one weight in turn): per output row and per input column, a fused
+    qkv, at strengths 1 and 0.6, a plain LoRA stacked after a DoRA one; merged weights compared,
+    and the branch (kept dense) against the merge on the model's output."""
+    import comfy.lora
+
+    import klein_core as kc
+
+    peer = load_script("klein_comfy_peer", REPO / "benchmarks" / "comfy_peer.py")
+    host = peer.import_comfy(Path(comfy_pack.folder_paths.__file__).parent, cpu=True)
+    tr = peer.random_transformer(peer.TINY_CONFIG, torch.device("cpu"), torch.float32)
+    comfy_model = peer.build_comfy_flux2(tr, host=host)
+    axes = {"double_blocks.0.img_attn.qkv": "out", "double_blocks.0.txt_mlp.0": "in", "single_blocks.0.linear1": "in",
+            "single_blocks.1.linear2": "out", "img_in": "in"}
+    dora_sd = _lycoris_dora(tr, axes, rank=2, seed=3)
+    plain_sd = _lycoris_dora(tr, dict.fromkeys(("double_blocks.0.img_attn.qkv", "img_in"), ""), rank=3, seed=4)
+    unet = torch.nn.Module()
+    unet.diffusion_model = comfy_model
+    unet.model_config = SimpleNamespace(unet_config={})
+    key_map = comfy.lora.model_lora_keys_unet(unet, {})
+    comfy_dora, comfy_plain = comfy.lora.load_lora(dora_sd, key_map), comfy.lora.load_lora(plain_sd, key_map)
+    dora, plain = kc.load_lora(dora_sd), kc.load_lora(plain_sd)
+    assert not dora.skipped and {p.dora for p in dora.patches} == {"comfyui"}
+    for stack in ([(1.0, dora)], [(0.6, dora), (0.8, plain)]):
+        ours = peer.random_transformer(peer.TINY_CONFIG, torch.device("cpu"), torch.float32)
+        ours.load_state_dict(tr.state_dict())
+        with kc.apply_loras(ours, [(lora, s) for s, lora in stack]):
+            worst = 0.0
+            for name in axes:
+                key = f"diffusion_model.{name}.weight"
+                patches = [(s, (comfy_dora if lora is dora else comfy_plain)[key], 1.0, None, None)
+                           for s, lora in stack if key in (comfy_dora if lora is dora else comfy_plain)]
+                want = comfy.lora.calculate_weight(patches, tr.get_submodule(name).weight.detach().clone().float(),
+                                                   key)
+                got = ours.get_submodule(name).weight.detach()
+                assert (want - tr.get_submodule(name).weight).abs().max() > 0.05  # the LoRA changes it
+                worst = max(worst, (got - want).abs().max().item())
+        parity(f"LyCORIS DoRA {[s for s, _ in stack]} merged vs ComfyUI load_lora + calculate_weight", worst)
+        assert worst <= 1e-5
+    # a branch keeps the module's change dense: the same output as the merge
+    g = torch.Generator().manual_seed(0)
+    img, txt = torch.randn(1, 128, 4, 4, generator=g), torch.randn(1, 5, 96, generator=g)
+    step = peer.klein_step
+    merged, branched = (copy.deepcopy(tr) for _ in range(2))
+    kc.apply_loras(merged, [(dora, 0.6), (plain, 0.8)])
+    kc.apply_loras(branched, [(dora, 0.6), (plain, 0.8)], mode="branch")
+    a, b = step(merged, img, txt, 0.7), step(branched, img, txt, 0.7)
+    assert (a - step(tr, img, txt, 0.7)).abs().max() > 0.05
+    parity("LyCORIS DoRA: branch vs merge (model output, fp32)", (a - b).abs().max().item())
+    assert torch.allclose(a, b, atol=1e-4, rtol=0)

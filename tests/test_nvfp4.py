@@ -158,6 +158,31 @@ def test_loras_run_as_branches_on_nvfp4_layers_and_refuse_to_merge(tmp_path):
     assert diff < 1e-5, diff
 
 
+def test_dora_on_nvfp4_layers_rescales_the_unpacked_weight(tmp_path, parity):
+    """A DoRA LoRA (per input column) on an NVFP4 layer: its change is computed from the unpacked
+    weight, so the branch gives the output of the same LoRA merged into the file's float values."""
+    model = tiny_transformer().float()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+    path = tmp_path / "flux-2-klein-4b-nvfp4.safetensors"
+    layers = _nvfp4_file(path, model, "comfy_quant")
+    loaded = kc.load_transformer(path, dtype=torch.float32)
+    exact = _file_values(model, layers)
+    name = "double_blocks.0.img_attn.qkv"
+    mod = loaded.get_submodule(name)
+    g = torch.Generator().manual_seed(0)
+    norms = exact.get_submodule(name).weight.detach().norm(dim=0, keepdim=True)
+    lora = kc.load_lora({f"diffusion_model.{name}.lora_A.weight": torch.randn(4, mod.in_features, generator=g) * 0.1,
+                         f"diffusion_model.{name}.lora_B.weight": torch.randn(mod.out_features, 4, generator=g) * 0.1,
+                         f"diffusion_model.{name}.dora_scale": norms * (0.5 + torch.rand(norms.shape, generator=g))})
+    patched = kc.with_loras(loaded, lora)
+    kc.apply_loras(exact, lora)
+    diff = parity("DoRA on NVFP4 layers (branch) vs merged into the file's float values",
+                  (_run(exact) - _run(patched)).abs().max().item())
+    assert diff < 1e-5 and (_run(patched) - _run(loaded)).abs().max().item() > 1e-2
+
+
 def test_dequantize_option_and_bad_scales(tmp_path):
     model = tiny_transformer().float()
     path = tmp_path / "m.safetensors"

@@ -191,8 +191,9 @@ def _merge_fp8(plan: _ModulePlan, q: torch.Tensor) -> tuple[torch.Tensor, torch.
     scale = module.weight_scale
     fmax = float(torch.finfo(q.dtype).max)
     s = scale.float().reshape(-1, 1) if scale.ndim == 1 else scale.float()
-    delta = _summed_delta(plan, q)
-    merged = q.float() * s + delta
+    base = q.float() * s
+    delta = _summed_delta(plan, base)
+    merged = base + delta
     _check_delta(plan, torch.float32, q, delta, merged)
     amax = merged.abs().amax(dim=1, keepdim=True) if scale.ndim == 1 else merged.abs().amax()
     new_scale = torch.where(amax > 0, amax / fmax, torch.ones_like(amax))
@@ -201,12 +202,38 @@ def _merge_fp8(plan: _ModulePlan, q: torch.Tensor) -> tuple[torch.Tensor, torch.
     return q.to("cpu"), scale.to("cpu")
 
 
-def _summed_delta(plan: _ModulePlan, weight: torch.Tensor) -> torch.Tensor:
-    """float32 sum of ``strength * delta`` over the module's patches, on the weight's device."""
-    delta = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+def _has_dora(plan: _ModulePlan) -> bool:
+    return any(patch.dora is not None for patch, _ in plan.items)
+
+
+def _summed_delta(plan: _ModulePlan, base: torch.Tensor) -> torch.Tensor:
+    """The float32 change the module's patches make to its weight, on the weight's device:
+    the sum of ``strength * delta``, or, where a patch has a DoRA magnitude, the patches applied in
+    turn (as ComfyUI does) to ``base``, the current weight in float32 (only read then)."""
+    if _has_dora(plan):
+        weight = base.float().clone()
+        for patch, strength in plan.items:
+            rows = _rows(patch, weight.shape[0])
+            if patch.dora is None:
+                weight[rows] += strength * patch.delta(weight.device)
+            else:
+                weight[rows] = patch.decompose(weight[rows], strength)
+        return weight - base
+    delta = torch.zeros(base.shape, dtype=torch.float32, device=base.device)
     for patch, strength in plan.items:
-        delta[_rows(patch, weight.shape[0])] += strength * patch.delta(weight.device)
+        delta[_rows(patch, base.shape[0])] += strength * patch.delta(base.device)
     return delta
+
+
+def _float_weight(module: nn.Module) -> torch.Tensor:
+    """A module's weight ``[out, in]`` in float32 as it computes with it: float8 times its scale,
+    GGUF and NVFP4 blocks unpacked."""
+    if isinstance(module, _PACKED):
+        return module.dequantized(torch.float32)
+    weight = module.weight.detach()
+    if weight.dtype in FLOAT8_DTYPES:
+        return module.dequantized_weight(torch.float32)
+    return weight.float()
 
 
 def _overflow(plan: _ModulePlan, dtype: torch.dtype, how: str) -> ValueError:
@@ -269,6 +296,8 @@ class LoRABranch:
       ``X [b, d]``, so a Kronecker delta never has to exist as a full ``[out, in]`` matrix.
     * LoHa and full deltas have no such form: their sum ``D`` ``[out, in]`` is kept dense (as
       large as the weight).
+    * A module with a DoRA patch keeps its whole change dense too (``D = W' - W``, from its
+      weight unpacked once): DoRA rescales the weight's rows or columns.
 
     Factors are kept in the weight dtype and follow the input to its device.
     """
@@ -282,7 +311,14 @@ class LoRABranch:
         a_parts, b_parts = [], []
         self.kron: list[tuple[torch.Tensor, torch.Tensor, slice, bool]] = []
         dense: torch.Tensor | None = None
-        for patch, strength in plan.items:
+        # DoRA rescales the weight itself (rows or columns), which no low-rank branch expresses:
+        # the module's whole change is kept dense, computed from its weight (unpacked once).
+        dora = _has_dora(plan)
+        if dora:
+            base = _float_weight(plan.module).to(device)
+            dense = _summed_delta(plan, base)
+            del base
+        for patch, strength in ([] if dora else plan.items):
             rows = _rows(patch, out_features)
             if patch.kind == "lora":
                 a, b = patch.factors(device)
@@ -476,7 +512,9 @@ def apply_loras(
         models: a :class:`Flux2Transformer`, :class:`Qwen3TextEncoder` or several; others are reported.
         loras: ``[(lora, strength), ...]`` (a bare :class:`LoRA`: strength 1); any finite strength.
         mode: ``"merge"``: ``W += sum(strength * delta)`` in float32, written back in the weight dtype
-            (order-independent); ``"branch"``: a forward hook adds ``strength * scale * x @ A.T @ B.T``.
+            (order-independent; a module with a DoRA patch takes its patches in turn, see
+            :meth:`LoRAPatch.decompose`); ``"branch"``: a forward hook adds ``strength * scale * x @ A.T
+            @ B.T`` (a DoRA module: ``x @ D.T`` with its dense change ``D``).
 
     Raises ValueError (a LoRA for another model size), NotImplementedError (float8 weight, no scale).
     """
@@ -513,8 +551,9 @@ def _apply_plans(handle: AppliedLoRAs, plans: dict[tuple[str, str], _ModulePlan]
                 handle._backups.append((plan.module, _merge_fp8(plan, original)))
                 handle.modules.append(f"{comp}:{name}")
                 continue
-            delta = _summed_delta(plan, weight)
-            merged = (original.float() + delta).to(original.dtype)
+            base = original.float()
+            delta = _summed_delta(plan, base)
+            merged = (base + delta).to(original.dtype)
             _check_delta(plan, original.dtype, original, delta, merged)
             # The merged weight is a new tensor: the original storage is never written, so it is
             # the exact backup (on the CPU: no copy at all) and any state dict the model was

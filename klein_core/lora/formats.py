@@ -47,13 +47,14 @@ _SUFFIX_ROLES: dict[str, str] = {
     "hada_w2_a": "hada_w2_a",
     "hada_w2_b": "hada_w2_b",
     "diff": "diff",
+    "dora_scale": "dora_scale",  # LyCORIS DoRA, as ComfyUI reads it: [out, 1] or [1, in]
+    "lora_magnitude_vector": "magnitude",  # PEFT DoRA: [out]
+    "lora_magnitude_vector.default.weight": "magnitude",
 }
+#: The roles of a DoRA magnitude (see :attr:`klein_core.lora.patches.LoRAPatch.dora`).
+DORA_ROLES = ("dora_scale", "magnitude")
 # Suffixes that are recognised but never applied, with the reason reported to the user.
 UNSUPPORTED_SUFFIXES: dict[str, str] = {
-    "dora_scale": "DoRA magnitude is not supported; the low-rank part is applied without it",
-    "lora_magnitude_vector": "DoRA magnitude is not supported; the low-rank part is applied without it",
-    "lora_magnitude_vector.default.weight": "DoRA magnitude is not supported; the low-rank part is applied "
-    "without it",
     "lora_A.bias": "LoRA bias terms are not supported (Klein's linears have no bias)",
     "lora_B.bias": "LoRA bias terms are not supported (Klein's linears have no bias)",
     "diff_b": "bias deltas are not supported (Klein's linears have no bias)",

@@ -69,6 +69,50 @@ class LoRAPatch:
                     return t[k].shape[0]
         return None
 
+    @property
+    def dora(self) -> str | None:
+        """The convention of this patch's DoRA magnitude, if it has one: ``"comfyui"`` (LyCORIS'
+        ``dora_scale``, applied as ComfyUI applies it) or ``"peft"`` (``lora_magnitude_vector``)."""
+        if "dora_scale" in self.tensors:
+            return "comfyui"
+        if "magnitude" in self.tensors:
+            return "peft"
+        return None
+
+    def decompose(self, weight: torch.Tensor, strength: float) -> torch.Tensor:
+        """DoRA: the float32 rows ``[out, in]`` this patch makes of the current rows ``weight``
+        (float32, this patch's rows of a fused weight) at ``strength``. ``delta`` is :meth:`delta`.
+
+        * ``"comfyui"`` (ComfyUI's ``weight_decompose``): ``calc = weight + delta``, scaled per row
+          by ``dora_scale / (|weight| + eps)`` (``[out, 1]``: the norm of each row of ``weight``,
+          before the delta, as ComfyUI computes it) or per column by ``dora_scale / (|calc| + eps)``
+          (``[1, in]``); then ``weight + strength * (calc - weight)``. Several patches on one
+          module apply in turn, each to the weight the one before left.
+        * ``"peft"`` (PEFT's DoRA): ``calc = weight + strength * delta``, scaled per row by
+          ``magnitude / |calc|``: the strength scales the delta as an adapter weight does in
+          diffusers.
+        """
+        delta = self.delta(weight.device)
+        if self.dora == "peft":
+            calc = weight + strength * delta
+            magnitude = self.tensors["magnitude"].to(device=weight.device, dtype=torch.float32)
+            if self.target.swap_halves:
+                magnitude = swap_halves(magnitude)
+            return calc * (magnitude / torch.linalg.vector_norm(calc, dim=1))[:, None]
+        if self.dora != "comfyui":
+            raise ValueError("decompose() is defined for patches with a DoRA magnitude")
+        scale = self.tensors["dora_scale"].to(device=weight.device, dtype=torch.float32)
+        calc = weight + delta
+        eps = torch.finfo(torch.float32).eps
+        if scale.shape[0] == weight.shape[0]:  # per output row: the rows' norms before the delta
+            if self.target.swap_halves:
+                scale = swap_halves(scale)
+            norm = torch.linalg.vector_norm(weight, dim=1, keepdim=True) + eps
+        else:  # per input column, of the new weight
+            norm = torch.linalg.vector_norm(calc, dim=0, keepdim=True) + eps
+        calc = calc * (scale / norm)
+        return calc if strength == 1.0 else weight + strength * (calc - weight)
+
     def factors(self, device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """LoRA kind only: float32 ``(A [r, in], B [out, r])`` with ``scale`` folded into B and the
         row halves of B swapped when the target asks for it."""

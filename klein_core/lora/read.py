@@ -26,6 +26,7 @@ import torch
 from ..checks import is_finite
 from ..files.safetensors import open_safetensors
 from .formats import (
+    DORA_ROLES,
     TEXT_ENCODER,
     TRANSFORMER,
     UNSUPPORTED_SUFFIXES,
@@ -190,7 +191,35 @@ def _build_patch(
     if not math.isfinite(scale):
         raise ValueError(f"{name}: the scale of '{path}' is {scale} (alpha {alpha}); the LoRA's alpha or "
                          "metadata is corrupt.")
-    return LoRAPatch(target, kind, t, scale, keys)
+    patch = LoRAPatch(target, kind, t, scale, keys)
+    _check_dora(name, path, patch, roles)
+    return patch
+
+
+def _check_dora(name: str, path: str, patch: LoRAPatch, roles: dict[str, tuple[str, torch.Tensor]]) -> None:
+    """A DoRA magnitude must have the shape its convention gives it: LyCORIS' ``dora_scale`` one
+    value per output row (``[out, 1]``) or per input column (``[1, in]``), PEFT's
+    ``lora_magnitude_vector`` one per output row (``[out]``, on LoRA factors only)."""
+    found = [r for r in DORA_ROLES if r in patch.tensors]
+    if not found:
+        return
+    if patch.kind == "full":
+        raise ValueError(f"{name}: '{roles[found[0]][0]}' is a DoRA magnitude on a full weight delta ('diff'), "
+                         "which has no DoRA form.")
+    out, inp = patch.shape
+    if len(found) > 1:
+        raise ValueError(f"{name}: '{path}' has both a dora_scale and a lora_magnitude_vector; a module has one "
+                         "DoRA magnitude.")
+    key, _ = roles[found[0]]
+    shape = tuple(patch.tensors[found[0]].shape)
+    if found[0] == "dora_scale":
+        if shape not in ((out, 1), (1, inp)):
+            raise ValueError(f"{name}: '{key}' has shape {list(shape)}; a DoRA scale of this [{out}, {inp}] module is "
+                             f"[{out}, 1] (per output row) or [1, {inp}] (per input column).")
+    elif patch.kind != "lora" or shape != (out,):
+        what = f"shape {list(shape)}" if patch.kind == "lora" else f"{patch.kind} factors"
+        raise ValueError(f"{name}: '{key}' is a PEFT DoRA magnitude with {what}; PEFT's DoRA is a [{out}] vector "
+                         "over LoRA factors.")
 
 
 def _rank(name: str, path: str, rank: float) -> float:
@@ -215,7 +244,8 @@ def _format_name(patches: Iterable[LoRAPatch], tensors: Mapping[str, torch.Tenso
     for p in patches:
         naming = family or names[p.target.naming]
         where = " (text encoder)" if p.component == TEXT_ENCODER else ""
-        labels.add(f"{naming} {kinds[p.kind]}{where}")
+        kind = "DoRA" if p.dora and p.kind == "lora" else kinds[p.kind] + (" with DoRA" if p.dora else "")
+        labels.add(f"{naming} {kind}{where}")
     return " + ".join(sorted(labels))
 
 
