@@ -146,10 +146,17 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "lora-strength-ignored", "klein_core/lora/apply.py",
-        "delta[_rows(patch, weight.shape[0])] += strength * patch.delta(weight.device)",
-        "delta[_rows(patch, weight.shape[0])] += patch.delta(weight.device)",
+        "delta[_rows(patch, base.shape[0])] += strength * patch.delta(base.device)",
+        "delta[_rows(patch, base.shape[0])] += patch.delta(base.device)",
         ("tests/test_lora.py::test_stacking_order_and_sum_of_deltas",),
         "merged LoRAs always at strength 1",
+    ),
+    Mutant(
+        "dora-row-norm-after-delta", "klein_core/lora/patches.py",
+        "norm = torch.linalg.vector_norm(weight, dim=1, keepdim=True) + eps",
+        "norm = torch.linalg.vector_norm(calc, dim=1, keepdim=True) + eps",
+        ("tests/test_lora_comfy_native.py::test_dora_loras_match_comfyuis_own_lora_code",),
+        "a LyCORIS DoRA scale per output row divides by the norm after the delta, not ComfyUI's before",
     ),
     # ----- quantisation -----
     Mutant(
