@@ -326,9 +326,18 @@ class Encoders:
 
 def build_samples(scan: DatasetScan, encoders: Encoders, cache_dir: str | os.PathLike, *,
                   area: int = 1024 * 1024, reference_area: int | None = None, text_tokens: int = 512,
-                  token_limit: int = MAX_SEQUENCE_TOKENS) -> list[TrainSample]:
+                  token_limit: int = MAX_SEQUENCE_TOKENS, shard: tuple[int, int] = (0, 1),
+                  gather: Callable[[str | None], Sequence[str | None]] | None = None) -> list[TrainSample]:
     """Encode every item (through the caches) into :class:`TrainSample` s. The token budget of every
-    item is checked first, before anything is encoded."""
+    item is checked first, before anything is encoded.
+
+    ``shard=(rank, world)`` with ``gather`` (data-parallel training, every process calling with the
+    same dataset and cache folder): process ``rank`` first encodes items ``rank``, ``rank + world``,
+    ... into the caches, then ``gather(error or None)`` (an all-gather: it waits for every process)
+    says how the others did; after it, the other items are read from the caches (a process that
+    cannot see the others' files encodes them itself). A process that failed raises its error; the
+    others raise a :class:`DatasetError` naming it, rather than waiting for it forever.
+    """
     plans = []
     rules: dict[Path, str | None] = {}
     for item in scan.items:
@@ -344,18 +353,38 @@ def build_samples(scan: DatasetScan, encoders: Encoders, cache_dir: str | os.Pat
         plans.append((item, size, ref_sizes))
     latents = TensorCache(Path(cache_dir) / "latents", encoders.image_identity)
     texts = TensorCache(Path(cache_dir) / "prompts", encoders.text_identity)
-    out = []
-    for item, size, ref_sizes in plans:
-        def enc(path: Path, sz: tuple[int, int]) -> torch.Tensor:
-            parts = sz if rules[path] is None else (*sz, rules[path])  # unchanged keys for plain images
-            return latents.get(content_hash(path), parts, lambda: encoders.image(load_pixels(path, sz)))
+
+    def enc(path: Path, sz: tuple[int, int]) -> torch.Tensor:
+        parts = sz if rules[path] is None else (*sz, rules[path])  # unchanged keys for plain images
+        return latents.get(content_hash(path), parts, lambda: encoders.image(load_pixels(path, sz)))
+
+    def sample(item: DataItem, size: tuple[int, int], ref_sizes: list[tuple[int, int]]) -> TrainSample:
         lat = enc(item.image, size)
         refs = tuple(enc(r, s) for r, s in zip(item.references, ref_sizes))
         if encoders.tokens is not None:  # tokenizing is cheap: not cached
-            out.append(TrainSample(lat, None, refs, tokens=encoders.tokens(item.caption)))
-            continue
+            return TrainSample(lat, None, refs, tokens=encoders.tokens(item.caption))
         txt = texts.get(item.caption, (), lambda c=item.caption, f=encoders.text: f(c))  # type: ignore[misc]
-        out.append(TrainSample(lat, txt, refs))
+        return TrainSample(lat, txt, refs)
+
+    rank, world = shard
+    own: dict[int, TrainSample] = {}
+    if world > 1:
+        if gather is None or not 0 <= rank < world:
+            raise ValueError(f"shard {shard}: a shard needs a rank below the world size, and gather")
+        error: Exception | None = None
+        try:
+            for i in range(rank, len(plans), world):
+                own[i] = sample(*plans[i])
+        except Exception as exc:  # noqa: BLE001 - said to the other processes, then raised here
+            error = exc
+        reports = gather(None if error is None else f"{type(error).__name__}: {error}")
+        if error is not None:
+            raise error
+        failed = [(r, e) for r, e in enumerate(reports) if e is not None]
+        if failed:
+            r, e = failed[0]
+            raise DatasetError(f"process {r} of {world} failed while encoding its share of the dataset: {e}")
+    out = [own[i] if i in own else sample(*plan) for i, plan in enumerate(plans)]
     logger.info("encoded %d samples (latents: %d cached, %d built; prompts: %d cached, %d built)", len(out),
                 latents.hits, latents.builds, texts.hits, texts.builds)
     return out

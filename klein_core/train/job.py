@@ -153,7 +153,10 @@ def _run(job: TrainJob, on_step: Callable[[StepReport], bool | None] | None,
     encoders = Encoders(image, None if train_text else text, f"vae:{encoder_identity(job.vae, dtype, device)}",
                         f"te:{encoder_identity(job.text_encoder, dtype, device)}", tokens if train_text else None)
     cache = job.cache_dir if job.cache_dir is not None else str(out) + ".cache"
-    samples = build_samples(scan, encoders, cache, area=int(job.resolution) ** 2)
+    shard, gather = (0, 1), None
+    if dist.is_initialized() and dist.get_world_size() > 1:  # each process encodes its share of the items
+        shard, gather = (dist.get_rank(), dist.get_world_size()), _all_gather
+    samples = build_samples(scan, encoders, cache, area=int(job.resolution) ** 2, shard=shard, gather=gather)
     sampler = None
     if job.config.sample_prompts:
         from .samples import CheckpointSampler
@@ -223,3 +226,10 @@ def _run(job: TrainJob, on_step: Callable[[StepReport], bool | None] | None,
     if trainer.world > 1:
         dist.barrier()  # the file exists when any process returns its path
     return TrainResult(out, list(trainer.losses), trainer.step, dict(scan.skipped), tuple(trainer.sample_paths))
+
+
+def _all_gather(message: str | None) -> list[str | None]:
+    """Every process's ``message`` (their errors while encoding), in rank order; waits for all."""
+    out: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, message)
+    return out
