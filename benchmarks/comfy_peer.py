@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 import os
 import platform
@@ -133,6 +134,26 @@ class ComfyHost:
         """The attention function ComfyUI's Flux calls (``attention_pytorch``, ``attention_sub_quad``...)."""
         fn = self.flux_math.optimized_attention
         return getattr(fn, "__name__", repr(fn))
+
+
+class _Stand(ModuleType):
+    """A module whose every attribute is a placeholder class (for imports the pack never uses)."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        value = type(name, (), {})
+        setattr(self, name, value)
+        return value
+
+
+def stand_in_for_av() -> None:
+    """Empty stand-ins for PyAV when it is not installed (the GPU image lacks it): ComfyUI's V3 API
+    imports it for its video types, which the pack never uses."""
+    if importlib.util.find_spec("av") is not None:
+        return
+    for name in ("av", "av.container", "av.subtitles", "av.subtitles.stream", "av.video", "av.audio"):
+        sys.modules.setdefault(name, _Stand(name))
 
 
 def import_comfy(path: str | os.PathLike | None = None, *, cpu: bool | None = None) -> ComfyHost:

@@ -39,6 +39,9 @@
 # Optional, not measured yet: train (benchmarks/train_speed.py, LoRA training steps of issue 30: 4B, 9B,
 # 9B edit in bf16, 9B streamed (memory blocks), and 9B, 9B edit on an fp8 base, rank 32, 2 warm-up + 5 timed steps each, against diffusers
 # + peft in bf16; writes train.json; its timeout is 300 s).
+# nodesspeed (benchmarks/nodes_speed.py, since the twelfth session: what a ComfyUI user runs, the pack's
+# encoder -> sampler -> VAE decode nodes on full-size 4B files, against klein_core.generate on the same
+# files, 3 runs; writes 16 GB of random weights first): not measured yet, timeout 180 s.
 #
 # Always: $OUT/env.json (GPU, driver, torch, packages, date) and $OUT/session.log (every step's
 # output, then the summary: exit code and seconds of each step; the summary is also printed last).
@@ -65,11 +68,11 @@ PY="${PYTHON:-python3}"
 DRY=0
 PHASES=()
 ALL=(speed4b speed9b vae tests memory9b)
-OPTIONAL=(warm peer kernels memory fastpass blocks profile profilec texttests textgraph trainprof trainfast fasttests compile4b train)
+OPTIONAL=(warm peer kernels memory fastpass blocks profile profilec texttests textgraph trainprof trainfast fasttests compile4b train nodesspeed)
 for arg in "$@"; do
     case "$arg" in
         --dry-run) DRY=1 ;;
-        speed4b|speed9b|tests|memory9b|vae|warm|peer|kernels|memory|fastpass|blocks|profile|profilec|texttests|textgraph|trainprof|trainfast|fasttests|compile4b|train)
+        speed4b|speed9b|tests|memory9b|vae|warm|peer|kernels|memory|fastpass|blocks|profile|profilec|texttests|textgraph|trainprof|trainfast|fasttests|compile4b|train|nodesspeed)
             PHASES+=("$arg") ;;
         all) PHASES+=("${ALL[@]}") ;;
         -h|--help) sed -n '2,/^$/p' "${BASH_SOURCE[0]}"; exit 0 ;;
@@ -253,6 +256,12 @@ phase_textgraph() {  # the default path with and without the text encoder's CUDA
     # shellcheck disable=SC2046
     step text_graph_4b_a 120 "$PY" benchmarks/speed.py --models 4b --cases a $(runs 3) --no-diffusers \
         --variants default,default+text_graph --out "$OUT/text_graph_4b_a.json"
+}
+
+phase_nodesspeed() {  # what a ComfyUI user runs: the node chain against klein_core.generate on the same files
+    local -a args=(--model 4b --runs 3)
+    [ "$DRY" -eq 1 ] && args=(--tiny --device cpu --runs 1 --warmup 0)
+    step nodes_speed_4b 180 "$PY" benchmarks/nodes_speed.py "${args[@]}" --out "$OUT/nodes_speed_4b.json"
 }
 
 phase_trainprof() {  # one training step of ours and of diffusers + peft under torch.profiler (4B, rank 32, 1024²)

@@ -65,6 +65,22 @@ def test_profile_families_place_inductor_kernels_by_what_they_compute():
     assert {name: profile.family(name) for name in cases} == cases
 
 
+def test_nodes_speed_times_the_node_chain_against_the_engine(comfy_pack, tmp_path):
+    """nodes_speed.py on the CPU: the node chain and the engine on the same files give one image
+    (within a rounding step) and every time it reports (the ComfyUI host comes from comfy_pack)."""
+    out = tmp_path / "ns.json"
+    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "nodes_speed.py"), "--tiny", "--device", "cpu",
+                           "--runs", "1", "--warmup", "0", "--out", str(out)], capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert set(report["nodes_ms"]) == {"loader", "encoder", "sampler", "vae_decode", "chain"}
+    assert report["nodes_ms"]["chain"] > 0 and report["engine_ms"]["e2e"] > 0 and report["nodes_over_engine"] > 0
+    assert {"text", "denoise", "decode"} <= set(report["engine_ms"])
+    assert report["image_max_abs_diff"] <= 1  # the same model, prompt and seed on both sides
+    assert "nodes chain" in done.stdout
+
+
 def test_profile_train_profiles_one_step_of_each_side(tmp_path):
     pytest.importorskip("diffusers")
     pytest.importorskip("peft")

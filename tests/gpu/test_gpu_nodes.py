@@ -18,7 +18,6 @@ import importlib
 import importlib.util
 import logging
 import sys
-import types
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -43,24 +42,6 @@ COMFY_MODULES = {"psutil": "psutil", "einops": "einops", "safetensors": "safeten
 _load_by_path = load_script  # tests/script_module.py
 
 
-class _Stand(types.ModuleType):
-    """A module whose every attribute is a placeholder class (for imports the pack never uses)."""
-
-    def __getattr__(self, name: str):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        value = type(name, (), {})
-        setattr(self, name, value)
-        return value
-
-
-def _stand_in_for_av() -> None:
-    if importlib.util.find_spec("av") is not None:
-        return
-    for name in ("av", "av.container", "av.subtitles", "av.subtitles.stream", "av.video", "av.audio"):
-        sys.modules.setdefault(name, _Stand(name))
-
-
 @pytest.fixture(scope="module")
 def comfy_on_device(gpu, tmp_path_factory):
     """``nodes/`` as ``klein_pack_nodes`` inside ComfyUI 0.3.75 whose torch device is the suite's."""
@@ -78,7 +59,7 @@ def comfy_on_device(gpu, tmp_path_factory):
     if missing:
         pytest.skip(f"ComfyUI needs {', '.join(missing)}, not installed here: carry their wheels in .whl/ "
                     "(benchmarks/GPU_SESSION.md)")
-    _stand_in_for_av()
+    _load_by_path("klein_comfy_peer", REPO / "benchmarks" / "comfy_peer.py").stand_in_for_av()
     for p in (str(REPO), str(paths["comfyui"]), str(paths["stub"])):
         if p not in sys.path:
             sys.path.append(p)
