@@ -193,7 +193,8 @@ def _peft_dora_file(base: Base, tmp_path: Path, seed: int = 6) -> tuple[Path, nn
 @pytest.mark.parametrize("mode", ["merge", "branch"])
 def test_peft_dora_matches_diffusers(base, tmp_path, parity, mode):
     """PEFT's DoRA (``lora_magnitude_vector``): every row of each weight rescaled to its magnitude,
-    the final layer's magnitude halves swapped like its rows; merged, or kept dense as a branch."""
+    the final layer's magnitude halves swapped like its rows; merged, or as a branch that scales
+    the output rows (no dense copy of any weight)."""
     path, dm = _peft_dora_file(base, tmp_path)
     ref = base.run_diffusers(dm)
     lora = load_lora(path)
@@ -202,6 +203,9 @@ def test_peft_dora_matches_diffusers(base, tmp_path, parity, mode):
     apply_loras(model, [lora], mode=mode)
     out = base.run(model)
     _check(parity, f"PEFT DoRA ({mode}) vs diffusers+PEFT", out, ref, base.out)
+    if mode == "branch":
+        kept = sum(t.numel() for n, t in model.named_buffers() if ".klein_lora" in n)
+        assert 0 < kept < sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear)) // 4
     # the magnitudes matter: the same factors without them give another output
     with safe_open(str(path), "pt") as f:
         plain = load_lora({k: f.get_tensor(k) for k in f.keys() if "magnitude" not in k},  # noqa: SIM118

@@ -95,7 +95,8 @@ def test_dora_loras_match_comfyuis_own_lora_code(comfy_pack, tmp_path, parity):
     """LyCORIS DoRA (``dora_scale``) as ComfyUI 0.3.75 applies it (``load_lora`` + ``calculate_weight``,
     the patches of two LoRAs on one weight in turn): per output row and per input column, a fused
     qkv, at strengths 1 and 0.6, a plain LoRA stacked after a DoRA one; merged weights compared,
-    and the branch (kept dense) against the merge on the model's output."""
+    and the branch against the merge on the model's output (a per-row scale as two vectors on the
+    output, a per-column one as the module's dense change), the model's own weights untouched."""
     import comfy.lora
 
     import klein_core as kc
@@ -138,6 +139,12 @@ def test_dora_loras_match_comfyuis_own_lora_code(comfy_pack, tmp_path, parity):
     merged, branched = (copy.deepcopy(tr) for _ in range(2))
     kc.apply_loras(merged, [(dora, 0.6), (plain, 0.8)])
     kc.apply_loras(branched, [(dora, 0.6), (plain, 0.8)], mode="branch")
+    assert all(torch.equal(a, b) for a, b in zip(branched.state_dict().values(), tr.state_dict().values()))
+    # a per-row scale stays low-rank (two vectors beside the factors); a per-column one is kept dense
+    for name, axis in axes.items():
+        module = branched.get_submodule(name)
+        kept = sum(t.numel() for n, t in module.named_buffers() if n.startswith("klein_lora"))
+        assert (kept < module.weight.numel() // 4) == (axis == "out"), (name, kept)
     a, b = step(merged, img, txt, 0.7), step(branched, img, txt, 0.7)
     assert (a - step(tr, img, txt, 0.7)).abs().max() > 0.05
     parity("LyCORIS DoRA: branch vs merge (model output, fp32)", (a - b).abs().max().item())

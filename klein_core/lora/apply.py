@@ -11,7 +11,7 @@ import logging
 import math
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -227,7 +227,7 @@ def _summed_delta(plan: _ModulePlan, base: torch.Tensor) -> torch.Tensor:
 
 def _float_weight(module: nn.Module) -> torch.Tensor:
     """A module's weight ``[out, in]`` in float32 as it computes with it: float8 times its scale,
-    GGUF and NVFP4 blocks unpacked."""
+    GGUF and NVFP4 blocks unpacked. A float32 weight is returned as it is (not a copy): read only."""
     if isinstance(module, _PACKED):
         return module.dequantized(torch.float32)
     weight = module.weight.detach()
@@ -287,6 +287,69 @@ def _check_branch_factors(plan: _ModulePlan, dtype: torch.dtype, rank: int, up: 
 # Branch mode: a forward hook adding the adapter's output to the module's
 
 
+def _kron_apply(w1: torch.Tensor, w2: torch.Tensor, x: torch.Tensor, swap: bool) -> torch.Tensor:
+    """``x @ kron(w1, w2).T`` without forming the Kronecker product: ``w1 @ X @ w2.T`` with ``x``
+    viewed as ``X [b, d]``; ``swap``: the output halves swapped (diffusers' final-layer rows)."""
+    lead = x.shape[:-1]
+    xr = x.to(w1.dtype).reshape(*lead, w1.shape[1], w2.shape[1])  # [..., b, d]
+    y = torch.einsum("ab,...bd,cd->...ac", w1, xr, w2).reshape(*lead, -1)  # [..., a*c]
+    if swap:
+        first, second = y.chunk(2, dim=-1)
+        y = torch.cat([second, first], dim=-1)
+    return y
+
+
+@dataclass(frozen=True)
+class _Step:
+    """One patch of a module whose DoRA patches all scale rows, applied in turn on the output.
+
+    ``tensors``: the patch's factors (``a``/``b``, ``w1``/``w2``, or a dense ``d``), times the
+    strength except for ComfyUI's DoRA (which interpolates by it afterwards), and for a DoRA patch
+    its row factor ``c [out]`` and ``cm1 = c - 1`` (kept apart: in bf16 ``c`` rounds to 1 where
+    ``c - 1`` keeps its digits). With ``y`` the rows' output so far and ``d`` the patch's delta
+    applied to ``x``: plain ``y + d``; PEFT ``c * (y + d)``; ComfyUI ``y + s * (c * (y + d) - y)``.
+    """
+
+    rows: slice
+    dora: str | None
+    strength: float
+    tensors: dict[str, torch.Tensor | None]
+    swap: bool = False
+
+
+def _row_steps(plan: _ModulePlan, out_features: int, dtype: torch.dtype, device: torch.device) -> list[_Step]:
+    """The module's patches as :class:`_Step` s: each DoRA patch's row factor is computed from the
+    weight as the patches before it left it (the weight unpacked once, then dropped)."""
+    running = _float_weight(plan.module).to(device, copy=True)  # changed below: never the model's own tensor
+    steps = []
+    for patch, strength in plan.items:
+        rows = _rows(patch, out_features)
+        fold = 1.0 if patch.dora == "comfyui" else strength
+        t: dict[str, torch.Tensor | None] = {}
+        if patch.kind == "lora":
+            a, b = patch.factors(device)
+            _check_branch_factors(plan, dtype, a.shape[0], b * fold, a, lambda a=a, b=b, f=fold: f * b @ a)
+            t = {"a": a, "b": b * fold}
+        elif patch.kind == "lokr":
+            w1, w2 = patch.kron_factors(device)
+            _check_branch_factors(plan, dtype, 1, w1 * fold, w2,
+                                  lambda w1=w1, w2=w2, f=fold: f * torch.kron(w1, w2))
+            t = {"w1": w1 * fold, "w2": w2}
+        else:
+            t = {"d": patch.delta(device) * fold}
+        if patch.dora is None:
+            running[rows] += strength * patch.delta(device)
+        else:
+            c = patch.dora_row_scale(running[rows], strength)
+            if not is_finite(c):
+                raise _overflow(plan, dtype, "its DoRA magnitude divides by a weight row of norm zero")
+            t.update(c=c, cm1=c - 1)
+            running[rows] = patch.decompose(running[rows], strength)
+        steps.append(_Step(rows, patch.dora, strength, {n: v.to(dtype) for n, v in t.items()},  # type: ignore[union-attr]
+                           swap=patch.kind == "lokr" and patch.target.swap_halves))
+    return steps
+
+
 class LoRABranch:
     """Forward hook adding the LoRAs' output to one Linear's: ``out + x @ A.T @ B.T + ...``.
 
@@ -311,10 +374,14 @@ class LoRABranch:
         a_parts, b_parts = [], []
         self.kron: list[tuple[torch.Tensor, torch.Tensor, slice, bool]] = []
         dense: torch.Tensor | None = None
-        # DoRA rescales the weight itself (rows or columns), which no low-rank branch expresses:
-        # the module's whole change is kept dense, computed from its weight (unpacked once).
+        self.steps: list[_Step] = []
         dora = _has_dora(plan)
-        if dora:
+        if dora and all(patch.dora is None or patch.dora_on_rows for patch, _ in plan.items):
+            self.steps = _row_steps(plan, out_features, dtype, device)
+        elif dora:
+            # A DoRA magnitude on the input columns rescales what enters the weight, which no
+            # branch on the output expresses: the module's whole change is kept dense, computed
+            # from its weight (unpacked once).
             base = _float_weight(plan.module).to(device)
             dense = _summed_delta(plan, base)
             del base
@@ -348,6 +415,8 @@ class LoRABranch:
         items = [(n, t) for n, t in (("a", self.a), ("b", self.b), ("dense", self.dense)) if t is not None]
         for k, (w1, w2, _, _) in enumerate(self.kron):
             items += [(f"kron{k}_1", w1), (f"kron{k}_2", w2)]
+        for k, step in enumerate(self.steps):
+            items += [(f"step{k}_{n}", t) for n, t in step.tensors.items()]
         return items
 
     def attach(self, module: nn.Module) -> list[str]:
@@ -378,6 +447,7 @@ class LoRABranch:
             self._names[name] = buffer
         # The module holds the factors now; the hook reads them from it at each call.
         self.a = self.b = self.dense = None
+        self.steps = [replace(step, tensors=dict.fromkeys(step.tensors)) for step in self.steps]
         self.kron = [(None, None, rows, swap) for _, _, rows, swap in self.kron]  # type: ignore[misc]
         return list(self._names.values())
 
@@ -399,8 +469,37 @@ class LoRABranch:
             kron.append((get(f"kron{k}_1", w1), get(f"kron{k}_2", w2), rows, swap))
         return get("a", self.a), get("b", self.b), get("dense", self.dense), kron
 
+    def _run_steps(self, module: nn.Module, x: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
+        """A module with row-scaling DoRA patches: its patches in turn on the output (see :class:`_Step`)."""
+        out = output.clone()
+        for k, step in enumerate(self.steps):
+            t = {n: self._buffer(module, f"step{k}_{n}", x.device) for n in step.tensors}
+            if "a" in t:
+                d = F.linear(F.linear(x.to(t["a"].dtype), t["a"]), t["b"])
+            elif "w1" in t:
+                d = _kron_apply(t["w1"], t["w2"], x, step.swap)
+            else:
+                d = F.linear(x.to(t["d"].dtype), t["d"])
+            d = d.to(out.dtype)
+            y = out[..., step.rows]
+            if step.dora is None:
+                out[..., step.rows] = y + d
+            elif step.dora == "peft":  # c * (y + s * delta x), strength folded into d
+                out[..., step.rows] = y + t["cm1"].to(out.dtype) * y + t["c"].to(out.dtype) * d
+            else:  # ComfyUI: y + s * (c * (y + delta x) - y)
+                out[..., step.rows] = y + step.strength * (t["cm1"].to(out.dtype) * y + t["c"].to(out.dtype) * d)
+        return out
+
+    def _buffer(self, module: nn.Module, name: str, device: torch.device) -> torch.Tensor:
+        t = module._buffers[self._names[name]] if name in self._names else None
+        if t is None:
+            raise RuntimeError(f"the LoRA branch's {name} is not on the module; attach() the branch first")
+        return t if t.device == device else t.to(device)
+
     def __call__(self, module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> torch.Tensor:
         x = args[0]
+        if self.steps:
+            return self._run_steps(module, x, output)
         a, b, dense, kron = self._factors(module, x.device)
         extra = None
         if a is not None and b is not None:
@@ -413,12 +512,7 @@ class LoRABranch:
             if extra is None:
                 extra = x.new_zeros(*lead, self.out_features, dtype=kron[0][0].dtype)
             for w1, w2, rows, swap in kron:
-                xr = x.to(w1.dtype).reshape(*lead, w1.shape[1], w2.shape[1])  # [..., b, d]
-                y = torch.einsum("ab,...bd,cd->...ac", w1, xr, w2).reshape(*lead, -1)  # [..., a*c]
-                if swap:  # diffusers' final-layer rows: swap the output halves
-                    first, second = y.chunk(2, dim=-1)
-                    y = torch.cat([second, first], dim=-1)
-                extra[..., rows] = extra[..., rows] + y.to(extra.dtype)
+                extra[..., rows] = extra[..., rows] + _kron_apply(w1, w2, x, swap).to(extra.dtype)
         return output if extra is None else output + extra.to(output.dtype)
 
 

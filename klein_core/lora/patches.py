@@ -79,6 +79,30 @@ class LoRAPatch:
             return "peft"
         return None
 
+    @property
+    def dora_on_rows(self) -> bool:
+        """Whether this patch's DoRA magnitude scales the weight's rows (PEFT's always; LyCORIS'
+        ``[out, 1]``), so that a branch can apply it to the module's output."""
+        if self.dora == "peft":
+            return True
+        return self.dora == "comfyui" and self.tensors["dora_scale"].shape[0] == self.shape[0]
+
+    def dora_row_scale(self, weight: torch.Tensor, strength: float) -> torch.Tensor:
+        """The float32 factor ``c [out]`` by which this patch scales the rows (``dora_on_rows``),
+        from the current rows ``weight [out, in]`` (float32) at ``strength``: see :meth:`decompose`."""
+        if self.dora == "peft":
+            magnitude = self.tensors["magnitude"].to(device=weight.device, dtype=torch.float32)
+            if self.target.swap_halves:
+                magnitude = swap_halves(magnitude)
+            return magnitude / torch.linalg.vector_norm(weight + strength * self.delta(weight.device), dim=1)
+        if not self.dora_on_rows:
+            raise ValueError("dora_row_scale() is defined for DoRA magnitudes on the rows")
+        scale = self.tensors["dora_scale"].to(device=weight.device, dtype=torch.float32)[:, 0]
+        if self.target.swap_halves:
+            scale = swap_halves(scale)
+        # ComfyUI's weight_decompose takes the rows' norms before the delta
+        return scale / (torch.linalg.vector_norm(weight, dim=1) + torch.finfo(torch.float32).eps)
+
     def decompose(self, weight: torch.Tensor, strength: float) -> torch.Tensor:
         """DoRA: the float32 rows ``[out, in]`` this patch makes of the current rows ``weight``
         (float32, this patch's rows of a fused weight) at ``strength``. ``delta`` is :meth:`delta`.
@@ -94,23 +118,15 @@ class LoRAPatch:
         """
         delta = self.delta(weight.device)
         if self.dora == "peft":
-            calc = weight + strength * delta
-            magnitude = self.tensors["magnitude"].to(device=weight.device, dtype=torch.float32)
-            if self.target.swap_halves:
-                magnitude = swap_halves(magnitude)
-            return calc * (magnitude / torch.linalg.vector_norm(calc, dim=1))[:, None]
+            return (weight + strength * delta) * self.dora_row_scale(weight, strength)[:, None]
         if self.dora != "comfyui":
             raise ValueError("decompose() is defined for patches with a DoRA magnitude")
-        scale = self.tensors["dora_scale"].to(device=weight.device, dtype=torch.float32)
         calc = weight + delta
-        eps = torch.finfo(torch.float32).eps
-        if scale.shape[0] == weight.shape[0]:  # per output row: the rows' norms before the delta
-            if self.target.swap_halves:
-                scale = swap_halves(scale)
-            norm = torch.linalg.vector_norm(weight, dim=1, keepdim=True) + eps
+        if self.dora_on_rows:
+            calc = calc * self.dora_row_scale(weight, strength)[:, None]
         else:  # per input column, of the new weight
-            norm = torch.linalg.vector_norm(calc, dim=0, keepdim=True) + eps
-        calc = calc * (scale / norm)
+            scale = self.tensors["dora_scale"].to(device=weight.device, dtype=torch.float32)
+            calc = calc * (scale / (torch.linalg.vector_norm(calc, dim=0, keepdim=True) + torch.finfo(torch.float32).eps))
         return calc if strength == 1.0 else weight + strength * (calc - weight)
 
     def factors(self, device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:

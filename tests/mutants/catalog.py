@@ -153,8 +153,8 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "dora-row-norm-after-delta", "klein_core/lora/patches.py",
-        "norm = torch.linalg.vector_norm(weight, dim=1, keepdim=True) + eps",
-        "norm = torch.linalg.vector_norm(calc, dim=1, keepdim=True) + eps",
+        "return scale / (torch.linalg.vector_norm(weight, dim=1) + torch.finfo(torch.float32).eps)",
+        "return scale / (torch.linalg.vector_norm(weight + self.delta(weight.device), dim=1) + 1.2e-7)",
         ("tests/test_lora_comfy_native.py::test_dora_loras_match_comfyuis_own_lora_code",),
         "a LyCORIS DoRA scale per output row divides by the norm after the delta, not ComfyUI's before",
     ),
