@@ -61,8 +61,8 @@ def write_full_size_files(model: str, root: Path, device: torch.device, dtype: t
     """Random full-size weights (built on ``device`` as speed.py builds them) written as the public files."""
     tr, te, vae = build_ours(_spec(model), device, dtype)
     tr_file, te_file = FILES[model]
-    for folder, name, module, prefix in (("diffusion_models", tr_file, tr, ""), ("text_encoders", te_file, te, "model."),
-                                         ("vae", VAE_FILE, vae, "")):
+    parts = (("diffusion_models", tr_file, tr, ""), ("text_encoders", te_file, te, "model."), ("vae", VAE_FILE, vae, ""))
+    for folder, name, module, prefix in parts:
         (root / folder).mkdir(parents=True, exist_ok=True)
         save_file({prefix + k: v.detach().cpu().contiguous() for k, v in module.state_dict().items()},
                   str(root / folder / name))

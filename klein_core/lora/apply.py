@@ -345,8 +345,8 @@ def _row_steps(plan: _ModulePlan, out_features: int, dtype: torch.dtype, device:
                 raise _overflow(plan, dtype, "its DoRA magnitude divides by a weight row of norm zero")
             t.update(c=c, cm1=c - 1)
             running[rows] = patch.decompose(running[rows], strength)
-        steps.append(_Step(rows, patch.dora, strength, {n: v.to(dtype) for n, v in t.items()},  # type: ignore[union-attr]
-                           swap=patch.kind == "lokr" and patch.target.swap_halves))
+        kept = {n: v.to(dtype) for n, v in t.items() if v is not None}
+        steps.append(_Step(rows, patch.dora, strength, kept, swap=patch.kind == "lokr" and patch.target.swap_halves))
     return steps
 
 
@@ -359,8 +359,9 @@ class LoRABranch:
       ``X [b, d]``, so a Kronecker delta never has to exist as a full ``[out, in]`` matrix.
     * LoHa and full deltas have no such form: their sum ``D`` ``[out, in]`` is kept dense (as
       large as the weight).
-    * A module with a DoRA patch keeps its whole change dense too (``D = W' - W``, from its
-      weight unpacked once): DoRA rescales the weight's rows or columns.
+    * A module with DoRA patches that scale rows (PEFT's, LyCORIS' ``[out, 1]``) runs its patches
+      in turn on the output (:class:`_Step`: the factors and two row vectors); one with a scale
+      per input column keeps its whole change dense (``D = W' - W``, from its weight unpacked once).
 
     Factors are kept in the weight dtype and follow the input to its device.
     """
@@ -608,7 +609,7 @@ def apply_loras(
         mode: ``"merge"``: ``W += sum(strength * delta)`` in float32, written back in the weight dtype
             (order-independent; a module with a DoRA patch takes its patches in turn, see
             :meth:`LoRAPatch.decompose`); ``"branch"``: a forward hook adds ``strength * scale * x @ A.T
-            @ B.T`` (a DoRA module: ``x @ D.T`` with its dense change ``D``).
+            @ B.T`` (a DoRA module: its output rows scaled, see :class:`LoRABranch`).
 
     Raises ValueError (a LoRA for another model size), NotImplementedError (float8 weight, no scale).
     """

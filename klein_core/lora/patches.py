@@ -126,7 +126,8 @@ class LoRAPatch:
             calc = calc * self.dora_row_scale(weight, strength)[:, None]
         else:  # per input column, of the new weight
             scale = self.tensors["dora_scale"].to(device=weight.device, dtype=torch.float32)
-            calc = calc * (scale / (torch.linalg.vector_norm(calc, dim=0, keepdim=True) + torch.finfo(torch.float32).eps))
+            norm = torch.linalg.vector_norm(calc, dim=0, keepdim=True) + torch.finfo(torch.float32).eps
+            calc = calc * (scale / norm)
         return calc if strength == 1.0 else weight + strength * (calc - weight)
 
     def factors(self, device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
