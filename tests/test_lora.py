@@ -457,6 +457,45 @@ def test_text_encoder_lora_peft_and_kohya(tmp_path, parity):
         _assert_close(parity, f"text encoder {'PEFT' if name == 'te' else 'Kohya'} vs transformers+PEFT", out, ref)
 
 
+def test_text_encoder_peft_dora_matches_transformers_peft(tmp_path, parity):
+    """A PEFT DoRA LoRA on the Qwen3 encoder (its magnitudes moved off their initial norms): merged
+    and as a branch, against transformers + PEFT running the adapter."""
+    hf = _tiny_qwen()  # 30 layers: transformers' last hidden state is after the final norm, layer 27's is not
+    base_sd = {k: v.clone() for k, v in hf.state_dict().items()}
+    cfg = LoraConfig(r=4, lora_alpha=6, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False,
+                     use_dora=True)
+    inject_adapter_in_model(cfg, hf)
+    g = torch.Generator().manual_seed(17)
+    with torch.no_grad():
+        for n, p in hf.named_parameters():
+            if "lora_magnitude_vector" in n:
+                p.mul_(0.5 + torch.rand(p.shape, generator=g))
+            elif "lora_" in n:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    ids = torch.randint(1, 500, (2, 9), generator=g)
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[1, 6:] = 0
+    with torch.no_grad():
+        hs = hf(ids, attention_mask=mask, output_hidden_states=True).hidden_states
+    ref = torch.cat([hs[i] for i in (9, 18, 27)], dim=-1)
+    peft_sd = get_peft_model_state_dict(hf)
+    assert any(k.endswith("lora_magnitude_vector") for k in peft_sd)
+    meta = {"lora_adapter_metadata": json.dumps({"text_encoder.r": 4, "text_encoder.lora_alpha": 6,
+                                                 "text_encoder.peft_type": "LORA", "text_encoder.use_dora": True})}
+    save_file({f"text_encoder.{k}": v.contiguous() for k, v in peft_sd.items()}, tmp_path / "te_dora.safetensors",
+              metadata=meta)
+    lora = load_lora(tmp_path / "te_dora.safetensors")
+    assert lora.format == "PEFT DoRA (text encoder)"
+    assert len(lora.skipped) == 3 * 3 * 3 and all("layer not used by Klein" in r for r in lora.skipped.values())
+    plain = load_text_encoder(base_sd).encode(ids, mask)
+    assert (ref - plain).abs().max().item() > 0.05
+    for mode in ("merge", "branch"):
+        te = load_text_encoder(base_sd)
+        with apply_loras(te, lora, mode=mode):
+            out = te.encode(ids, mask)
+        _assert_close(parity, f"text encoder PEFT DoRA ({mode}) vs transformers+PEFT", out, ref)
+
+
 def test_text_encoder_size_mismatch():
     te4 = tiny_text_encoder(TINY_4B)
     w = tiny_text_encoder(TINY_9B).layers[0].self_attn.q_proj.weight
