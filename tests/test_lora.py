@@ -410,16 +410,20 @@ def _tiny_qwen(layers: int = 30):
     return transformers.Qwen3ForCausalLM(cfg).eval()
 
 
-def test_text_encoder_lora_peft_and_kohya(tmp_path, parity):
+def _peft_qwen(cfg: LoraConfig, seed: int):
+    """A tiny Qwen3 with ``cfg`` injected by PEFT and random adapter weights (DoRA magnitudes moved
+    off the norms PEFT starts them at). Returns ``(base state dict, ids, mask, reference, PEFT state
+    dict)``; the reference is transformers + PEFT's layers 9, 18 and 27 concatenated. 30 layers:
+    transformers' last hidden state comes after the final norm, and layer 27 must not be the last."""
     hf = _tiny_qwen()
     base_sd = {k: v.clone() for k, v in hf.state_dict().items()}
-    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    cfg = LoraConfig(r=4, lora_alpha=6, target_modules=targets, init_lora_weights=False)
     inject_adapter_in_model(cfg, hf)
-    g = torch.Generator().manual_seed(13)
+    g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for n, p in hf.named_parameters():
-            if "lora_" in n:
+            if "lora_magnitude_vector" in n:
+                p.mul_(0.5 + torch.rand(p.shape, generator=g))
+            elif "lora_" in n:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.2)
     ids = torch.randint(1, 500, (2, 9), generator=g)
     mask = torch.ones(2, 9, dtype=torch.long)
@@ -427,7 +431,13 @@ def test_text_encoder_lora_peft_and_kohya(tmp_path, parity):
     with torch.no_grad():
         hs = hf(ids, attention_mask=mask, output_hidden_states=True).hidden_states
     ref = torch.cat([hs[i] for i in (9, 18, 27)], dim=-1)  # SPEC §2.3, not klein_core's OUTPUT_LAYERS
-    peft_sd = get_peft_model_state_dict(hf)  # "model.layers.N.self_attn.q_proj.lora_A.weight"
+    return base_sd, ids, mask, ref, get_peft_model_state_dict(hf)  # "model.layers.N.self_attn.q_proj.lora_A.weight"
+
+
+def test_text_encoder_lora_peft_and_kohya(tmp_path, parity):
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    base_sd, ids, mask, ref, peft_sd = _peft_qwen(LoraConfig(r=4, lora_alpha=6, target_modules=targets,
+                                                             init_lora_weights=False), seed=13)
     meta = {"lora_adapter_metadata": json.dumps({f"text_encoder.{k}": v for k, v in
                                                  {"r": 4, "lora_alpha": 6, "peft_type": "LORA"}.items()})}
     save_file({f"text_encoder.{k}": v.contiguous() for k, v in peft_sd.items()}, tmp_path / "te.safetensors",
@@ -460,25 +470,9 @@ def test_text_encoder_lora_peft_and_kohya(tmp_path, parity):
 def test_text_encoder_peft_dora_matches_transformers_peft(tmp_path, parity):
     """A PEFT DoRA LoRA on the Qwen3 encoder (its magnitudes moved off their initial norms): merged
     and as a branch, against transformers + PEFT running the adapter."""
-    hf = _tiny_qwen()  # 30 layers: transformers' last hidden state is after the final norm, layer 27's is not
-    base_sd = {k: v.clone() for k, v in hf.state_dict().items()}
-    cfg = LoraConfig(r=4, lora_alpha=6, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False,
-                     use_dora=True)
-    inject_adapter_in_model(cfg, hf)
-    g = torch.Generator().manual_seed(17)
-    with torch.no_grad():
-        for n, p in hf.named_parameters():
-            if "lora_magnitude_vector" in n:
-                p.mul_(0.5 + torch.rand(p.shape, generator=g))
-            elif "lora_" in n:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
-    ids = torch.randint(1, 500, (2, 9), generator=g)
-    mask = torch.ones(2, 9, dtype=torch.long)
-    mask[1, 6:] = 0
-    with torch.no_grad():
-        hs = hf(ids, attention_mask=mask, output_hidden_states=True).hidden_states
-    ref = torch.cat([hs[i] for i in (9, 18, 27)], dim=-1)
-    peft_sd = get_peft_model_state_dict(hf)
+    base_sd, ids, mask, ref, peft_sd = _peft_qwen(LoraConfig(
+        r=4, lora_alpha=6, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False, use_dora=True),
+        seed=17)
     assert any(k.endswith("lora_magnitude_vector") for k in peft_sd)
     meta = {"lora_adapter_metadata": json.dumps({"text_encoder.r": 4, "text_encoder.lora_alpha": 6,
                                                  "text_encoder.peft_type": "LORA", "text_encoder.use_dora": True})}
