@@ -156,3 +156,30 @@ def test_switching_the_speed_of_a_lora_copy_leaves_the_model_alone(tmp_path):
         assert torch.equal(tr_copy(**kw), want_tr)
     assert torch.equal(te_copy.encode(ids, mask), want_te)
     assert speed.speed_of(tr) == speed.speed_of(te) == "compile"
+
+
+def test_dora_branches_run_on_a_compiled_transformer():
+    """DoRA branches (rows scaled on the output in place, and a per-column one kept dense) traced by
+    dynamo give the bits of the eager copy, and leave the compiled original alone."""
+    model = demo.tiny_transformer()
+    g = torch.Generator().manual_seed(4)
+    sd = {}
+    for name, axis in (("double_blocks.0.img_attn.qkv", 1), ("single_blocks.0.linear2", 1),
+                       ("double_blocks.0.img_mlp.0", 0)):
+        w = model.get_submodule(name).weight.detach()
+        key = f"diffusion_model.{name}"
+        sd[f"{key}.lora_down.weight"] = torch.randn(2, w.shape[1], generator=g) * 0.3
+        sd[f"{key}.lora_up.weight"] = torch.randn(w.shape[0], 2, generator=g) * 0.3
+        norms = w.norm(dim=axis, keepdim=True)
+        sd[f"{key}.dora_scale"] = norms * (0.5 + torch.rand(norms.shape, generator=g))
+    dora = kc.load_lora(sd)
+    kw = _transformer_inputs(model)
+    with torch.no_grad():
+        base = model(**kw)
+        want = kc.with_loras(model, [(dora, 0.8)])(**kw)
+        assert (want - base).abs().max() > 1e-2
+        fast.enable_fast_paths(model, compile=True, compile_backend="eager")
+        model(**kw)
+        got = kc.with_loras(model, [(dora, 0.8)])(**kw)
+        after = model(**kw)
+    assert torch.equal(got, want) and torch.equal(after, base)

@@ -472,7 +472,9 @@ class LoRABranch:
 
     def _run_steps(self, module: nn.Module, x: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
         """A module with row-scaling DoRA patches: its patches in turn on the output (see :class:`_Step`)."""
-        out = output.clone()
+        # The module's output is a fresh tensor that nothing else holds yet: changed in place, unless
+        # autograd needs it as it was.
+        out = output.clone() if torch.is_grad_enabled() and output.requires_grad else output
         for k, step in enumerate(self.steps):
             t = {n: self._buffer(module, f"step{k}_{n}", x.device) for n in step.tensors}
             if "a" in t:
@@ -481,14 +483,12 @@ class LoRABranch:
                 d = _kron_apply(t["w1"], t["w2"], x, step.swap)
             else:
                 d = F.linear(x.to(t["d"].dtype), t["d"])
-            d = d.to(out.dtype)
-            y = out[..., step.rows]
-            if step.dora is None:
-                out[..., step.rows] = y + d
-            elif step.dora == "peft":  # c * (y + s * delta x), strength folded into d
-                out[..., step.rows] = y + t["cm1"].to(out.dtype) * y + t["c"].to(out.dtype) * d
-            else:  # ComfyUI: y + s * (c * (y + delta x) - y)
-                out[..., step.rows] = y + step.strength * (t["cm1"].to(out.dtype) * y + t["c"].to(out.dtype) * d)
+            d = d.to(out.dtype)  # a new tensor: changed in place below
+            y = out[..., step.rows]  # a view: the rows' output so far
+            if step.dora is not None:  # d becomes c * d + (c - 1) * y
+                d.mul_(t["c"].to(out.dtype)).addcmul_(y, t["cm1"].to(out.dtype))
+            # PEFT: c * (y + s * delta x) (s folded into d); ComfyUI: y + s * (c * (y + delta x) - y)
+            y.add_(d, alpha=step.strength if step.dora == "comfyui" else 1.0)
         return out
 
     def _buffer(self, module: nn.Module, name: str, device: torch.device) -> torch.Tensor:
