@@ -16,6 +16,7 @@ from safetensors.torch import save_file
 
 pytest.importorskip("starlette")  # Ray Serve's HTTP layer (the ray extra)
 
+import klein_core as kc  # noqa: E402
 from klein_core.distributed import runner as runner_module  # noqa: E402
 from klein_core.distributed.models import ModelSpec  # noqa: E402
 from klein_core.distributed.rows import parse_row  # noqa: E402
@@ -138,6 +139,22 @@ def test_an_abandoned_request_stops_within_a_step(replica, monkeypatch):
     assert len(steps) == ran  # nothing runs on after the cancel
     ok = _call(replica, "/generate", "POST", {"prompt": "a kite", "width": 64, "height": 64, "steps": 1})
     assert ok.status_code == 200  # and the replica keeps serving
+
+
+def test_corrupt_model_weights_are_the_servers_fault_not_the_requests(replica, monkeypatch, caplog):
+    """A request that meets corrupt weights (NonFiniteWeights, a ValueError) is answered 500 and
+    logged for the operator; a bad request stays a 400."""
+    def corrupt(row, images, *, callback=None):
+        raise kc.NonFiniteWeights("The sampler produced NaN/Inf because its weights are corrupt: tensor "
+                                  "'img_in.weight' of flux-2-klein-4b.safetensors contains NaN or infinite values.")
+
+    bad = _call(replica, "/generate", "POST", {"prompt": "a kite", "width": 60, "height": 64, "steps": 1})
+    assert bad.status_code == 400
+    monkeypatch.setattr(replica.runner, "run", corrupt)
+    with caplog.at_level("ERROR", logger="klein_core.distributed.serve"):
+        answer = _call(replica, "/generate", "POST", {"prompt": "a kite", "width": 64, "height": 64, "steps": 1})
+    assert answer.status_code == 500 and "img_in.weight" in json.loads(answer.body)["error"]
+    assert "failed on the server's model files" in caplog.text
 
 
 def test_a_row_lora_applies_to_its_row_only(replica, tmp_path):

@@ -24,7 +24,7 @@ from typing import Any
 
 from PIL import Image
 
-from ..errors import GenerationCancelled, KleinOutOfMemory
+from ..errors import GenerationCancelled, KleinOutOfMemory, WeightFormatError
 from .manifest import png_bytes
 from .models import ModelSpec
 from .ray_support import require_ray
@@ -212,6 +212,9 @@ class KleinServer:
             return {"error": "cancelled by the client", "status": 499}
         except KleinOutOfMemory as exc:
             return {"error": str(exc), "status": 503}
+        except WeightFormatError as exc:  # a ValueError, but the server's file is at fault (corrupt weights)
+            logger.exception("request %s failed on the server's model files", job.row.id)
+            return {"error": str(exc), "status": 500}
         except (ValueError, TypeError) as exc:
             return {"error": str(exc), "status": 400}
         except Exception as exc:
