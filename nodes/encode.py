@@ -28,6 +28,7 @@ PRECISIONS: dict[str, torch.dtype | None] = {"model dtype": None, "fp32 activati
 MAX_TOKENS: dict[str, int | None] = {"512": 512, "whole prompt": None}
 NO_LORA = "none"
 NATIVE_ENCODER_KEY = "klein_encoder"  # in our CONDITIONING's options: the encoder file (the host ignores it)
+NATIVE_WRITTEN_KEY = "klein_written"  # in the negative output's options: whether a negative prompt was written
 
 
 def encoder_dtype(device: torch.device) -> torch.dtype:
@@ -137,7 +138,7 @@ class KleinTextEncode(io.ComfyNode):
                                                encoder_name(text_dim // 3),
                                                has_negative=bool(negative_prompt.strip())),
                              native_conditioning(embeds.positive, text_encoder),
-                             native_conditioning(embeds.negative, text_encoder))
+                             native_conditioning(embeds.negative, text_encoder, written=bool(negative_prompt.strip())))
 
 
 def text_encoder_lora(lora_name: str) -> kc.LoRA | None:
@@ -159,10 +160,15 @@ def text_encoder_lora(lora_name: str) -> kc.LoRA | None:
     return dataclasses.replace(lora, patches=[p for p in lora.patches if p.component == "text_encoder"])
 
 
-def native_conditioning(embeds: torch.Tensor, text_encoder: str) -> list:
+def native_conditioning(embeds: torch.Tensor, text_encoder: str, *, written: bool | None = None) -> list:
     """ComfyUI's CONDITIONING ``[[cond [1, L, D], {"pooled_output": None}]]`` (FLUX.2 has no pooled
-    output); ``klein_encoder`` names the file, so a mismatch found later can name it too."""
-    return [[embeds, {"pooled_output": None, NATIVE_ENCODER_KEY: text_encoder}]]
+    output); ``klein_encoder`` names the file, so a mismatch found later can name it too, and for the
+    negative output ``klein_written`` says whether a negative prompt was written (a distilled model,
+    which ignores it, says so only then)."""
+    options: dict = {"pooled_output": None, NATIVE_ENCODER_KEY: text_encoder}
+    if written is not None:
+        options[NATIVE_WRITTEN_KEY] = written
+    return [[embeds, options]]
 
 
 def text_options(precision: str, max_tokens: str) -> kc.TextOptions:

@@ -20,7 +20,7 @@ from klein_core.pipeline.sampling import MAX_SEED
 
 from . import cache, host, notices
 from .common import check_widget, flux2_samples, open_engine
-from .encode import NATIVE_ENCODER_KEY
+from .encode import NATIVE_ENCODER_KEY, NATIVE_WRITTEN_KEY
 from .encode import NODE as ENCODER_NODE
 from .preview import StepReporter
 from .types import (
@@ -147,7 +147,10 @@ def text_inputs(conditioning: KleinConditioning | list, negative: list | None,
             raise ValueError(f"{NODE}: negative (text width {neg.shape[-1]}) and conditioning (text width "
                              f"{cond.text_dim}) come from different encoders; encode both with the same "
                              f"{ENCODER_NODE} (its positive and negative outputs).")
-        cond, has_negative = dataclasses.replace(cond, negative=neg), True
+        # A negative prompt was written (a distilled model says it ignores it): as our encoder marked
+        # it; another encoder's, unless ConditioningZeroOut made it zeros
+        written = bool(neg_options.get(NATIVE_WRITTEN_KEY, True)) and bool(neg.detach().abs().amax() > 0)
+        cond, has_negative = dataclasses.replace(cond, negative=neg, has_negative=written), True
     return cond, has_negative, refs
 
 

@@ -91,6 +91,24 @@ def test_native_conditioning_samples_exactly_as_the_pack_conditioning(comfy, cas
         assert not torch.equal(_sample(comfy, model, positive, negative=zero, **kw), ours)
 
 
+def test_a_native_negative_on_a_distilled_model_is_said_to_be_unused_when_written(comfy):  # noqa: F811
+    """A distilled model ignores the negative: the sampler says so for a written one (our encoder's
+    negative output with text, or another encoder's that is not ConditioningZeroOut's zeros), and
+    stays quiet for our encoder's empty negative or a zeroed one."""
+    model, _ = _load(comfy)
+    _, positive, written = _encode_all(comfy, "a lighthouse", "fog")
+    _, _, empty = _encode_all(comfy, "a lighthouse", "")
+    foreign = [[written[0][0].clone(), {"pooled_output": None}]]  # CLIPTextEncode's has no marker
+    zeroed = [[torch.zeros_like(written[0][0]), dict(written[0][1])]]
+    said = {}
+    for name, negative in (("written", written), ("empty", empty), ("foreign", foreign), ("zeroed", zeroed)):
+        with torch.inference_mode():
+            out = comfy.pack.KleinSampler.execute(model, positive, width=64, height=64, steps=1, guidance=0.0,
+                                                  seed=1, batch_size=1, negative=negative)
+        said[name] = any("negative prompt is not used" in w for w in (out.ui or {}).get("warnings", []))
+    assert said == {"written": True, "empty": False, "foreign": True, "zeroed": False}
+
+
 def test_reference_latent_chain_equals_the_stacker(comfy):  # noqa: F811
     model, vae = _load(comfy)
     cond, positive, _ = _encode_all(comfy, "put image 2 into image 1")
