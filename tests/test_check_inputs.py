@@ -87,6 +87,14 @@ def test_unused_negative_prompt_is_told_once_per_run(tiny, caplog, how):
                                 "kind='base' in Python)"]
 
 
+def test_a_blank_negative_prompt_is_no_negative_prompt(tiny, caplog):
+    """Whitespace only is nothing written (as the encoder node counts it): no notice."""
+    tr, te, _ = tiny
+    with caplog.at_level(logging.WARNING):
+        kc.generate(tr, te, prompt="x", negative_prompt=" \n\t", width=64, height=64, steps=1, output="latent")
+    assert not _ignored(caplog)
+
+
 def test_negative_prompt_unused_by_a_base_model_at_guidance_1(tiny, caplog):
     tr, te, _ = tiny
     with caplog.at_level(logging.WARNING):

@@ -552,7 +552,7 @@ class Engine:
                     h, w = image_latents.shape[-2:]
                     mask = resize_mask_to_latents(prepared.mask, h, w) if prepared.mask is not None else None
                     start = InitLatents(image_latents, init.resolved_strength, mask, as_reference=init.as_reference)
-            unused_negative = bool(request.negative_prompt) and request.conditioning is None and not memory.cfg
+            unused_negative = bool(request.negative_prompt.strip()) and request.conditioning is None and not memory.cfg
             with clock.stage("denoise"):
                 latents, run = self.denoise(cond, refs, request.settings, noise=request.noise, callback=callback,
                                             plan=plan, init=start, negative_prompt=unused_negative,
