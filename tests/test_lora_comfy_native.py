@@ -149,3 +149,53 @@ def test_dora_loras_match_comfyuis_own_lora_code(comfy_pack, tmp_path, parity):
     assert (a - step(tr, img, txt, 0.7)).abs().max() > 0.05
     parity("LyCORIS DoRA: branch vs merge (model output, fp32)", (a - b).abs().max().item())
     assert torch.allclose(a, b, atol=1e-4, rtol=0)
+
+
+def test_lokr_with_dora_matches_comfyuis_own_lora_code(comfy_pack, parity):
+    """A LyCORIS LoKr with a DoRA scale (per output row on one module, per input column on another)
+    as ComfyUI 0.3.75 applies it; the branch (factored Kronecker steps, or the dense change) against
+    the merge on the model's output."""
+    import comfy.lora
+
+    import klein_core as kc
+
+    peer = load_script("klein_comfy_peer", REPO / "benchmarks" / "comfy_peer.py")
+    host = peer.import_comfy(Path(comfy_pack.folder_paths.__file__).parent, cpu=True)
+    tr = peer.random_transformer(peer.TINY_CONFIG, torch.device("cpu"), torch.float32)
+    comfy_model = peer.build_comfy_flux2(tr, host=host)
+    g = torch.Generator().manual_seed(9)
+    sd: dict[str, torch.Tensor] = {}
+    shapes = {"double_blocks.0.img_attn.proj": ((4, 4), (16, 16), 1), "single_blocks.1.linear2": ((4, 8), (16, 32), 0)}
+    for name, (w1, w2, axis) in shapes.items():
+        w = tr.get_submodule(name).weight.detach()
+        assert (w1[0] * w2[0], w1[1] * w2[1]) == tuple(w.shape)
+        key = f"diffusion_model.{name}"
+        sd[f"{key}.lokr_w1"] = torch.randn(*w1, generator=g) * 0.5
+        sd[f"{key}.lokr_w2_a"] = torch.randn(w2[0], 2, generator=g) * 0.3
+        sd[f"{key}.lokr_w2_b"] = torch.randn(2, w2[1], generator=g) * 0.3
+        sd[f"{key}.alpha"] = torch.tensor(3.0)
+        norms = w.norm(dim=axis, keepdim=True)
+        sd[f"{key}.dora_scale"] = norms * (0.5 + torch.rand(norms.shape, generator=g))
+    unet = torch.nn.Module()
+    unet.diffusion_model = comfy_model
+    unet.model_config = SimpleNamespace(unet_config={})
+    patches = comfy.lora.load_lora(sd, comfy.lora.model_lora_keys_unet(unet, {}))
+    lora = kc.load_lora(sd)
+    assert not lora.skipped and lora.format == "ai-toolkit/BFL LoKr with DoRA"
+    merged, branched = (copy.deepcopy(tr) for _ in range(2))
+    kc.apply_loras(merged, [(lora, 0.7)])
+    worst = 0.0
+    for name in shapes:
+        key = f"diffusion_model.{name}.weight"
+        want = comfy.lora.calculate_weight([(0.7, patches[key], 1.0, None, None)],
+                                           tr.get_submodule(name).weight.detach().clone().float(), key)
+        assert (want - tr.get_submodule(name).weight).abs().max() > 0.05
+        worst = max(worst, (merged.get_submodule(name).weight - want).abs().max().item())
+    parity("LyCORIS LoKr + DoRA (0.7) merged vs ComfyUI load_lora + calculate_weight", worst)
+    assert worst <= 1e-5
+    kc.apply_loras(branched, [(lora, 0.7)], mode="branch")
+    g = torch.Generator().manual_seed(0)
+    img, txt = torch.randn(1, 128, 4, 4, generator=g), torch.randn(1, 5, 96, generator=g)
+    a, b = peer.klein_step(merged, img, txt, 0.7), peer.klein_step(branched, img, txt, 0.7)
+    parity("LyCORIS LoKr + DoRA: branch vs merge (model output, fp32)", (a - b).abs().max().item())
+    assert torch.allclose(a, b, atol=1e-4, rtol=0) and (a - peer.klein_step(tr, img, txt, 0.7)).abs().max() > 0.05
