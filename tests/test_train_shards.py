@@ -49,14 +49,15 @@ def _gather(message):
     return out
 
 
-def _worker(rank, port, root, fail_on):
+def _worker(rank, port, root, fail_on, separate=False):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
                             timeout=timedelta(seconds=120))
     calls: list = []
     result: dict = {"calls": calls}
     try:
-        samples = build_samples(scan_dataset(f"{root}/data"), _encoders(calls, fail_on), f"{root}/cache", area=32 * 32,
+        cache = f"{root}/cache{rank}" if separate else f"{root}/cache"  # separate: machines that share no disk
+        samples = build_samples(scan_dataset(f"{root}/data"), _encoders(calls, fail_on), cache, area=32 * 32,
                                 shard=(rank, WORLD), gather=_gather)
         result["samples"] = [[s.latents.tolist(), s.text.tolist()] for s in samples]
     except Exception as exc:  # noqa: BLE001 - reported to the test
@@ -67,11 +68,11 @@ def _worker(rank, port, root, fail_on):
         json.dump(result, f)
 
 
-def _spawn(root, fail_on=None):
+def _spawn(root, fail_on=None, separate=False):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_worker, args=(port, str(root), fail_on), nprocs=WORLD, join=True)
+    mp.spawn(_worker, args=(port, str(root), fail_on, separate), nprocs=WORLD, join=True)
     return [json.loads((root / f"rank{r}.json").read_text()) for r in range(WORLD)]
 
 
@@ -88,6 +89,18 @@ def test_each_process_encodes_its_share_and_reads_the_rest(tmp_path):
     alone = build_samples(scan_dataset(data), _encoders(calls), tmp_path / "own-cache", area=32 * 32)
     assert len(calls) == 10
     want = [[s.latents.tolist(), s.text.tolist()] for s in alone]
+    assert ranks[0]["samples"] == want and ranks[1]["samples"] == want
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="gloo over TCP on localhost")
+def test_processes_that_share_no_cache_encode_the_rest_themselves(tmp_path):
+    data = _dataset(tmp_path)
+    ranks = _spawn(tmp_path, separate=True)
+    assert all("error" not in r for r in ranks), ranks
+    assert [sum(c[0] == "text" for c in r["calls"]) for r in ranks] == [5, 5]  # its share first, then the rest
+    assert [c[1] for c in ranks[1]["calls"] if c[0] == "text"][:2] == ["caption 1", "caption 3"]
+    want = [[s.latents.tolist(), s.text.tolist()] for s in
+            build_samples(scan_dataset(data), _encoders([]), tmp_path / "own-cache", area=32 * 32)]
     assert ranks[0]["samples"] == want and ranks[1]["samples"] == want
 
 
