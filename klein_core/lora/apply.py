@@ -10,7 +10,7 @@ import copy
 import logging
 import math
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -190,8 +190,7 @@ def _merge_fp8(plan: _ModulePlan, q: torch.Tensor) -> tuple[torch.Tensor, torch.
     module = plan.module
     scale = module.weight_scale
     fmax = float(torch.finfo(q.dtype).max)
-    s = scale.float().reshape(-1, 1) if scale.ndim == 1 else scale.float()
-    base = q.float() * s
+    base = _float_weight(module)
     delta = _summed_delta(plan, base)
     merged = base + delta
     _check_delta(plan, torch.float32, q, delta, merged)
@@ -212,17 +211,30 @@ def _summed_delta(plan: _ModulePlan, base: torch.Tensor) -> torch.Tensor:
     turn (as ComfyUI does) to ``base``, the current weight in float32 (only read then)."""
     if _has_dora(plan):
         weight = base.float().clone()
-        for patch, strength in plan.items:
-            rows = _rows(patch, weight.shape[0])
-            if patch.dora is None:
-                weight[rows] += strength * patch.delta(weight.device)
-            else:
-                weight[rows] = patch.decompose(weight[rows], strength)
+        for _ in _apply_in_turn(plan, weight):
+            pass
         return weight - base
     delta = torch.zeros(base.shape, dtype=torch.float32, device=base.device)
     for patch, strength in plan.items:
         delta[_rows(patch, base.shape[0])] += strength * patch.delta(base.device)
     return delta
+
+
+def _apply_in_turn(plan: _ModulePlan, weight: torch.Tensor
+                   ) -> Iterator[tuple[LoRAPatch, float, slice, torch.Tensor | None]]:
+    """Apply the module's patches to ``weight`` (float32 ``[out, in]``, changed in place) one after
+    the other, as ComfyUI applies its patches; yields each patch with its strength, its rows and,
+    for a DoRA patch that scales rows, its row factor ``c [out]`` (from the rows as the patches
+    before it left them; else None) before the weight moves on."""
+    for patch, strength in plan.items:
+        rows = _rows(patch, weight.shape[0])
+        if patch.dora is None:
+            weight[rows] += strength * patch.delta(weight.device)
+            yield patch, strength, rows, None
+            continue
+        c = patch.dora_row_scale(weight[rows], strength) if patch.dora_on_rows else None
+        weight[rows] = patch.decompose(weight[rows], strength)
+        yield patch, strength, rows, c
 
 
 def _float_weight(module: nn.Module) -> torch.Tensor:
@@ -320,12 +332,11 @@ class _Step:
 def _row_steps(plan: _ModulePlan, out_features: int, dtype: torch.dtype, device: torch.device) -> list[_Step]:
     """The module's patches as :class:`_Step` s: each DoRA patch's row factor is computed from the
     weight as the patches before it left it (the weight unpacked once, then dropped)."""
-    running = _float_weight(plan.module).to(device, copy=True)  # changed below: never the model's own tensor
+    running = _float_weight(plan.module).to(device, copy=True)  # changed in turn: never the model's own tensor
     steps = []
-    for patch, strength in plan.items:
-        rows = _rows(patch, out_features)
+    for patch, strength, rows, c in _apply_in_turn(plan, running):
         fold = 1.0 if patch.dora == "comfyui" else strength
-        t: dict[str, torch.Tensor | None] = {}
+        t: dict[str, torch.Tensor] = {}
         if patch.kind == "lora":
             a, b = patch.factors(device)
             _check_branch_factors(plan, dtype, a.shape[0], b * fold, a, lambda a=a, b=b, f=fold: f * b @ a)
@@ -337,15 +348,11 @@ def _row_steps(plan: _ModulePlan, out_features: int, dtype: torch.dtype, device:
             t = {"w1": w1 * fold, "w2": w2}
         else:
             t = {"d": patch.delta(device) * fold}
-        if patch.dora is None:
-            running[rows] += strength * patch.delta(device)
-        else:
-            c = patch.dora_row_scale(running[rows], strength)
+        if c is not None:
             if not is_finite(c):
                 raise _overflow(plan, dtype, "its DoRA magnitude divides by a weight row of norm zero")
             t.update(c=c, cm1=c - 1)
-            running[rows] = patch.decompose(running[rows], strength)
-        kept = {n: v.to(dtype) for n, v in t.items() if v is not None}
+        kept: dict[str, torch.Tensor | None] = {n: v.to(dtype) for n, v in t.items()}
         steps.append(_Step(rows, patch.dora, strength, kept, swap=patch.kind == "lokr" and patch.target.swap_halves))
     return steps
 

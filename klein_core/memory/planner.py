@@ -494,7 +494,7 @@ def _bytes_on(device: torch.device, modules: Sequence[nn.Module]) -> int:
         for t in module_tensors(m):
             if t.device == device and id(t) not in seen:
                 seen.add(id(t))
-                mine += t.numel() * t.element_size()
+                mine += t.nbytes
     return mine
 
 
