@@ -175,6 +175,7 @@ def _peft_dora_file(base: Base, tmp_path: Path, seed: int = 6) -> tuple[Path, nn
     dm = copy.deepcopy(base.dm)
     linears = [n for n, m in dm.named_modules() if isinstance(m, nn.Linear)]
     cfg = LoraConfig(r=4, lora_alpha=8, target_modules=linears, init_lora_weights=False, use_dora=True)
+    torch.manual_seed(seed)  # PEFT draws its first factors, and the magnitudes' norms of them, from the global RNG
     dm.add_adapter(cfg)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -417,6 +418,7 @@ def _peft_qwen(cfg: LoraConfig, seed: int):
     transformers' last hidden state comes after the final norm, and layer 27 must not be the last."""
     hf = _tiny_qwen()
     base_sd = {k: v.clone() for k, v in hf.state_dict().items()}
+    torch.manual_seed(seed)  # PEFT draws its first factors (a DoRA magnitude's norms of them) from the global RNG
     inject_adapter_in_model(cfg, hf)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -916,4 +918,5 @@ def test_dora_on_fp8_weights_rescales_the_dequantized_weight(tmp_path, parity):
     effect = ((want - base_out).norm() / base_out.norm()).item()
     parity("DoRA fp8 merge vs float merge of the dequantised weights, output relative L2", merged_rel)
     parity("DoRA fp8 branch vs float merge of the dequantised weights, output relative L2", branch_rel)
-    assert branch_rel < min(4e-3, effect / 4) and merged_rel < min(2e-2, effect / 2), (branch_rel, merged_rel, effect)
+    # measured 6.3e-5 and 5.4e-4; a branch or merge that dropped the magnitudes would be off by the effect
+    assert branch_rel < min(5e-4, effect / 4) and merged_rel < min(3e-3, effect / 2), (branch_rel, merged_rel, effect)

@@ -131,7 +131,7 @@ def test_dora_loras_match_comfyuis_own_lora_code(comfy_pack, tmp_path, parity):
                 assert (want - tr.get_submodule(name).weight).abs().max() > 0.05  # the LoRA changes it
                 worst = max(worst, (got - want).abs().max().item())
         parity(f"LyCORIS DoRA {[s for s, _ in stack]} merged vs ComfyUI load_lora + calculate_weight", worst)
-        assert worst <= 1e-5
+        assert worst <= 1e-6  # measured 1.2e-7
     # a branch keeps the module's change dense: the same output as the merge
     g = torch.Generator().manual_seed(0)
     img, txt = torch.randn(1, 128, 4, 4, generator=g), torch.randn(1, 5, 96, generator=g)
@@ -148,7 +148,7 @@ def test_dora_loras_match_comfyuis_own_lora_code(comfy_pack, tmp_path, parity):
     a, b = step(merged, img, txt, 0.7), step(branched, img, txt, 0.7)
     assert (a - step(tr, img, txt, 0.7)).abs().max() > 0.05
     parity("LyCORIS DoRA: branch vs merge (model output, fp32)", (a - b).abs().max().item())
-    assert torch.allclose(a, b, atol=1e-4, rtol=0)
+    assert torch.allclose(a, b, atol=2e-5, rtol=0)  # measured 2.0e-6
 
 
 def test_lokr_with_dora_matches_comfyuis_own_lora_code(comfy_pack, parity):
@@ -192,10 +192,10 @@ def test_lokr_with_dora_matches_comfyuis_own_lora_code(comfy_pack, parity):
         assert (want - tr.get_submodule(name).weight).abs().max() > 0.05
         worst = max(worst, (merged.get_submodule(name).weight - want).abs().max().item())
     parity("LyCORIS LoKr + DoRA (0.7) merged vs ComfyUI load_lora + calculate_weight", worst)
-    assert worst <= 1e-5
+    assert worst <= 1e-6
     kc.apply_loras(branched, [(lora, 0.7)], mode="branch")
     g = torch.Generator().manual_seed(0)
     img, txt = torch.randn(1, 128, 4, 4, generator=g), torch.randn(1, 5, 96, generator=g)
     a, b = peer.klein_step(merged, img, txt, 0.7), peer.klein_step(branched, img, txt, 0.7)
     parity("LyCORIS LoKr + DoRA: branch vs merge (model output, fp32)", (a - b).abs().max().item())
-    assert torch.allclose(a, b, atol=1e-4, rtol=0) and (a - peer.klein_step(tr, img, txt, 0.7)).abs().max() > 0.05
+    assert torch.allclose(a, b, atol=2e-5, rtol=0) and (a - peer.klein_step(tr, img, txt, 0.7)).abs().max() > 0.05
