@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["to_device", "to_host"]
+__all__ = ["HostCopies", "to_device", "to_host"]
 
 
 def to_device(t: torch.Tensor, device: torch.device | str, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -38,21 +38,45 @@ def to_device(t: torch.Tensor, device: torch.device | str, dtype: torch.dtype | 
     return out if dtype is None else out.to(dtype)
 
 
+class HostCopies:
+    """Copies to the host queued now and waited for once: ``copies = HostCopies(); a, = copies.add(x)``
+    (per image of a batch, say), then ``copies.wait()`` before reading any of them.
+
+    CUDA tensors are copied into page-locked memory without waiting, so the GPU runs on while the
+    host queues more work; a tensor's values may be read only after :meth:`wait`. CPU tensors are
+    returned as they are (not copied). Freeing a source tensor at once is safe: the copy runs on the
+    current stream, before anything queued on it later may reuse the memory.
+    """
+
+    def __init__(self) -> None:
+        self._streams: dict[tuple[int, int | None], torch.cuda.Stream] = {}
+
+    def add(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The tensors' host copies, queued (each with its shape, dtype and values after :meth:`wait`)."""
+        out: list[torch.Tensor] = []
+        for t in tensors:
+            if t.device.type != "cuda":
+                out.append(t)
+                continue
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            host.copy_(t, non_blocking=True)
+            stream = torch.cuda.current_stream(t.device)
+            self._streams[stream.cuda_stream, t.device.index] = stream
+            out.append(host)
+        return tuple(out)
+
+    def wait(self) -> None:
+        """Wait until every copy queued so far has run: one wait per stream."""
+        for stream in self._streams.values():
+            stream.synchronize()
+        self._streams.clear()
+
+
 def to_host(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The tensors on the CPU, each with its shape, dtype and values; CUDA ones copied through
     page-locked memory, all copies queued before one wait per stream. CPU tensors are returned as
     they are (not copied)."""
-    out: list[torch.Tensor] = []
-    streams = {}
-    for t in tensors:
-        if t.device.type != "cuda":
-            out.append(t)
-            continue
-        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        host.copy_(t, non_blocking=True)
-        stream = torch.cuda.current_stream(t.device)
-        streams[stream.cuda_stream, t.device.index] = stream
-        out.append(host)
-    for stream in streams.values():
-        stream.synchronize()
-    return tuple(out)
+    copies = HostCopies()
+    out = copies.add(*tensors)
+    copies.wait()
+    return out

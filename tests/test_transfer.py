@@ -63,3 +63,48 @@ def test_pixels_and_images_as_before():
     res = kc.generate(tr, te, vae, prompt="a fox", width=96, height=64, steps=2, seed=3, cache=None, batch_size=2)
     assert res.pixels.device.type == "cpu" and res.pixels.dtype == torch.float32
     assert [np.asarray(im).tobytes() for im in res.images] == _bytes(res.pixels)
+
+
+def test_host_copies_on_the_cpu_are_the_tensors():
+    from klein_core.transfer import HostCopies
+
+    copies = HostCopies()
+    a, b = torch.ones(2), torch.arange(3)
+    assert copies.add(a) == (a,) and copies.add(b)[0] is b
+    copies.wait()
+    copies.wait()  # nothing queued: harmless
+
+
+def test_a_batch_decode_waits_once_after_its_last_image(monkeypatch):
+    """Each image's copies are queued as it is decoded and the host waits once, after the last
+    (a wait per image left the GPU idle while the host queued the next decode); the images and
+    pixels are those of decoding each image on its own, in order."""
+    import klein_core.pipeline.engine as engine_module
+    from klein_core.transfer import HostCopies
+
+    events: list[str] = []
+
+    class Counted(HostCopies):
+        def add(self, *tensors):
+            events.append(f"add{len(tensors)}")
+            return super().add(*tensors)
+
+        def wait(self):
+            events.append("wait")
+            super().wait()
+
+    monkeypatch.setattr(engine_module, "HostCopies", Counted)
+    tr, te, vae = build_tiny_components()
+    engine = kc.Engine(tr, te, vae)
+    g = torch.Generator().manual_seed(2)
+    latents = torch.randn(3, 128, 4, 6, generator=g) * 2
+    alone = [decode_to_pixels(vae, latents[i : i + 1], clamp=True) for i in range(3)]
+    assert not torch.equal(alone[0], alone[1])  # a mix-up of the order would show
+    assert torch.equal(engine.decode(latents), torch.cat(alone))
+    assert events == ["add1", "add1", "add1", "wait"]
+    events.clear()
+    res = kc.generate(tr, te, vae, prompt="a fox", width=96, height=64, steps=2, seed=3, cache=None, batch_size=3)
+    assert events.count("wait") == 1 and events[-1] == "wait" and events.count("add2") == 3, events
+    assert [np.asarray(im).tobytes() for im in res.images] == _bytes(res.pixels)
+    for i in range(3):  # each image is its own latents' decode, in order
+        assert torch.equal(res.pixels[i : i + 1], decode_to_pixels(vae, res.latents[i : i + 1], clamp=True))

@@ -34,8 +34,8 @@ from ..memory.tiling import TILE_SIDES
 from ..models.qwen3 import Qwen3TextEncoder
 from ..models.transformer import Flux2Transformer
 from ..models.vae import Flux2VAE
-from ..transfer import to_device, to_host
-from .images import PUBLISHED_REFERENCE_LIMIT, to_pil_and_host
+from ..transfer import HostCopies, to_device
+from .images import PUBLISHED_REFERENCE_LIMIT, pil_images, queue_to_host
 from .inpaint import InitImage, InpaintInputs, prepare_inpaint, resize_mask_to_latents, steps_to_run, stitch
 from .inputs import InitLatents, check_compatible, check_denoise_inputs, with_init_reference
 from .oom import explain_oom, is_out_of_memory, release_failed_attempt
@@ -441,14 +441,16 @@ class Engine:
                 checks: Checks | None = None) -> tuple[torch.Tensor, list[Image.Image]]:
         """:meth:`decode`, and with ``images`` the PIL images too: each image is checked, clamped
         and (for the PIL images) rounded to 8 bits where it was decoded, so the host only receives
-        the results, through page-locked memory (:mod:`klein_core.transfer`)."""
+        the results, through page-locked memory (:mod:`klein_core.transfer`). Each image's copies are
+        queued as it is decoded and the host waits once, after the last: the GPU decodes the next
+        image of a batch while the host would otherwise wait for the copy of the one before."""
         down = self.downscale
         width, height = latents.shape[-1] * down, latents.shape[-2] * down
         if plan is None:
             plan = self.plan(memory_request(width, height, encode_text=False, denoise=False))
         check = checks or Checks()
         check.require_finite(latents, "the latents to decode")
-        frames, pictures = [], []
+        frames, eight_bit, copies = [], [], HostCopies()
         with explain_oom("VAE decoding", self.device, width, height):
             with self._stage("vae", plan) as vae:
                 tile = plan.vae_tile
@@ -456,11 +458,13 @@ class Engine:
                     self._next_image()
                     pixels, tile = self._decode_one(vae, latents[i : i + 1], tile, check)
                     if images:
-                        pics, pixels = to_pil_and_host(pixels)
-                        pictures += pics
+                        pixels, arr = queue_to_host(pixels, copies)
+                        eight_bit.append(arr)
                     else:
-                        (pixels,) = to_host(pixels)
+                        (pixels,) = copies.add(pixels)
                     frames.append(pixels)
+                copies.wait()
+        pictures = [pic for arr in eight_bit for pic in pil_images(arr)]
         # one image (the usual case): no 12 MB host copy at 1024x1024 on the way out
         return (frames[0] if len(frames) == 1 else torch.cat(frames)), pictures
 

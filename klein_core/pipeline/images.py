@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageOps
 
-from ..transfer import to_host
+from ..transfer import HostCopies, to_host
 
 logger = logging.getLogger(__name__)
 
@@ -141,12 +141,26 @@ def to_pil(pixels: torch.Tensor) -> list[Image.Image]:
     """``[B, 3, H, W]`` in [0, 1] -> PIL images (rounded to 8 bits like diffusers). Only the 8-bit
     image crosses to the host, through page-locked memory (:func:`klein_core.transfer.to_host`)."""
     (arr,) = to_host(_rounded(pixels))
+    return pil_images(arr)
+
+
+def pil_images(arr: torch.Tensor) -> list[Image.Image]:
+    """uint8 ``[B, H, W, 3]`` on the host -> B PIL images."""
     return [Image.fromarray(a) for a in arr.numpy()]
+
+
+def queue_to_host(pixels: torch.Tensor, copies: HostCopies) -> tuple[torch.Tensor, torch.Tensor]:
+    """``pixels`` ``[B, 3, H, W]`` in [0, 1], queued to the host in ``copies``: as float32, and rounded
+    to uint8 ``[B, H, W, 3]`` where they are (for :func:`pil_images`). Read both after ``copies.wait()``."""
+    pixels = pixels.float()
+    host_pixels, arr = copies.add(pixels, _rounded(pixels))
+    return host_pixels, arr
 
 
 def to_pil_and_host(pixels: torch.Tensor) -> tuple[list[Image.Image], torch.Tensor]:
     """PIL images of ``pixels`` ``[B, 3, H, W]`` in [0, 1], and the pixels on the CPU (float32):
     both copies queued, then one wait."""
-    pixels = pixels.float()
-    host_pixels, arr = to_host(pixels, _rounded(pixels))
-    return [Image.fromarray(a) for a in arr.numpy()], host_pixels
+    copies = HostCopies()
+    host_pixels, arr = queue_to_host(pixels, copies)
+    copies.wait()
+    return pil_images(arr), host_pixels

@@ -160,13 +160,21 @@ def test_full_4b_bf16_forward_close_to_fp32(gpu, full4b, parity):
 
 
 def _plain_copies(monkeypatch) -> None:
-    """Every klein_core module's ``to_device`` / ``to_host`` replaced by blocking ``.to()`` / ``.cpu()``."""
+    """Every klein_core module's ``to_device`` / ``to_host`` / ``HostCopies`` replaced by blocking
+    ``.to()`` / ``.cpu()``."""
     import sys
 
     from klein_core import transfer
 
+    class Blocking:
+        def add(self, *ts):
+            return tuple(t.cpu() for t in ts)
+
+        def wait(self):
+            pass
+
     plain = {"to_device": lambda t, device, dtype=None: t.to(device=device, dtype=dtype),
-             "to_host": lambda *ts: tuple(t.cpu() for t in ts)}
+             "to_host": lambda *ts: tuple(t.cpu() for t in ts), "HostCopies": Blocking}
     originals = {fn: getattr(transfer, fn) for fn in plain}
     replaced = []
     for name, module in list(sys.modules.items()):
@@ -175,7 +183,7 @@ def _plain_copies(monkeypatch) -> None:
                 if getattr(module, fn, None) is originals[fn]:
                     monkeypatch.setattr(module, fn, stand_in)
                     replaced.append(f"{name}.{fn}")
-    assert len(replaced) >= 11, replaced  # 3 models, sampler, prompts, engine, images, vae_io, transfer
+    assert len(replaced) >= 14, replaced  # 3 models, sampler, prompts, engine, images, vae_io, transfer
 
 
 @pytest.mark.cuda("pageable and page-locked copies exist only between the host and a CUDA device")
@@ -197,6 +205,8 @@ def test_generate_copies_only_through_page_locked_memory(gpu, small, monkeypatch
         "edit": {"prompt": "make it night", "references": refs, "steps": 2,
                  "noise": make_noise(5, 1, 128, h // 16, w // 16)},
         "inpaint": {"prompt": "a lake", "image": refs[0], "mask": mask, "strength": 0.8, "steps": 3, "seed": 4},
+        # a batch queues each image's copies and waits once: no image may be read before its copy ran
+        "batch": {"prompt": "a heron", "width": gpu.size, "height": gpu.size, "steps": 2, "seed": 6, "batch_size": 3},
     }
     fast = {}
     for name, kw in runs.items():
@@ -239,6 +249,8 @@ def test_generate_waits_for_the_device_only_for_its_results(gpu, small):
         "edit": ({"prompt": "make it night", "references": refs, "steps": 2,
                   "noise": make_noise(5, 1, 128, h // 16, w // 16)}, 2),
         "latent": ({"prompt": "a lake", "width": gpu.size, "height": gpu.size, "steps": 2, "output": "latent"}, 1),
+        # a batch: each image's copies queued as it is decoded, one wait after the last
+        "batch": ({"prompt": "a heron", "width": gpu.size, "height": gpu.size, "steps": 2, "batch_size": 3}, 2),
     }
     transfer = klein_core.transfer.__file__
     for name, (kw, most) in runs.items():
