@@ -21,6 +21,7 @@ from PIL.PngImagePlugin import PngInfo
 
 from . import __version__
 from .accel.speed import DEFAULT_SPEED, SPEEDS, describe_speed
+from .accel.step_cache import DEFAULT_THRESHOLD, DEFAULT_WARMUP, StepCache, enable_step_cache
 from .errors import GenerationCancelled, WeightFormatError
 from .files.gguf import is_gguf
 from .files.identify import matching_text_encoders, probe
@@ -138,6 +139,11 @@ def _add_generate_args(g: argparse.ArgumentParser) -> None:
                    help="fast: best attention and fused kernels on CUDA (the plain path on the CPU); compile: "
                         "also torch.compile (the first run at a size compiles, tens of seconds); plain: the "
                         "reference path")
+    g.add_argument("--step-cache", type=step_cache_threshold, nargs="?", const=DEFAULT_THRESHOLD, default=None,
+                   metavar="THRESHOLD",
+                   help="base models, opt-in and approximate: skip the blocks after the first while the first "
+                        f"block's output has changed by less than THRESHOLD since the last full step (alone: "
+                        f"{DEFAULT_THRESHOLD}; 0 never skips); reports how many steps skipped")
     g.add_argument("--quantize", choices=("fp8", "q8", "q4"), default=None,
                    help="store the transformer's block weights as fp8, or as GGUF Q8_0 / Q4_0 blocks (Klein 4B: "
                         "about 4.0 / 2.3 GB); fp8 and GGUF files keep their own format")
@@ -169,6 +175,18 @@ def _add_generate_args(g: argparse.ArgumentParser) -> None:
                    help="keep prompt embeddings in DIR across runs: a prompt seen before does not load the "
                         "text encoder at all")
     g.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+
+
+def step_cache_threshold(text: str) -> float:
+    """``--step-cache``'s value: a finite number >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a threshold: give a number >= 0, such as "
+                                         f"{DEFAULT_THRESHOLD} (0 never skips)")
+    return value
 
 
 def lora_arg(text: str) -> tuple[Path, float]:
@@ -482,6 +500,7 @@ def run_generate(args: argparse.Namespace) -> int:
         packed = any(m is not None and (ggml_layers(m) or nvfp4_layers(m)) for m in (transformer, text_encoder))
         mode = "branch" if packed else "merge"
         apply_loras((transformer, text_encoder), [(load_lora(p), s) for p, s in args.lora], mode=mode)
+    step_cache = _step_cache(args, transformer, kind)
     t_load = time.perf_counter() - t_load
     t0 = time.perf_counter()
     result = generate(
@@ -507,6 +526,7 @@ def run_generate(args: argparse.Namespace) -> int:
         "text_precision": args.text_precision, "max_tokens": args.max_tokens,
         "ref_mode": reference_mode(kind, args.ref_mode),
         "speed": args.speed,
+        "step_cache": None if step_cache is None else _step_cache_record(step_cache),
         "environment": run_environment(transformer),
         **({"image": str(args.image), "mask": str(args.mask) if args.mask else None,
             "strength": _resolved_strength(args), "outpaint": args.outpaint, "crop_padding": args.crop_padding,
@@ -518,7 +538,31 @@ def run_generate(args: argparse.Namespace) -> int:
                        f"(load {t_load:.2f} s; {stages}) -> {', '.join(str(p) for p in paths)}\n")
     if not args.quiet:
         write_line(sys.stderr, f"speed {describe_speed(transformer)}\n")
+        if step_cache is not None:
+            rec = _step_cache_record(step_cache)
+            write_line(sys.stderr, f"step cache (threshold {rec['threshold']:g}): {rec['skipped']} of "
+                                   f"{rec['forwards']} forwards skipped the blocks after the first; approximate: "
+                                   "compare with a run without --step-cache\n")
     return 0
+
+
+def _step_cache(args: argparse.Namespace, transformer: Any, kind: str) -> StepCache | None:
+    """``--step-cache``: the cache attached to ``transformer``, or None when not asked for."""
+    if args.step_cache is None:
+        return None
+    steps = args.steps or (50 if kind == "base" else 4)
+    can_skip = max(0, steps - DEFAULT_WARMUP - 1)  # the first steps and the last always run
+    if kind != "base" and not args.quiet:
+        write_line(sys.stderr, f"--step-cache is meant for base models (20-50 steps): of these {steps} steps "
+                               f"at most {can_skip} can skip\n")
+    return enable_step_cache(transformer, threshold=args.step_cache)
+
+
+def _step_cache_record(cache: StepCache) -> dict[str, Any]:
+    """What the step cache did in the last run, for the image's parameters and the summary line."""
+    st = cache.last_run
+    return {"threshold": cache.settings.threshold, "warmup": cache.settings.warmup, "forwards": st.forwards,
+            "skipped": st.skipped, "patterns": list(st.patterns)}
 
 
 def _strength_text(strength: float) -> str:

@@ -274,3 +274,37 @@ def test_gguf_and_quantize_from_the_command_line(models, tmp_path):
         rc = cli.main([*extra, "--text-encoder", str(p["qwen_4b"]), "--vae", str(p["vae"]), "--prompt", "x",
                        "--width", "64", "--height", "64", "--steps", "1", "--out", str(out), "-q"])
         assert rc == 0 and Image.open(out).size == (64, 64)
+
+
+def test_step_cache_from_the_command_line(tmp_path, capsys):
+    """--step-cache: opt-in; 0 never skips (the same bytes as without it), a huge threshold skips
+    every step it may (not the first two nor the last), alone it takes 0.08; what it did is in the
+    summary and in each image's parameters; a bad threshold is refused before anything loads."""
+    def run(name, *extra):
+        out = tmp_path / f"{name}.png"
+        rc = cli.main(["--demo", "--base", "--steps", "6", "--prompt", "a fox", "--width", "64", "--height", "64",
+                       "--out", str(out), *extra])
+        assert rc == 0
+        img = Image.open(out)
+        return img.tobytes(), json.loads(img.text["parameters"]), capsys.readouterr().err
+
+    exact, meta, err = run("exact")
+    assert meta["step_cache"] is None and "step cache" not in err
+    same, meta, err = run("zero", "--step-cache", "0")
+    assert same == exact and meta["step_cache"]["skipped"] == 0 and meta["step_cache"]["forwards"] == 6
+    skipped, meta, err = run("huge", "--step-cache", "1e9")
+    assert meta["step_cache"]["patterns"] == ["CCSSSC"] and meta["step_cache"]["skipped"] == 3
+    assert skipped != exact
+    assert "step cache (threshold 1e+09): 3 of 6 forwards skipped" in err and "approximate" in err
+    _, meta, _ = run("default", "--step-cache")
+    assert meta["step_cache"]["threshold"] == 0.08 and meta["step_cache"]["warmup"] == 2
+    out = tmp_path / "distilled.png"
+    assert cli.main(["--demo", "--prompt", "a fox", "--width", "64", "--height", "64", "--step-cache", "0.1",
+                     "--out", str(out)]) == 0
+    assert "meant for base models" in capsys.readouterr().err
+    for bad in ("-1", "nan", "fast"):
+        with pytest.raises(SystemExit) as exc:
+            cli.main(["--demo", "--step-cache", bad, "--out", str(tmp_path / "bad.png")])
+        assert exc.value.code == 2
+        assert "is not a threshold" in capsys.readouterr().err
+    assert not (tmp_path / "bad.png").exists()
