@@ -395,6 +395,41 @@ def test_final_layer_conventions(base, tmp_path, parity):
         _check(parity, f"final layer, {name} names", out, expected, base.out)
 
 
+
+def test_final_layer_dora_scale_follows_its_rows(base, tmp_path, parity):
+    """A per-row dora_scale ([out, 1]) written in diffusers names is in diffusers' row order (scale,
+    shift), like the LoRA's rows: it is swapped with them, so BFL and diffusers names give one model,
+    the independently computed ComfyUI rule (norm of W's rows before the delta). ComfyUI 0.3.75
+    swaps only the delta (weight_decompose's ``function``) and applies the scale unswapped; the
+    reference here is the other half's magnitude on each half, which this test tells apart."""
+    name = "final_layer.adaLN_modulation.1"
+    f = _factors({name: base.shapes[name]}, 2, seed=14)
+    (a, b), = f.values()
+    w = base.bsd[name + ".weight"]
+    g = torch.Generator().manual_seed(15)
+    norms = torch.linalg.vector_norm(w, dim=1, keepdim=True)
+    scale = norms * (0.5 + torch.rand(norms.shape, generator=g))  # BFL row order
+    bfl = _lora_state_dict(f, "ai-toolkit")
+    bfl[f"diffusion_model.{name}.dora_scale"] = scale
+    save_file(bfl, tmp_path / "bfl_dora.safetensors")
+    lo, hi = b.chunk(2)
+    s_lo, s_hi = scale.chunk(2)
+    save_file({"transformer.norm_out.linear.lora_A.weight": a,
+               "transformer.norm_out.linear.lora_B.weight": torch.cat([hi, lo]),
+               "transformer.norm_out.linear.dora_scale": torch.cat([s_hi, s_lo])},
+              tmp_path / "diffusers_dora.safetensors")
+    delta = b @ a
+    rows = scale / (norms + torch.finfo(torch.float32).eps) * (w + delta)
+    expected = base.expected({name: rows - w})
+    unswapped = base.expected({name: torch.cat([s_hi, s_lo]) / (norms + torch.finfo(torch.float32).eps)
+                                     * (w + delta) - w})
+    assert (expected - unswapped).abs().max().item() > 0.05  # the two rules differ on this model
+    for file in ("bfl_dora", "diffusers_dora"):
+        lora, out = _apply_file(base, tmp_path / f"{file}.safetensors")
+        assert lora.patches[0].dora == "comfyui"
+        _check(parity, f"final layer DoRA scale, {file} names", out, expected, base.out)
+
+
 # ---------------------------------------------------------------------------------------------
 # Text encoder
 
