@@ -11,7 +11,7 @@ from comfy_api.latest import io
 
 import klein_core as kc
 from klein_core.models.variants import encoder_name
-from klein_core.pipeline.prompts import encoder_identity
+from klein_core.pipeline.prompts import TRIM_MULTIPLE, encoder_identity
 from klein_core.pipeline.tokenizer import count_tokens
 
 from . import cache, host, notices
@@ -25,7 +25,9 @@ logger = logging.getLogger(__name__)
 NODE = "Qwen3 Layer-Concat Encoder"
 # Widget value -> klein_core TextOptions field. The first of each is the default (BFL / diffusers).
 PRECISIONS: dict[str, torch.dtype | None] = {"model dtype": None, "fp32 activations": torch.float32}
-MAX_TOKENS: dict[str, int | None] = {"512": 512, "whole prompt": None}
+# max_tokens widget -> (TextOptions.max_tokens, TextOptions.trim)
+MAX_TOKENS: dict[str, tuple[int | None, int | None]] = {
+    "512": (512, None), "whole prompt": (None, None), "512, padding trimmed (approximate)": (512, TRIM_MULTIPLE)}
 NO_LORA = "none"
 NATIVE_ENCODER_KEY = "klein_encoder"  # in our CONDITIONING's options: the encoder file (the host ignores it)
 NATIVE_WRITTEN_KEY = "klein_written"  # in the negative output's options: whether a negative prompt was written
@@ -62,7 +64,10 @@ class KleinTextEncode(io.ComfyNode):
                 io.Combo.Input("max_tokens", options=list(MAX_TOKENS), default="512", optional=True,
                                tooltip="512 = prompts are cut at 512 tokens, as BFL and diffusers do (a "
                                        "warning says how much was cut). whole prompt = nothing is cut (at "
-                                       "least 512), as ComfyUI's own Flux.2 nodes do."),
+                                       "least 512), as ComfyUI's own Flux.2 nodes do. padding trimmed = cut "
+                                       f"at 512, padded only to a multiple of {TRIM_MULTIPLE} tokens: fewer "
+                                       "tokens in every step (faster, most at small sizes), but approximate, "
+                                       "since Klein was trained with 512; compare with 512 on your images."),
                 io.Combo.Input("lora_name", options=[NO_LORA, *host.filename_list("loras")], default=NO_LORA,
                                optional=True, tooltip=(
                     "A LoRA from models/loras whose text-encoder part adapts the encoder (e.g. one trained by "
@@ -175,7 +180,8 @@ def text_options(precision: str, max_tokens: str) -> kc.TextOptions:
     """The widgets' values as klein_core TextOptions; unknown values are refused by input name."""
     check_widget(NODE, "precision", precision, PRECISIONS)
     check_widget(NODE, "max_tokens", max_tokens, MAX_TOKENS)
-    return kc.TextOptions(max_tokens=MAX_TOKENS[max_tokens], activations=PRECISIONS[precision])
+    cut, trim = MAX_TOKENS[max_tokens]
+    return kc.TextOptions(max_tokens=cut, activations=PRECISIONS[precision], trim=trim)
 
 
 def warn_if_cut(input_name: str, text: str, limit: int) -> None:

@@ -308,3 +308,25 @@ def test_step_cache_from_the_command_line(tmp_path, capsys):
         assert exc.value.code == 2
         assert "is not a threshold" in capsys.readouterr().err
     assert not (tmp_path / "bad.png").exists()
+
+
+def test_trim_padding_from_the_command_line(tmp_path, monkeypatch):
+    """--trim-padding: the transformer gets the prompt's tokens rounded up to 64, not 512, and the
+    PNG's parameters say so; without it they say null."""
+    from klein_core.models.transformer import Flux2Transformer
+
+    seen: list[int] = []
+    real = Flux2Transformer.forward
+
+    def spy(self, *args, **kwargs):
+        seen.append(kwargs["txt"].shape[1])
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Flux2Transformer, "forward", spy)
+    for flag, length, recorded in (([], 512, None), (["--trim-padding"], 64, 64)):
+        seen.clear()
+        out = tmp_path / f"trim{len(flag)}.png"
+        assert cli.main(["--demo", "--prompt", "a fox", "--width", "64", "--height", "64", "--steps", "2",
+                         "--out", str(out), "-q", *flag]) == 0
+        assert set(seen) == {length}
+        assert json.loads(Image.open(out).text["parameters"])["trim_padding"] == recorded

@@ -52,6 +52,21 @@ def test_encoder_options_match_klein_core(comfy):  # noqa: F811
         _encode_out(comfy, precision="fp64")
 
 
+def test_trimmed_padding_choice(comfy):  # noqa: F811
+    """max_tokens "512, padding trimmed": prompt and negative padded together to a multiple of 64,
+    the rows of the 512-token encode; the sampler runs on them."""
+    direct = kc.load_text_encoder(comfy.paths["qwen_4b"], dtype=torch.bfloat16)
+    cond = _encode_out(comfy, "a red fox", "blurry", max_tokens="512, padding trimmed (approximate)").args[0]
+    assert cond.positive.shape == (1, 64, 96) and cond.negative.shape == (1, 64, 96)
+    full = encode_prompts(direct, ["a red fox", "blurry"], cache=None)
+    assert torch.equal(cond.positive, full[:1, :64]) and torch.equal(cond.negative, full[1:, :64])
+    model, _ = _load(comfy, M4B)
+    latents = _sample(comfy, model, cond, steps=2)
+    assert latents.shape == (1, 128, 4, 4) and torch.isfinite(latents).all()
+    with pytest.raises(ValueError, match=r"Qwen3 Layer-Concat Encoder: max_tokens 'trimmed' is not one of"):
+        _encode_out(comfy, max_tokens="trimmed")
+
+
 def test_long_prompts_warn_by_input_name_also_from_the_cache(comfy):  # noqa: F811
     n = count_tokens(LONG)
     for _ in range(2):  # the second time the embeddings come from the cache: still said

@@ -273,3 +273,66 @@ def test_denoised_estimate_reaches_the_callback(tiny_cfg):
 
     denoise(tr, make_noise(1, 1, 128, 2, 2), txt, get_schedule(1, 4), callback=plain)
     assert seen[-1] == 1
+
+
+def test_trim_pads_to_a_multiple_of_its_value():
+    """TextOptions.trim: the longest prompt's token count rounded up to a multiple (at most
+    max_tokens; without max_tokens nothing is cut); bad values are refused by name."""
+    short, mid = "a cat", " ".join(f"w{i}" for i in range(30))
+    assert count_tokens(short) <= 64 < count_tokens(mid) <= 128  # the counts the rules below rest on
+    trim = kc.TextOptions(trim=64)
+    assert trim.length([short]) == 64 and trim.length([short, mid]) == 128
+    assert kc.TextOptions(trim=48).length([mid]) == 48 * -(-count_tokens(mid) // 48)
+    assert trim.length([LONG]) == 512  # cut at max_tokens, as without trim
+    whole = kc.TextOptions(max_tokens=None, trim=64)
+    assert whole.length([LONG]) == 64 * -(-count_tokens(LONG) // 64) > 512  # whole prompts: nothing cut
+    assert kc.TextOptions().length([short]) == 512 and kc.TextOptions(max_tokens=None).length([short]) == 512
+    for bad in (0, -64, True, 64.0, "64"):
+        with pytest.raises(ValueError, match="trim"):
+            kc.TextOptions(trim=bad)
+
+
+def test_trimmed_embeddings_are_the_first_rows_of_the_padded_ones(encoder, parity):
+    """Qwen3 is causal and the padding is on the right, so a prompt's rows (and the padding rows
+    kept) are those of the 512-token encode; cache entries at the two lengths stay apart, and one
+    prompt's trimmed entry never answers another's of the same length."""
+    cache = kc.PromptCache()
+    trim = kc.TextOptions(trim=64)
+    trimmed = cache.encode(encoder, ["a red fox"], trim)
+    padded = cache.encode(encoder, ["a red fox"], kc.TextOptions())
+    assert trimmed.shape[1] == 64 and padded.shape[1] == 512 and cache.misses == 2
+    diff = parity("trimmed prompt embedding vs the first rows of the 512 one, fp32",
+                  (trimmed - padded[:, :64]).abs().max().item())
+    assert diff <= 1e-6, diff
+    other = cache.encode(encoder, ["a grey owl"], trim)
+    assert other.shape == trimmed.shape and cache.misses == 3 and not torch.equal(other, trimmed)
+    assert torch.equal(cache.encode(encoder, ["a red fox"], trim), trimmed) and cache.hits == 1
+
+
+def test_generate_with_trimmed_padding(parity):
+    """A run with trim gives the transformer fewer text tokens (the longest prompt's, rounded up;
+    with CFG the negative padded to the same length), and a finite image near the exact run's
+    (approximate: on trained weights check it on your images)."""
+    from klein_core.accel import relative_l2
+
+    tr, te, vae = build_tiny_components()
+    seen: list[int] = []
+    hook = tr.txt_in.register_forward_hook(lambda m, args, out: seen.append(args[0].shape[1]))
+    try:
+        kw = {"prompt": "a red fox", "width": 64, "height": 64, "seed": 2, "cache": None}
+        exact = kc.generate(tr, te, vae, **kw)
+        assert set(seen) == {512}
+        seen.clear()
+        fast = kc.generate(tr, te, vae, text=kc.TextOptions(trim=64), **kw)
+        assert set(seen) == {64}
+        seen.clear()
+        long_negative = " ".join(f"w{i}" for i in range(30))
+        base = kc.generate(tr, te, vae, kind="base", steps=3, negative_prompt=long_negative,
+                           text=kc.TextOptions(trim=64), **kw)
+        assert set(seen) == {128}  # prompt and negative in one batch, at the longer one's length
+    finally:
+        hook.remove()
+    assert torch.isfinite(fast.latents).all() and torch.isfinite(base.latents).all()
+    rel = parity("trimmed padding vs 512, tiny random weights, latents relative L2",
+                 relative_l2(fast.latents, exact.latents))
+    assert 0 < rel < 0.05, rel

@@ -171,3 +171,12 @@ def test_without_ray_one_clear_error(monkeypatch, tmp_path, capsys):
         monkeypatch.setitem(sys.modules, name, None)
     assert dcli.run_batch(_args(str(src), "--out", str(tmp_path / "o"), "--demo")) == 2
     assert capsys.readouterr().err.strip().endswith('batch and serve run on Ray: pip install "klein-nodes[ray]"')
+
+
+def test_trim_padding_reaches_the_workers_spec(tmp_path):
+    """--trim-padding in a batch job: every worker's engine pads prompts to a multiple of 64, and
+    the PNGs' parameters say so, as klein-generate's do."""
+    for flag, trim in (([], None), (["--trim-padding"], 64)):
+        spec = dcli.spec_from_args(_args(str(tmp_path / "rows.jsonl"), "--out", str(tmp_path / "o"), "--demo", *flag))
+        assert spec.text.trim == trim and spec.text.max_tokens == 512
+        assert spec.png_params()["trim_padding"] == trim

@@ -12,6 +12,7 @@ from pathlib import Path
 from ..accel.speed import SPEEDS
 from ..cli import DTYPES, CLIError, log_to_stderr, resolve_files, write_line
 from ..memory.planner import MODES
+from ..pipeline.prompts import TRIM_MULTIPLE
 from ..pipeline.request import guess_model_kind
 from .models import ModelSpec
 from .ray_support import RayMissing
@@ -42,6 +43,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     run.add_argument("--text-precision", choices=("model", "fp32"), default="model")
     run.add_argument("--max-tokens", choices=("512", "whole"), default="512",
                      help="512: a longer prompt is a bad row (not cut); whole: keep every token")
+    run.add_argument("--trim-padding", action="store_true", help="as klein-generate --trim-padding (approximate)")
     ray = p.add_argument_group("Ray")
     ray.add_argument("--address", default=None,
                      help="Ray cluster address (default: RAY_ADDRESS if set, else a new local cluster)")
@@ -56,6 +58,7 @@ def spec_from_args(args: argparse.Namespace) -> ModelSpec:
     lora_dir = args.lora_dir or (args.models_dir / "loras" if args.models_dir else None)
     common = dict(device=args.device, dtype=args.dtype, quantize=args.quantize, speed=args.speed, memory=args.memory,
                   max_tokens=None if args.max_tokens == "whole" else 512, text_precision=args.text_precision,
+                  trim=TRIM_MULTIPLE if args.trim_padding else None,
                   ref_mode=args.ref_mode, lora_dir=lora_dir.resolve() if lora_dir else None)
     if args.demo:
         return ModelSpec(demo=True, kind="base" if args.base else "distilled", **common)

@@ -22,7 +22,8 @@ class ModelSpec:
     ``transformer`` / ``text_encoder`` / ``vae``: file paths (None with ``demo``, the tiny random
     models). ``kind``: "distilled", "base" or "kv". ``device``: None = the worker's GPU if it has
     one, else the CPU. ``dtype``: "bf16", "fp16", "fp32" or None (bf16 on GPU, fp32 on CPU).
-    ``max_tokens``: 512 or None (whole prompts); ``text_precision``: "model" or "fp32".
+    ``max_tokens``: 512 or None (whole prompts); ``text_precision``: "model" or "fp32"; ``trim``:
+    :attr:`~klein_core.pipeline.prompts.TextOptions.trim` (None: padded to 512).
     ``lora_dir``: where row LoRA names are looked up.
     """
 
@@ -38,6 +39,7 @@ class ModelSpec:
     memory: str = "auto"
     max_tokens: int | None = 512
     text_precision: str = "model"
+    trim: int | None = None
     ref_mode: str | None = None
     lora_dir: Path | None = None
     names: dict[str, str] = field(default_factory=dict)
@@ -46,13 +48,14 @@ class ModelSpec:
     def text(self) -> TextOptions:
         """The prompt options the engine runs with."""
         return TextOptions(max_tokens=self.max_tokens,
-                           activations=torch.float32 if self.text_precision == "fp32" else None)
+                           activations=torch.float32 if self.text_precision == "fp32" else None, trim=self.trim)
 
     def png_params(self) -> dict:
         """The job-wide keys of a PNG's ``parameters`` text, as the CLI writes them."""
         return {"model_kind": self.kind, "demo": self.demo,
                 **(self.names or {"transformer": "demo", "text_encoder": "demo", "vae": "demo"}),
                 "text_precision": self.text_precision, "max_tokens": "whole" if self.max_tokens is None else "512",
+                "trim_padding": self.trim,
                 "ref_mode": reference_mode(self.kind, self.ref_mode), "speed": self.speed}
 
 
