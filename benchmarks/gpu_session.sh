@@ -42,6 +42,8 @@
 # nodesspeed (benchmarks/nodes_speed.py, since the twelfth session: what a ComfyUI user runs, the pack's
 # encoder -> sampler -> VAE decode nodes on full-size 4B files, against klein_core.generate on the same
 # files, 3 runs; writes 16 GB of random weights first): not measured yet, timeout 180 s.
+# trim (speed.py 4B a, b: default against default+trim, the prompt padded to a multiple of 64 tokens
+# instead of 512, opt-in and approximate; thirteenth session): not measured yet, timeout 120 s.
 #
 # Always: $OUT/env.json (GPU, driver, torch, packages, date) and $OUT/session.log (every step's
 # output, then the summary: exit code and seconds of each step; the summary is also printed last).
@@ -68,11 +70,11 @@ PY="${PYTHON:-python3}"
 DRY=0
 PHASES=()
 ALL=(speed4b speed9b vae tests memory9b)
-OPTIONAL=(warm peer kernels memory fastpass blocks profile profilec texttests textgraph trainprof trainfast fasttests compile4b train nodesspeed)
+OPTIONAL=(warm peer kernels memory fastpass blocks profile profilec texttests textgraph trainprof trainfast fasttests compile4b train nodesspeed trim)
 for arg in "$@"; do
     case "$arg" in
         --dry-run) DRY=1 ;;
-        speed4b|speed9b|tests|memory9b|vae|warm|peer|kernels|memory|fastpass|blocks|profile|profilec|texttests|textgraph|trainprof|trainfast|fasttests|compile4b|train|nodesspeed)
+        speed4b|speed9b|tests|memory9b|vae|warm|peer|kernels|memory|fastpass|blocks|profile|profilec|texttests|textgraph|trainprof|trainfast|fasttests|compile4b|train|nodesspeed|trim)
             PHASES+=("$arg") ;;
         all) PHASES+=("${ALL[@]}") ;;
         -h|--help) sed -n '2,/^$/p' "${BASH_SOURCE[0]}"; exit 0 ;;
@@ -256,6 +258,12 @@ phase_textgraph() {  # the default path with and without the text encoder's CUDA
     # shellcheck disable=SC2046
     step text_graph_4b_a 120 "$PY" benchmarks/speed.py --models 4b --cases a $(runs 3) --no-diffusers \
         --variants default,default+text_graph --out "$OUT/text_graph_4b_a.json"
+}
+
+phase_trim() {  # the default path with the prompt padded to a multiple of 64 tokens, not 512 (4B a and b, 3 runs)
+    # shellcheck disable=SC2046
+    step trim_4b_ab 120 "$PY" benchmarks/speed.py --models 4b --cases a,b $(runs 3) --no-diffusers \
+        --variants default,default+trim --out "$OUT/trim_4b_ab.json"
 }
 
 phase_nodesspeed() {  # what a ComfyUI user runs: the node chain against klein_core.generate on the same files

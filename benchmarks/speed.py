@@ -33,6 +33,9 @@ Variants (``--variants``, in this order):
 * ``default+step_cache``: ``default`` with the opt-in step cache
   (:mod:`klein_core.accel.step_cache`, ``--cache-threshold``); approximate, so its latents' relative
   L2 and pixel difference against ``default`` are reported beside its speed;
+* ``default+trim`` / ``compile+trim``: ``default`` / ``compile`` with the prompt padded to a multiple
+  of 64 tokens instead of 512 (``TextOptions(trim=64)``, opt-in); approximate, so its difference
+  against ``default`` is reported beside its speed, and its TFLOP/s count the tokens it ran;
 * ``fast[<attention>]`` for each backend in ``--attention``: the fast path with that attention.
 
 It reports the max abs difference of the final latents and the decoded images between every
@@ -98,6 +101,7 @@ from klein_core.models import (
     VAEConfig,
 )
 from klein_core.models.variants import KLEIN_4B, KLEIN_9B
+from klein_core.pipeline.prompts import TRIM_MULTIPLE, TextOptions
 from klein_core.pipeline.sampling import make_noise, pack
 from klein_core.pipeline.tokenizer import tokenize_prompts
 from klein_core.testing.fill import full_size_configs, random_fill_
@@ -173,7 +177,8 @@ def step_flops(cfg: TransformerConfig, image_tokens: int, text_tokens: int, batc
 
 
 VARIANTS = ("diffusers", "diffusers+compile", "plain", "default", "default+text_graph", "compile",
-            "default+step_cache")
+            "default+step_cache", "default+trim", "compile+trim")
+TRIMMED = TextOptions(trim=TRIM_MULTIPLE)  # the +trim variants' prompt options
 BF16_PEAK_TFLOPS = 790.0  # measured on an H100 (8192^3 bf16 matmul, 2026-11-13, device KINDS.md)
 
 # ---------------------------------------------------------------------------------------------
@@ -567,8 +572,9 @@ def _images(size: int, n: int) -> list[Image.Image]:
 
 def run_ours(components: tuple[Flux2Transformer, Qwen3TextEncoder, Flux2VAE], case: Case, probe: Probe,
              noise: torch.Tensor, refs: list[Image.Image], device: torch.device,
-             waits: list[str] | None = None) -> RunOutput:
-    """One generation, timed; ``waits``: collect where it made the host wait for the GPU."""
+             waits: list[str] | None = None, text: TextOptions | None = None) -> RunOutput:
+    """One generation, timed; ``waits``: collect where it made the host wait for the GPU; ``text``:
+    the prompt options (default: the engine's)."""
     tr, te, vae = components
     probe.reset()
     start = _memory_start(device)
@@ -578,7 +584,7 @@ def run_ours(components: tuple[Flux2Transformer, Qwen3TextEncoder, Flux2VAE], ca
         res = klein_core.generate(
             tr, te, vae, prompt=PROMPT, references=refs, width=case.size, height=case.size, steps=case.steps,
             guidance=case.guidance, kind="distilled" if case.distilled else "base", noise=noise, cache=None,
-            callback=lambda i, n, lat: probe.step_done(),
+            callback=lambda i, n, lat: probe.step_done(), **({} if text is None else {"text": text}),
         )
     probe.clock.sync()
     e2e = (time.perf_counter() - t0) * 1000.0
@@ -759,7 +765,9 @@ def bench_model(spec: ModelSpec, cases: list[Case], args: argparse.Namespace, de
         "compile": (at_speed("compile"), None),
         "default+step_cache": (with_step_cache, lambda: step_cache.disable_step_cache(tr)),
         "default+text_graph": (with_text_graph, lambda: disable_fast_text_encoder(te)),
+        "default+trim": (at_speed(speed.DEFAULT_SPEED), None), "compile+trim": (at_speed("compile"), None),
     }
+    texts = {"default+trim": TRIMMED, "compile+trim": TRIMMED}  # variants' prompt options, if not the default
     for attn in args.attention:
         ours_setups[f"fast[{attn}]"] = (at_speed("plain", attn), None)
     diff_best = DiffusersBest(parts) if parts is not None else None
@@ -781,8 +789,9 @@ def bench_model(spec: ModelSpec, cases: list[Case], args: argparse.Namespace, de
                              probe_diff, lambda pipe=pipe: run_diffusers(pipe, case, probe_diff, noise, refs, device)))
             else:
                 setup, teardown = ours_setups[name]
+                text = texts.get(name)
                 plan.append((name, setup, teardown, probe_ours,
-                             lambda: run_ours(ours, case, probe_ours, noise, refs, device)))
+                             lambda text=text: run_ours(ours, case, probe_ours, noise, refs, device, text=text)))
         runs: dict[str, list[RunOutput]] = {}
         warm_ms: dict[str, float] = {}
         notes: dict[str, Any] = {}
@@ -806,7 +815,7 @@ def bench_model(spec: ModelSpec, cases: list[Case], args: argparse.Namespace, de
                 with _sync_audit(device, probe_ours, tr, case.steps) as found:
                     go()
                 waits: list[str] = []
-                run_ours(ours, case, probe_ours, noise, refs, device, waits)
+                run_ours(ours, case, probe_ours, noise, refs, device, waits, text=texts.get(name))
                 notes.setdefault("sync_audit", {})[name] = {"syncs_inside_denoise": len(found),
                                                            "where": found[:20], "syncs_per_run": len(waits),
                                                            "where_per_run": waits[:20]}
@@ -820,7 +829,9 @@ def bench_model(spec: ModelSpec, cases: list[Case], args: argparse.Namespace, de
             notes["diffusers+compile text encoder"] = (
                 "eager (its compilation failed)" if diff_best.text_eager else "compiled")
         n_img = (case.size // 16) ** 2 * (1 + case.n_refs)
-        flops = step_flops(spec.transformer, n_img, 512, 2 if case.guidance > 1 else 1)
+        batch = 2 if case.guidance > 1 else 1
+        flops = step_flops(spec.transformer, n_img, 512, batch)
+        text_tokens = {name: opts.length([PROMPT] + ([""] if case.guidance > 1 else [])) for name, opts in texts.items()}
         first = next(iter(runs))
         summary: dict[str, Any] = {}
         for name, rs in runs.items():
@@ -839,7 +850,10 @@ def bench_model(spec: ModelSpec, cases: list[Case], args: argparse.Namespace, de
                 "diff_vs_" + first: _diff(rs[-1], runs[first][-1]),
             }
             step_ms = summary[name]["stages_ms"]["step_median"]
-            summary[name]["step_tflops"] = flops / (step_ms * 1e-3) / 1e12 if step_ms == step_ms else float("nan")
+            ran = step_flops(spec.transformer, n_img, text_tokens[name], batch) if name in text_tokens else flops
+            summary[name]["step_tflops"] = ran / (step_ms * 1e-3) / 1e12 if step_ms == step_ms else float("nan")
+            if name in text_tokens:
+                summary[name]["text_tokens"] = text_tokens[name]
             for other in ("plain", "default"):
                 if name != other and other in runs:
                     summary[name]["diff_vs_" + other] = _diff(rs[-1], runs[other][-1])
@@ -893,7 +907,7 @@ def print_table(results: list[dict[str, Any]], out: Any = sys.stdout) -> None:
             print(f"{'image max|d| (/255)':22}" + "".join(
                 f"{variants[n]['diff_vs_' + ref]['image_max_abs_255']:>{W}d}" for n in names), file=out)
             for name, v in variants.items():
-                if name != "default" and "diff_vs_default" in v and "step_cache" in name:
+                if name != "default" and "diff_vs_default" in v and ("step_cache" in name or "trim" in name):
                     d = v["diff_vs_default"]
                     print(f"{name} vs default: latents relative L2 {d['latents_rel_l2']:.3g}, image max "
                           f"|d| {d['image_max_abs_255']}/255, mean {d['image_mean_abs_255']:.2f}/255", file=out)

@@ -469,6 +469,24 @@ def test_speed_benchmark_variant_selection(tmp_path):
         speed.main(["--tiny", "--variants", "turbo", "--out", "/dev/null"])
 
 
+def test_speed_benchmark_trim_variants_count_the_tokens_they_ran(tmp_path):
+    """default+trim runs the prompt padded to 64 tokens: its difference against default is
+    reported, and its TFLOP/s come from the FLOPs of 64 text tokens, not 512."""
+    speed = _speed_module()
+    report = speed.main(["--tiny", "--runs", "1", "--warmup", "0", "--cases", "a", "--no-diffusers",
+                         "--variants", "default,default+trim", "--out", str(tmp_path / "s.json")])
+    case = report["results"][0]["cases"]["a"]
+    trim = case["variants"]["default+trim"]
+    assert trim["text_tokens"] == 64 and "text_tokens" not in case["variants"]["default"]
+    assert trim["diff_vs_default"]["latents_rel_l2"] > 0 and trim["finite"]
+    n_img = (speed._cases(True)["a"].size // 16) ** 2
+    flops = {t: speed.step_flops(speed._spec("tiny").transformer, n_img, t, 1) for t in (64, 512)}
+    assert flops[64] < flops[512]
+    for name, tokens in (("default+trim", 64), ("default", 512)):
+        v = case["variants"][name]
+        assert v["step_tflops"] == pytest.approx(flops[tokens] / (v["stages_ms"]["step_median"] * 1e-3) / 1e12)
+
+
 def test_speed_benchmark_says_clearly_when_diffusers_is_missing(monkeypatch):
     speed = _speed_module()
     monkeypatch.setitem(sys.modules, "diffusers", None)  # makes `import diffusers` fail
