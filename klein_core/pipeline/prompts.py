@@ -5,7 +5,8 @@ with an optional :class:`DiskPromptCache`, keyed by the encoder file's identity 
 modification time; the file is never opened), the weights' dtype and device type, the
 :class:`TextOptions` and the prompt: a prompt seen before, even before a restart, needs neither the
 encoder's weights nor its file. :class:`TextOptions` picks the BFL / diffusers way (model dtype,
-prompts cut at 512 tokens; the default) or ComfyUI's (fp32 activations, never cut, padded to 512+).
+prompts cut at 512 tokens; the default) or ComfyUI's (fp32 activations, never cut, padded to 512+),
+and may trim the padding (opt-in, approximate).
 """
 
 from __future__ import annotations
@@ -90,8 +91,8 @@ class TextOptions:
         return max(MAX_LENGTH, *(count_tokens(p) for p in prompts))
 
     def key(self) -> tuple:
-        # Without ``trim``: a prompt encoded at one length gives the same embedding however that
-        # length was chosen, so cache entries are shared by length (part of every cache key).
+        # ``trim`` is left out: it only chooses the length, which is part of every cache key, and a
+        # prompt encoded at one length gives the same embedding however that length was chosen.
         return (self.max_tokens, str(self.activations))
 
 
