@@ -226,4 +226,17 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/test_step_cache.py::test_no_state_leaks_into_the_next_run",),
         "a new run starts from the last run's residuals",
     ),
+    # ----- prompts and copies (thirteenth session) -----
+    Mutant(
+        "trim-length-not-rounded-up", "klein_core/pipeline/prompts.py",
+        "trimmed = -(-longest // self.trim) * self.trim", "trimmed = longest // self.trim * self.trim",
+        ("tests/test_prompts.py::test_trim_pads_to_a_multiple_of_its_value",),
+        "trimmed padding rounds down and cuts the end of the prompt",
+    ),
+    Mutant(
+        "batch-decode-waits-per-image", "klein_core/pipeline/engine.py",
+        "                    frames.append(pixels)\n", "                    frames.append(pixels)\n                    copies.wait()\n",
+        ("tests/test_transfer.py::test_a_batch_decode_waits_once_after_its_last_image",),
+        "the host waits for each image's copy before queuing the next decode",
+    ),
 )
