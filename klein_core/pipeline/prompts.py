@@ -41,7 +41,7 @@ logger = logging.getLogger(__name__)
 
 
 # TextOptions.trim of the CLI's --trim-padding and the encoder node's trimmed choice: tensor-core
-# friendly, and at most 8 lengths up to 512 (each its own compiled shape and text-encoder graph).
+# friendly, and at most 8 lengths up to 512 (under compile, each its own text-encoder CUDA graph).
 TRIM_MULTIPLE = 64
 
 
