@@ -144,7 +144,7 @@ def _add_generate_args(g: argparse.ArgumentParser) -> None:
                    metavar="THRESHOLD",
                    help="base models, opt-in and approximate: skip the blocks after the first while the first "
                         f"block's output has changed by less than THRESHOLD since the last full step (alone: "
-                        f"{DEFAULT_THRESHOLD}; 0 never skips); reports how many steps skipped")
+                        f"{DEFAULT_THRESHOLD}; 0 never skips); says how many forwards skipped")
     g.add_argument("--quantize", choices=("fp8", "q8", "q4"), default=None,
                    help="store the transformer's block weights as fp8, or as GGUF Q8_0 / Q4_0 blocks (Klein 4B: "
                         "about 4.0 / 2.3 GB); fp8 and GGUF files keep their own format")
