@@ -280,11 +280,11 @@ phase_trainprof() {  # one training step of ours and of diffusers + peft under t
         --out "$OUT/profile_train_4b_fast.json"
 }
 
-phase_texttests() {  # the GPU suite's text encoder tests (compiled, CUDA graph replay) and its one-wait test
+phase_texttests() {  # the GPU suite's text encoder tests (compiled, CUDA graph replay) and its one-wait and trimmed-padding tests
     local -a env_vars=("KLEIN_PARITY_JSON=$OUT/parity_text.json" "KLEIN_PARITY_TABLE=1")
     [ "$DRY" -eq 1 ] && env_vars+=("KLEIN_GPU_TESTS_DEVICE=cpu")
     step texttests 90 env "${env_vars[@]}" "$PY" -m pytest -q -p no:cacheprovider -rs \
-        -k "text_encoder or waits_for_the_device" tests/gpu/test_gpu_fast.py tests/gpu/test_gpu_pipeline.py
+        -k "text_encoder or waits_for_the_device or trimmed" tests/gpu/test_gpu_fast.py tests/gpu/test_gpu_pipeline.py
 }
 
 phase_fasttests() {

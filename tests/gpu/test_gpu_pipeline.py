@@ -49,6 +49,28 @@ def test_text_to_image(gpu, small, parity):
     assert d < (0.15 if gpu.half else 1e-5), d  # CPU bf16: 3.2e-2 (pixels in [0, 1])
 
 
+def test_trimmed_padding_on_the_device(gpu, small, parity):
+    """TextOptions(trim=64) on the device: the prompt's rows against the 512-token encode's (equal on
+    the CPU; a GPU's kernels for another length may round differently), and a finite image from 64
+    text tokens."""
+    from klein_core.pipeline.prompts import encode_prompts
+
+    tr, te, vae = small
+    trimmed = encode_prompts(te, ["a red fox in the snow"], cache=None, options=kc.TextOptions(trim=64))
+    padded = encode_prompts(te, ["a red fox in the snow"], cache=None)
+    assert trimmed.shape[1] == 64 and padded.shape[1] == 512
+    rel = parity(tag(gpu, "trimmed prompt rows vs the 512-token encode's, relative L2"),
+                 rel_l2(trimmed, padded[:, :64]))
+    assert rel < (1e-2 if gpu.half else 1e-6), rel
+    kw = {"prompt": "a red fox in the snow", "width": gpu.size, "height": gpu.size, "steps": 4, "seed": 7,
+          "cache": None}
+    res = kc.generate(tr, te, vae, text=kc.TextOptions(trim=64), **kw)
+    _check_result(res, gpu, gpu.size, gpu.size)
+    exact = kc.generate(tr, te, vae, **kw)
+    parity(tag(gpu, "t2i trimmed padding vs 512, latents relative L2 (approximate by design)"),
+           rel_l2(res.latents, exact.latents))
+
+
 def test_edit_with_two_references(gpu, small, parity):
     tr, te, vae = small
     refs = reference_images(gpu.ref_sizes)
