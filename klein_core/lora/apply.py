@@ -232,8 +232,9 @@ def _apply_in_turn(plan: _ModulePlan, weight: torch.Tensor
             weight[rows] += strength * patch.delta(weight.device)
             yield patch, strength, rows, None
             continue
-        c = patch.dora_row_scale(weight[rows], strength) if patch.dora_on_rows else None
-        weight[rows] = patch.decompose(weight[rows], strength)
+        delta = patch.delta(weight.device)  # computed once for both
+        c = patch.dora_row_scale(weight[rows], strength, delta) if patch.dora_on_rows else None
+        weight[rows] = patch.decompose(weight[rows], strength, delta=delta, row_scale=c)
         yield patch, strength, rows, c
 
 

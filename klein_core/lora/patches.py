@@ -87,14 +87,17 @@ class LoRAPatch:
             return True
         return self.dora == "comfyui" and self.tensors["dora_scale"].shape[0] == self.shape[0]
 
-    def dora_row_scale(self, weight: torch.Tensor, strength: float) -> torch.Tensor:
+    def dora_row_scale(self, weight: torch.Tensor, strength: float,
+                       delta: torch.Tensor | None = None) -> torch.Tensor:
         """The float32 factor ``c [out]`` by which this patch scales the rows (``dora_on_rows``),
-        from the current rows ``weight [out, in]`` (float32) at ``strength``: see :meth:`decompose`."""
+        from the current rows ``weight [out, in]`` (float32) at ``strength``: see :meth:`decompose`.
+        ``delta``: :meth:`delta`, if the caller has it already."""
         if self.dora == "peft":
             magnitude = self.tensors["magnitude"].to(device=weight.device, dtype=torch.float32)
             if self.target.swap_halves:
                 magnitude = swap_halves(magnitude)
-            return magnitude / torch.linalg.vector_norm(weight + strength * self.delta(weight.device), dim=1)
+            delta = self.delta(weight.device) if delta is None else delta
+            return magnitude / torch.linalg.vector_norm(weight + strength * delta, dim=1)
         if not self.dora_on_rows:
             raise ValueError("dora_row_scale() is defined for DoRA magnitudes on the rows")
         scale = self.tensors["dora_scale"].to(device=weight.device, dtype=torch.float32)[:, 0]
@@ -103,9 +106,12 @@ class LoRAPatch:
         # ComfyUI's weight_decompose takes the rows' norms before the delta
         return scale / (torch.linalg.vector_norm(weight, dim=1) + torch.finfo(torch.float32).eps)
 
-    def decompose(self, weight: torch.Tensor, strength: float) -> torch.Tensor:
+    def decompose(self, weight: torch.Tensor, strength: float, *, delta: torch.Tensor | None = None,
+                  row_scale: torch.Tensor | None = None) -> torch.Tensor:
         """DoRA: the float32 rows ``[out, in]`` this patch makes of the current rows ``weight``
-        (float32, this patch's rows of a fused weight) at ``strength``. ``delta`` is :meth:`delta`.
+        (float32, this patch's rows of a fused weight) at ``strength``. ``delta`` is :meth:`delta`;
+        it and ``row_scale`` (:meth:`dora_row_scale` of the same ``weight``) may be given if the
+        caller has them already.
 
         * ``"comfyui"`` (ComfyUI's ``weight_decompose``): ``calc = weight + delta``, scaled per row
           by ``dora_scale / (|weight| + eps)`` (``[out, 1]``: the norm of each row of ``weight``,
@@ -116,14 +122,16 @@ class LoRAPatch:
           ``magnitude / |calc|``: the strength scales the delta as an adapter weight does in
           diffusers.
         """
-        delta = self.delta(weight.device)
+        delta = self.delta(weight.device) if delta is None else delta
+        if self.dora_on_rows and row_scale is None:
+            row_scale = self.dora_row_scale(weight, strength, delta)
         if self.dora == "peft":
-            return (weight + strength * delta) * self.dora_row_scale(weight, strength)[:, None]
+            return (weight + strength * delta) * row_scale[:, None]
         if self.dora != "comfyui":
             raise ValueError("decompose() is defined for patches with a DoRA magnitude")
         calc = weight + delta
         if self.dora_on_rows:
-            calc = calc * self.dora_row_scale(weight, strength)[:, None]
+            calc = calc * row_scale[:, None]
         else:  # per input column, of the new weight
             scale = self.tensors["dora_scale"].to(device=weight.device, dtype=torch.float32)
             norm = torch.linalg.vector_norm(calc, dim=0, keepdim=True) + torch.finfo(torch.float32).eps
