@@ -107,7 +107,8 @@ def _timed(device: torch.device, fn: Callable[[], Any]) -> tuple[Any, float]:
 
 
 def _as_uint8(image: torch.Tensor) -> np.ndarray:
-    """A ComfyUI IMAGE ``[1, H, W, 3]`` in [0, 1] as the 8-bit picture SaveImage writes."""
+    """A ComfyUI IMAGE ``[1, H, W, 3]`` in [0, 1] rounded to 8 bits (half up; SaveImage truncates
+    instead), to compare with the engine's rounded image."""
     return np.clip(image[0].float().cpu().numpy() * 255.0 + 0.5, 0, 255).astype(np.uint8)
 
 
