@@ -47,6 +47,7 @@ if str(REPO) not in sys.path:  # run as a script from a checkout
 
 import klein_core
 from benchmarks import comfy_peer
+from benchmarks.host_audit import HostAudit
 from benchmarks.speed import PROMPT, SEED, _spec, build_ours
 from klein_core.testing import write_tiny_model_files
 
@@ -152,7 +153,10 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
 
         _, first = nodes(prompts[-1])  # loads the files
         result["nodes_first_chain_ms"] = first
-        node_runs = [nodes(p) for p in prompts[: args.warmup + args.runs]][args.warmup:]
+        node_runs = [nodes(p) for p in prompts[: args.warmup]]
+        with HostAudit() as nodes_audit:  # garbage collections inside the timed runs
+            node_runs = [nodes(p) for p in prompts[args.warmup: args.warmup + args.runs]]
+        result["nodes_host_audit"] = nodes_audit.result()
         cache.release_all("nodes_speed: the engine's turn")
         gc.collect()
         if device.type == "cuda":
@@ -169,7 +173,10 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             return np.asarray(res.images[0]), {"e2e": ms, **{k: v * 1000.0 for k, v in res.timings.items()}}
 
         engine(prompts[-1])
-        engine_runs = [engine(p) for p in prompts[: args.warmup + args.runs]][args.warmup:]
+        engine_runs = [engine(p) for p in prompts[: args.warmup]]
+        with HostAudit() as engine_audit:
+            engine_runs = [engine(p) for p in prompts[args.warmup: args.warmup + args.runs]]
+        result["engine_host_audit"] = engine_audit.result()
     finally:
         if own_dir:
             shutil.rmtree(models, ignore_errors=True)

@@ -12,6 +12,9 @@ conversion, launch latency) only shows as ``e2e - sum(stages)``. This script run
   profiler ranges (stages, input checks, the denoising set-up, each step) and the host events
   overlapping the gap, so host-side stalls can be placed;
 * ``cpu_ops``: the host operators with the most self time;
+* ``host_audit``: Python garbage collections and torch.compile compilations during the profiled run
+  (:mod:`benchmarks.host_audit`; each collection is also a ``python.gc.gen<N>`` range, so a gap's
+  ``host`` names it), and in ``unprofiled`` those of the run without the profiler;
 * ``unprofiled``: one run without the profiler, its wall time against the engine's own stage clocks
   (``GenerationResult.timings``: on CUDA the device's time from each stage's start to its end, the
   host waiting for the device only at the end of the run); ``cprofile_cumulative``: Python's
@@ -41,6 +44,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import klein_core
+from benchmarks.host_audit import HostAudit
 from benchmarks.speed import PROMPT, SEED, _cases, _images, _spec, build_ours
 from klein_core.accel import speed
 from klein_core.pipeline.sampling import make_noise
@@ -183,14 +187,15 @@ def main() -> int:
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
-    with torch.profiler.profile(activities=activities) as prof:
+    with torch.profiler.profile(activities=activities) as prof, HostAudit(profile=True) as profiled_audit:
         t0 = time.perf_counter()
         run()
         wall = (time.perf_counter() - t0) * 1000
     # The engine's own stage clocks (synchronised) against the wall, then Python's view of one run.
-    t0 = time.perf_counter()
-    stages = run()
-    plain_wall = (time.perf_counter() - t0) * 1000
+    with HostAudit() as plain_audit:
+        t0 = time.perf_counter()
+        stages = run()
+        plain_wall = (time.perf_counter() - t0) * 1000
     host = cProfile.Profile()
     host.enable()
     run()
@@ -199,13 +204,15 @@ def main() -> int:
     pstats.Stats(host, stream=text).sort_stats("cumulative").print_stats(r"klein_core|PIL|numpy", 40)
     result = {"model": spec.name, "case": case.title, "speed": args.speed, "device": str(device),
               "described": speed.describe_speed(tr), **summarise(prof, wall),
+              "host_audit": profiled_audit.result(),
               "unprofiled": {"wall_ms": plain_wall, "engine_stages_ms": stages,
-                             "outside_stages_ms": plain_wall - sum(stages.values())},
+                             "outside_stages_ms": plain_wall - sum(stages.values()),
+                             "host_audit": plain_audit.result()},
               "cprofile_cumulative": text.getvalue().splitlines()[:70]}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
     print(json.dumps({k: result[k] for k in ("model", "case", "wall_ms", "gpu_busy_ms", "gpu_idle_ms",
-                                             "kernels_by_family_ms", "memcpy", "unprofiled")}))
+                                             "kernels_by_family_ms", "memcpy", "host_audit", "unprofiled")}))
     return 0
 
 

@@ -41,8 +41,9 @@ Variants (``--variants``, in this order):
 It reports the max abs difference of the final latents and the decoded images between every
 variant and the first one, speed-ups against both diffusers variants, the transformer step's
 achieved TFLOP/s (matmul and attention FLOPs of one forward, :func:`step_flops`) against the bf16
-peak, counts host-device synchronisations inside klein_core's denoising loop (CUDA only), prints a
-table and writes everything to ``--out``.
+peak, counts host-device synchronisations inside klein_core's denoising loop (CUDA only), records the
+Python garbage collections and torch.compile compilations inside each variant's timed runs
+(``host_audit``, :mod:`benchmarks.host_audit`), prints a table and writes everything to ``--out``.
 
 Peak memory: all pipelines share one copy of the weights, so for each run the script reports the
 activation peak (``max_memory_allocated`` minus what was allocated at the start of the run, after
@@ -89,6 +90,7 @@ if str(REPO) not in sys.path:  # run as a script from a checkout
 
 import klein_core
 from benchmarks.peers import diffusers_flux2_transformer
+from benchmarks.host_audit import HostAudit
 from klein_core.accel import fast, speed, step_cache
 from klein_core.accel.text_encoder import disable_fast_text_encoder, enable_fast_text_encoder
 from klein_core.files.transformer_layout import bfl_to_diffusers
@@ -803,7 +805,9 @@ def bench_model(spec: ModelSpec, cases: list[Case], args: argparse.Namespace, de
             for _ in range(args.warmup):  # compilation, cuDNN autotuning, allocator warm-up
                 go()
             warm_ms[name] = (time.perf_counter() - t_warm) * 1000.0 / max(args.warmup, 1)
-            runs[name] = [go() for _ in range(args.runs)]
+            with HostAudit() as audit:  # garbage collections and recompilations inside the timed runs
+                runs[name] = [go() for _ in range(args.runs)]
+            notes.setdefault("host_audit", {})[name] = audit.result()
             is_ours = not name.startswith("diffusers")
             if is_ours and isinstance(tr.ops, fast.FastOps):
                 resolved = tr.ops.resolved()
@@ -885,7 +889,9 @@ def print_table(results: list[dict[str, Any]], out: Any = sys.stdout) -> None:
                     ("step (median)", lambda v: v["stages_ms"]["step_median"]),
                     ("denoise (all steps)", lambda v: v["stages_ms"]["denoise"]),
                     ("VAE decode", lambda v: v["stages_ms"].get("decode", float("nan"))),
-                    ("end to end", lambda v: v["e2e_ms"])]
+                    ("end to end", lambda v: v["e2e_ms"]),
+                    ("outside the stages", lambda v: v["e2e_ms"] - sum(
+                        v["stages_ms"].get(k, 0.0) for k in ("text", "references", "denoise", "decode")))]
             for label, get in rows:
                 print(f"{label:22}" + "".join(f"{_fmt(get(variants[n])):>{W}}" for n in names), file=out)
             for ref_name in ("diffusers", "diffusers+compile"):
@@ -919,6 +925,12 @@ def print_table(results: list[dict[str, Any]], out: Any = sys.stdout) -> None:
                       + "".join(f"\n    {w}" for w in audit["where"][:5]), file=out)
             for where, text in case.get("fast", {}).items():
                 print(f"{where}: {text}", file=out)
+            for name, audit in case.get("host_audit", {}).items():
+                g = audit["gc"]
+                print(f"inside the timed runs ({name}): garbage collections gen0/1/2 "
+                      f"{g['gen0']['count']}/{g['gen1']['count']}/{g['gen2']['count']} "
+                      f"({g['gen0']['ms'] + g['gen1']['ms'] + g['gen2']['ms']:.1f} ms, largest {g['largest_ms']:.1f}), "
+                      f"compiled frames {audit['compiles'].get('frames', 'n/a')}", file=out)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

@@ -43,6 +43,8 @@ def test_profile_run_reports_stages_and_host_profile(tmp_path):
     assert set(stages) >= {"text", "denoise", "decode"} and all(v > 0 for k, v in stages.items() if k != "references")
     assert report["wall_ms"] > 0 and report["gpu_busy_ms"] == 0  # no CUDA kernels on the CPU
     assert any("engine.py" in line and "(generate)" in line for line in report["cprofile_cumulative"])
+    for audit in (report["host_audit"], report["unprofiled"]["host_audit"]):  # warm eager runs compile nothing
+        assert set(audit["gc"]) >= {"gen0", "gen1", "gen2", "largest_ms"} and audit["compiles"]["frames"] == 0
 
 
 def test_profile_families_place_inductor_kernels_by_what_they_compute():
@@ -78,6 +80,7 @@ def test_nodes_speed_times_the_node_chain_against_the_engine(comfy_pack, tmp_pat
     assert report["nodes_ms"]["chain"] > 0 and report["engine_ms"]["e2e"] > 0 and report["nodes_over_engine"] > 0
     assert {"text", "denoise", "decode"} <= set(report["engine_ms"])
     assert report["image_max_abs_diff"] <= 1  # the same model, prompt and seed on both sides
+    assert all(report[k]["compiles"]["frames"] == 0 for k in ("nodes_host_audit", "engine_host_audit"))
     assert "nodes chain" in done.stdout
 
 
@@ -104,3 +107,30 @@ def test_profile_train_profiles_one_step_of_each_side(tmp_path):
     report = json.loads(fast.read_text())
     assert report["speed"] == "fast" and "ours" in report and "diffusers" not in report
     assert "ours at speed fast" in done.stdout
+
+
+def test_host_audit_counts_collections_and_compilations():
+    """benchmarks/host_audit.py: a forced full collection and a new compiled frame inside the block are
+    counted (and the collection is a profiler range); an empty block counts nothing; the callback is
+    removed on exit."""
+    import gc
+
+    audit_mod = load_script("klein_host_audit", REPO / "benchmarks" / "host_audit.py")
+    with audit_mod.HostAudit() as idle:
+        pass
+    assert idle.result()["gc"]["gen2"]["count"] == 0 and idle.result()["compiles"].get("frames", 0) == 0
+
+    f = torch.compile(lambda x: x * 2 + 1, backend="eager")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        with audit_mod.HostAudit(profile=True) as audit:
+            gc.collect()
+            f(torch.ones(3))
+            f(torch.ones(3))  # the same shape: no second compilation
+    out = audit.result()
+    assert out["gc"]["gen2"]["count"] >= 1 and out["gc"]["largest_ms"] > 0
+    assert out["compiles"]["frames"] == 1
+    assert any(e.name == "python.gc.gen2" for e in prof.events())
+    assert audit._callback not in gc.callbacks
+    with audit_mod.HostAudit() as again:  # the same shape again: compiled already, nothing new
+        f(torch.ones(3))
+    assert again.result()["compiles"]["frames"] == 0

@@ -398,6 +398,10 @@ def test_speed_benchmark_tiny_cpu(tmp_path, capsys):
         assert variants["diffusers"]["stages_ms"].get("references", 0) > 0 if key == "b" else True
     assert "vs diffusers" in printed and "latents max|d|" in printed and "step TFLOP/s" in printed
     assert cases["a"]["step_gflop"] > 0 and cases["a"]["variants"]["default"]["step_tflops"] > 0
+    assert "outside the stages" in printed and "garbage collections gen0/1/2" in printed
+    for case in cases.values():  # every variant's timed runs audited; eager runs compile nothing
+        assert set(case["host_audit"]) == {"diffusers", "plain", "default"}
+        assert all(a["compiles"].get("frames", 0) == 0 for a in case["host_audit"].values())
 
 
 def test_speed_benchmark_times_the_text_encoder_without_module_hooks():
