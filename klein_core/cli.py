@@ -27,6 +27,7 @@ from .files.gguf import is_gguf
 from .files.identify import matching_text_encoders, probe
 from .files.loaders import as_dtype
 from .files.safetensors import open_safetensors
+from .memory.tiling import TILE_SIDES
 from .models.variants import check_text_width
 from .pipeline.engine import Engine, GenerationResult, generate
 from .pipeline.images import oriented_size, reference_size
@@ -175,10 +176,28 @@ def _add_generate_args(g: argparse.ArgumentParser) -> None:
     g.add_argument("--trim-padding", action="store_true",
                    help=f"pad prompts to a multiple of {TRIM_MULTIPLE} tokens instead of 512: fewer tokens in every "
                         "step (faster, most at small sizes); approximate, since Klein was trained with 512")
+    g.add_argument("--vae-tile", type=vae_tile_arg, default="auto", metavar="{auto,none,64,32,16}",
+                   help=VAE_TILE_HELP)
     g.add_argument("--prompt-cache", type=Path, default=None, metavar="DIR",
                    help="keep prompt embeddings in DIR across runs: a prompt seen before does not load the "
                         "text encoder at all")
     g.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+
+
+VAE_TILE_HELP = ("auto: the VAE encodes and decodes in tiles only where GPU memory is short; none: never in tiles "
+                 "(weights move first, or the run is refused); 64, 32 or 16: always in tiles of that many latent "
+                 "positions (1024, 512, 256 px). Tiles are not exact, so pin them to get the same pixels on any "
+                 "GPU; the PNG parameters record the tiles that ran")
+
+
+def vae_tile_arg(text: str) -> int | str | None:
+    """``--vae-tile``'s value: "auto", "none" (None) or a tile side of :data:`TILE_SIDES`."""
+    if text in ("auto", "none"):
+        return None if text == "none" else text
+    if text.isdigit() and int(text) in TILE_SIDES:
+        return int(text)
+    raise argparse.ArgumentTypeError(f"{text!r} is not a VAE tile: give auto, none or one of "
+                                     f"{', '.join(map(str, TILE_SIDES))}")
 
 
 def step_cache_threshold(text: str) -> float:
@@ -516,7 +535,7 @@ def run_generate(args: argparse.Namespace) -> int:
         image=init[0] if init else None, mask=init[1] if init else None, strength=args.strength,
         mask_crop_padding=args.crop_padding, composite=not args.no_composite, feather=args.feather,
         ref_mode=args.ref_mode,
-        negative_embeds=cond.negative if cond is not None else None, speed=args.speed,
+        negative_embeds=cond.negative if cond is not None else None, speed=args.speed, vae_tile=args.vae_tile,
     )
     total = time.perf_counter() - t0
     # Everything that changed the pixels, resolved, so the parameters can reproduce the image: the
@@ -532,6 +551,8 @@ def run_generate(args: argparse.Namespace) -> int:
         "trim_padding": TRIM_MULTIPLE if args.trim_padding else None,
         "ref_mode": reference_mode(kind, args.ref_mode),
         "speed": args.speed,
+        "vae_tile": "none" if args.vae_tile is None else args.vae_tile,
+        "decode_tiles": result.decode_tiles,
         "step_cache": None if step_cache is None else _step_cache_record(step_cache),
         "environment": run_environment(transformer),
         **({"image": str(args.image), "mask": str(args.mask) if args.mask else None,

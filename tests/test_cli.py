@@ -310,6 +310,32 @@ def test_step_cache_from_the_command_line(tmp_path, capsys):
     assert not (tmp_path / "bad.png").exists()
 
 
+def test_vae_tile_from_the_command_line(tmp_path, capsys):
+    """--vae-tile: auto (default) decodes a 512x512 demo image whole on the CPU, 16 in tiles of 16 latents
+    (other pixels), none whole (the same bytes as auto); each PNG records the setting and the tiles that
+    ran; a bad value is refused before anything loads."""
+    def run(name, *extra):
+        out = tmp_path / f"{name}.png"
+        assert cli.main(["--demo", "--prompt", "a fox", "--width", "512", "--height", "512", "--steps", "2",
+                         "--out", str(out), "-q", *extra]) == 0
+        img = Image.open(out)
+        meta = json.loads(img.text["parameters"])
+        return img.tobytes(), meta["vae_tile"], meta["decode_tiles"]
+
+    auto = run("auto")
+    assert auto[1:] == ("auto", [None])
+    tiled = run("tiled", "--vae-tile", "16")
+    assert tiled[1:] == (16, [16]) and tiled[0] != auto[0]
+    whole = run("whole", "--vae-tile", "none")
+    assert whole[1:] == ("none", [None]) and whole[0] == auto[0]
+    capsys.readouterr()
+    for bad in ("48", "whole", "-16"):
+        with pytest.raises(SystemExit) as exc:
+            cli.main(["--demo", "--vae-tile", bad, "--out", str(tmp_path / "bad.png")])
+        assert exc.value.code == 2 and "is not a VAE tile" in capsys.readouterr().err
+    assert not (tmp_path / "bad.png").exists()
+
+
 def test_trim_padding_from_the_command_line(tmp_path, monkeypatch):
     """--trim-padding: the transformer gets the prompt's tokens rounded up to 64, not 512, and the
     PNG's parameters say so; without it they say null."""

@@ -55,3 +55,59 @@ def test_module_tensors_walks_each_submodule_once_as_modules_does():
         assert module_bytes(module) == sum(t.numel() * t.element_size() for t in expected)
     assert tensor_devices(twice) == {torch.device("cpu"), torch.device("meta")}
     assert tensor_devices(tr) == {torch.device("cpu")}
+
+
+def test_a_pinned_vae_tile_decodes_in_those_tiles_and_the_result_says_which():
+    """generate(vae_tile=16) decodes a 32x32-latent image in tiles of 16 (equal to tiling.decode with
+    that tile), and encodes its reference in tiles too; the result names the tile per image. Auto on the
+    CPU and None decode whole (the same pixels); an image no larger than the tile is decoded whole and
+    recorded as such. A bad value is refused before anything runs."""
+    import pytest
+
+    from klein_core.memory import tiling
+
+    tr, te, vae = demo.build_tiny_components()
+    kw = dict(prompt="a fox", width=512, height=512, steps=2, seed=3, cache=None)
+    auto = klein_core.generate(tr, te, vae, **kw)
+    whole = klein_core.generate(tr, te, vae, vae_tile=None, **kw)
+    pinned = klein_core.generate(tr, te, vae, vae_tile=16, **kw)
+    assert auto.decode_tiles == whole.decode_tiles == [None] and torch.equal(auto.pixels, whole.pixels)
+    assert pinned.decode_tiles == [16] and torch.equal(pinned.latents, auto.latents)
+    expected = ((tiling.decode(vae, auto.latents, 16).float() + 1) / 2).clamp(0, 1)
+    assert torch.equal(pinned.pixels, expected)
+    assert (pinned.pixels - auto.pixels).abs().max() > 0.01  # tiling is not exact: it really ran
+    assert klein_core.generate(tr, te, vae, vae_tile=16, batch_size=2, **kw).decode_tiles == [16, 16]
+
+    img = Image.fromarray((np.random.default_rng(0).random((512, 512, 3)) * 255).astype(np.uint8))
+    edit = dict(prompt="a fox", references=[img], steps=2, seed=3, cache=None)
+    assert not torch.equal(klein_core.generate(tr, te, vae, vae_tile=16, **edit).latents,
+                           klein_core.generate(tr, te, vae, **edit).latents)  # the reference encoded in tiles
+
+    small = klein_core.generate(tr, te, vae, vae_tile=64, **{**kw, "width": 256, "height": 256})
+    assert small.decode_tiles == [None]  # 16x16 latents fit one tile of 64: decoded whole, exactly
+    with pytest.raises(ValueError, match="vae_tile must be"):
+        klein_core.generate(tr, te, vae, vae_tile=48, **kw)
+
+
+def test_a_decode_that_runs_out_of_memory_records_the_smaller_tiles_it_retried_in(monkeypatch, caplog):
+    """Pinned whole (vae_tile=None), the decode runs out of memory whole, at 64 and at 32: it retries in
+    tiles of 16 with a warning each time, and decode_tiles says 16, the tiles that made the pixels."""
+    import klein_core.pipeline.engine as engine_mod
+
+    tr, te, vae = demo.build_tiny_components()
+    kw = dict(prompt="a fox", width=512, height=512, steps=2, seed=3, cache=None)
+    tiled = klein_core.generate(tr, te, vae, vae_tile=16, **kw)
+    real, tried = engine_mod.decode_to_pixels, []
+
+    def short_of_memory(vae_, latents, *, tile=None, **k):
+        tried.append(tile)
+        if tile != 16:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real(vae_, latents, tile=tile, **k)
+
+    monkeypatch.setattr(engine_mod, "decode_to_pixels", short_of_memory)
+    with caplog.at_level("WARNING"):
+        got = klein_core.generate(tr, te, vae, vae_tile=None, **kw)
+    assert tried == [None, 64, 32, 16] and got.decode_tiles == [16]
+    assert torch.equal(got.pixels, tiled.pixels)
+    assert sum("retrying in tiles of" in r.getMessage() for r in caplog.records) == 3

@@ -233,6 +233,36 @@ def test_reasons_forced_modes_and_request_checks():
     assert max(stages.values()) == big.peak_bytes
 
 
+def test_a_pinned_vae_tile_is_kept_and_only_the_placement_is_searched():
+    """vae_tile pins the tiling: None never tiles (at 2048^2 on 14 GB the plan moves weights where auto
+    tiled, TABLE), a side always tiles (even with 80 GB free); a bad value names the choices."""
+    est = _est(K4, Q4, MemoryRequest(2048, 2048), "fp8")
+    auto = choose_plan(est, int(14 * GB))
+    assert (auto.name, auto.vae_tile) == ("resident", 64)
+    whole = choose_plan(est, int(14 * GB), vae_tile=None)
+    assert whole.vae_tile is None and whole.fits and whole.name != "resident", whole.reason
+    assert whole.peak_bytes <= 14 * GB - DEFAULT_RESERVE_BYTES
+    pinned = choose_plan(est, int(80 * GB), vae_tile=32)
+    assert (pinned.name, pinned.vae_tile) == ("resident", 32) and "VAE tiles of 32" in pinned.reason
+    blocks = choose_plan(est, int(80 * GB), mode="blocks", vae_tile=16)
+    assert (blocks.name, blocks.vae_tile) == ("stream transformer blocks", 16)
+    for bad in (17, "64", 0, True, "whole"):
+        with pytest.raises(ValueError, match="vae_tile must be 'auto', None"):
+            choose_plan(est, int(80 * GB), vae_tile=bad)
+
+
+def test_a_pinned_vae_tile_applies_off_cuda_too():
+    from klein_core.memory.planner import plan_for
+
+    tr, te, vae = demo.build_tiny_components()
+    req = MemoryRequest(512, 512)
+    assert plan_for(req, tr, te, vae, device="cpu").vae_tile is None
+    plan = plan_for(req, tr, te, vae, device="cpu", vae_tile=32)
+    assert plan.vae_tile == 32 and plan.name == "resident" and "VAE tiles of 32 latents (pinned)" in plan.reason
+    forced = plan_for(req, tr, te, vae, device="cpu", mode="swap", vae_tile=16)
+    assert forced.vae_tile == 16 and "VAE tiles of 16" in forced.reason
+
+
 # ---------------------------------------------------------------------------------------------
 # benchmarks/memory.py (its CPU-safe parts)
 

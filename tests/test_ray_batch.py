@@ -100,6 +100,7 @@ def test_batch_equals_generate_and_records_bad_rows(cluster, models, tmp_path, c
         params = json.loads(got.text["parameters"])
         assert (params["id"], params["seed"], params["transformer"]) == (r["id"], r["seed"], "flux-2-klein-4b.safetensors")
         assert params["environment"]["torch"] == torch.__version__ and params["environment"]["device"] == "cpu"
+        assert params["vae_tile"] == "auto" and params["decode_tiles"] == [None]  # the CPU decodes whole
 
 
 def test_killed_job_resumes_without_redoing_rows(cluster, tmp_path):
@@ -180,3 +181,15 @@ def test_trim_padding_reaches_the_workers_spec(tmp_path):
         spec = dcli.spec_from_args(_args(str(tmp_path / "rows.jsonl"), "--out", str(tmp_path / "o"), "--demo", *flag))
         assert spec.text.trim == trim and spec.text.max_tokens == 512
         assert spec.png_params()["trim_padding"] == trim
+
+
+def test_vae_tile_reaches_the_workers_engine(tmp_path):
+    """--vae-tile in a batch job: the spec carries it to each worker's Engine and the PNGs' parameters
+    record it, as klein-generate's do."""
+    from klein_core.distributed.models import open_engine
+
+    for flag, tile, recorded in (([], "auto", "auto"), (["--vae-tile", "none"], None, "none"),
+                                 (["--vae-tile", "32"], 32, 32)):
+        spec = dcli.spec_from_args(_args(str(tmp_path / "rows.jsonl"), "--out", str(tmp_path / "o"), "--demo", *flag))
+        assert spec.vae_tile == tile and spec.png_params()["vae_tile"] == recorded
+    assert open_engine(spec).vae_tile == 32

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from ..accel.speed import SPEEDS
-from ..cli import DTYPES, CLIError, log_to_stderr, resolve_files, write_line
+from ..cli import DTYPES, CLIError, log_to_stderr, resolve_files, vae_tile_arg, write_line
 from ..memory.planner import MODES
 from ..pipeline.prompts import TRIM_MULTIPLE
 from ..pipeline.request import guess_model_kind
@@ -39,6 +39,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     run.add_argument("--quantize", choices=("fp8", "q8", "q4"), default=None, help="as klein-generate --quantize")
     run.add_argument("--speed", choices=SPEEDS, default=None, help="as klein-generate --speed (default: as loaded)")
     run.add_argument("--memory", choices=MODES, default="auto", help="memory mode, planned per worker for its device")
+    run.add_argument("--vae-tile", type=vae_tile_arg, default="auto", metavar="{auto,none,64,32,16}",
+                     help="as klein-generate --vae-tile")
     run.add_argument("--ref-mode", choices=("joint", "timestep_zero", "kv"), default=None)
     run.add_argument("--text-precision", choices=("model", "fp32"), default="model")
     run.add_argument("--max-tokens", choices=("512", "whole"), default="512",
@@ -57,6 +59,7 @@ def spec_from_args(args: argparse.Namespace) -> ModelSpec:
     """The :class:`ModelSpec` the flags describe; files are resolved and checked here (CLIError)."""
     lora_dir = args.lora_dir or (args.models_dir / "loras" if args.models_dir else None)
     common = dict(device=args.device, dtype=args.dtype, quantize=args.quantize, speed=args.speed, memory=args.memory,
+                  vae_tile=args.vae_tile,
                   max_tokens=None if args.max_tokens == "whole" else 512, text_precision=args.text_precision,
                   trim=TRIM_MULTIPLE if args.trim_padding else None,
                   ref_mode=args.ref_mode, lora_dir=lora_dir.resolve() if lora_dir else None)

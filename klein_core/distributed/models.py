@@ -24,6 +24,7 @@ class ModelSpec:
     one, else the CPU. ``dtype``: "bf16", "fp16", "fp32" or None (bf16 on GPU, fp32 on CPU).
     ``max_tokens``: 512 or None (whole prompts); ``text_precision``: "model" or "fp32"; ``trim``:
     :attr:`~klein_core.pipeline.prompts.TextOptions.trim` (None: padded to 512).
+    ``vae_tile``: :class:`~klein_core.pipeline.engine.Engine`'s (``"auto"``, None or a tile side).
     ``lora_dir``: where row LoRA names are looked up.
     """
 
@@ -37,6 +38,7 @@ class ModelSpec:
     quantize: str | None = None
     speed: str | None = None
     memory: str = "auto"
+    vae_tile: int | str | None = "auto"
     max_tokens: int | None = 512
     text_precision: str = "model"
     trim: int | None = None
@@ -56,7 +58,8 @@ class ModelSpec:
                 **(self.names or {"transformer": "demo", "text_encoder": "demo", "vae": "demo"}),
                 "text_precision": self.text_precision, "max_tokens": "whole" if self.max_tokens is None else "512",
                 "trim_padding": self.trim,
-                "ref_mode": reference_mode(self.kind, self.ref_mode), "speed": self.speed}
+                "ref_mode": reference_mode(self.kind, self.ref_mode), "speed": self.speed,
+                "vae_tile": "none" if self.vae_tile is None else self.vae_tile}
 
 
 def open_engine(spec: ModelSpec) -> Engine:
@@ -76,5 +79,5 @@ def open_engine(spec: ModelSpec) -> Engine:
                   load_text_encoder(spec.text_encoder, device=device, dtype=dtype),
                   load_vae(spec.vae, device=device, dtype=dtype)]
     logger.info("models loaded on %s (%s)", device, dtype)
-    return Engine(*models, kind=spec.kind, device=device, memory=spec.memory, text=spec.text,
+    return Engine(*models, kind=spec.kind, device=device, memory=spec.memory, vae_tile=spec.vae_tile, text=spec.text,
                   ref_mode=spec.ref_mode, speed=spec.speed)

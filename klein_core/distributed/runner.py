@@ -71,7 +71,7 @@ class RowRunner:
                   "guidance": result.guidance, "seed": row.seed,
                   "references": list(row.references),
                   "loras": [f"{n}:{s:g}" for n, s in row.loras], **self.spec.png_params(),
-                  "environment": run_environment(self.engine.transformer)}
+                  "decode_tiles": result.decode_tiles, "environment": run_environment(self.engine.transformer)}
         return RowOutput(result, params, time.perf_counter() - t0)
 
     def _apply_loras(self, row: RowSpec):

@@ -428,36 +428,55 @@ PLACEMENT_ORDER: tuple[tuple[str, dict[str, Placement]], ...] = (
     ("stream all blocks", {"text_encoder": _B, "transformer": _B, "vae": _S}),
 )
 MODES = ("auto", "resident", "swap", "blocks", "minimum")
+#: What ``vae_tile`` may pin (besides "auto", the planner's choice): None (never tiled: weights move
+#: first) or one tile side in latent positions. A tiled decode is not exact (each tile's GroupNorms
+#: see only that tile), so an image decoded whole on a large GPU and tiled on a small one differ;
+#: pinning the tile makes them the same.
+VAE_TILES: tuple[int | None, ...] = (None, *TILE_SIDES)
 
 
-def _candidates(mode: str) -> list[tuple[str, dict[str, Placement], int | None]]:
+def check_vae_tile(vae_tile: object) -> int | str | None:
+    """``vae_tile`` if it is "auto", None or one of :data:`~klein_core.memory.tiling.TILE_SIDES`; else a
+    ValueError that lists them."""
+    if vae_tile == "auto" or vae_tile is None or (type(vae_tile) is int and vae_tile in TILE_SIDES):
+        return vae_tile  # type: ignore[return-value]
+    raise ValueError(f"vae_tile must be 'auto', None (never tiled) or one of {', '.join(map(str, TILE_SIDES))} "
+                     f"latent positions, got {vae_tile!r}")
+
+
+def _candidates(mode: str, vae_tile: int | str | None = "auto") -> list[tuple[str, dict[str, Placement], int | None]]:
     if mode not in MODES:
         raise ValueError(f"memory mode must be one of {MODES}, got {mode!r}")
+    check_vae_tile(vae_tile)
     out = []
     for i, (name, placements) in enumerate(PLACEMENT_ORDER):
         if mode != "auto" and i != MODES.index(mode) - 1:
             continue
         # Tiling down to 32 is cheaper than moving weights; tiles of 16 only in the last resort.
         tiles: tuple[int | None, ...] = (None, *TILE_SIDES[:-1]) + (TILE_SIDES[-1:] if i == len(PLACEMENT_ORDER) - 1 else ())
+        if vae_tile != "auto":
+            tiles = (vae_tile,)  # type: ignore[assignment]  # pinned: only the placement is searched
         out += [(name, placements, t) for t in tiles]
     return out
 
 
 def choose_plan(
     est: MemoryEstimate, free_bytes: int, *, mode: str = "auto", reserve_bytes: int = DEFAULT_RESERVE_BYTES,
-    prefetch: int = 1,
+    prefetch: int = 1, vae_tile: int | str | None = "auto",
 ) -> MemoryPlan:
     """The fastest plan whose estimated peak fits ``free_bytes - reserve_bytes``.
 
     ``mode``: ``"auto"`` searches every placement in :data:`PLACEMENT_ORDER`; ``"resident"``,
     ``"swap"``, ``"blocks"`` or ``"minimum"`` fix the placement (the VAE may still be tiled).
-    If nothing fits, the plan with the smallest peak is returned with ``fits=False`` and a reason
-    that says how much is missing.
+    ``vae_tile``: ``"auto"`` lets the plan tile the VAE when that fits where moving weights would
+    not be needed; None never tiles; a side of :data:`~klein_core.memory.tiling.TILE_SIDES` always
+    tiles at that side (:data:`VAE_TILES`). If nothing fits, the plan with the smallest peak is
+    returned with ``fits=False`` and a reason that says how much is missing.
     """
     budget = free_bytes - reserve_bytes
     best: MemoryPlan | None = None
     first_peak: int | None = None
-    for name, placements, tile in _candidates(mode):
+    for name, placements, tile in _candidates(mode, vae_tile):
         placements = {c: p for c, p in placements.items() if c in est.components}
         plan = MemoryPlan(placements, tile, prefetch, name)
         peak = est.peak(plan)
@@ -525,6 +544,7 @@ def plan_for(
     mode: str = "auto",
     free_bytes: int | None = None,
     make_room: MakeRoom | None = None,
+    vae_tile: int | str | None = "auto",
 ) -> MemoryPlan:
     """Plan a request for loaded components on ``device``: one estimate, one choice.
 
@@ -532,23 +552,27 @@ def plan_for(
     ``make_room`` (if given) is asked for what the fastest plan of ``mode`` needs beyond the
     components already there, so a host can unload its own models first. Other devices (CPU, MPS)
     have no memory to measure: ``"auto"`` keeps everything resident there, and a forced mode is
-    applied as asked (the same placement code runs, with host-to-host copies).
+    applied as asked (the same placement code runs, with host-to-host copies). ``vae_tile``: see
+    :func:`choose_plan`; a pinned tile applies on every device.
     """
     device = torch.device(device)
     if mode not in MODES:
         raise ValueError(f"memory mode must be one of {MODES}, got {mode!r}")
+    check_vae_tile(vae_tile)
     modules = [m for m in (transformer, text_encoder, vae) if m is not None]
     est = estimate(request, ModelSizes.from_modules(transformer, text_encoder, vae))
     if free_bytes is None:
         if device.type != "cuda":
             if mode == "auto":
-                plan = MemoryPlan({c: "resident" for c in est.components}, name="resident")
-                reason = f"{device.type}: no memory planning, all resident"
+                tile = None if vae_tile == "auto" else vae_tile
+                plan = MemoryPlan({c: "resident" for c in est.components}, tile, name="resident")  # type: ignore[arg-type]
+                tiling = f", VAE tiles of {tile} latents (pinned)" if tile else ""
+                reason = f"{device.type}: no memory planning, all resident{tiling}"
                 return replace(plan, peak_bytes=est.peak(plan), reason=reason)
             free_bytes = 1 << 62
         else:
             if make_room is not None:
-                fastest = choose_plan(est, 1 << 62, mode=mode)  # the first candidate: its peak is the wish
+                fastest = choose_plan(est, 1 << 62, mode=mode, vae_tile=vae_tile)  # the first candidate: its peak is the wish
                 # The hook gets the device with its index: a host compares it with its models' devices
                 # ("cuda" != "cuda:0" in torch), and would free nothing for a bare "cuda".
                 here = indexed_device(device)
@@ -556,9 +580,10 @@ def plan_for(
                 if wanted > 0:
                     make_room(wanted, here)
             free_bytes = free_device_bytes(device, modules)
-    plan = choose_plan(est, free_bytes, mode=mode)
+    plan = choose_plan(est, free_bytes, mode=mode, vae_tile=vae_tile)
     if device.type != "cuda":
-        plan = replace(plan, reason=f"{plan.name}: forced mode on {device.type} (no memory to measure); "
+        tiling = f", VAE tiles of {plan.vae_tile} latents" if plan.vae_tile else ""
+        plan = replace(plan, reason=f"{plan.name}{tiling}: forced mode on {device.type} (no memory to measure); "
                                     f"estimated peak {plan.peak_bytes / GB:.2f} GB")
     return plan
 
@@ -593,6 +618,8 @@ def weights_home(
 
 __all__ = [
     "MODES",
+    "VAE_TILES",
+    "check_vae_tile",
     "MakeRoom",
     "PLACEMENT_ORDER",
     "ComponentSize",

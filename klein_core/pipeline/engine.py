@@ -29,7 +29,7 @@ from ..checks import Checks
 from ..errors import KleinOutOfMemory
 from ..memory import tiling
 from ..memory.placement import StagePlacer
-from ..memory.planner import MODES, MakeRoom, MemoryPlan, MemoryRequest, plan_for
+from ..memory.planner import MODES, MakeRoom, MemoryPlan, MemoryRequest, check_vae_tile, plan_for
 from ..memory.tiling import TILE_SIDES
 from ..models.qwen3 import Qwen3TextEncoder
 from ..models.transformer import Flux2Transformer
@@ -77,6 +77,9 @@ class GenerationResult:
     seed: int
     timings: dict[str, float] = field(default_factory=dict)
     reference_sizes: list[tuple[int, int]] = field(default_factory=list)  # (width, height) in pixels
+    # Per decoded image, the tile side (latent positions) its decode ran in, or None if it was decoded
+    # whole (a latent no larger than one tile is decoded whole). Tiling is not exact: see Engine's vae_tile.
+    decode_tiles: list[int | None] = field(default_factory=list)
 
 
 def _on_grid(sizes: Sequence[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
@@ -107,6 +110,11 @@ class Engine:
             resident off CUDA); ``"resident"``, ``"swap"``, ``"blocks"`` or ``"minimum"`` force
             one; a :class:`~klein_core.memory.planner.MemoryPlan` is used as given. Components
             meant to be offloaded should be loaded on the CPU (pinned: ``pin_memory_``).
+        vae_tile: ``"auto"`` (default) lets the plan encode and decode in tiles where memory is short;
+            None never tiles (weights move, or the request is refused, first); a side of
+            :data:`~klein_core.memory.tiling.TILE_SIDES` (latent positions) always tiles. Tiling is not
+            exact, so a pinned tile gives the same pixels on any GPU; the tiles that ran are in
+            :attr:`GenerationResult.decode_tiles`. Ignored when ``memory`` is a ``MemoryPlan``.
         prompt_cache: a :class:`~klein_core.pipeline.prompts.PromptCache` (None: no caching).
         text: how prompts are encoded (:class:`~klein_core.pipeline.prompts.TextOptions`).
         ref_mode: how references take part (``klein_core.pipeline.sampling.REFERENCE_MODES``): "joint"
@@ -133,6 +141,7 @@ class Engine:
         kind: ModelKind | None = None,
         device: torch.device | str | None = None,
         memory: str | MemoryPlan | None = "auto",
+        vae_tile: int | str | None = "auto",
         prompt_cache: PromptCache | None = default_prompt_cache,
         text: TextOptions = TextOptions(),
         ref_mode: str | None = None,
@@ -146,6 +155,7 @@ class Engine:
             check_speed(speed)
         if not isinstance(memory, MemoryPlan) and memory not in MODES:
             raise ValueError(f"memory must be one of {MODES} or a MemoryPlan, got {memory!r}")
+        check_vae_tile(vae_tile)
         if kind is not None and kind not in MODEL_KINDS:
             raise ValueError(f"kind must be one of {MODEL_KINDS} or None, got {kind!r}")
         check_compatible(transformer, text_encoder, vae)
@@ -161,6 +171,7 @@ class Engine:
         # Pixels per latent position (16 for the FLUX.2 VAE; tiny test VAEs may have fewer levels).
         self.downscale = vae.config.downscale if vae is not None else 16
         self.memory = memory
+        self.vae_tile = vae_tile
         self.prompt_cache = prompt_cache
         if not isinstance(text, TextOptions):
             raise TypeError(f"text must be a TextOptions, got {type(text).__name__}")
@@ -180,7 +191,7 @@ class Engine:
             plan = self.memory
         else:
             plan = plan_for(request, self.transformer, self.text_encoder, self.vae, device=self.device,
-                            mode=self.memory, make_room=self.make_room)
+                            mode=self.memory, make_room=self.make_room, vae_tile=self.vae_tile)
             reason = plan.reason if plan.reason.startswith(plan.name) else f"{plan.name} ({plan.reason})"
             logger.info("memory mode %s -> %s", self.memory, reason)
         if not plan.fits:
@@ -438,8 +449,9 @@ class Engine:
         return self._decode(latents, plan, images=False, checks=checks)[0]
 
     def _decode(self, latents: torch.Tensor, plan: MemoryPlan | None, *, images: bool,
-                checks: Checks | None = None) -> tuple[torch.Tensor, list[Image.Image]]:
-        """:meth:`decode`, and with ``images`` the PIL images too: each image is checked, clamped
+                checks: Checks | None = None) -> tuple[torch.Tensor, list[Image.Image], list[int | None]]:
+        """:meth:`decode`, and with ``images`` the PIL images too, and each image's decode tile
+        (:attr:`GenerationResult.decode_tiles`): each image is checked, clamped
         and (for the PIL images) rounded to 8 bits where it was decoded, so the host only receives
         the results, through page-locked memory (:mod:`klein_core.transfer`). Each image's copies are
         queued as it is decoded and the host waits once, after the last: the GPU decodes the next
@@ -450,13 +462,15 @@ class Engine:
             plan = self.plan(memory_request(width, height, encode_text=False, denoise=False))
         check = checks or Checks()
         check.require_finite(latents, "the latents to decode")
-        frames, eight_bit, copies = [], [], HostCopies()
+        frames, eight_bit, copies, tiles = [], [], HostCopies(), []
         with explain_oom("VAE decoding", self.device, width, height):
             with self._stage("vae", plan) as vae:
                 tile = plan.vae_tile
                 for i in range(latents.shape[0]):
                     self._next_image()
                     pixels, tile = self._decode_one(vae, latents[i : i + 1], tile, check)
+                    fits_one = tile is None or max(latents.shape[-2:]) <= tile  # tiling.decode decodes it whole
+                    tiles.append(None if fits_one else tile)
                     if images:
                         pixels, arr = queue_to_host(pixels, copies)
                         eight_bit.append(arr)
@@ -466,7 +480,7 @@ class Engine:
                 copies.wait()
         pictures = [pic for arr in eight_bit for pic in pil_images(arr)]
         # one image (the usual case): no 12 MB host copy at 1024x1024 on the way out
-        return (frames[0] if len(frames) == 1 else torch.cat(frames)), pictures
+        return (frames[0] if len(frames) == 1 else torch.cat(frames)), pictures, tiles
 
     def _decode_one(self, vae: Any, latents: torch.Tensor, tile: int | None,
                     check: Checks) -> tuple[torch.Tensor, int | None]:
@@ -570,7 +584,8 @@ class Engine:
                 result.timings = clock.read()
                 return result
             with clock.stage("decode"):
-                result.pixels, result.images = self._decode(latents, plan, images=True, checks=checks)
+                result.pixels, result.images, result.decode_tiles = self._decode(latents, plan, images=True,
+                                                                                checks=checks)
                 checks.resolve()  # the images are on the host: the flags are ready, no GPU time is lost
                 if prepared is not None and init is not None and (
                         prepared.box is not None or (prepared.original_mask is not None and init.composite)):
@@ -655,6 +670,7 @@ def generate(
     memory: str | MemoryPlan = "auto",
     device: torch.device | str | None = None,
     text: TextOptions = TextOptions(),
+    vae_tile: int | str | None = "auto",
     image: Image.Image | None = None,
     mask: Any = None,
     strength: float | None = None,
@@ -687,15 +703,15 @@ def generate(
         callback: ``callback(step, total, latents)`` after each step; return False to cancel
             (raises :class:`~klein_core.errors.GenerationCancelled`); exceptions it raises propagate.
         output: "pil" decodes to images; "latent" returns latents only.
-        cache, memory, device, text, ref_mode, kv_cache, speed: see :class:`Engine`.
+        cache, memory, device, text, vae_tile, ref_mode, kv_cache, speed: see :class:`Engine`.
         image, mask, strength, image_as_reference, mask_crop_padding, composite, feather:
             image-to-image (``image``, ``strength``) and inpainting (with ``mask``: white =
             repaint); see :class:`~klein_core.pipeline.inpaint.InitImage`. The size comes from the image.
     Returns:
         :class:`GenerationResult` with latents, images/pixels (if decoded) and per-stage timings.
     """
-    engine = Engine(transformer, text_encoder, vae, kind=kind, device=device, memory=memory, prompt_cache=cache,
-                    text=text, kv_cache=kv_cache, speed=speed)
+    engine = Engine(transformer, text_encoder, vae, kind=kind, device=device, memory=memory, vae_tile=vae_tile,
+                    prompt_cache=cache, text=text, kv_cache=kv_cache, speed=speed)
     conditioning = None
     if prompt_embeds is not None:
         conditioning = Conditioning(prompt_embeds, negative_embeds)

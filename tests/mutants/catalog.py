@@ -239,4 +239,17 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/test_transfer.py::test_a_batch_decode_waits_once_after_its_last_image",),
         "the host waits for each image's copy before queuing the next decode",
     ),
+    # ----- VAE tiles (fourteenth session) -----
+    Mutant(
+        "pinned-vae-tile-ignored", "klein_core/memory/planner.py",
+        "            tiles = (vae_tile,)  # type: ignore[assignment]", "            pass",
+        ("tests/test_planner.py::test_a_pinned_vae_tile_is_kept_and_only_the_placement_is_searched",),
+        "a pinned VAE tile is ignored: the plan tiles as memory allows",
+    ),
+    Mutant(
+        "decode-tiles-record-the-plan", "klein_core/pipeline/engine.py",
+        "tiles.append(None if fits_one else tile)", "tiles.append(plan.vae_tile)",
+        ("tests/test_memory_wiring.py::test_a_decode_that_runs_out_of_memory_records_the_smaller_tiles_it_retried_in",),
+        "the result names the planned tile, not the one an out-of-memory retry decoded in",
+    ),
 )
