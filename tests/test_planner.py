@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from script_module import load_script
@@ -246,7 +247,8 @@ def test_a_pinned_vae_tile_is_kept_and_only_the_placement_is_searched():
     assert (pinned.name, pinned.vae_tile) == ("resident", 32) and "VAE tiles of 32" in pinned.reason
     blocks = choose_plan(est, int(80 * GB), mode="blocks", vae_tile=16)
     assert (blocks.name, blocks.vae_tile) == ("stream transformer blocks", 16)
-    for bad in (17, "64", 0, True, "whole"):
+    assert choose_plan(est, int(80 * GB), vae_tile=np.int64(32)).vae_tile == 32  # any integer type
+    for bad in (17, "64", 0, True, "whole", 32.0):
         with pytest.raises(ValueError, match="vae_tile must be 'auto', None"):
             choose_plan(est, int(80 * GB), vae_tile=bad)
 

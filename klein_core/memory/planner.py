@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import numbers
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -436,10 +437,12 @@ VAE_TILES: tuple[int | None, ...] = (None, *TILE_SIDES)
 
 
 def check_vae_tile(vae_tile: object) -> int | str | None:
-    """``vae_tile`` if it is "auto", None or one of :data:`~klein_core.memory.tiling.TILE_SIDES`; else a
-    ValueError that lists them."""
-    if vae_tile == "auto" or vae_tile is None or (type(vae_tile) is int and vae_tile in TILE_SIDES):
-        return vae_tile  # type: ignore[return-value]
+    """``vae_tile`` as given if it is "auto", None or one of :data:`~klein_core.memory.tiling.TILE_SIDES`
+    (any integer type; not a bool); else a ValueError that lists them."""
+    if vae_tile is None or (isinstance(vae_tile, str) and vae_tile == "auto"):
+        return vae_tile
+    if isinstance(vae_tile, numbers.Integral) and not isinstance(vae_tile, bool) and int(vae_tile) in TILE_SIDES:
+        return int(vae_tile)
     raise ValueError(f"vae_tile must be 'auto', None (never tiled) or one of {', '.join(map(str, TILE_SIDES))} "
                      f"latent positions, got {vae_tile!r}")
 
@@ -455,7 +458,7 @@ def _candidates(mode: str, vae_tile: int | str | None = "auto") -> list[tuple[st
         # Tiling down to 32 is cheaper than moving weights; tiles of 16 only in the last resort.
         tiles: tuple[int | None, ...] = (None, *TILE_SIDES[:-1]) + (TILE_SIDES[-1:] if i == len(PLACEMENT_ORDER) - 1 else ())
         if vae_tile != "auto":
-            tiles = (vae_tile,)  # type: ignore[assignment]  # pinned: only the placement is searched
+            tiles = (check_vae_tile(vae_tile),)  # type: ignore[assignment]  # pinned: only the placement is searched
         out += [(name, placements, t) for t in tiles]
     return out
 
@@ -468,9 +471,9 @@ def choose_plan(
 
     ``mode``: ``"auto"`` searches every placement in :data:`PLACEMENT_ORDER`; ``"resident"``,
     ``"swap"``, ``"blocks"`` or ``"minimum"`` fix the placement (the VAE may still be tiled).
-    ``vae_tile``: ``"auto"`` lets the plan tile the VAE when that fits where moving weights would
-    not be needed; None never tiles; a side of :data:`~klein_core.memory.tiling.TILE_SIDES` always
-    tiles at that side (:data:`VAE_TILES`). If nothing fits, the plan with the smallest peak is
+    ``vae_tile``: ``"auto"`` tries each placement untiled, then in VAE tiles of 64 and 32 latents
+    (16 only with everything streamed), before the next placement; None never tiles; a side of
+    :data:`~klein_core.memory.tiling.TILE_SIDES` always tiles at that side (:data:`VAE_TILES`). If nothing fits, the plan with the smallest peak is
     returned with ``fits=False`` and a reason that says how much is missing.
     """
     budget = free_bytes - reserve_bytes
@@ -564,7 +567,7 @@ def plan_for(
     if free_bytes is None:
         if device.type != "cuda":
             if mode == "auto":
-                tile = None if vae_tile == "auto" else vae_tile
+                tile = None if vae_tile == "auto" else check_vae_tile(vae_tile)
                 plan = MemoryPlan({c: "resident" for c in est.components}, tile, name="resident")  # type: ignore[arg-type]
                 tiling = f", VAE tiles of {tile} latents (pinned)" if tile else ""
                 reason = f"{device.type}: no memory planning, all resident{tiling}"

@@ -155,7 +155,7 @@ class Engine:
             check_speed(speed)
         if not isinstance(memory, MemoryPlan) and memory not in MODES:
             raise ValueError(f"memory must be one of {MODES} or a MemoryPlan, got {memory!r}")
-        check_vae_tile(vae_tile)
+        vae_tile = check_vae_tile(vae_tile)
         if kind is not None and kind not in MODEL_KINDS:
             raise ValueError(f"kind must be one of {MODEL_KINDS} or None, got {kind!r}")
         check_compatible(transformer, text_encoder, vae)

@@ -242,7 +242,7 @@ MUTANTS: tuple[Mutant, ...] = (
     # ----- VAE tiles (fourteenth session) -----
     Mutant(
         "pinned-vae-tile-ignored", "klein_core/memory/planner.py",
-        "            tiles = (vae_tile,)  # type: ignore[assignment]", "            pass",
+        "            tiles = (check_vae_tile(vae_tile),)  # type: ignore[assignment]", "            pass",
         ("tests/test_planner.py::test_a_pinned_vae_tile_is_kept_and_only_the_placement_is_searched",),
         "a pinned VAE tile is ignored: the plan tiles as memory allows",
     ),
