@@ -200,6 +200,11 @@ def vae_tile_arg(text: str) -> int | str | None:
                                      f"{', '.join(map(str, TILE_SIDES))}")
 
 
+def vae_tile_text(vae_tile: int | str | None) -> int | str:
+    """A ``vae_tile`` as the PNG parameters keep it: the flag's own spelling ("auto", "none" or the side)."""
+    return "none" if vae_tile is None else vae_tile
+
+
 def step_cache_threshold(text: str) -> float:
     """``--step-cache``'s value: a finite number >= 0."""
     try:
@@ -551,7 +556,7 @@ def run_generate(args: argparse.Namespace) -> int:
         "trim_padding": TRIM_MULTIPLE if args.trim_padding else None,
         "ref_mode": reference_mode(kind, args.ref_mode),
         "speed": args.speed,
-        "vae_tile": "none" if args.vae_tile is None else args.vae_tile,
+        "vae_tile": vae_tile_text(args.vae_tile),
         "decode_tiles": result.decode_tiles,
         "step_cache": None if step_cache is None else _step_cache_record(step_cache),
         "environment": run_environment(transformer),

@@ -394,8 +394,6 @@ def test_final_layer_conventions(base, tmp_path, parity):
         _, out = _apply_file(base, tmp_path / f"{name}.safetensors")
         _check(parity, f"final layer, {name} names", out, expected, base.out)
 
-
-
 def test_final_layer_dora_scale_follows_its_rows(base, tmp_path, parity):
     """A per-row dora_scale ([out, 1]) written in diffusers names is in diffusers' row order (scale,
     shift), like the LoRA's rows: it is swapped with them, so BFL and diffusers names give one model,

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from ..cli import vae_tile_text
 from ..pipeline.engine import Engine
 from ..pipeline.prompts import TextOptions
 from ..pipeline.request import reference_mode
@@ -59,7 +60,7 @@ class ModelSpec:
                 "text_precision": self.text_precision, "max_tokens": "whole" if self.max_tokens is None else "512",
                 "trim_padding": self.trim,
                 "ref_mode": reference_mode(self.kind, self.ref_mode), "speed": self.speed,
-                "vae_tile": "none" if self.vae_tile is None else self.vae_tile}
+                "vae_tile": vae_tile_text(self.vae_tile)}
 
 
 def open_engine(spec: ModelSpec) -> Engine:
