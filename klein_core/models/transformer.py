@@ -10,7 +10,7 @@ tensor shapes (:meth:`TransformerConfig.from_shapes`), never from file names. Bu
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -339,16 +339,26 @@ class BlockStack:
         kv = self.kv.double[i] if self.kv is not None else None
         return self.model.double_blocks[i](x, c, self.cos, self.sin, self.mod_img, self.mod_txt, self.ops, kv)
 
+    def single(self, i: int, h: torch.Tensor) -> torch.Tensor:
+        """Single block ``i``: the joint tokens ``[B, L + N, D]`` (text first) in, updated out."""
+        kv = self.kv.single[i] if self.kv is not None else None
+        return self.model.single_blocks[i](h, self.cos, self.sin, self.mod_single, self.ops, kv)
+
     def run(self, x: torch.Tensor, c: torch.Tensor, start: int = 0) -> torch.Tensor:
         """Double blocks ``start``.. then every single block: the image tokens after the last one."""
         for i in range(start, len(self.model.double_blocks)):
             x, c = self.double(i, x, c)
         n_txt = c.shape[1]
         h = torch.cat([c, x], dim=1)
-        for i, block in enumerate(self.model.single_blocks):
-            kv = self.kv.single[i] if self.kv is not None else None
-            h = block(h, self.cos, self.sin, self.mod_single, self.ops, kv)
+        for i in range(len(self.model.single_blocks)):
+            h = self.single(i, h)
         return h[:, n_txt:]
+
+
+BlocksRunner = Callable[[BlockStack, torch.Tensor, torch.Tensor], torch.Tensor]
+"""What :meth:`Flux2Transformer.forward` may be given as ``blocks_runner``: ``(blocks, x [B, N, D],
+c [B, L, D]) -> x`` runs the blocks in place of :meth:`BlockStack.run` (a host's per-block patches,
+such as ComfyUI's block replacements), returning the image tokens after the last single block."""
 
 
 class StepCacheHook(Protocol):
@@ -447,11 +457,14 @@ class Flux2Transformer(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor] | None = None,
         kv: ReferenceKV | None = None,
         zero_time_tokens: int = 0,
+        blocks_runner: BlocksRunner | None = None,
     ) -> torch.Tensor:
         """``kv``: stored reference keys/values (:meth:`reference_kv`), joined to every block's keys
         (KV mode; the references are then not in ``img``). ``zero_time_tokens``: the last that many
         tokens of ``img`` (the references) are modulated as at timestep 0 instead of the current one
         (ComfyUI's "index_timestep_zero" reference method); 0 = every token at the current timestep.
+        ``blocks_runner``: runs the blocks instead of :meth:`BlockStack.run` (see :data:`BlocksRunner`);
+        not together with a step cache, which runs them its own way.
         """
         self._check_inputs(img, img_ids, txt, txt_ids, timesteps)
         dtype = self.dtype
@@ -477,7 +490,12 @@ class Flux2Transformer(nn.Module):
         blocks = BlockStack(self, cos, sin, mod_img, mod_txt, mod_single, ops, kv)
         # The embeddings go straight in, never into locals here: a local would keep them alive while
         # every block runs (the planner's activation formula, checked against a trace, counts on it).
-        if self.step_cache is None:
+        if blocks_runner is not None:
+            if self.step_cache is not None:
+                raise ValueError("blocks_runner cannot run with a step cache enabled (it runs the blocks its own "
+                                 "way): disable the step cache on this transformer first")
+            x = blocks_runner(blocks, self.img_in(img), self.txt_in(txt))
+        elif self.step_cache is None:
             x = blocks.run(self.img_in(img), self.txt_in(txt))
         else:
             x = self.step_cache.run(blocks, self.img_in(img), self.txt_in(txt), timesteps)
