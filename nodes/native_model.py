@@ -24,7 +24,7 @@ from klein_core.models.variants import encoder_for_text_width, variant_for_text_
 from klein_core.pipeline.sampling import REF_TIME_OFFSET, pack, position_ids, text_position_ids, unpack
 from klein_core.quant.fp8 import FP8Linear
 
-from . import host, notices
+from . import host, model_patches, notices
 from .common import errors_named
 from .encode import NODE as ENCODER_NODE
 from .types import KleinModel, KleinModelType
@@ -135,6 +135,7 @@ class KleinDiffusionModel(torch.nn.Module):
         self.stream_to = stream_to  # the compute device when the blocks are streamed there each step
         # RoPE tables depend only on the sequence's layout: made once per sampling run, not per step
         self._rope: tuple[tuple, tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._patch_notes: set[str] = set()  # what model_patches.check_patches has said once already
 
     @property
     def dtype(self) -> torch.dtype:  # model_base.get_dtype() reads it
@@ -189,6 +190,8 @@ class KleinDiffusionModel(torch.nn.Module):
             raise ValueError(f"{NODE}: the latent has {c} channels; FLUX.2 Klein takes {tr.config.in_channels} "
                              f"(EmptyFlux2LatentImage or VAEEncode with the FLUX.2 VAE).")
         self._check_context(context)
+        options = transformer_options if transformer_options is not None else {}
+        model_patches.check_patches(options, tr.config.depth, tr.config.depth_single, self.model_name, self._patch_notes)
         dtype, device = tr.dtype, (self.stream_to or tr.device)
         img = pack(x).to(device=device, dtype=dtype)
         img_ids = position_ids(h, w)
@@ -210,6 +213,8 @@ class KleinDiffusionModel(torch.nn.Module):
         inputs = dict(img=img, img_ids=img_ids, txt=context.to(device=device, dtype=dtype), txt_ids=txt_ids,
                       timesteps=t.expand(b) if t.numel() == 1 else t, rope=self._rope[1],
                       zero_time_tokens=zero_time)
+        if model_patches.wanted(options, control):  # ComfyUI's block / attention patches, ControlNet residuals
+            inputs["blocks_runner"] = model_patches.FluxPatches(options, control, context.shape[1], self.model_name)
         if self.stream_to is None:
             out = tr(**inputs)
         else:  # the memory plan the loader asked for: blocks streamed in, as in the Klein Sampler

@@ -19,6 +19,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from script_module import load_script
 from train_files import nonzero_lora
 
 from klein_core.memory.placement import module_bytes
@@ -482,3 +483,279 @@ def test_lora_after_a_compiled_run_takes_effect(host, tmp_path, monkeypatch):
     finally:
         speed.apply_speed(transformer, None, "plain")
         torch._dynamo.reset()
+
+
+# ----- ComfyUI's FLUX model patches on the bridged MODEL (nodes/model_patches.py) ------------------------
+# ComfyUI's FLUX model patches on Klein Model to MODEL (nodes/model_patches.py), in the real ComfyUI
+# 0.3.75 host: block replacements, ControlNet residuals and attention-output patches change the bridged
+# model exactly as they change ComfyUI's own FLUX.2 model (``comfy.ldm.flux.model.Flux``, built by
+# benchmarks/comfy_peer.py on the same tensors), in fp32 on tiny random weights; the core
+# SkipLayerGuidanceDiT node gives the same latents on both; patches the Klein model cannot apply are
+# refused by name, and ones it leaves alone are said once.
+#
+# 0.3.75's FLUX does not apply ``attn1_output_patch`` (current ComfyUI's does, which its NAGuidance node
+# needs): the reference for it is 0.3.75's FLUX with its attention function wrapped to apply the patches
+# where current ComfyUI's blocks do (after the joint attention, ``img_slice`` = [text tokens, L]).
+
+PATCH_TOL_REL = 1e-5  # float32 rounding between two implementations of the same blocks
+
+
+@pytest.fixture(scope="module")
+def peer(host):
+    setup = load_script("klein_unit_setup_host", REPO / "tests" / "e2e" / "setup_host.py")
+    mod = load_script("klein_comfy_peer", REPO / "benchmarks" / "comfy_peer.py")
+    return mod, mod.import_comfy(setup.host_paths(setup.HOST_DIR)["comfyui"], cpu=True)
+
+
+def _pair(h, peer, name=M4B, kind="auto"):
+    """(the bridged MODEL, ComfyUI's own FLUX.2 MODEL) over the same fp32 tensors."""
+    mod, comfy = peer
+    model, _ = _load(h, name, kind)
+    bridged = _bridge(h, model)
+    dm = bridged.model.diffusion_model
+    with torch.inference_mode():  # the loader's tensors are inference tensors
+        native_dm = mod.build_comfy_flux2(model.ref.get(), host=comfy)
+    cfg = dm.transformer.config
+    unet_config = {"in_channels": cfg.in_channels, "out_channels": cfg.in_channels, "context_in_dim": cfg.context_dim,
+                   "hidden_size": cfg.hidden_size, "num_heads": cfg.num_heads, "depth": cfg.depth,
+                   "depth_single_blocks": cfg.depth_single, "axes_dim": list(cfg.axes_dim), "theta": cfg.theta,
+                   "patch_size": 1, "guidance_embed": False}
+    import comfy.model_management as mm
+
+    nodes_host = importlib.import_module(f"{PACK}.host")
+    native = nodes_host.native_flux2_model(native_dm, unet_config, torch.float32, mm.get_torch_device())
+    return bridged, native
+
+
+def _inputs(dm, batch=2, grid=(4, 6), text=16, refs=((2, 4),), seed=0):
+    g = torch.Generator().manual_seed(seed)
+    cfg = dm.transformer.config
+    x = torch.randn(batch, cfg.in_channels, *grid, generator=g)
+    context = torch.randn(batch, text, cfg.context_dim, generator=g)
+    ref_latents = [torch.randn(1, cfg.in_channels, *r, generator=g) for r in refs]
+    return x, torch.full((batch,), 0.7), context, ref_latents
+
+
+def _run(dm, x, t, context, refs, options, control=None):
+    with torch.inference_mode():
+        out = dm(x, t, context, ref_latents=[r.expand(x.shape[0], -1, -1, -1) for r in refs] or None,
+                 control=control, transformer_options=options)
+    return out.float()
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
+def _both(bridged, native, make_options, control=None, **kw):
+    """The velocity of both diffusion models for the same inputs, each with its own fresh options."""
+    dm, ndm = bridged.model.diffusion_model, native.model.diffusion_model
+    x, t, context, refs = _inputs(dm, **kw)
+    ours = _run(dm, x, t, context, refs, make_options(), control)
+    theirs = _run(ndm, x, t, context, refs, make_options(), control)
+    plain = _run(dm, x, t, context, refs, {})
+    assert _rel(_run(ndm, x, t, context, refs, {}), plain) < PATCH_TOL_REL  # the pair agrees without patches
+    return ours, theirs, plain
+
+
+def test_block_replacements_match_comfyuis_flux(host, peer, parity):
+    """A double block whose output a patch changes (through original_block), a skipped single block and a
+    block patch that reads transformer_options: the bridged model equals ComfyUI's FLUX, and each patch
+    changes the result."""
+    bridged, native = _pair(host, peer)
+    seen: list[list] = []
+    slices: list = []
+
+    def scaled(args, extra):
+        out = extra["original_block"](args)
+        seen[-1].append((args["transformer_options"]["block_type"], args["transformer_options"]["block_index"],
+                         args["transformer_options"]["total_blocks"]))
+        return {"img": out["img"] * 1.5, "txt": out["txt"] - 0.25}
+
+    def skipped(args, extra):
+        opts = args["transformer_options"]
+        seen[-1].append((opts["block_type"], opts["block_index"], opts["total_blocks"]))
+        slices.append(opts.get("img_slice"))  # current ComfyUI sets it for the single blocks; 0.3.75 does not
+        return {"img": args["img"]}
+
+    def options():
+        seen.append([])
+        return {"patches_replace": {"dit": {("double_block", 0): scaled, ("single_block", 1): skipped}}}
+
+    ours, theirs, plain = _both(bridged, native, options)
+    assert seen[0] == seen[1] == [("double", 0, 1), ("single", 1, 2)], seen  # called alike, same block info
+    assert slices[0] == [16, 16 + 4 * 6 + 2 * 4]  # text tokens, then image and reference tokens
+    d = parity("native MODEL block patches vs ComfyUI's FLUX (rel L2, fp32)", _rel(ours, theirs))
+    assert d < PATCH_TOL_REL, d
+    assert _rel(ours, plain) > 1e-3  # the patches changed the result (100x the rounding above)
+
+
+def test_controlnet_residuals_match_comfyuis_flux(host, peer, parity):
+    bridged, native = _pair(host, peer)
+    dm = bridged.model.diffusion_model
+    hidden, tokens = dm.transformer.config.hidden_size, 4 * 6
+    g = torch.Generator().manual_seed(3)
+    control = {"input": [None, torch.randn(2, tokens, hidden, generator=g)],
+               "output": [torch.randn(2, tokens - 4, hidden, generator=g)]}
+    ours, theirs, plain = _both(bridged, native, dict, control=control)
+    d = parity("native MODEL ControlNet residuals vs ComfyUI's FLUX (rel L2, fp32)", _rel(ours, theirs))
+    assert d < PATCH_TOL_REL, d
+    assert _rel(ours, plain) > 1e-3
+
+
+def _nag(scale=4.0, alpha=0.5, tau=2.5):
+    """Normalized attention guidance on the image part of the attention output, written from its paper
+    (arXiv:2505.21179) in the form ComfyUI's NAGuidance node applies it: the cond rows extrapolated
+    away from the uncond rows, the L1 norm ratio capped at tau, blended with the cond rows by alpha."""
+    calls = []
+
+    def patch(out, extra):
+        calls.append((extra["block_type"], extra["block_index"], tuple(extra["img_slice"])))
+        order = extra["cond_or_uncond"]
+        a, b = extra["img_slice"]
+        n = out.shape[0] // len(order)
+        pos = out[n * order.index(0):n * (order.index(0) + 1), a:b]
+        neg = out[n * order.index(1):n * (order.index(1) + 1), a:b]
+        guided = pos * scale - neg * (scale - 1.0)
+        ratio = guided.abs().sum(-1, keepdim=True).clamp_min(1e-6) / pos.abs().sum(-1, keepdim=True).clamp_min(1e-6)
+        mixed = guided * (ratio.clamp(max=tau) / ratio) * alpha + pos * (1.0 - alpha)
+        out = out.clone()
+        out[:, a:b] = mixed.repeat(len(order), 1, 1)
+        return out
+
+    return patch, calls
+
+
+@pytest.fixture
+def flux_applies_output_patches(peer, monkeypatch):
+    """0.3.75's FLUX blocks made to apply attn1_output_patch as current ComfyUI's do."""
+    from comfy.ldm.flux import layers
+
+    plain = layers.attention
+    state = SimpleNamespace(text_tokens=16)
+
+    def attention(q, k, v, pe, mask=None, transformer_options={}):  # noqa: B006 (ComfyUI's signature)
+        out = plain(q, k, v, pe=pe, mask=mask, transformer_options=transformer_options)
+        patches = transformer_options.get("patches", {}).get("attn1_output_patch", ())
+        if patches:
+            extra = transformer_options.copy()
+            extra["img_slice"] = [state.text_tokens, out.shape[1]]
+            for p in patches:
+                out = p(out, extra)
+        return out
+
+    monkeypatch.setattr(layers, "attention", attention)
+    return state
+
+
+def test_attention_output_patch_nag_matches_comfyuis_flux(host, peer, flux_applies_output_patches, parity):
+    """NAG as an attn1_output_patch (what current ComfyUI's NAGuidance sets): a batch of cond and uncond
+    rows, every block patched after its joint attention; equal to ComfyUI's FLUX applying the same patch."""
+    bridged, native = _pair(host, peer)
+    flux_applies_output_patches.text_tokens = 16
+    patch, calls = _nag()
+    ours, theirs, plain = _both(bridged, native, lambda: {"patches": {"attn1_output_patch": [patch]},
+                                                          "cond_or_uncond": [0, 1]})
+    cfg = bridged.model.diffusion_model.transformer.config
+    blocks = cfg.depth + cfg.depth_single
+    assert len(calls) == 2 * blocks and calls[:blocks] == calls[blocks:], calls  # the same places on both
+    assert [c[0] for c in calls[:blocks]] == ["double"] * cfg.depth + ["single"] * cfg.depth_single
+    assert calls[0][2] == (16, 16 + 4 * 6 + 2 * 4)  # text, then image and reference tokens
+    d = parity("native MODEL NAG attention patch vs ComfyUI's FLUX (rel L2, fp32)", _rel(ours, theirs))
+    assert d < PATCH_TOL_REL, d
+    assert _rel(ours, plain) > 1e-3
+
+
+def test_nag_in_the_sampler_gives_a_distilled_model_its_negative(host, peer, flux_applies_output_patches, parity):
+    """What current ComfyUI's NAGuidance node does, by hand on 0.3.75 (which lacks the node): the patch, and
+    the uncond rows kept at CFG 1. The distilled model's latents then depend on the negative prompt, and
+    equal ComfyUI's FLUX with the same patch."""
+    bridged, native = _pair(host, peer)
+    cond = _encode(host, negative="blurry, low quality")
+    flux_applies_output_patches.text_tokens = cond.positive.shape[1]
+    pos, neg = _native_cond(host, cond.positive), _native_cond(host, cond.negative)
+
+    def nag(model):
+        m = model.clone()
+        m.set_model_attn1_output_patch(_nag()[0])
+        m.model_options["disable_cfg1_optimization"] = True  # NAGuidance's disable_model_cfg1_optimization()
+        return _core(host, m, pos, neg, cfg=1.0)
+
+    ours, theirs = nag(bridged), nag(native)
+    d = parity("native MODEL NAG in the sampler vs ComfyUI's FLUX (max abs, fp32)", (ours - theirs).abs().max().item())
+    assert d <= 1e-5 * ours.abs().max().item(), d
+    without = _core(host, bridged, pos, neg, cfg=1.0)  # CFG 1: the negative is not even run
+    assert (ours - without).abs().max() > 1e-3
+
+
+def test_skip_layer_guidance_node_matches_comfyuis_flux(host, peer, parity, caplog):
+    """The core SkipLayerGuidanceDiT node on a base model (CFG 2 with a negative): the bridged MODEL's
+    latents equal those of ComfyUI's own FLUX.2 MODEL, and differ from sampling without it. Layers the
+    model does not have (the node's default "7, 8, 9") are said once and change nothing, as on the
+    native model."""
+    import comfy_extras.nodes_slg as slg
+
+    bridged, native = _pair(host, peer, M4B_BASE, "base")
+    cond = _encode(host, negative="blurry")
+    pos, neg = _native_cond(host, cond.positive), _native_cond(host, cond.negative)
+
+    def guided(model, double="0", single="1"):
+        with torch.inference_mode():
+            patched = slg.SkipLayerGuidanceDiT.execute(model, scale=3.0, start_percent=0.0, end_percent=1.0, double_layers=double, single_layers=single, rescaling_scale=0.0).args[0]
+        return _core(host, patched, pos, neg, cfg=2.0)
+
+    ours, theirs = guided(bridged), guided(native)
+    d = parity("native MODEL SkipLayerGuidanceDiT vs ComfyUI's FLUX (max abs, fp32)", (ours - theirs).abs().max().item())
+    assert d <= 1e-5 * ours.abs().max().item(), d
+    assert (ours - _core(host, bridged, pos, neg, cfg=2.0)).abs().max() > 1e-3
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        far = guided(bridged, "7, 8, 9", "")
+    notes = [r.getMessage() for r in caplog.records if "does not have" in r.getMessage()]
+    assert len(notes) == 1 and "double_block 7, double_block 8, double_block 9" in notes[0] and "double_block 0-0" in notes[0], notes
+    # only the rounding of a batch of one against one of two (SkipLayerGuidance runs the cond alone again)
+    assert (far - _core(host, bridged, pos, neg, cfg=2.0)).abs().max() <= 1e-5 * far.abs().max()
+
+
+@pytest.mark.parametrize("kind", ["attn1_patch", "post_input"])
+def test_patches_the_klein_model_cannot_apply_are_refused_by_name(host, peer, kind):
+    bridged, _ = _pair(host, peer)
+    dm = bridged.model.diffusion_model
+    x, t, context, refs = _inputs(dm)
+
+    def my_patch(*args, **kwargs):
+        raise AssertionError("never called")
+
+    with pytest.raises(ValueError, match=rf"'{kind}' \(.*my_patch\).*Remove the node"):
+        _run(dm, x, t, context, refs, {"patches": {kind: [my_patch]}})
+    assert _run(dm, x, t, context, refs, {}).abs().max() > 0  # the model stays usable
+
+
+def test_a_block_patch_that_needs_comfyuis_vec_layout_is_named(host, peer):
+    bridged, _ = _pair(host, peer)
+    dm = bridged.model.diffusion_model
+    x, t, context, refs = _inputs(dm)
+
+    def reads_vec(args, extra):
+        args["vec"][0].shift  # ComfyUI's FLUX passes ModulationOut objects here  # noqa: B018
+        return extra["original_block"](args)
+
+    with pytest.raises(RuntimeError, match=r"reads_vec for dit double_block 0 failed.*AttributeError.*'vec'"):
+        _run(dm, x, t, context, refs, {"patches_replace": {"dit": {("double_block", 0): reads_vec}}})
+
+
+def test_patches_flux_never_reads_are_said_once(host, peer, caplog):
+    bridged, _ = _pair(host, peer)
+    dm = bridged.model.diffusion_model
+    x, t, context, refs = _inputs(dm)
+    plain = _run(dm, x, t, context, refs, {})
+    options = {"patches": {"input_block_patch": [lambda h, e: h * 0]}, "optimized_attention_override": object(),
+               "patches_replace": {"attn1": {("input", 1): lambda *a: None}}}
+    with caplog.at_level(logging.WARNING):
+        first = _run(dm, x, t, context, refs, dict(options))
+        second = _run(dm, x, t, context, refs, dict(options))
+    said = [r.getMessage() for r in caplog.records if "have no effect" in r.getMessage()]
+    assert len(said) == 3, said  # each said once, not once per step
+    assert any("input_block_patch" in s for s in said) and any("'attn1'" in s for s in said)
+    assert any("attention override" in s for s in said)
+    assert torch.equal(first, plain) and torch.equal(second, plain)

@@ -252,4 +252,19 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/test_memory_wiring.py::test_a_decode_that_runs_out_of_memory_records_the_smaller_tiles_it_retried_in",),
         "the result names the planned tile, not the one an out-of-memory retry decoded in",
     ),
+    # ----- ComfyUI's model patches on Klein Model to MODEL (fifteenth session) -----
+    Mutant(
+        "controlnet-output-residual-on-text-tokens", "nodes/model_patches.py",
+        'h = self._add_control("output", i, h, n_txt)', 'h = self._add_control("output", i, h, 0)',
+        ("tests/test_native_model.py::test_controlnet_residuals_match_comfyuis_flux",),
+        "a ControlNet's single-block residuals land on the text tokens instead of the image's",
+    ),
+    Mutant(
+        "single-block-replacement-ignored", "nodes/model_patches.py",
+        'h = blocks.single(i, h) if ("single_block", i) not in self.replace else self._single(blocks, i, h)',
+        "h = blocks.single(i, h)",
+        ("tests/test_native_model.py::test_block_replacements_match_comfyuis_flux",
+         "tests/test_native_model.py::test_skip_layer_guidance_node_matches_comfyuis_flux"),
+        "SkipLayerGuidanceDiT's single layers run instead of being skipped",
+    ),
 )
