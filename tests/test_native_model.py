@@ -389,6 +389,18 @@ def test_blocks_memory_mode_streams_the_bridged_model_and_gives_the_same_latents
     assert len(entered) == STEPS  # once per step
     diff = parity("native MODEL, memory_mode blocks vs whole (fp32)", _diff(streamed, whole))
     assert diff <= 1e-6, diff
+    # ComfyUI's block patches run on the streamed blocks too (nodes/model_patches.py)
+    import comfy_extras.nodes_slg as slg
+
+    def skipping(native):
+        with torch.inference_mode():
+            return slg.SkipLayerGuidanceDiT.execute(native, scale=3.0, start_percent=0.0, end_percent=1.0,
+                                                    double_layers="0", single_layers="1").args[0]
+
+    skipped_whole = _core(host, skipping(_bridge(host, model)), pos)
+    skipped_streamed = _core(host, skipping(_bridge(host, streamed_model)), pos)
+    assert _diff(skipped_whole, whole) > 1e-3
+    assert _diff(skipped_streamed, skipped_whole) <= 1e-6
 
 
 def test_rope_tables_are_made_once_per_layout(host, monkeypatch):
