@@ -68,26 +68,26 @@ def check_patches(options: dict, depth: int, depth_single: int, model_name: str,
     notes = []
     ignored = sorted(k for k, v in patches.items() if v and k not in APPLIED)
     if ignored:
-        notes.append(f"model patches {', '.join(ignored)} are not read by FLUX models (ComfyUI's own FLUX "
-                     "ignores them too)")
+        notes.append(f"model patches {', '.join(ignored)} have no effect: FLUX models do not read them (ComfyUI's "
+                     "own FLUX ignores them too)")
     replaces = options.get("patches_replace") or {}
     other = sorted(k for k, v in replaces.items() if v and k != "dit")
     if other:
-        notes.append(f"replacement patches '{', '.join(other)}' are not read by FLUX models (only 'dit' is)")
+        notes.append(f"replacement patches '{', '.join(other)}' have no effect: FLUX models read only 'dit' ones")
     have = {"double_block": depth, "single_block": depth_single}
     missing = sorted(f"{key[0]} {key[1]}" for key in (replaces.get("dit") or {})
                      if not (isinstance(key, tuple) and len(key) == 2 and key[0] in have
                              and isinstance(key[1], int) and 0 <= key[1] < have[key[0]]))
     if missing:
-        notes.append(f"block patches for blocks this model does not have: {', '.join(missing)} (it has "
-                     f"double_block 0-{depth - 1} and single_block 0-{depth_single - 1})")
+        notes.append(f"block patches have no effect on blocks this model does not have: {', '.join(missing)} (it "
+                     f"has double_block 0-{depth - 1} and single_block 0-{depth_single - 1})")
     if options.get("optimized_attention_override") is not None:
-        notes.append("ComfyUI's attention override (a patch node's attention function) is not used: the Klein "
-                     "model runs its own attention backend")
+        notes.append("ComfyUI's attention override (a patch node's attention function) has no effect: the "
+                     "Klein model runs its own attention backend")
     for note in notes:
         if note not in warned:
             warned.add(note)
-            logger.warning("%s (%s): %s; they have no effect.", NODE, model_name, note)
+            logger.warning("%s (%s): %s.", NODE, model_name, note)
 
 
 def wanted(options: dict, control: Any) -> bool:
