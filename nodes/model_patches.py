@@ -90,13 +90,6 @@ def check_patches(options: dict, depth: int, depth_single: int, model_name: str,
             logger.warning("%s (%s): %s.", NODE, model_name, note)
 
 
-def wanted(options: dict, control: Any) -> bool:
-    """Whether a forward with ``options`` / ``control`` has anything for :class:`FluxPatches` to run."""
-    patches = options.get("patches") or {}
-    replaces = (options.get("patches_replace") or {}).get("dit") or {}
-    return bool(any(patches.get(k) for k in APPLIED) or replaces or control)
-
-
 class _OutputPatchedOps:
     """The blocks' ops with ``attn1_output_patch`` applied to every attention output; everything else is
     the wrapped ops' own (the fast kernels stay)."""
@@ -120,16 +113,22 @@ class FluxPatches:
     """One forward's ComfyUI patches, run as klein_core's ``blocks_runner`` (see the module docstring).
 
     ``options``: the forward's ``transformer_options`` (updated with the block being run, as ComfyUI's
-    FLUX does); ``control``: ControlNet residuals ``{"input": [...], "output": [...]}`` or None;
-    ``text_tokens``: L, the text tokens first in the joint sequence."""
+    FLUX does); ``control``: ControlNet residuals ``{"input": [...], "output": [...]}`` or None. Build
+    it with :meth:`of`, which gives None when the forward has nothing to patch."""
 
-    def __init__(self, options: dict, control: Any, text_tokens: int, model_name: str) -> None:
+    def __init__(self, options: dict, control: Any, model_name: str) -> None:
         self.options = options
         self.control = control or {}
-        self.text_tokens = text_tokens
         self.model_name = model_name
         self.replace: dict = (options.get("patches_replace") or {}).get("dit") or {}
         self.output_patches: list[Callable] = list((options.get("patches") or {}).get("attn1_output_patch") or ())
+        self.text_tokens = 0  # L, the text tokens first in the joint sequence: set when the blocks run
+
+    @classmethod
+    def of(cls, options: dict, control: Any, model_name: str) -> FluxPatches | None:
+        """The runner for a forward with ``options`` / ``control``, or None when there is nothing to run."""
+        patches = cls(options, control, model_name)
+        return patches if patches.replace or patches.output_patches or patches.control else None
 
     def patch_attention(self, out: torch.Tensor) -> torch.Tensor:
         """``attn1_output_patch`` on one block's attention output ``[B, L, H*D]``."""
@@ -143,6 +142,7 @@ class FluxPatches:
         if self.output_patches:
             blocks = replace(blocks, ops=_OutputPatchedOps(blocks.ops, self))
         opts = self.options
+        self.text_tokens = c.shape[1]
         n_double, n_single = len(blocks.model.double_blocks), len(blocks.model.single_blocks)
         opts["total_blocks"], opts["block_type"] = n_double, "double"
         for i in range(n_double):
@@ -208,4 +208,4 @@ class FluxPatches:
         return torch.cat([x[:, :start], mid, x[:, start + n:]], dim=1)
 
 
-__all__ = ["APPLIED", "REFUSED", "FluxPatches", "check_patches", "wanted"]
+__all__ = ["APPLIED", "REFUSED", "FluxPatches", "check_patches"]

@@ -18,7 +18,7 @@ from comfy_api.latest import io
 
 from klein_core.accel.speed import apply_speed
 from klein_core.memory.placement import StagePlacer
-from klein_core.models.transformer import Flux2Transformer
+from klein_core.models.transformer import Flux2Transformer, TransformerConfig
 from klein_core.models.transformer_math import rope_tables
 from klein_core.models.variants import encoder_for_text_width, variant_for_text_width
 from klein_core.pipeline.sampling import REF_TIME_OFFSET, pack, position_ids, text_position_ids, unpack
@@ -213,8 +213,9 @@ class KleinDiffusionModel(torch.nn.Module):
         inputs = dict(img=img, img_ids=img_ids, txt=context.to(device=device, dtype=dtype), txt_ids=txt_ids,
                       timesteps=t.expand(b) if t.numel() == 1 else t, rope=self._rope[1],
                       zero_time_tokens=zero_time)
-        if model_patches.wanted(options, control):  # ComfyUI's block / attention patches, ControlNet residuals
-            inputs["blocks_runner"] = model_patches.FluxPatches(options, control, context.shape[1], self.model_name)
+        runner = model_patches.FluxPatches.of(options, control, self.model_name)
+        if runner is not None:  # ComfyUI's block / attention patches, ControlNet residuals
+            inputs["blocks_runner"] = runner
         if self.stream_to is None:
             out = tr(**inputs)
         else:  # the memory plan the loader asked for: blocks streamed in, as in the Klein Sampler
@@ -223,23 +224,26 @@ class KleinDiffusionModel(torch.nn.Module):
         return unpack(out[:, : h * w], h, w).to(x.device)
 
 
+def unet_config(cfg: TransformerConfig) -> dict:
+    """ComfyUI's FLUX.2 ``unet_config`` for a Klein transformer of ``cfg`` (its sizes, FLUX.2's flags)."""
+    return {"in_channels": cfg.in_channels, "out_channels": cfg.in_channels, "context_in_dim": cfg.context_dim,
+            "hidden_size": cfg.hidden_size, "num_heads": cfg.num_heads, "depth": cfg.depth,
+            "depth_single_blocks": cfg.depth_single, "axes_dim": list(cfg.axes_dim), "theta": cfg.theta,
+            "patch_size": 1, "guidance_embed": False}
+
+
 def bridge(model: KleinModel) -> Any:
     """The native MODEL for ``model``: its transformer (LoRAs applied, on its speed) in a Flux2 model_base."""
     with errors_named(NODE, "model", model.name):
         transformer = model.ref.get()
     apply_speed(transformer, None, model.speed)
-    cfg = transformer.config
-    unet_config = {"in_channels": cfg.in_channels, "out_channels": cfg.in_channels, "context_in_dim": cfg.context_dim,
-                   "hidden_size": cfg.hidden_size, "num_heads": cfg.num_heads, "depth": cfg.depth,
-                   "depth_single_blocks": cfg.depth_single, "axes_dim": list(cfg.axes_dim), "theta": cfg.theta,
-                   "patch_size": 1, "guidance_embed": False}
     compute = host.torch_device()
     streamed = model.memory in STREAMED_MODES
     diffusion = KleinDiffusionModel(transformer, model.name, model.kind, stream_to=compute if streamed else None)
     # Streamed: ComfyUI keeps the weights where they live (CPU memory) and samples there; each step
     # streams the blocks to the GPU. Otherwise ComfyUI loads the model whole onto the GPU.
     load_device = host.offload_device() if streamed else compute
-    return host.native_flux2_model(diffusion, unet_config, transformer.dtype, load_device)
+    return host.native_flux2_model(diffusion, unet_config(transformer.config), transformer.dtype, load_device)
 
 
 class KleinModelToMODEL(io.ComfyNode):

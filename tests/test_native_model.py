@@ -498,8 +498,7 @@ def test_lora_after_a_compiled_run_takes_effect(host, tmp_path, monkeypatch):
 
 
 # ----- ComfyUI's FLUX model patches on the bridged MODEL (nodes/model_patches.py) ------------------------
-# ComfyUI's FLUX model patches on Klein Model to MODEL (nodes/model_patches.py), in the real ComfyUI
-# 0.3.75 host: block replacements, ControlNet residuals and attention-output patches change the bridged
+# In the real ComfyUI 0.3.75 host: block replacements, ControlNet residuals and attention-output patches change the bridged
 # model exactly as they change ComfyUI's own FLUX.2 model (``comfy.ldm.flux.model.Flux``, built by
 # benchmarks/comfy_peer.py on the same tensors), in fp32 on tiny random weights; the core
 # SkipLayerGuidanceDiT node gives the same latents on both; patches the Klein model cannot apply are
@@ -527,15 +526,11 @@ def _pair(h, peer, name=M4B, kind="auto"):
     dm = bridged.model.diffusion_model
     with torch.inference_mode():  # the loader's tensors are inference tensors
         native_dm = mod.build_comfy_flux2(model.ref.get(), host=comfy)
-    cfg = dm.transformer.config
-    unet_config = {"in_channels": cfg.in_channels, "out_channels": cfg.in_channels, "context_in_dim": cfg.context_dim,
-                   "hidden_size": cfg.hidden_size, "num_heads": cfg.num_heads, "depth": cfg.depth,
-                   "depth_single_blocks": cfg.depth_single, "axes_dim": list(cfg.axes_dim), "theta": cfg.theta,
-                   "patch_size": 1, "guidance_embed": False}
     import comfy.model_management as mm
 
     nodes_host = importlib.import_module(f"{PACK}.host")
-    native = nodes_host.native_flux2_model(native_dm, unet_config, torch.float32, mm.get_torch_device())
+    native = nodes_host.native_flux2_model(native_dm, h.native.unet_config(dm.transformer.config), torch.float32,
+                                           mm.get_torch_device())
     return bridged, native
 
 
