@@ -25,7 +25,7 @@
 # Fourth session (seconds on a fresh H100): fastpass (speed.py diffusers against default for 4B a, b, c
 # and 9B a, b, 3 timed runs: 101 + 42 s), blocks (kernels.py --ops blocks, the fast path's steps one by
 # one: 24 s), profile (profile_run.py, 4B a under torch.profiler: 14 s), fasttests (tests/gpu/test_gpu_fast.py:
-# 55 s), compile4b (speed.py 4B a, b: compile against diffusers+compile, 2 timed runs; did not finish in
+# 55 s), compile4b (speed.py 4B a, b: compile against diffusers+compile, 5 timed runs since 2026-11-27 (2 before); did not finish in
 # the 126 s it had left; 300 s now, on a cold compile cache, since both sides also compile their text
 # encoder's layers).
 # profilec (profile_run.py under speed="compile", 4B a) and texttests (the suite's text encoder tests:
@@ -217,7 +217,7 @@ phase_compile4b() {  # speed="compile" against diffusers at its best (both with 
     # COMPILE_CASES=a times only the case of #26's compile target (text to image), in about half the time
     local cases="${COMPILE_CASES:-a,b}"
     # shellcheck disable=SC2046
-    step "compile_4b_${cases//,/}" 300 "$PY" benchmarks/speed.py --models 4b --cases "$cases" $(runs 2) $(no_diffusers) \
+    step "compile_4b_${cases//,/}" 300 "$PY" benchmarks/speed.py --models 4b --cases "$cases" $(runs 5) $(no_diffusers) \
         --variants diffusers+compile,compile --out "$OUT/compile_4b_${cases//,/}.json"
 }
 

@@ -74,7 +74,6 @@ import platform
 import statistics
 import sys
 import time
-import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -89,8 +88,8 @@ if str(REPO) not in sys.path:  # run as a script from a checkout
     sys.path.insert(0, str(REPO))
 
 import klein_core
-from benchmarks.peers import diffusers_flux2_transformer
 from benchmarks.host_audit import HostAudit
+from benchmarks.peers import diffusers_flux2_transformer
 from klein_core.accel import fast, speed, step_cache
 from klein_core.accel.text_encoder import disable_fast_text_encoder, enable_fast_text_encoder
 from klein_core.files.transformer_layout import bfl_to_diffusers
@@ -107,6 +106,7 @@ from klein_core.pipeline.prompts import TRIM_MULTIPLE, TextOptions
 from klein_core.pipeline.sampling import make_noise, pack
 from klein_core.pipeline.tokenizer import tokenize_prompts
 from klein_core.testing.fill import full_size_configs, random_fill_
+from klein_core.testing.sync import sync_callers
 
 logger = logging.getLogger("speed")
 
@@ -639,12 +639,9 @@ def _sync_audit(device: torch.device, probe: Probe, tr: torch.nn.Module, steps: 
     """Record synchronising CUDA calls made from the first denoising step to the end of the last.
 
     ``torch.cuda.set_sync_debug_mode("warn")`` is switched on by a hook at the first transformer
-    call and off by the step callback after the last step; each warning's location is collected.
+    call and off by the step callback after the last step; each wait is named by its caller outside
+    torch (``klein_core.testing.sync``).
     """
-    found: list[str] = []
-    if device.type != "cuda":
-        yield found
-        return
     state = {"on": False}
 
     def first_step(*_: Any) -> None:
@@ -656,43 +653,30 @@ def _sync_audit(device: torch.device, probe: Probe, tr: torch.nn.Module, steps: 
         if done >= steps:
             torch.cuda.set_sync_debug_mode(0)
 
-    handle = tr.register_forward_pre_hook(first_step)
-    probe.after_step = after_step
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with sync_callers(switch=False, enabled=device.type == "cuda") as found:
+        if device.type != "cuda":
+            yield found
+            return
+        handle = tr.register_forward_pre_hook(first_step)
+        probe.after_step = after_step
         try:
             yield found
         finally:
-            torch.cuda.set_sync_debug_mode(0)
             handle.remove()
             probe.after_step = None
-    found.extend(_sync_locations(caught))
-
-
-def _sync_locations(caught: list[warnings.WarningMessage]) -> list[str]:
-    """``file:line: message`` of each synchronising CUDA call among the caught warnings. torch's
-    one-off notice that the debug mode is a prototype is not a sync (it counted as one for whichever
-    variant switched the mode on first in a process)."""
-    return [f"{w.filename}:{w.lineno}: {str(w.message).splitlines()[0]}" for w in caught
-            if "synchroniz" in str(w.message) and "prototype feature" not in str(w.message)]
 
 
 @contextlib.contextmanager
 def _host_waits(device: torch.device, found: list[str] | None) -> Iterator[None]:
     """With a list: collect into it where the block made the host wait for the GPU (each synchronising
-    CUDA call, ``torch.cuda.set_sync_debug_mode("warn")``). klein_core's generate should wait once the
+    CUDA call, named by its caller outside torch). klein_core's generate should wait once the
     images are to come to the host, and only then (klein_core.pipeline.engine)."""
     if found is None or device.type != "cuda":
         yield
         return
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            yield
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-    found.extend(_sync_locations(caught))
+    with sync_callers() as waits:
+        yield
+    found.extend(waits)
 
 
 # ---------------------------------------------------------------------------------------------

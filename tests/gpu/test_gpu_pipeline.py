@@ -257,11 +257,12 @@ def test_generate_waits_for_the_device_only_for_its_results(gpu, small):
     """generate makes the host wait for the GPU only once its results are to come to the host
     (klein_core.transfer.to_host: the images, then the finiteness flags that waited for them), never
     between stages (klein_core.pipeline.engine: each wait there left the GPU idle while the host
-    prepared the next stage). torch.cuda.set_sync_debug_mode names every synchronising call."""
-    import warnings
-
+    prepared the next stage). torch.cuda.set_sync_debug_mode names every synchronising call, and
+    klein_core.testing.sync_callers its caller outside torch (torch 2.11 reports a Stream.synchronize
+    at its own wrapper, torch/cuda/streams.py)."""
     import klein_core.transfer
     from klein_core.pipeline.sampling import make_noise
+    from klein_core.testing.sync import sync_callers
 
     tr, te, vae = small
     refs = reference_images(gpu.ref_sizes)
@@ -278,15 +279,8 @@ def test_generate_waits_for_the_device_only_for_its_results(gpu, small):
     for name, (kw, most) in runs.items():
         kc.generate(tr, te, vae, cache=None, **kw)  # warm: kernels chosen, page-locked blocks cached
         torch.cuda.synchronize(gpu.device)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                res = kc.generate(tr, te, vae, cache=None, **kw)
-            finally:
-                torch.cuda.set_sync_debug_mode(0)
-        waits = [f"{c.filename}:{c.lineno}" for c in caught
-                 if "synchroniz" in str(c.message) and "prototype feature" not in str(c.message)]
+        with sync_callers() as waits:
+            res = kc.generate(tr, te, vae, cache=None, **kw)
         assert waits and all(p.startswith(transfer) for p in waits) and len(waits) <= most, (name, waits)
         assert {"text", "denoise"} <= set(res.timings) and all(v >= 0 for v in res.timings.values()), res.timings
 
