@@ -67,6 +67,36 @@ def test_profile_families_place_inductor_kernels_by_what_they_compute():
     assert {name: profile.family(name) for name in cases} == cases
 
 
+def test_profile_counts_kernels_not_the_engines_ranges_on_the_gpu_timeline():
+    """The profiler draws each ``klein.*`` range on the GPU timeline too (a user annotation spanning
+    the stage's kernels). Counted as kernels they made the 2026-11-27 compile profile's GPU busy 840 ms
+    in a 324 ms span and hid the idle time inside the stages."""
+    from types import SimpleNamespace
+
+    profile = load_script("klein_profile_run", REPO / "benchmarks" / "profile_run.py")
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+
+    def ev(name, start, end, device=cuda, annotation=False):
+        return SimpleNamespace(name=name, device_type=device, time_range=SimpleNamespace(start=start, end=end),
+                               device_time_total=end - start, is_user_annotation=annotation)
+
+    events = [
+        ev("klein.denoise", 0, 10_000, annotation=True),  # spans both kernels and the gap between them
+        ev("klein.step", 0, 10_000),  # (a range known by its name where the flag is missing)
+        ev("nvjet_sm90_tst_192x192_64x4_2x1_v_bz_coopB_TNN", 0, 3_000),
+        ev("cudnn_generated_fort_native_sdpa_sm90_flash_fprop", 7_000, 10_000),
+        ev("klein.denoise", 0, 10_000, device=cpu, annotation=True),
+    ]
+    prof = SimpleNamespace(events=lambda: events, key_averages=lambda: [])
+    report = profile.summarise(prof, wall_ms=12.0)
+    assert report["gpu_busy_ms"] == 6.0 and report["gpu_idle_ms"] == 4.0 and report["gpu_first_to_last_ms"] == 10.0
+    assert report["kernels_by_family_ms"] == {"matmul": 3.0, "attention": 3.0}
+    assert report["stage_spans_ms"] == {"klein.denoise": 10.0, "klein.step": 10.0}
+    gap = report["largest_gaps"][0]
+    assert (gap["ms"], gap["after"][:5], gap["before"][:5]) == (4.0, "nvjet", "cudnn")
+    assert gap["host"]["klein"] == {"klein.denoise": 4.0}  # what the host was in during the gap
+
+
 def test_nodes_speed_times_the_node_chain_against_the_engine(comfy_pack, tmp_path):
     """nodes_speed.py on the CPU: the node chain and the engine on the same files give one image
     (within a rounding step) and every time it reports (the ComfyUI host comes from comfy_pack)."""
