@@ -30,7 +30,7 @@
 # encoder's layers).
 # profilec (profile_run.py under speed="compile", 4B a) and texttests (the suite's text encoder tests:
 # compiled, CUDA graph replay; since the eleventh session also the test that a generation waits for the
-# GPU only for its results): 31 s and 35 s on 2026-11-27. trainprof (profile_train.py: one LoRA training
+# GPU only for its results): 31 s and 35 s on 2026-11-27; profilec on a cold compile cache 48 s (sixteenth session). trainprof (profile_train.py: one LoRA training
 # step of ours and of diffusers + peft under torch.profiler, 4B 1024² rank 32, then ours at speed fast) and
 # textgraph (speed.py 4B a:
 # default against default+text_graph, 3 runs): not measured yet.
@@ -41,9 +41,9 @@
 # + peft in bf16; writes train.json; its timeout is 300 s).
 # nodesspeed (benchmarks/nodes_speed.py, since the twelfth session: what a ComfyUI user runs, the pack's
 # encoder -> sampler -> VAE decode nodes on full-size 4B files, against klein_core.generate on the same
-# files, 3 runs; writes 16 GB of random weights first): not measured yet, timeout 180 s.
+# files, 3 runs; writes 16 GB of random weights first): 61 s on 2026-11-27 (sixteenth session), timeout 180 s.
 # trim (speed.py 4B a, b: default against default+trim, the prompt padded to a multiple of 64 tokens
-# instead of 512, opt-in and approximate; thirteenth session): not measured yet, timeout 120 s.
+# instead of 512, opt-in and approximate; thirteenth session): 29 s on 2026-11-27, timeout 120 s.
 #
 # Always: $OUT/env.json (GPU, driver, torch, packages, date) and $OUT/session.log (every step's
 # output, then the summary: exit code and seconds of each step; the summary is also printed last).
