@@ -653,10 +653,10 @@ def _sync_audit(device: torch.device, probe: Probe, tr: torch.nn.Module, steps: 
         if done >= steps:
             torch.cuda.set_sync_debug_mode(0)
 
-    with sync_callers(switch=False, enabled=device.type == "cuda") as found:
-        if device.type != "cuda":
-            yield found
-            return
+    if device.type != "cuda":
+        yield []
+        return
+    with sync_callers(switch=False) as found:
         handle = tr.register_forward_pre_hook(first_step)
         probe.after_step = after_step
         try:

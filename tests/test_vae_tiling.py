@@ -63,6 +63,18 @@ def test_tiled_decode_close_to_untiled(decoded, parity):
     assert torch.equal(decode_tiled(memo.vae, small, tile=TILE, overlap=OVERLAP), memo.vae.decode(small))
 
 
+def test_decode_tile_says_when_a_tiled_decode_is_whole(decoded):
+    """tiling.decode_tile (what GenerationResult.decode_tiles records) is None exactly where
+    tiling.decode at that tile gives the whole decode's bytes."""
+    memo, lat, full, _ = decoded
+    for h, w, tile in ((16, 16, 16), (16, 12, 16), (32, 48, 48), (16, 20, 16), (32, 48, 32)):
+        part = lat[..., :h, :w].clone()
+        whole = torch.equal(vt.decode(memo.vae, part, tile), memo.vae.decode(part))
+        assert (vt.decode_tile(tile, h, w) is None) == whole, (h, w, tile)
+        assert vt.decode_tile(tile, h, w) in (None, tile)
+    assert vt.decode_tile(None, 64, 64) is None
+
+
 def _jumps(err: torch.Tensor, cols: list[int]) -> float:
     """Largest step of the error's column profile (signed mean over rows and channels, which
     averages per-pixel noise away) at ``cols``, over the 99th percentile of its steps on all

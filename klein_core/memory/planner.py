@@ -450,7 +450,7 @@ def check_vae_tile(vae_tile: object) -> int | str | None:
 def _candidates(mode: str, vae_tile: int | str | None = "auto") -> list[tuple[str, dict[str, Placement], int | None]]:
     if mode not in MODES:
         raise ValueError(f"memory mode must be one of {MODES}, got {mode!r}")
-    check_vae_tile(vae_tile)
+    vae_tile = check_vae_tile(vae_tile)
     out = []
     for i, (name, placements) in enumerate(PLACEMENT_ORDER):
         if mode != "auto" and i != MODES.index(mode) - 1:
@@ -458,7 +458,7 @@ def _candidates(mode: str, vae_tile: int | str | None = "auto") -> list[tuple[st
         # Tiling down to 32 is cheaper than moving weights; tiles of 16 only in the last resort.
         tiles: tuple[int | None, ...] = (None, *TILE_SIDES[:-1]) + (TILE_SIDES[-1:] if i == len(PLACEMENT_ORDER) - 1 else ())
         if vae_tile != "auto":
-            tiles = (check_vae_tile(vae_tile),)  # type: ignore[assignment]  # pinned: only the placement is searched
+            tiles = (vae_tile,)  # type: ignore[assignment]  # pinned: only the placement is searched
         out += [(name, placements, t) for t in tiles]
     return out
 
@@ -561,13 +561,13 @@ def plan_for(
     device = torch.device(device)
     if mode not in MODES:
         raise ValueError(f"memory mode must be one of {MODES}, got {mode!r}")
-    check_vae_tile(vae_tile)
+    vae_tile = check_vae_tile(vae_tile)
     modules = [m for m in (transformer, text_encoder, vae) if m is not None]
     est = estimate(request, ModelSizes.from_modules(transformer, text_encoder, vae))
     if free_bytes is None:
         if device.type != "cuda":
             if mode == "auto":
-                tile = None if vae_tile == "auto" else check_vae_tile(vae_tile)
+                tile = None if vae_tile == "auto" else vae_tile
                 plan = MemoryPlan({c: "resident" for c in est.components}, tile, name="resident")  # type: ignore[arg-type]
                 tiling = f", VAE tiles of {tile} latents (pinned)" if tile else ""
                 reason = f"{device.type}: no memory planning, all resident{tiling}"

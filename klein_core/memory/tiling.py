@@ -172,6 +172,12 @@ def encode_tiled(
     return _tiled(run, pixels.shape[-2] // d, pixels.shape[-1] // d, tile // d, overlap // d, 1)
 
 
+def decode_tile(tile: int | None, h: int, w: int) -> int | None:
+    """The tile side :func:`decode` of ``h x w`` latents at ``tile`` really runs in: None when it
+    decodes them whole (no tile asked, or the latents fit one tile)."""
+    return None if tile is None or max(h, w) <= tile else tile
+
+
 def decode(vae, latents: torch.Tensor, tile: int | None = None) -> torch.Tensor:
     """Decode whole (``tile`` None) or in tiles of ``tile`` latent positions, with the policy's overlap."""
     if tile is None:
@@ -189,4 +195,4 @@ def encode(vae, pixels: torch.Tensor, tile: int | None = None) -> torch.Tensor:
 
 
 __all__ = ["DECODE_OVERLAP", "DECODE_TILE", "ENCODE_OVERLAP", "ENCODE_TILE", "TILE_SIDES", "decode",
-           "decode_tiled", "encode", "encode_tiled", "tile_overlap", "tile_starts"]
+           "decode_tile", "decode_tiled", "encode", "encode_tiled", "tile_overlap", "tile_starts"]

@@ -469,8 +469,7 @@ class Engine:
                 for i in range(latents.shape[0]):
                     self._next_image()
                     pixels, tile = self._decode_one(vae, latents[i : i + 1], tile, check)
-                    fits_one = tile is None or max(latents.shape[-2:]) <= tile  # tiling.decode decodes it whole
-                    tiles.append(None if fits_one else tile)
+                    tiles.append(tiling.decode_tile(tile, *latents.shape[-2:]))
                     if images:
                         pixels, arr = queue_to_host(pixels, copies)
                         eight_bit.append(arr)
