@@ -66,7 +66,7 @@ def test_tiled_decode_close_to_untiled(decoded, parity):
 def test_decode_tile_says_when_a_tiled_decode_is_whole(decoded):
     """tiling.decode_tile (what GenerationResult.decode_tiles records) is None exactly where
     tiling.decode at that tile gives the whole decode's bytes."""
-    memo, lat, full, _ = decoded
+    memo, lat, _, _ = decoded
     for h, w, tile in ((16, 16, 16), (16, 12, 16), (32, 48, 48), (16, 20, 16), (32, 48, 32)):
         part = lat[..., :h, :w].clone()
         whole = torch.equal(vt.decode(memo.vae, part, tile), memo.vae.decode(part))
