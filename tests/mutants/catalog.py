@@ -242,13 +242,19 @@ MUTANTS: tuple[Mutant, ...] = (
     # ----- VAE tiles (fourteenth session) -----
     Mutant(
         "pinned-vae-tile-ignored", "klein_core/memory/planner.py",
-        "            tiles = (check_vae_tile(vae_tile),)  # type: ignore[assignment]", "            pass",
+        "            tiles = (vae_tile,)  # type: ignore[assignment]", "            pass",
         ("tests/test_planner.py::test_a_pinned_vae_tile_is_kept_and_only_the_placement_is_searched",),
         "a pinned VAE tile is ignored: the plan tiles as memory allows",
     ),
     Mutant(
+        "decode-tile-whole-by-the-shorter-side", "klein_core/memory/tiling.py",
+        "max(h, w) <= tile else tile", "min(h, w) <= tile else tile",
+        ("tests/test_vae_tiling.py::test_decode_tile_says_when_a_tiled_decode_is_whole",),
+        "a latent wider than the tile is recorded as decoded whole",
+    ),
+    Mutant(
         "decode-tiles-record-the-plan", "klein_core/pipeline/engine.py",
-        "tiles.append(None if fits_one else tile)", "tiles.append(plan.vae_tile)",
+        "tiles.append(tiling.decode_tile(tile, *latents.shape[-2:]))", "tiles.append(plan.vae_tile)",
         ("tests/test_memory_wiring.py::test_a_decode_that_runs_out_of_memory_records_the_smaller_tiles_it_retried_in",),
         "the result names the planned tile, not the one an out-of-memory retry decoded in",
     ),
