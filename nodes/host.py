@@ -7,6 +7,7 @@ the host's model management (no CUDA initialisation at import or schema time), a
 
 from __future__ import annotations
 
+import collections
 import functools
 import logging
 import os
@@ -301,7 +302,59 @@ def _native_patcher_class() -> type:
         def patch_model(self, device_to=None, lowvram_model_memory=0, *args, **kwargs):
             return super().patch_model(device_to, 0, *args, **kwargs)
 
+        def patch_weight_to_device(self, key, device_to=None, *args, **kwargs):
+            # A packed layer (GGUF, NVFP4) takes its patches as they are and applies them at each
+            # call (nodes/native_model.py); ComfyUI's own path would merge them into a dense weight.
+            layer = _packed_layer(self.model, key)
+            if layer is None or key not in self.patches:
+                return super().patch_weight_to_device(key, device_to, *args, **kwargs)
+            if kwargs.get("return_weight"):  # current ComfyUI's lazy copies for saving
+                return layer.klein_weight(layer.compute_dtype, self.patches[key], key)
+            if key not in self.backup:  # what unpatch_model puts back (ComfyUI's record)
+                record = collections.namedtuple("Dimension", ["weight", "inplace_update"])
+                self.backup[key] = record(layer.weight, False)
+            layer.klein_patch_weight(self.patches[key], key)
+            return None
+
+        def unpatch_model(self, *args, **kwargs):
+            restored = set(self.backup)
+            try:
+                return super().unpatch_model(*args, **kwargs)
+            finally:
+                _restored(self.model, restored - set(self.backup))
+
+        def unpatch_hooks(self, *args, **kwargs):
+            restored = set(getattr(self, "hook_backup", ()))
+            try:
+                return super().unpatch_hooks(*args, **kwargs)
+            finally:
+                _restored(self.model, restored - set(getattr(self, "hook_backup", ())))
+
     return KleinNativeModelPatcher
+
+
+def _layer_of(model: torch.nn.Module, key: str) -> torch.nn.Module | None:
+    """The module owning the parameter ``key`` (``diffusion_model.<...>.weight``), or None."""
+    owner, _, _ = key.rpartition(".")
+    try:
+        return model.get_submodule(owner)
+    except AttributeError:
+        return None
+
+
+def _packed_layer(model: torch.nn.Module, key: str) -> torch.nn.Module | None:
+    """The bridged view of a packed layer whose ``weight`` ``key`` names, or None."""
+    layer = _layer_of(model, key) if key.endswith(".weight") else None
+    return layer if hasattr(layer, "klein_patch_weight") else None
+
+
+def _restored(model: torch.nn.Module, keys: set) -> None:
+    """Tell the layers whose weights ComfyUI just put back (``klein_restored``): what they kept for
+    the patch (a re-quantised weight's scale, patches applied per call) must go with it."""
+    for key in keys:
+        layer = _layer_of(model, key)
+        if hasattr(layer, "klein_restored"):
+            layer.klein_restored()
 
 
 def native_flux2_model(diffusion_model: torch.nn.Module, unet_config: dict, dtype: torch.dtype,

@@ -14,6 +14,7 @@ import logging
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from comfy_api.latest import io
 
 from klein_core.accel.speed import apply_speed
@@ -23,6 +24,8 @@ from klein_core.models.transformer_math import rope_tables
 from klein_core.models.variants import encoder_for_text_width, variant_for_text_width
 from klein_core.pipeline.sampling import REF_TIME_OFFSET, pack, position_ids, text_position_ids, unpack
 from klein_core.quant.fp8 import FP8Linear
+from klein_core.quant.ggml import GGMLLinear
+from klein_core.quant.nvfp4 import NVFP4Linear
 
 from . import host, model_patches, notices
 from .common import errors_named
@@ -49,16 +52,17 @@ class PatchableFP8Linear(FP8Linear):
 
     A patched weight is re-quantised under a new scale (as the Klein LoRA Loader merges into fp8), so a
     LoRA that widens the weight's range is not clipped. ComfyUI's unpatching restores only the
-    ``weight`` Parameter, so the new scale is kept next to the Parameter it belongs to and used only
-    while that Parameter is the layer's weight: once the original is back, so is its scale.
+    ``weight`` Parameter, so the new scale is kept on the layer until the MODEL's patcher restores the
+    weight (:meth:`klein_restored`). It was once tied to the patched Parameter object, which streaming
+    (memory_mode blocks) replaces by a device copy each step: the streamed layer then read the patched
+    float8 values under the old scale, a LoRA distorted beyond its own effect.
     """
 
     @property
     def weight_scale(self) -> torch.Tensor:
         patched = self.__dict__.get("_klein_patched_scale")
-        weight = self._parameters["weight"]
-        if patched is not None and patched[0] is weight:
-            return patched[1].to(weight.device)
+        if patched is not None:
+            return patched.to(self._parameters["weight"].device)
         return self._buffers["weight_scale"]
 
     def convert_weight(self, weight: torch.Tensor, inplace: bool = False, **kwargs: Any) -> torch.Tensor:
@@ -81,10 +85,82 @@ class PatchableFP8Linear(FP8Linear):
         q = (w / (scale[:, None] if per_row else scale)).clamp(-fmax, fmax).to(self.weight.dtype)
         # A new Parameter even for inplace_update: the old tensor is shared with the pack's transformer,
         # which must never see ComfyUI's patch (unpatching puts the original Parameter back).
-        param = torch.nn.Parameter(q, requires_grad=False)
-        self.weight = param
-        self.__dict__["_klein_patched_scale"] = (param, scale)
+        self.weight = torch.nn.Parameter(q, requires_grad=False)
+        self.__dict__["_klein_patched_scale"] = scale
         return None
+
+    def klein_restored(self) -> None:
+        """ComfyUI put the original weight back: its own scale applies again."""
+        self.__dict__.pop("_klein_patched_scale", None)
+
+
+class _PackedWeightPatches:
+    """ComfyUI's weight patches on a view of a layer whose weight stays packed (GGUF blocks, NVFP4):
+    applied at each call to the dequantised weight, as ComfyUI-GGUF applies them, so the packed bytes
+    never change and memory stays that of the packed model. Re-quantising the patched weight to 4 bits
+    instead would lose a LoRA's small deltas in the rounding, and a dense copy would cost the memory the
+    format saves.
+
+    The view gets a 0-dim ``weight`` Parameter standing for the packed weight (it holds no values):
+    ComfyUI finds a layer's LoRA keys in the model's state dict and loads the Parameters a module has,
+    so without it every key of a LoRA was "not loaded" and the LoRA silently did nothing. The MODEL's
+    patcher (``nodes/host.py``) hands the patches to :meth:`klein_patch_weight` and calls
+    :meth:`klein_restored` when it unpatches. ``convert_weight`` / ``set_weight`` serve ComfyUI's other
+    weight paths (hooks, model merging): a weight they set is kept dense until restored.
+    """
+
+    def klein_patch_weight(self, patches: list, key: str) -> None:
+        """Apply ``patches`` (ComfyUI's list for ``key``) from the next call on."""
+        self.__dict__["_klein_live_patches"] = (list(patches), key)
+
+    def klein_restored(self) -> None:
+        """ComfyUI unpatched the layer: the packed weight alone again."""
+        self.__dict__.pop("_klein_live_patches", None)
+        self.__dict__.pop("_klein_dense_weight", None)
+
+    def klein_weight(self, dtype: torch.dtype, patches: list | None = None, key: str = "") -> torch.Tensor:
+        """The weight ``[out, in]`` the layer stands for in ``dtype``, with ``patches`` (default: its own)."""
+        dense = self.__dict__.get("_klein_dense_weight")
+        if dense is not None:
+            return dense.to(dtype)
+        w = self.dequantized(torch.float32)
+        if patches is None:
+            patches, key = self.__dict__.get("_klein_live_patches", (None, key))
+        if patches:
+            import comfy.lora
+
+            w = comfy.lora.calculate_weight(patches, w, key)
+        return w.to(dtype)
+
+    def convert_weight(self, weight: torch.Tensor, inplace: bool = False, **kwargs: Any) -> torch.Tensor:
+        """The placeholder ComfyUI copied -> the weight it stands for (float32, on its device)."""
+        return self.dequantized(torch.float32).to(weight.device)
+
+    def set_weight(self, weight: torch.Tensor, inplace_update: bool = False, seed: Any = None,
+                   return_weight: bool = False, **kwargs: Any) -> torch.Tensor | None:
+        """A weight ComfyUI computed itself (hooks, merges): used as it is until restored."""
+        if return_weight:
+            return weight
+        self.__dict__["_klein_dense_weight"] = weight.to(self.compute_dtype)
+        return None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if "_klein_live_patches" not in self.__dict__ and "_klein_dense_weight" not in self.__dict__:
+            return super().forward(x)  # type: ignore[misc]
+        bias = self.bias.to(x.dtype) if self.bias is not None else None
+        return F.linear(x, self.klein_weight(x.dtype), bias)
+
+
+class PatchableGGMLLinear(_PackedWeightPatches, GGMLLinear):
+    """The view of a :class:`GGMLLinear` (GGUF blocks) that ComfyUI's LoRA loaders can patch."""
+
+
+class PatchableNVFP4Linear(_PackedWeightPatches, NVFP4Linear):
+    """The view of an :class:`NVFP4Linear` that ComfyUI's LoRA loaders can patch."""
+
+
+PATCHABLE_VIEWS: dict[type, type] = {FP8Linear: PatchableFP8Linear, GGMLLinear: PatchableGGMLLinear,
+                                     NVFP4Linear: PatchableNVFP4Linear}
 
 
 def module_view(module: torch.nn.Module) -> torch.nn.Module:
@@ -100,8 +176,12 @@ def module_view(module: torch.nn.Module) -> torch.nn.Module:
     # ComfyUI's mark that it has patched a module's weights (the pack's own ModelPatcher marks the
     # original when it loads it): the view's weights are not patched yet.
     view.__dict__.pop("comfy_patched_weights", None)
-    if type(module) is FP8Linear:  # ComfyUI's LoRA patching needs its convert/set hooks (see the class)
-        view.__class__ = PatchableFP8Linear
+    patchable = PATCHABLE_VIEWS.get(type(module))
+    if patchable is not None:  # ComfyUI's LoRA patching needs their hooks (see the classes)
+        view.__class__ = patchable
+        if isinstance(view, _PackedWeightPatches):  # the key ComfyUI's LoRA key maps look for
+            view._parameters["weight"] = torch.nn.Parameter(
+                torch.zeros((), dtype=torch.uint8, device=module.qweight.device), requires_grad=False)
     for name, child in module._modules.items():
         view._modules[name] = module_view(child) if child is not None else None
     return view

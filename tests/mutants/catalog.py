@@ -273,4 +273,17 @@ MUTANTS: tuple[Mutant, ...] = (
          "tests/test_native_model.py::test_skip_layer_guidance_node_matches_comfyuis_flux"),
         "SkipLayerGuidanceDiT's single layers run instead of being skipped",
     ),
+    # ----- ComfyUI's LoRA loaders on the bridged MODEL of packed / fp8 weights (seventeenth session) -----
+    Mutant(
+        "packed-layer-unpatch-keeps-the-lora", "nodes/host.py",
+        "_restored(self.model, restored - set(self.backup))", "_restored(self.model, set())",
+        ("tests/test_native_lora_packed.py::test_comfyui_lora_on_a_gguf_model_is_applied_per_call",),
+        "after ComfyUI unpatches a GGUF model, its layers still add the LoRA",
+    ),
+    Mutant(
+        "packed-layer-without-a-weight-key", "nodes/native_model.py",
+        "if isinstance(view, _PackedWeightPatches):", "if False:",
+        ("tests/test_native_lora_packed.py::test_comfyui_lora_on_a_gguf_model_is_applied_per_call",),
+        "ComfyUI finds no key for a GGUF layer: every LoRA key 'not loaded', the LoRA silently ignored",
+    ),
 )
