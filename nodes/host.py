@@ -306,8 +306,10 @@ def _native_patcher_class() -> type:
             # A packed layer (GGUF, NVFP4) takes its patches as they are and applies them at each
             # call (nodes/native_model.py); ComfyUI's own path would merge them into a dense weight.
             layer = _packed_layer(self.model, key)
-            if layer is None or key not in self.patches:
+            if layer is None:
                 return super().patch_weight_to_device(key, device_to, *args, **kwargs)
+            if key not in self.patches:  # nothing to apply; never ComfyUI's cast of the placeholder
+                return layer.weight
             if kwargs.get("return_weight"):  # current ComfyUI's lazy copies for saving
                 return layer.klein_weight(layer.compute_dtype, self.patches[key], key)
             if key not in self.backup:  # what unpatch_model puts back (ComfyUI's record)

@@ -55,12 +55,15 @@ class PatchableFP8Linear(FP8Linear):
     ``weight`` Parameter, so the new scale is kept on the layer until the MODEL's patcher restores the
     weight (:meth:`klein_restored`). It was once tied to the patched Parameter object, which streaming
     (memory_mode blocks) replaces by a device copy each step: the streamed layer then read the patched
-    float8 values under the old scale, a LoRA distorted beyond its own effect.
+    float8 values under the old scale, a LoRA distorted beyond its own effect. It is a plain attribute
+    (None when unpatched) so that torch.compile (TorchCompileModel) guards on it and compiles anew.
     """
+
+    _klein_patched_scale: torch.Tensor | None = None  # the scale of a patched weight, while patched
 
     @property
     def weight_scale(self) -> torch.Tensor:
-        patched = self.__dict__.get("_klein_patched_scale")
+        patched = self._klein_patched_scale
         if patched is not None:
             return patched.to(self._parameters["weight"].device)
         return self._buffers["weight_scale"]
@@ -86,12 +89,12 @@ class PatchableFP8Linear(FP8Linear):
         # A new Parameter even for inplace_update: the old tensor is shared with the pack's transformer,
         # which must never see ComfyUI's patch (unpatching puts the original Parameter back).
         self.weight = torch.nn.Parameter(q, requires_grad=False)
-        self.__dict__["_klein_patched_scale"] = scale
+        self._klein_patched_scale = scale
         return None
 
     def klein_restored(self) -> None:
         """ComfyUI put the original weight back: its own scale applies again."""
-        self.__dict__.pop("_klein_patched_scale", None)
+        self._klein_patched_scale = None
 
 
 class _PackedWeightPatches:
@@ -107,25 +110,32 @@ class _PackedWeightPatches:
     patcher (``nodes/host.py``) hands the patches to :meth:`klein_patch_weight` and calls
     :meth:`klein_restored` when it unpatches. ``convert_weight`` / ``set_weight`` serve ComfyUI's other
     weight paths (hooks, model merging): a weight they set is kept dense until restored.
+
+    The state is in plain attributes (None when unpatched), which torch.compile (TorchCompileModel)
+    guards on; the patched weight is computed outside the compiled graph (any patch kind ComfyUI has).
     """
+
+    _klein_live_patches: tuple[list, str] | None = None  # (ComfyUI's patches, their key), while patched
+    _klein_dense_weight: torch.Tensor | None = None  # a weight ComfyUI set itself, while patched
 
     def klein_patch_weight(self, patches: list, key: str) -> None:
         """Apply ``patches`` (ComfyUI's list for ``key``) from the next call on."""
-        self.__dict__["_klein_live_patches"] = (list(patches), key)
+        self._klein_live_patches = (list(patches), key)
 
     def klein_restored(self) -> None:
         """ComfyUI unpatched the layer: the packed weight alone again."""
-        self.__dict__.pop("_klein_live_patches", None)
-        self.__dict__.pop("_klein_dense_weight", None)
+        self._klein_live_patches = None
+        self._klein_dense_weight = None
 
+    @torch.compiler.disable
     def klein_weight(self, dtype: torch.dtype, patches: list | None = None, key: str = "") -> torch.Tensor:
         """The weight ``[out, in]`` the layer stands for in ``dtype``, with ``patches`` (default: its own)."""
-        dense = self.__dict__.get("_klein_dense_weight")
+        dense = self._klein_dense_weight
         if dense is not None:
             return dense.to(dtype)
         w = self.dequantized(torch.float32)
-        if patches is None:
-            patches, key = self.__dict__.get("_klein_live_patches", (None, key))
+        if patches is None and self._klein_live_patches is not None:
+            patches, key = self._klein_live_patches
         if patches:
             import comfy.lora
 
@@ -141,11 +151,11 @@ class _PackedWeightPatches:
         """A weight ComfyUI computed itself (hooks, merges): used as it is until restored."""
         if return_weight:
             return weight
-        self.__dict__["_klein_dense_weight"] = weight.to(self.compute_dtype)
+        self._klein_dense_weight = weight.to(self.compute_dtype)
         return None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if "_klein_live_patches" not in self.__dict__ and "_klein_dense_weight" not in self.__dict__:
+        if self._klein_live_patches is None and self._klein_dense_weight is None:
             return super().forward(x)  # type: ignore[misc]
         bias = self.bias.to(x.dtype) if self.bias is not None else None
         return F.linear(x, self.klein_weight(x.dtype), bias)

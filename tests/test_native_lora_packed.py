@@ -173,3 +173,26 @@ def test_comfyuis_other_weight_paths_on_a_packed_layer(host, tmp_path):  # noqa:
     finally:
         patched.unpatch_model()
     assert torch.equal(_layer(patched).klein_weight(torch.float32), w0)
+
+
+@pytest.mark.parametrize("dtype", ["fp8", "q4"])
+def test_comfyui_lora_on_a_compiled_bridged_model(host, tmp_path, dtype, parity):  # noqa: F811
+    """TorchCompileModel's wrapper (dynamo; its eager backend here, so the compiled run gives eager's
+    bits): a graph traced without the LoRA must not serve the patched model. It did: on GGUF the LoRA
+    was not applied at all, on fp8 the re-quantised weights were read under their old scale. The layers
+    keep their patch state in attributes that dynamo guards on."""
+    from comfy_api.torch_helpers import set_torch_compile_wrapper
+
+    path = _lora_file(host, tmp_path, _loaded(host, "fp32").ref.get())
+    pos = _native_cond(host, _encode(host).positive)
+    model = _loaded(host, dtype)
+    plain = _core(host, _bridge(host, model), pos)
+    lora = _core(host, _comfy_lora(_bridge(host, model), path), pos)
+    assert _diff(plain, lora) > 1e-2
+    compiled = _bridge(host, model).clone()
+    set_torch_compile_wrapper(model=compiled, backend="eager")
+    assert _diff(_core(host, compiled, pos), plain) <= 1e-6
+    diff = parity(f"ComfyUI LoRA on the compiled bridged {dtype} MODEL vs eager (dynamo, eager backend)",
+                  _diff(_core(host, _comfy_lora(compiled, path), pos), lora))
+    assert diff <= 1e-6, diff
+    assert _diff(_core(host, compiled, pos), plain) <= 1e-6  # unpatched again
