@@ -233,11 +233,14 @@ def test_compiled_text_encoder_matches_plain(gpu, small, parity, caplog):
 
 @pytest.mark.cuda("CUDA graphs exist only on a CUDA device; tests/test_text_graph.py covers the bookkeeping "
                   "around them on the CPU")
-def test_text_encoder_graph_replay(gpu, small, parity, caplog):
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "plain"])
+def test_text_encoder_graph_replay(gpu, small, parity, caplog, compiled):
     """Under ``speed="compile"`` the text encoder's forward is recorded once per prompt shape as a CUDA
     graph and replayed: another prompt of the same shape gets its own features, each within 1e-3 of
     the compiled forward without replay; a weight replaced by one at a new address is recorded again
-    (never read from the old memory); nothing warns."""
+    (never read from the old memory); nothing warns. The same for the plain forward's replay
+    (``compile=False, graphs=True``, opt-in; what ``speed.py``'s ``default+text_graph`` measures),
+    against the plain forward."""
     from klein_core.accel.text_encoder import disable_fast_text_encoder, enable_fast_text_encoder
     from klein_core.accel.text_graph import graphed_forward
     from klein_core.pipeline.tokenizer import tokenize_prompts
@@ -248,9 +251,9 @@ def test_text_encoder_graph_replay(gpu, small, parity, caplog):
     proj = te.layers[0].mlp.down_proj
     weight = proj.weight
     try:
-        enable_fast_text_encoder(te, graphs=False)
+        enable_fast_text_encoder(te, compile=compiled, graphs=False)
         ref, ref_other = te.encode(ids, mask), te.encode(other_ids, other_mask)
-        enable_fast_text_encoder(te)
+        enable_fast_text_encoder(te, compile=compiled, graphs=True)
         forward = graphed_forward(te)
         assert forward is not None
         with caplog.at_level(logging.INFO, logger="klein_core.accel.text_graph"):
@@ -261,7 +264,7 @@ def test_text_encoder_graph_replay(gpu, small, parity, caplog):
             proj.weight = torch.nn.Parameter(weight.detach() * 1.5, requires_grad=False)
             moved = te.encode(ids, mask)
             assert (forward.captures, forward.moves) == (2, 1)
-            enable_fast_text_encoder(te, graphs=False)
+            enable_fast_text_encoder(te, compile=compiled, graphs=False)
             ref_moved = te.encode(ids, mask)
     finally:
         proj.weight = weight
@@ -271,7 +274,8 @@ def test_text_encoder_graph_replay(gpu, small, parity, caplog):
     assert torch.equal(first, again) and not torch.equal(first, other)
     for name, out, expected in (("prompt 1", first, ref), ("prompt 2", other, ref_other),
                                 ("weight moved", moved, ref_moved)):
-        rel = parity(tag(gpu, f"text encoder CUDA graph vs compiled forward ({name}), relative L2"),
+        what = "compiled" if compiled else "plain"
+        rel = parity(tag(gpu, f"text encoder CUDA graph vs {what} forward ({name}), relative L2"),
                      rel_l2(out, expected))
         assert rel < 1e-3, (name, rel)
     assert rel_l2(moved, ref) > 1e-3  # the moved weight's result, not the old one's
