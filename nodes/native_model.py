@@ -130,12 +130,12 @@ class _PackedWeightPatches:
     @torch.compiler.disable
     def klein_weight(self, dtype: torch.dtype, patches: list | None = None, key: str = "") -> torch.Tensor:
         """The weight ``[out, in]`` the layer stands for in ``dtype``, with ``patches`` (default: its own)."""
-        dense = self._klein_dense_weight
-        if dense is not None:
-            return dense.to(dtype)
+        if patches is None:
+            if self._klein_dense_weight is not None:
+                return self._klein_dense_weight.to(dtype)
+            if self._klein_live_patches is not None:
+                patches, key = self._klein_live_patches
         w = self.dequantized(torch.float32)
-        if patches is None and self._klein_live_patches is not None:
-            patches, key = self._klein_live_patches
         if patches:
             import comfy.lora
 

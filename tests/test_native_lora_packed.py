@@ -94,6 +94,12 @@ def test_comfyui_lora_on_a_gguf_model_is_applied_per_call(host, tmp_path, caplog
     with caplog.at_level(logging.WARNING):
         patched = _comfy_lora(bridged, path)
     assert "not loaded" not in caplog.text, caplog.text
+    # current ComfyUI's lazy copy for saving asks for the patched weight alone, patching nothing
+    key = f"diffusion_model.{LAYER}.weight"
+    saved = patched.patch_weight_to_device(key, torch.device("cpu"), return_weight=True)
+    assert saved.dtype == torch.bfloat16  # the compute dtype
+    assert ((saved.float() - w0 - delta).norm() / delta.norm()).item() < 1e-2
+    assert _layer(patched)._klein_live_patches is None
     patched.patch_model()
     try:
         layer = _layer(patched)
