@@ -312,9 +312,8 @@ def _native_patcher_class() -> type:
                 return layer.weight
             if kwargs.get("return_weight"):  # current ComfyUI's lazy copies for saving
                 return layer.klein_weight(layer.compute_dtype, self.patches[key], key)
-            if key not in self.backup:  # what unpatch_model puts back (ComfyUI's record)
-                record = collections.namedtuple("Dimension", ["weight", "inplace_update"])
-                self.backup[key] = record(layer.weight, False)
+            if key not in self.backup:  # what unpatch_model puts back
+                self.backup[key] = _Backup(layer.weight, False)
             layer.klein_patch_weight(self.patches[key], key)
             return None
 
@@ -333,6 +332,10 @@ def _native_patcher_class() -> type:
                 _restored(self.model, restored - set(getattr(self, "hook_backup", ())))
 
     return KleinNativeModelPatcher
+
+
+# ComfyUI's record of a weight to put back on unpatching (its own namedtuple, same fields)
+_Backup = collections.namedtuple("Dimension", ["weight", "inplace_update"])
 
 
 def _layer_of(model: torch.nn.Module, key: str) -> torch.nn.Module | None:

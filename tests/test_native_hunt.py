@@ -56,17 +56,23 @@ def _layer(patcher, name="double_blocks.0.img_attn.qkv"):
     return patcher.model.diffusion_model.get_submodule(name)
 
 
+def _comfy_delta(h, path, name="double_blocks.0.img_attn.qkv") -> torch.Tensor:
+    """The delta ComfyUI's LoRA patching adds to ``name``'s weight on the fp32 model."""
+    ref = _comfy_lora(_bridge(h, _loaded(h, "fp32")), path)
+    before = _layer(ref, name).weight.detach().float().clone()
+    ref.patch_model()
+    try:
+        return _layer(ref, name).weight.detach().float() - before
+    finally:
+        ref.unpatch_model()
+
+
 def test_comfyui_lora_on_an_fp8_model_patches_the_weight_it_stands_for(host, tmp_path):  # noqa: F811
     """After ComfyUI patches the bridged fp8 MODEL, the layer stands for its weight plus the LoRA's
     delta (the delta ComfyUI applies to the fp32 model, within fp8 rounding); unpatching gives the
     original weight and scale back, and the pack's transformer never changes."""
-    fp32 = _loaded(host, "fp32")
-    path = _lora_file(host, tmp_path, fp32.ref.get())
-    ref32 = _comfy_lora(_bridge(host, fp32), path)
-    before32 = _layer(ref32).weight.detach().float().clone()
-    ref32.patch_model()
-    delta = _layer(ref32).weight.detach().float() - before32
-    ref32.unpatch_model()
+    path = _lora_file(host, tmp_path, _loaded(host, "fp32").ref.get())
+    delta = _comfy_delta(host, path)
     assert delta.abs().max() > 1e-2  # the LoRA touches this layer
 
     fp8 = _loaded(host, "fp8")

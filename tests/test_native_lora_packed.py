@@ -17,7 +17,7 @@ import os
 
 import pytest
 import torch
-from test_native_hunt import _comfy_lora, _layer, _loaded, _lora_file
+from test_native_hunt import _comfy_delta, _comfy_lora, _layer, _loaded, _lora_file
 from test_native_model import (  # noqa: F401
     M4B,
     PACK,
@@ -42,17 +42,6 @@ def _streamed(h, dtype: str):
         return h.pack.KleinModelLoader.execute(M4B, VAE, dtype, "auto", "blocks").args[0]
 
 
-def _comfy_delta(h, path, name=LAYER) -> torch.Tensor:
-    """The delta ComfyUI's LoRA patching adds to ``name``'s weight on the fp32 model."""
-    ref = _comfy_lora(_bridge(h, _loaded(h, "fp32")), path)
-    before = _layer(ref, name).weight.detach().float().clone()
-    ref.patch_model()
-    try:
-        return _layer(ref, name).weight.detach().float() - before
-    finally:
-        ref.unpatch_model()
-
-
 def _sampled_like_klein_lora_loader(h, model, path, parity, what: str) -> None:
     """ComfyUI's LoRA on the bridged MODEL samples as Klein LoRA Loader -> Klein Model to MODEL (the
     LoRA as branches on the same packed weights), and the plain bridged MODEL is unchanged after."""
@@ -67,9 +56,9 @@ def _sampled_like_klein_lora_loader(h, model, path, parity, what: str) -> None:
     assert effect > 1e-2
     rel = parity(f"ComfyUI LoRA on the bridged {what} MODEL vs Klein LoRA Loader, / the LoRA's effect (bf16)",
                  _diff(theirs, ours) / effect)
-    # bf16 rounding of a merged weight against a branch: 0.099 on the plain bf16 model, where ComfyUI's
-    # own merge runs (measured); without the LoRA applied it is 1.0
-    assert rel < 0.2, rel
+    # bf16 rounding of a merged weight against a branch: 0.097-0.100 here, 0.099 on the plain bf16
+    # model, where ComfyUI's own merge runs (measured); without the LoRA applied it is 1.0
+    assert rel < 0.15, rel
     assert torch.equal(_core(h, _bridge(h, model), pos), plain)
 
 
@@ -98,7 +87,7 @@ def test_comfyui_lora_on_a_gguf_model_is_applied_per_call(host, tmp_path, caplog
     key = f"diffusion_model.{LAYER}.weight"
     saved = patched.patch_weight_to_device(key, torch.device("cpu"), return_weight=True)
     assert saved.dtype == torch.bfloat16  # the compute dtype
-    assert ((saved.float() - w0 - delta).norm() / delta.norm()).item() < 1e-2
+    assert ((saved.float() - w0 - delta).norm() / delta.norm()).item() < 6e-3  # bf16: 2.9e-3 measured
     assert _layer(patched)._klein_live_patches is None
     patched.patch_model()
     try:
@@ -175,7 +164,9 @@ def test_comfyuis_other_weight_paths_on_a_packed_layer(host, tmp_path):  # noqa:
     comfy.model_patcher.ModelPatcher.patch_weight_to_device(patched, key, device_to=torch.device("cpu"))
     try:
         dense = layer.klein_weight(torch.float32)
-        assert ((dense - w0 - delta).norm() / delta.norm()).item() < 1e-2  # bf16-stored (the compute dtype)
+        assert ((dense - w0 - delta).norm() / delta.norm()).item() < 6e-3  # stored in bf16: 2.9e-3 measured
+        x = torch.randn(3, w0.shape[1])
+        assert torch.allclose(layer(x), x @ dense.T, atol=1e-5)  # the forward runs on that weight
     finally:
         patched.unpatch_model()
     assert torch.equal(_layer(patched).klein_weight(torch.float32), w0)
