@@ -28,8 +28,6 @@ Variants (``--variants``, in this order):
   :mod:`klein_core.accel.speed`); the name stays ``default`` whatever that is, so results from
   different commits compare;
 * ``compile``: ``speed="compile"`` (the nodes' "fast + compile");
-* ``default+text_graph``: ``default`` with the text encoder's plain forward replayed as a CUDA graph
-  (``enable_fast_text_encoder(te, compile=False, graphs=True)``; ``compile`` replays its compiled one)
 * ``default+step_cache``: ``default`` with the opt-in step cache
   (:mod:`klein_core.accel.step_cache`, ``--cache-threshold``); approximate, so its latents' relative
   L2 and pixel difference against ``default`` are reported beside its speed;
@@ -91,7 +89,6 @@ import klein_core
 from benchmarks.host_audit import HostAudit
 from benchmarks.peers import diffusers_flux2_transformer
 from klein_core.accel import fast, speed, step_cache
-from klein_core.accel.text_encoder import disable_fast_text_encoder, enable_fast_text_encoder
 from klein_core.files.transformer_layout import bfl_to_diffusers
 from klein_core.models import (
     Flux2Transformer,
@@ -178,7 +175,7 @@ def step_flops(cfg: TransformerConfig, image_tokens: int, text_tokens: int, batc
     return float(batch * (cfg.depth * double + cfg.depth_single * single + io))
 
 
-VARIANTS = ("diffusers", "diffusers+compile", "plain", "default", "default+text_graph", "compile",
+VARIANTS = ("diffusers", "diffusers+compile", "plain", "default", "compile",
             "default+step_cache", "default+trim", "compile+trim")
 TRIMMED = TextOptions(trim=TRIM_MULTIPLE)  # the +trim variants' prompt options
 BF16_PEAK_TFLOPS = 790.0  # measured on an H100 (8192^3 bf16 matmul, 2026-11-13, device KINDS.md)
@@ -736,10 +733,6 @@ def bench_model(spec: ModelSpec, cases: list[Case], args: argparse.Namespace, de
                 fast.enable_fast_paths(tr, attention=attention)
         return setup
 
-    def with_text_graph() -> None:
-        speed.apply_speed(tr, vae, speed.DEFAULT_SPEED, te)
-        enable_fast_text_encoder(te, compile=False, graphs=True)
-
     def with_step_cache() -> None:
         speed.apply_speed(tr, vae, speed.DEFAULT_SPEED, te)
         kw = {} if args.cache_threshold is None else {"threshold": args.cache_threshold}
@@ -750,7 +743,6 @@ def bench_model(spec: ModelSpec, cases: list[Case], args: argparse.Namespace, de
         "plain": (at_speed("plain"), None), "default": (at_speed(speed.DEFAULT_SPEED), None),
         "compile": (at_speed("compile"), None),
         "default+step_cache": (with_step_cache, lambda: step_cache.disable_step_cache(tr)),
-        "default+text_graph": (with_text_graph, lambda: disable_fast_text_encoder(te)),
         "default+trim": (at_speed(speed.DEFAULT_SPEED), None), "compile+trim": (at_speed("compile"), None),
     }
     texts = {"default+trim": TRIMMED, "compile+trim": TRIMMED}  # variants' prompt options, if not the default

@@ -39,8 +39,9 @@ def cpu_graphs(monkeypatch):
         out = self._eager(ids, mask, None, left_padded=left_padded)
         recorded.append((ids, mask))
 
-        def replay():
-            out.copy_(self._eager(ids, mask, None, left_padded=left_padded))
+        def replay():  # a real graph writes its output's memory whatever the mode: no inference-tensor check
+            with torch.inference_mode():
+                out.copy_(self._eager(ids, mask, None, left_padded=left_padded))
         return replay, out
 
     monkeypatch.setattr(GraphedTextForward, "_check", check)
@@ -65,11 +66,13 @@ def _graphed(te, compiled=False):
         disable_fast_text_encoder(te)
 
 
-def test_compile_speed_sets_up_replay_and_other_speeds_remove_it():
+def test_compile_and_fast_set_up_replay_and_plain_removes_it():
     te = demo.tiny_text_encoder()
     speed.apply_speed(None, None, "compile", te)
     assert isinstance(graphed_forward(te), GraphedTextForward)
-    speed.apply_speed(None, None, "fast", te)
+    speed.apply_speed(None, None, "fast", te)  # replay of the plain forward, nothing compiled
+    assert isinstance(graphed_forward(te), GraphedTextForward) and not fast.is_compiled(te.layers[0])
+    speed.apply_speed(None, None, "plain", te)
     assert graphed_forward(te) is None and "forward" not in te.__dict__
     enable_fast_text_encoder(te, compile_backend="eager", graphs=False)
     assert graphed_forward(te) is None
@@ -234,6 +237,33 @@ def test_replay_of_the_plain_forward_gives_the_plain_features(cpu_graphs):
         assert torch.equal(te.encode(ids, mask), plain)
         assert torch.equal(te.encode(other_ids, other_mask), plain_other)
     assert (forward.captures, forward.replays) == (1, 2)
+
+
+def test_the_default_speed_on_the_cpu_is_exactly_the_plain_path():
+    te = demo.tiny_text_encoder()
+    ids, mask = tokens()
+    plain = te.encode(ids, mask)
+    speed.apply_speed(None, None, speed.DEFAULT_SPEED, te)
+    forward = graphed_forward(te)
+    assert forward is not None
+    assert torch.equal(te.encode(ids, mask), plain) and (forward.captures, forward.replays) == (0, 0)
+
+
+def test_a_graph_recorded_under_inference_mode_replays_under_no_grad(cpu_graphs):
+    # ComfyUI runs its nodes under torch.inference_mode, a script under no_grad (Engine.encode):
+    # the graph's static inputs, made under the first, are written under the second.
+    te = demo.tiny_text_encoder()
+    ids, mask = tokens()
+    other_ids, other_mask = tokens(("an old boat", "rain on a window"))
+    plain, plain_other = te.encode(ids, mask), te.encode(other_ids, other_mask)
+    with _graphed(te) as forward:
+        with torch.inference_mode():
+            first = te.encode(ids, mask)
+        other = te.encode(other_ids, other_mask)
+        with torch.inference_mode():
+            again = te.encode(ids, mask)
+    assert torch.equal(first, plain) and torch.equal(other, plain_other) and torch.equal(again, plain)
+    assert (forward.captures, forward.replays) == (1, 3)
 
 
 def test_threads_sharing_an_encoder_each_get_their_own_prompt(cpu_graphs, monkeypatch):

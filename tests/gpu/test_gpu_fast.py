@@ -239,8 +239,7 @@ def test_text_encoder_graph_replay(gpu, small, parity, caplog, compiled):
     graph and replayed: another prompt of the same shape gets its own features, each within 1e-3 of
     the compiled forward without replay; a weight replaced by one at a new address is recorded again
     (never read from the old memory); nothing warns. The same for the plain forward's replay
-    (``compile=False, graphs=True``, opt-in; what ``speed.py``'s ``default+text_graph`` measures),
-    against the plain forward."""
+    (``compile=False, graphs=True``, what ``speed="fast"`` sets), against the plain forward."""
     from klein_core.accel.text_encoder import disable_fast_text_encoder, enable_fast_text_encoder
     from klein_core.accel.text_graph import graphed_forward
     from klein_core.pipeline.tokenizer import tokenize_prompts
@@ -279,6 +278,34 @@ def test_text_encoder_graph_replay(gpu, small, parity, caplog, compiled):
                      rel_l2(out, expected))
         assert rel < 1e-3, (name, rel)
     assert rel_l2(moved, ref) > 1e-3  # the moved weight's result, not the old one's
+
+
+@pytest.mark.cuda("CUDA graphs exist only on a CUDA device; tests/test_text_graph.py covers the same on the CPU "
+                  "with a stand-in recorder")
+def test_fast_text_encoder_graph_recorded_under_inference_mode_replays_under_no_grad(gpu, small):
+    """``speed="fast"`` replays the plain forward's CUDA graph. ComfyUI runs its nodes under
+    ``torch.inference_mode`` and a script under ``no_grad`` (``encode``): a graph recorded under the
+    first replays under the second with the plain forward's bits."""
+    from klein_core.accel.speed import apply_speed
+    from klein_core.accel.text_graph import graphed_forward
+    from klein_core.pipeline.tokenizer import tokenize_prompts
+
+    te = small[1]
+    ids, mask = tokenize_prompts(["a red fox in the snow"], max_length=512)
+    other_ids, other_mask = tokenize_prompts(["an old boat"], max_length=512)
+    plain, plain_other = te.encode(ids, mask), te.encode(other_ids, other_mask)
+    try:
+        apply_speed(None, None, "fast", te)
+        with torch.inference_mode():
+            first = te.encode(ids, mask)
+        other = te.encode(other_ids, other_mask)
+        with torch.inference_mode():
+            again = te.encode(ids, mask)
+        forward = graphed_forward(te)
+        assert forward is not None and (forward.captures, forward.replays) == (1, 3)
+    finally:
+        apply_speed(None, None, "plain", te)
+    assert torch.equal(first, plain) and torch.equal(other, plain_other) and torch.equal(again, plain)
 
 
 def test_fast_vae_decode(gpu, parity):
