@@ -22,8 +22,8 @@ Cases (``--cases``, comma list or ``all``):
 * ``9b_edit_fp8``: ``9b_fp8`` with one reference. Targets: peak <= 24 GB and time per step <= 2.2x
   ``9b_fp8``'s.
 
-``--speed fast`` / ``compile`` puts our transformer on that path first, as ``TrainJob(speed=...)`` does
-(default ``plain``, the trainer's default); diffusers runs as it always does.
+``--speed fast`` / ``compile`` / ``plain`` puts our transformer on that path first, as ``TrainJob(speed=...)``
+does (default ``fast``, the trainer's default since 2026-11-27); diffusers runs as it always does.
 
 Per case: ``--warmup`` untimed steps, then ``--steps`` timed ones (the benchmarks' one timing loop,
 ``benchmarks.timing.call_times``: CUDA events on a GPU); it reports the median seconds per step, it/s (1 / median), the peak
@@ -88,7 +88,7 @@ if str(REPO) not in sys.path:  # run as a script from a checkout
 
 from benchmarks.peers import diffusers_flux2_transformer
 from benchmarks.timing import call_times
-from klein_core.accel.speed import SPEEDS, apply_speed
+from klein_core.accel.speed import DEFAULT_SPEED, SPEEDS, apply_speed
 from klein_core.memory.placement import BlockOffloader
 from klein_core.models import Flux2Transformer, TransformerConfig
 from klein_core.models.variants import KLEIN_4B, KLEIN_9B
@@ -378,8 +378,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="FP8Linear path of the fp8 cases (default auto: what training runs)")
     ap.add_argument("--no-fp8-retry", action="store_true",
                     help="when the fp8 matmul fails, record the error instead of measuring again with upcasting")
-    ap.add_argument("--speed", choices=SPEEDS, default="plain",
-                    help="our transformer's path while training (apply_speed; default plain, as TrainJob)")
+    ap.add_argument("--speed", choices=SPEEDS, default=DEFAULT_SPEED,
+                    help=f"our transformer's path while training (apply_speed; default {DEFAULT_SPEED}, as TrainJob)")
     ap.add_argument("--no-diffusers", action="store_true", help="skip the diffusers + peft peer")
     ap.add_argument("--tiny", action="store_true", help="tiny test transformers and latents (CPU self-test)")
     ap.add_argument("--device", default=None, help="default: cuda if available, else cpu")

@@ -360,7 +360,7 @@ WORKFLOWS = [
             "resolution": 1024, "base_precision": "default",
             "sample_prompts": "A lighthouse on a rocky coast at dusk, in the trained style", "sample_every": 250,
             "sample_steps": 20, "memory_mode": "resident", "text_encoder_rank": 0,
-            "checkpoint_every": 250, "speed": "plain"}, title="Klein LoRA Trainer (base model)"),
+            "checkpoint_every": 250, "speed": "fast"}, title="Klein LoRA Trainer (base model)"),
         Node(8, "PreviewAny", (-420, 640), links={"source": (7, 0)}, title="Trained LoRA file"),
         Node(9, "SaveImage", (-880, 80), {"filename_prefix": "Klein-LoRA-loss"}, {"images": (7, 1)},
              title="Loss curve"),

@@ -254,11 +254,11 @@ class KleinLoraTrainer(io.ComfyNode):
                     "<lora_name>-<settings>/ (the newest 2 are kept). Queued again with the same inputs after a "
                     "Cancel, an error or a restart, the run continues from its last checkpoint; with more steps "
                     "it trains on.")),
-                io.Combo.Input("speed", options=list(SPEEDS), default="plain", optional=True, tooltip=(
-                    "The transformer's path while it trains. plain (default): plain PyTorch. fast: on the GPU the "
-                    "fused QK-norm + RoPE kernel (with its own backward) and the fastest attention. compile: "
-                    "torch.compile of the blocks (a slow first step). The same LoRA to rounding; which is "
-                    "fastest is not measured yet.")),
+                io.Combo.Input("speed", options=list(SPEEDS), default="fast", optional=True, tooltip=(
+                    "The transformer's path while it trains. fast (default): on the GPU the fused QK-norm + "
+                    "RoPE kernel (with its own backward) and the fastest attention; on the CPU plain PyTorch. "
+                    "compile: torch.compile of the blocks (a slow first step, then the fastest). plain: plain "
+                    "PyTorch. The same LoRA to rounding.")),
             ],
             outputs=[
                 io.String.Output(display_name="lora_name", tooltip=(
@@ -289,7 +289,7 @@ class KleinLoraTrainer(io.ComfyNode):
                 lora_name: str = "klein_lora", resolution: int = 1024, base_precision: str = "default",
                 sample_prompts: str = "", sample_every: int = 250, sample_steps: int = 20,
                 memory_mode: str = "resident", text_encoder_rank: int = 0,
-                checkpoint_every: int = 250, speed: str = "plain") -> io.NodeOutput:
+                checkpoint_every: int = 250, speed: str = "fast") -> io.NodeOutput:
         file_name = lora_file_name(lora_name)
         check_widget(NODE, "preset", preset, PRESETS)
         check_widget(NODE, "base_precision", base_precision, PRECISIONS)

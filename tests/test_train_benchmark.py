@@ -66,6 +66,7 @@ def test_speed_puts_our_model_on_that_path(tmp_path, monkeypatch):
     report = bench.main(["--tiny", "--device", "cpu", "--cases", "4b", "--speed", "fast", "--no-diffusers",
                          "--warmup", "1", "--steps", "1", "--out", str(tmp_path / "t.json")])
     assert speeds == ["fast"] and report["args"]["speed"] == "fast"
+    assert bench.parse_args([]).speed == "fast"  # TrainJob's default
     assert report["rows"]["4b"]["ours"]["s_per_step"] > 0
 
 

@@ -143,7 +143,7 @@ def test_train_cli_speed_compile_with_streamed_blocks(tmp_path, monkeypatch):
               "--checkpoint-every", "2", "--sample-prompt", "a square", "--sample-steps", "2",
               "--sample-size", "64", "64"]
     outs = {}
-    for name, extra in (("plain", []), ("compile", ["--speed", "compile"]),
+    for name, extra in (("plain", ["--speed", "plain"]), ("compile", ["--speed", "compile"]),
                         ("compile_blocks", ["--speed", "compile", "--memory", "blocks"])):
         out = tmp_path / name / "l.safetensors"
         assert run_train(_args(*common, *extra, "--output", str(out))) == 0

@@ -95,7 +95,7 @@ def test_schema(env):
     assert (schema.inputs[13].default, schema.inputs[14].default) == (250, 20)
     assert schema.inputs[15].options == ["resident", "blocks"] and schema.inputs[15].default == "resident"
     assert schema.inputs[16].default == 0
-    assert schema.inputs[18].options == ["fast", "compile", "plain"] and schema.inputs[18].default == "plain"
+    assert schema.inputs[18].options == ["fast", "compile", "plain"] and schema.inputs[18].default == "fast"
     assert [o.io_type for o in schema.outputs] == ["STRING", "IMAGE", "IMAGE"]
     assert [o.display_name for o in schema.outputs] == ["lora_name", "loss_curve", "samples"]
     assert "no sample prompts" in schema.outputs[2].tooltip

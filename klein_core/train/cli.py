@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..accel.speed import SPEEDS
+from ..accel.speed import DEFAULT_SPEED, SPEEDS
 from .adapters import PRESETS
 from .data import DatasetError
 from .job import TRAIN_MEMORY, TrainJob, run_job
@@ -62,7 +62,7 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None)
     p.add_argument("--quantize", choices=("fp8",), default=None, help="train on an fp8 base (block linears)")
     p.add_argument("--speed", choices=SPEEDS, default=None, help=(
-        "the transformer's path while training: plain (default), fast (fused kernels on CUDA) or compile"))
+        "the transformer's path while training: fast (default; fused kernels on CUDA), compile or plain"))
     p.add_argument("--memory", choices=TRAIN_MEMORY, default=None, help=(
         "resident (default): the base model on the device; blocks: its blocks stay in CPU memory and "
         "stream through the device one at a time (less GPU memory, slower)"))
@@ -254,4 +254,4 @@ def _job(o: dict) -> TrainJob | None:
         fmt=o.get("format", "diffusers"), cache_dir=o.get("cache_dir"), resume=o.get("resume"),
         device=o.get("device"), quantize=o.get("quantize"), memory=o.get("memory", "resident"),
         text_encoder_rank=n["text_encoder_rank"], text_encoder_alpha=f["text_encoder_alpha"],  # type: ignore[arg-type]
-        speed=o.get("speed", "plain"))
+        speed=o.get("speed", DEFAULT_SPEED))

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..accel.speed import apply_speed, check_speed
+from ..accel.speed import DEFAULT_SPEED, apply_speed, check_speed
 from ..files.loaders import load_text_encoder, load_transformer, load_vae, quantize_for
 from ..memory.placement import BlockOffloader
 from ..pipeline.prompts import encoder_identity
@@ -46,10 +46,10 @@ class TrainJob:
     stays loaded (streamed too with ``memory="blocks"``). ``config.sample_prompts``: sample images
     at checkpoints (the prompts are encoded before the text encoder is dropped, or at every sample
     when it trains; the VAE stays loaded to decode them). ``speed``: the transformer's path while it
-    trains (:func:`klein_core.accel.apply_speed`): ``plain`` (the default), ``fast`` (on CUDA the
-    attention backend and comfy-kitchen's QK-norm + RoPE forward, with klein_core's backward for it)
-    or ``compile`` (``torch.compile`` of the blocks, forward and backward); the same LoRA either way,
-    to rounding (docs/training.md)."""
+    trains (:func:`klein_core.accel.apply_speed`): ``fast`` (the default; on CUDA the attention
+    backend and comfy-kitchen's QK-norm + RoPE forward, with klein_core's backward for it; on the CPU
+    the plain path), ``compile`` (``torch.compile`` of the blocks, forward and backward) or ``plain``;
+    the same LoRA either way, to rounding (docs/training.md)."""
 
     dataset: str | os.PathLike
     transformer: str | os.PathLike
@@ -72,7 +72,7 @@ class TrainJob:
     memory: str = "resident"
     text_encoder_rank: int | None = None
     text_encoder_alpha: float | None = None
-    speed: str = "plain"
+    speed: str = DEFAULT_SPEED
 
 
 class TrainingStopped(RuntimeError):
