@@ -36,9 +36,10 @@
 # diffusers + peft, then at speed compile; the training path of TrainJob(speed=...), 2 warm-up + 5
 # timed steps): 37 + 77 s. (textgraph, the default path against the text encoder's CUDA graph, 32 s, is
 # gone: the graph is part of speed fast since that measurement.)
-# Optional, not measured yet: train (benchmarks/train_speed.py, LoRA training steps of issue 30: 4B, 9B,
-# 9B edit in bf16, 9B streamed (memory blocks), and 9B, 9B edit on an fp8 base, rank 32, 2 warm-up + 5 timed steps each, against diffusers
-# + peft in bf16; writes train.json; its timeout is 300 s).
+# train (benchmarks/train_speed.py, LoRA training steps of issue 30: 4B, 9B, 9B edit in bf16, 9B streamed
+# (memory blocks), and 9B, 9B edit on an fp8 base, rank 32, 2 warm-up + 5 timed steps each, against diffusers
+# + peft in bf16; writes train.json; its timeout is 300 s): measured at speed plain in the ninth session;
+# it runs at the trainer's default, fast since 2026-11-27, which is not measured yet for the 9B cases.
 # nodesspeed (benchmarks/nodes_speed.py, since the twelfth session: what a ComfyUI user runs, the pack's
 # encoder -> sampler -> VAE decode nodes on full-size 4B files, against klein_core.generate on the same
 # files, 3 runs; writes 16 GB of random weights first): 61 s on 2026-11-27 (sixteenth session), timeout 180 s.
