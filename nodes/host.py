@@ -15,6 +15,8 @@ from collections.abc import Callable
 
 import torch
 
+from klein_core.accel.text_graph import release_text_graphs
+
 logger = logging.getLogger(__name__)
 
 
@@ -110,6 +112,12 @@ def _patcher_class() -> type:
 
         def partially_unload(self, *args, **kwargs):
             return 0  # nothing freed partially: ComfyUI then detaches (offloads) the whole model
+
+        def detach(self, *args, **kwargs):
+            # The text encoder's CUDA graphs hold device memory that ComfyUI does not count as the
+            # model's: dropped with the weights, so offloading frees what ComfyUI expects.
+            release_text_graphs(self.model)
+            return super().detach(*args, **kwargs)
 
     return KleinModelPatcher
 

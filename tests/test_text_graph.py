@@ -11,18 +11,27 @@ on a GPU (tests/gpu/test_gpu_fast.py::test_text_encoder_graph_replay).
 from __future__ import annotations
 
 import contextlib
+import importlib
 import logging
 
 import pytest
 import torch
 from text_encoder_files import fresh_dynamo, tokens  # noqa: F401 - fresh_dynamo is autouse
 
+import klein_core
 from klein_core import testing as demo
 from klein_core.accel import fast, speed, text_graph
 from klein_core.accel.text_encoder import disable_fast_text_encoder, enable_fast_text_encoder
-from klein_core.accel.text_graph import MAX_GRAPHS, MAX_MOVES, GraphedTextForward, graphed_forward
+from klein_core.accel.text_graph import (
+    MAX_GRAPHS,
+    MAX_MOVES,
+    GraphedTextForward,
+    graphed_forward,
+    release_text_graphs,
+)
 from klein_core.lora import load_lora
 from klein_core.lora.apply import with_loras
+from klein_core.memory.placement import StagePlacer
 
 
 @pytest.fixture
@@ -317,3 +326,69 @@ def test_a_deep_copy_gets_its_own_forward(cpu_graphs):
         assert copied is not None and copied is not forward and copied.encoder is twin
         assert not copied.graphs and torch.equal(twin.encode(ids, mask), plain)
         assert copied.captures == 1 and forward.captures == 1
+
+
+def test_released_graphs_are_dropped_and_count_as_moves(cpu_graphs):
+    """A host offloading the encoder releases its graphs (their memory goes with the weights); each
+    release counts as a move, so an encoder offloaded for every run stops recording."""
+    te = demo.tiny_text_encoder()
+    ids, mask = tokens()
+    plain = te.encode(ids, mask)
+    with _graphed(te) as forward:
+        release_text_graphs(torch.nn.Sequential(te))  # nothing held: nothing counted
+        assert forward.moves == 0
+        for i in range(1, MAX_MOVES + 2):
+            assert torch.equal(te.encode(ids, mask), plain) and forward.captures == i and len(forward.graphs) == 1
+            release_text_graphs(torch.nn.Sequential(te))  # the encoder inside another module, as ComfyUI holds it
+            assert not forward.graphs and forward.moves == i
+        assert forward.disabled == "its weights move between calls"
+        assert torch.equal(te.encode(ids, mask), plain) and forward.captures == MAX_MOVES + 1
+    release_text_graphs(torch.nn.Linear(2, 2))  # no encoder: nothing to do
+
+
+def test_suspended_calls_run_eagerly_and_record_nothing(cpu_graphs):
+    te = demo.tiny_text_encoder()
+    ids, mask = tokens()
+    plain = te.encode(ids, mask)
+    with _graphed(te) as forward:
+        te.encode(ids, mask)
+        assert len(forward.graphs) == 1
+        with forward.suspended():
+            assert not forward.graphs  # dropped on entry
+            assert torch.equal(te.encode(ids, mask), plain) and torch.equal(te.encode(ids, mask), plain)
+            with torch.no_grad():
+                assert forward.ineligible(ids, mask, None, False) == text_graph.STAGED
+        assert (forward.captures, forward.replays, forward.moves) == (1, 1, 0)
+        assert torch.equal(te.encode(ids, mask), plain) and forward.captures == 2  # recorded again after
+
+
+@pytest.mark.parametrize("in_place", [True, False], ids=["resident", "staged"])
+def test_the_engine_suspends_graphs_of_an_encoder_staged_for_the_stage(cpu_graphs, monkeypatch, in_place):
+    """A memory plan that copies the text encoder in for its stage (or streams it) runs it without
+    graphs: the plan does not count their memory, and the weights leave after the stage. Here the
+    placer is told the encoder is not in place; the CPU has no staging of its own."""
+    tr, te, vae = demo.build_tiny_components()
+    engine = klein_core.Engine(tr, te, vae, speed="fast", prompt_cache=None)
+    monkeypatch.setattr(StagePlacer, "in_place", lambda self, component: in_place)
+    forward = graphed_forward(te)
+    assert forward is not None
+    first = engine.encode_prompts(["a red fox"]).positive
+    again = engine.encode_prompts(["a red fox"]).positive
+    assert torch.equal(first, again)
+    assert (forward.captures, forward.replays) == ((1, 2) if in_place else (0, 0))
+
+
+def test_comfyui_offloading_the_encoder_releases_its_graphs(cpu_graphs, comfy_pack):
+    """ComfyUI offloads a model through its ModelPatcher's ``detach`` (``LoadedModel.model_unload``):
+    the pack's patcher drops the text encoder's graphs there, so ComfyUI frees what it counts."""
+    host = importlib.import_module("klein_pack_nodes.host")
+    te = demo.tiny_text_encoder()
+    ids, mask = tokens()
+    plain = te.encode(ids, mask)
+    with _graphed(te) as forward:
+        te.encode(ids, mask)
+        handle = host.register_model(te, "text_encoder", torch.device("cpu"))
+        assert len(forward.graphs) == 1
+        handle.detach()
+        assert not forward.graphs and forward.moves == 1
+        assert torch.equal(te.encode(ids, mask), plain) and forward.captures == 2

@@ -16,9 +16,12 @@ address, dtype and shape of each parameter and buffer (about 300 tensors at 4B) 
 weights moved, replaced or staged elsewhere are re-recorded, never read from stale memory (after
 :data:`MAX_MOVES` such moves, as a staged encoder makes on every run, replay is given up for the
 encoder). Weights changed in place (a merged LoRA) are read as they are at replay. At most :data:`MAX_GRAPHS` graphs
-are kept per encoder (each holds its own activation memory, tens of MB for a 512-token prompt),
-and none once the encoder runs off the GPU (offloaded by a host): they are recorded again on its
-return.
+are kept per encoder (each holds its own activation memory, tens of MB for a 512-token prompt;
+0.07 GiB more at the peak of a 4B run on an H100), and none once the encoder runs off the GPU:
+they are recorded again on its return. A host about to offload the encoder drops them first
+(:func:`release_text_graphs`; the pack's ComfyUI model patcher does, counted as a move), and an
+engine stage that copies the encoder in for that stage only, or streams it, runs it eagerly
+(:meth:`GraphedTextForward.suspended`): its memory plan does not count graph memory.
 
 Eager (the class's forward, compiled layers and all) whenever replay could differ from it: with
 autograd on, an ``activations`` dtype (per-layer casts), a mask whose padding side is not known on
@@ -29,12 +32,13 @@ A capture failure turns replay off for that encoder with one warning; the call r
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,6 +57,7 @@ MAX_MOVES = 2
 staged encoder is copied in anew for each run: it would record a graph every time)."""
 
 NOT_CUDA = "not on a CUDA device"
+STAGED = "its weights are on the device for this stage only"
 
 _HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_forward_hooks_with_kwargs",
                "_forward_pre_hooks_with_kwargs", "_backward_hooks", "_backward_pre_hooks")
@@ -82,7 +87,8 @@ class GraphedTextForward:
         self.disabled: str | None = None
         self.captures = 0
         self.replays = 0
-        self.moves = 0  # times the weights were found at new addresses
+        self.moves = 0  # times the weights were found at new addresses (or were released)
+        self._suspended = 0  # open suspended() blocks: every call runs eagerly
         # One graph's inputs and output are shared buffers: callers in two threads (a serve replica
         # running two batches) take turns from writing the inputs to copying the output out.
         self._lock = threading.RLock()  # reentrant: a failed capture resets inside it
@@ -101,6 +107,38 @@ class GraphedTextForward:
         with self._lock:
             self.graphs.clear()
 
+    def release(self) -> None:
+        """The encoder's weights leave the device (a host offloads it): drop the graphs, whose
+        memory would otherwise stay on the device unused, and count a move, as weights coming back
+        at new addresses would (after :data:`MAX_MOVES` replay is given up, so an encoder offloaded
+        for every run does not record every time)."""
+        with self._lock:
+            if self.graphs:
+                self.graphs.clear()
+                self._moved()
+
+    @contextlib.contextmanager
+    def suspended(self) -> Iterator[None]:
+        """Calls inside run eagerly and record nothing, and graphs held are dropped: for an encoder
+        copied onto the device for one stage (a memory plan that stages it), whose graph memory the
+        plan does not count and whose weights leave again after the stage."""
+        with self._lock:
+            self._suspended += 1
+            self.graphs.clear()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._suspended -= 1
+
+    def _moved(self) -> bool:
+        """Count a move; True (and replay given up, said once) past :data:`MAX_MOVES`."""
+        self.moves += 1
+        if self.moves > MAX_MOVES and self.disabled is None:  # moved in and out: recording never pays
+            self.disabled = "its weights move between calls"
+            logger.info("text encoder: %s (staged on the device per run); no CUDA graph replay", self.disabled)
+        return self.disabled is not None
+
     def _eager(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         return type(self.encoder).forward(self.encoder, *args, **kwargs)
 
@@ -117,6 +155,8 @@ class GraphedTextForward:
         waits: one walk, not two (about 1.5 ms on a slow host for the 4B encoder)."""
         if self.disabled is not None:
             return self.disabled, None
+        if self._suspended:
+            return STAGED, None
         if torch.is_grad_enabled():
             return "autograd is on", None
         if activations is not None:
@@ -173,13 +213,8 @@ class GraphedTextForward:
             stale = [k for k, g in self.graphs.items() if g.weights != weights]
             for k in stale:
                 del self.graphs[k]
-            if stale:
-                self.moves += 1
-                if self.moves > MAX_MOVES:  # staged in and out at new addresses: recording never pays
-                    self.disabled = "its weights move between calls"
-                    logger.info("text encoder: %s (staged on the device per run); no CUDA graph replay",
-                                self.disabled)
-                    return self._eager(input_ids, attention_mask, activations, left_padded=left_padded)
+            if stale and self._moved():
+                return self._eager(input_ids, attention_mask, activations, left_padded=left_padded)
             entry = self._capture(input_ids, attention_mask, bool(left_padded), weights)
             if entry is None:
                 return self._eager(input_ids, attention_mask, activations, left_padded=left_padded)
@@ -236,4 +271,14 @@ def graphed_forward(encoder: nn.Module) -> GraphedTextForward | None:
     return forward if isinstance(forward, GraphedTextForward) else None
 
 
-__all__ = ["MAX_GRAPHS", "MAX_MOVES", "GraphedTextForward", "graphed_forward"]
+def release_text_graphs(model: nn.Module) -> None:
+    """Drop the CUDA graphs of ``model``'s text encoder, if it replays any (see
+    :meth:`GraphedTextForward.release`): for a host about to move ``model`` off the device. ``model``
+    may be the encoder or hold it (any module around it); other models are left alone."""
+    for module in model.modules():
+        forward = graphed_forward(module)
+        if forward is not None:
+            forward.release()
+
+
+__all__ = ["MAX_GRAPHS", "MAX_MOVES", "GraphedTextForward", "graphed_forward", "release_text_graphs"]

@@ -394,6 +394,12 @@ class StagePlacer:
         self.placements = placements
         self.prefetch = prefetch
 
+    def in_place(self, component: str) -> bool:
+        """Whether :meth:`stage` runs ``component`` where it is: when its tensors are all on the
+        device already, whatever its placement (else it is copied in, or its blocks streamed, for
+        the stage only)."""
+        return all(_same_device(d, self.device) for d in tensor_devices(self.components[component]))
+
     @contextlib.contextmanager
     def stage(self, component: str) -> Iterator[nn.Module]:
         module = self.components[component]

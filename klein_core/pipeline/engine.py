@@ -25,6 +25,7 @@ import torch
 from PIL import Image
 
 from ..accel.speed import apply_speed, check_speed
+from ..accel.text_graph import graphed_forward
 from ..checks import Checks
 from ..errors import KleinOutOfMemory
 from ..memory import tiling
@@ -204,7 +205,12 @@ class Engine:
         if module is None:
             raise ValueError(f"this stage needs a {component.replace('_', ' ')}; none was given")
         placer = StagePlacer(self.device, {component: module}, dict(plan.placements), prefetch=plan.prefetch)
-        with placer.stage(component) as placed:
+        graphs = graphed_forward(module)
+        # A text encoder copied in (or streamed) for this stage only runs without its CUDA graphs:
+        # the plan does not count their memory, and its weights leave again after the stage.
+        staged = graphs is not None and not placer.in_place(component)
+        suspend = graphs.suspended() if staged else contextlib.nullcontext()  # type: ignore[union-attr]
+        with suspend, placer.stage(component) as placed:
             yield placed
 
     def _next_image(self) -> None:
