@@ -342,7 +342,8 @@ def _native_patcher_class() -> type:
     return KleinNativeModelPatcher
 
 
-# ComfyUI's record of a weight to put back on unpatching (its own namedtuple, same fields)
+# ComfyUI's record of a weight to put back on unpatching: the namedtuple it builds inline in
+# ModelPatcher.patch_weight_to_device (named "Dimension" there too; not importable)
 _Backup = collections.namedtuple("Dimension", ["weight", "inplace_update"])
 
 

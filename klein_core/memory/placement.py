@@ -404,7 +404,7 @@ class StagePlacer:
     def stage(self, component: str) -> Iterator[nn.Module]:
         module = self.components[component]
         placement = self.placements.get(component, "resident")
-        here = all(_same_device(d, self.device) for d in tensor_devices(module))
+        here = self.in_place(component)
         if not here and not holds_float8(self.device) and any(is_fp8(t.dtype) for t in module_tensors(module)):
             # Copying them in would fail inside torch with a dtype message that names neither.
             raise ValueError(
