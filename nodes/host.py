@@ -113,11 +113,15 @@ def _patcher_class() -> type:
         def partially_unload(self, *args, **kwargs):
             return 0  # nothing freed partially: ComfyUI then detaches (offloads) the whole model
 
-        def detach(self, *args, **kwargs):
+        def detach(self, unpatch_all=True, *args, **kwargs):
             # The text encoder's CUDA graphs hold device memory that ComfyUI does not count as the
-            # model's: dropped with the weights, so offloading frees what ComfyUI expects.
-            release_text_graphs(self.model)
-            return super().detach(*args, **kwargs)
+            # model's: dropped with the weights, so offloading frees what ComfyUI expects. Only
+            # then: load_models_gpu also detaches a model it is about to use again, with
+            # unpatch_all=False, which leaves the weights where they are (every node run would
+            # otherwise drop the graphs, record them again, and soon give replay up).
+            if unpatch_all:
+                release_text_graphs(self.model)
+            return super().detach(unpatch_all, *args, **kwargs)
 
     return KleinModelPatcher
 

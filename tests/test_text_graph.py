@@ -392,3 +392,24 @@ def test_comfyui_offloading_the_encoder_releases_its_graphs(cpu_graphs, comfy_pa
         handle.detach()
         assert not forward.graphs and forward.moves == 1
         assert torch.equal(te.encode(ids, mask), plain) and forward.captures == 2
+
+
+def test_comfyui_detaching_a_model_it_loads_again_keeps_its_graphs(cpu_graphs, comfy_pack):
+    """``load_models_gpu`` detaches a model it is about to use again with ``unpatch_all=False``
+    (its weights stay where they are): every node run does this, and dropping the graphs there
+    made each run record again and replay be given up after MAX_MOVES runs."""
+    host = importlib.import_module("klein_pack_nodes.host")
+    te = demo.tiny_text_encoder()
+    ids, mask = tokens()
+    with _graphed(te) as forward:
+        te.encode(ids, mask)
+        handle = host.register_model(te, "text_encoder", torch.device("cpu"))
+        for _ in range(MAX_MOVES + 1):
+            handle.detach(unpatch_all=False)
+            te.encode(ids, mask)
+        assert (forward.captures, forward.moves, forward.disabled) == (1, 0, None)
+        assert forward.replays == MAX_MOVES + 2 and len(forward.graphs) == 1
+        handle.detach(False)  # positional, as LoadedModel.model_unload passes unpatch_weights
+        assert len(forward.graphs) == 1
+        handle.detach(True)
+        assert not forward.graphs and forward.moves == 1

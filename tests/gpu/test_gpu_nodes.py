@@ -133,3 +133,28 @@ def test_sampler_node_memory_mode_auto(gpu, comfy_on_device, caplog, parity):
                                kc.Settings(128, 96, 3, None, 5, 1))
     rel = parity(tag(gpu, "Klein Sampler node vs klein_core Engine, relative L2"), rel_l2(auto, direct))
     assert rel < (1e-2 if gpu.device.type == "cuda" else 1e-5), rel
+
+
+def test_encoder_node_replays_its_graph_run_after_run(gpu, comfy_on_device, parity):
+    """Speed fast (the default): the encoder node records its forward once per prompt shape and
+    replays it on the next runs, though each run asks ComfyUI to load the encoder again (which
+    detaches it with ``unpatch_all=False`` first); the embeddings are the plain path's."""
+    from klein_core.accel.text_graph import graphed_forward
+
+    comfy = comfy_on_device
+    comfy.cache.release_all("a fresh encoder for this test")
+    counts = []
+    for i in range(4):
+        with torch.inference_mode():
+            cond = comfy.pack.KleinTextEncode.execute(Q4B, f"a quiet harbour, take {i}", "").args[0]
+        forward = graphed_forward(comfy.cache._resident["text_encoder"][1])
+        assert forward is not None and forward.disabled is None and forward.moves == 0, forward.disabled
+        counts.append((forward.captures, forward.replays))
+    if gpu.device.type == "cuda":  # recorded: run 0 with the empty negative, run 1 the prompt alone
+        assert [c for c, _ in counts[1:]] == [counts[1][0]] * 3, counts
+        assert [r for _, r in counts[1:]] == [counts[1][1] + k for k in range(3)], counts
+    with torch.inference_mode():
+        plain = comfy.pack.KleinTextEncode.execute(Q4B, "a quiet harbour, take 3", "", speed="plain").args[0]
+    diff = parity(tag(gpu, "encoder node fast (graph replay) vs plain, max abs"),
+                  float((cond.positive.float() - plain.positive.float()).abs().max()))
+    assert diff == 0.0, diff
