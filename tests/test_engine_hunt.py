@@ -7,6 +7,7 @@ import json
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 import klein_core as kc
@@ -155,3 +156,14 @@ def test_an_absurd_size_is_refused_not_an_overflow():
         check_size(10**308, 64)
     with pytest.raises(ValueError, match=r"is 16\.8 megapixels"):  # 16.777216: the usual rounding kept
         check_size(4096, 4096)
+
+
+def test_an_engine_over_the_text_encoder_alone_takes_its_device():
+    """``Engine(text_encoder=te)`` (no transformer, no VAE) takes the encoder's device, as it takes
+    the transformer's; it used to fail with an AttributeError on ``device``."""
+    _, te, _ = build_tiny_components()
+    engine = kc.Engine(text_encoder=te, prompt_cache=None)
+    assert engine.device == te.embed_tokens.weight.device == te.device
+    direct = kc.Engine(*build_tiny_components(), prompt_cache=None)
+    direct.text_encoder = te
+    assert torch.equal(engine.encode_prompts(["a red fox"]).positive, direct.encode_prompts(["a red fox"]).positive)

@@ -294,6 +294,11 @@ class Qwen3TextEncoder(nn.Module):
         # RoPE's inverse frequencies per device, copied there once rather than in every forward.
         self._inv_freq: dict[torch.device, torch.Tensor] = {}
 
+    @property
+    def device(self) -> torch.device:
+        """Where the weights are (the embedding's device), as the transformer and the VAE say theirs."""
+        return self.embed_tokens.weight.device
+
     def _rope_inv_freq(self, device: torch.device) -> torch.Tensor:
         inv_freq = self._inv_freq.get(device)
         if inv_freq is None:
