@@ -12,6 +12,8 @@ files through Klein Model Loader, and times, with a new prompt each run so the e
   executor, its output cache and its UI messages are not in the time);
 * ``engine``: ``klein_core.generate`` on the same files loaded again (speed fast, no prompt cache).
 
+``nodes_cprofile`` is Python's profile of one more node chain (where the host time goes).
+
 It reports medians, each node's time, their ratio and the largest pixel difference of the images
 (the same prompts and seed on both sides).
 
@@ -25,9 +27,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import cProfile
 import gc
 import importlib.util
+import io
 import json
+import pstats
 import shutil
 import statistics
 import sys
@@ -113,6 +118,25 @@ def _as_uint8(image: torch.Tensor) -> np.ndarray:
     return np.clip(image[0].float().cpu().numpy() * 255.0 + 0.5, 0, 255).astype(np.uint8)
 
 
+def host_profile(run: Callable[[], Any], top: int = 40) -> dict[str, list[str]]:
+    """Python's profile of one more node chain: where the host spends the time the nodes add to the
+    engine's (``cumulative``: the pack's, ComfyUI's and klein_core's functions, waits for the GPU
+    included; ``self``: any function, by its own time). Profiling slows the host: read the shares."""
+    prof = cProfile.Profile()
+    prof.enable()
+    try:
+        run()
+    finally:
+        prof.disable()
+    out: dict[str, list[str]] = {}
+    for key, order, restrict in (("cumulative", "cumulative", (r"nodes/|comfy/|klein_core/", top)),
+                                 ("self", "tottime", (top // 2,))):
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats(order).print_stats(*restrict)
+        out[key] = [line.rstrip() for line in text.getvalue().splitlines() if "(" in line and ":" in line]
+    return out
+
+
 def bench(args: argparse.Namespace) -> dict[str, Any]:
     device = torch.device(args.device)
     dtype_name = "fp32" if args.tiny else "bf16"
@@ -157,6 +181,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         with HostAudit() as nodes_audit:  # garbage collections inside the timed runs
             node_runs = [nodes(p) for p in prompts[args.warmup: args.warmup + args.runs]]
         result["nodes_host_audit"] = nodes_audit.result()
+        result["nodes_cprofile"] = host_profile(lambda: nodes(prompts[-1] + ", profiled"))
         cache.release_all("nodes_speed: the engine's turn")
         gc.collect()
         if device.type == "cuda":

@@ -111,6 +111,9 @@ def test_nodes_speed_times_the_node_chain_against_the_engine(comfy_pack, tmp_pat
     assert {"text", "denoise", "decode"} <= set(report["engine_ms"])
     assert report["image_max_abs_diff"] <= 1  # the same model, prompt and seed on both sides
     assert all(report[k]["compiles"]["frames"] == 0 for k in ("nodes_host_audit", "engine_host_audit"))
+    profiled = report["nodes_cprofile"]
+    assert any("nodes/encode.py" in line and "(execute)" in line for line in profiled["cumulative"])
+    assert any("nodes/sampler.py" in line for line in profiled["cumulative"]) and len(profiled["self"]) > 5
     assert "nodes chain" in done.stdout
 
 
