@@ -39,10 +39,10 @@
 # train (benchmarks/train_speed.py, LoRA training steps of issue 30: 4B, 9B, 9B edit in bf16, 9B streamed
 # (memory blocks), and 9B, 9B edit on an fp8 base, rank 32, 2 warm-up + 5 timed steps each, against diffusers
 # + peft in bf16; writes train.json; its timeout is 300 s): measured at speed plain in the ninth session;
-# it runs at the trainer's default, fast since 2026-11-27, which is not measured yet for the 9B cases.
+# it runs at the trainer's default, fast since 2026-11-27: 114 s at fast (nineteenth session).
 # nodesspeed (benchmarks/nodes_speed.py, since the twelfth session: what a ComfyUI user runs, the pack's
 # encoder -> sampler -> VAE decode nodes on full-size 4B files, against klein_core.generate on the same
-# files, 3 runs; writes 16 GB of random weights first): 61 s on 2026-11-27 (sixteenth session), timeout 180 s.
+# files, 3 runs; writes 16 GB of random weights first): 61 s on 2026-11-27 (sixteenth session), 68 and 77 s (nineteenth), timeout 180 s.
 # trim (speed.py 4B a, b: default against default+trim, the prompt padded to a multiple of 64 tokens
 # instead of 512, opt-in and approximate; thirteenth session): 29 s on 2026-11-27, timeout 120 s.
 #
