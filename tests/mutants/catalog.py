@@ -286,4 +286,20 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/test_native_lora_packed.py::test_comfyui_lora_on_a_gguf_model_is_applied_per_call",),
         "ComfyUI finds no key for a GGUF layer: every LoRA key 'not loaded', the LoRA silently ignored",
     ),
+    # ----- the text encoder's CUDA graphs in ComfyUI (nineteenth session) -----
+    Mutant(
+        "graphs-dropped-on-every-detach", "nodes/host.py",
+        "            if unpatch_all:\n                release_text_graphs(self.model)",
+        "            if True:\n                release_text_graphs(self.model)",
+        ("tests/test_text_graph.py::test_comfyui_detaching_a_model_it_loads_again_keeps_its_graphs",
+         "tests/test_nodes_host.py::test_the_encoder_node_replays_its_graph_run_after_run"),
+        "every node run drops the encoder's graphs, records again, and gives replay up after two runs",
+    ),
+    Mutant(
+        "graphs-kept-on-offload", "nodes/host.py",
+        "            if unpatch_all:\n                release_text_graphs(self.model)",
+        "            if False:\n                release_text_graphs(self.model)",
+        ("tests/test_text_graph.py::test_comfyui_offloading_the_encoder_releases_its_graphs",),
+        "ComfyUI offloads the encoder but its graphs keep device memory ComfyUI does not count",
+    ),
 )
