@@ -12,7 +12,9 @@ files through Klein Model Loader, and times, with a new prompt each run so the e
   executor, its output cache and its UI messages are not in the time);
 * ``engine``: ``klein_core.generate`` on the same files loaded again (speed fast, no prompt cache).
 
-``nodes_cprofile`` is Python's profile of one more node chain (where the host time goes).
+``nodes_cprofile`` is Python's profile of one more node chain (where the host time goes), and
+``nodes_profile`` one more under ``torch.profiler`` (the GPU's idle gaps, each with the node whose
+host work it fell in: ``klein.node.*`` ranges).
 
 It reports medians, each node's time, their ratio and the largest pixel difference of the images
 (the same prompts and seed on both sides).
@@ -104,12 +106,29 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _timed(device: torch.device, fn: Callable[[], Any]) -> tuple[Any, float]:
+def _timed(device: torch.device, fn: Callable[[], Any], name: str = "call") -> tuple[Any, float]:
+    """``fn()`` and its milliseconds, the device idle before and after; ``name`` marks it for the
+    profiler as ``klein.node.<name>`` (a range costs nothing when no profiler runs)."""
     _sync(device)
     t0 = time.perf_counter()
-    out = fn()
-    _sync(device)
+    with torch.profiler.record_function(f"klein.node.{name}"):
+        out = fn()
+        _sync(device)
     return out, (time.perf_counter() - t0) * 1000.0
+
+
+def device_profile(device: torch.device, run: Callable[[], Any]) -> dict[str, Any]:
+    """One more node chain under ``torch.profiler``, summarised as ``profile_run.py`` summarises a
+    generation: GPU busy and idle time, kernels by family, and the largest idle gaps with what the
+    host did meanwhile (the ``klein.node.*`` range of the node running, and the engine's ranges)."""
+    from benchmarks.profile_run import summarise
+
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        _, wall = _timed(device, run, "chain")
+    return summarise(prof, wall)
 
 
 def _as_uint8(image: torch.Tensor) -> np.ndarray:
@@ -166,12 +185,14 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             ms: dict[str, float] = {}
             with torch.inference_mode():
                 (klein, vae), ms["loader"] = _timed(device, lambda: pack.KleinModelLoader.execute(
-                    tr_file, VAE_FILE, dtype_name, "auto", "auto", "fast").args[:2])
-                cond, ms["encoder"] = _timed(device, lambda: pack.KleinTextEncode.execute(te_file, prompt, "").args[0])
+                    tr_file, VAE_FILE, dtype_name, "auto", "auto", "fast").args[:2], "loader")
+                cond, ms["encoder"] = _timed(device, lambda: pack.KleinTextEncode.execute(te_file, prompt, "").args[0],
+                                             "encoder")
                 latent, ms["sampler"] = _timed(device, lambda: pack.KleinSampler.execute(
                     klein, cond, width=size, height=size, steps=args.steps, guidance=0.0, seed=SEED,
-                    batch_size=1).args[0])
-                image, ms["vae_decode"] = _timed(device, lambda: pack.KleinVAEDecode.execute(latent, vae).args[0])
+                    batch_size=1).args[0], "sampler")
+                image, ms["vae_decode"] = _timed(device, lambda: pack.KleinVAEDecode.execute(latent, vae).args[0],
+                                                 "vae_decode")
             ms["chain"] = ms["encoder"] + ms["sampler"] + ms["vae_decode"]  # the loader's output is cached
             return _as_uint8(image), ms
 
@@ -182,6 +203,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             node_runs = [nodes(p) for p in prompts[args.warmup: args.warmup + args.runs]]
         result["nodes_host_audit"] = nodes_audit.result()
         result["nodes_cprofile"] = host_profile(lambda: nodes(prompts[-1] + ", profiled"))
+        result["nodes_profile"] = device_profile(device, lambda: nodes(prompts[-1] + ", under torch.profiler"))
         cache.release_all("nodes_speed: the engine's turn")
         gc.collect()
         if device.type == "cuda":

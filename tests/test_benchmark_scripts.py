@@ -114,6 +114,9 @@ def test_nodes_speed_times_the_node_chain_against_the_engine(comfy_pack, tmp_pat
     profiled = report["nodes_cprofile"]
     assert any("nodes/encode.py" in line and "(execute)" in line for line in profiled["cumulative"])
     assert any("nodes/sampler.py" in line for line in profiled["cumulative"]) and len(profiled["self"]) > 5
+    under_torch = report["nodes_profile"]  # no GPU here: host events only, the nodes' ranges among them
+    assert under_torch["wall_ms"] > 0 and under_torch["gpu_busy_ms"] == 0
+    assert any(row["op"].startswith("klein.node.") for row in under_torch["cpu_ops_self_ms"])
     assert "nodes chain" in done.stdout
 
 
