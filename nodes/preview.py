@@ -35,13 +35,14 @@ class StepReporter:
     the host has it and the user chose it, else latent->RGB), or the pack's latent->RGB map.
     """
 
-    wants_denoised = True  # klein_core passes denoised= to callbacks that ask for it
-
     def __init__(self, total: int, device: torch.device):
         self.bar = host.progress_bar(total)
         self.preview = None
         if host.previews_enabled():
             self.preview = host.latent_previewer(device) or self._own_preview
+        # klein_core passes denoised= to a callback that asks for it, computing it each step: only
+        # a preview shows it.
+        self.wants_denoised = self.preview is not None
 
     @staticmethod
     def _own_preview(x0: torch.Tensor) -> tuple:

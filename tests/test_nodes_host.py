@@ -269,6 +269,21 @@ def test_previews_come_from_the_hosts_previewer_fed_with_the_denoised_estimate(c
     assert (seen[-1] - out[:1]).abs().max() <= 0.02 * out.abs().max()
 
 
+def test_without_previews_the_steps_compute_no_denoised_estimate(comfy, progress, monkeypatch):  # noqa: F811
+    monkeypatch.setattr(comfy.args.args, "preview_method", comfy.args.LatentPreviewMethod.NoPreviews)
+    model, _ = _load(comfy)
+    asked = []
+    real_denoise = kc.Engine.denoise
+
+    def denoise(self, conditioning, references=(), settings=None, **kw):
+        asked.append(kw["callback"].wants_denoised)
+        return real_denoise(self, conditioning, references, settings, **kw)
+
+    monkeypatch.setattr(kc.Engine, "denoise", denoise)
+    _sample(comfy, model, _encode_out(comfy, "a fox").args[0], steps=2, width=128, height=96)
+    assert asked == [False] and [p for _, _, p in progress] == [None, None]
+
+
 # ----- disk prompt cache ----------------------------------------------------------------------------
 
 
