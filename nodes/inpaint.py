@@ -129,7 +129,7 @@ class KleinInpaintCrop(io.ComfyNode):
         crop = resize_image(_rgb(image[:, y1:y2, x1:x2]), tw, th)
         crop_mask = F.interpolate(m[None, None, y1:y2, x1:x2], size=(th, tw), mode="bilinear")[0].clamp(0, 1)
         logger.info("%s: %dx%d region at (%d, %d) painted at %dx%d", CROP_NODE, x2 - x1, y2 - y1, x1, y1, tw, th)
-        info = StitchInfo(image[:1].to(host.intermediate_device()), m.to(host.intermediate_device()), box)
+        info = StitchInfo(host.to_intermediate(image[:1]), host.to_intermediate(m), box)
         return io.NodeOutput(crop, crop_mask, info)
 
 
@@ -169,4 +169,4 @@ class KleinInpaintStitch(io.ComfyNode):
         if composite:
             mask = _feather(stitch.mask.float(), int(feather))
             canvas = composite_pixels(original.expand_as(canvas), canvas, mask)
-        return io.NodeOutput(canvas.to(host.intermediate_device()))
+        return io.NodeOutput(host.to_intermediate(canvas))

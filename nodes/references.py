@@ -51,7 +51,7 @@ def encode_frames(engine: kc.Engine, frames: list[Image.Image], first: int) -> l
     down = engine.downscale
     out = []
     for pil, latent in zip(frames, latents):
-        latent = latent.to(host.intermediate_device())
+        latent = host.to_intermediate(latent)
         out.append(Reference(latent, latent.shape[-1] * down, latent.shape[-2] * down, *pil.size))
     return out
 
@@ -65,7 +65,7 @@ def encode_frames_native(vae: object, frames: list[Image.Image], first: int) -> 
         except ValueError as exc:
             raise ValueError(f"{NODE}: image frame for reference {n}: {exc}. Use a larger or less elongated "
                              "image, or crop it first.") from exc
-        latent = host.native_vae_encode(vae, ((px + 1) / 2).permute(0, 2, 3, 1)).to(host.intermediate_device())
+        latent = host.to_intermediate(host.native_vae_encode(vae, ((px + 1) / 2).permute(0, 2, 3, 1)))
         out.append(Reference(latent.float(), px.shape[-1], px.shape[-2], *pil.size))
     return out
 

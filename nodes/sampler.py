@@ -334,4 +334,4 @@ class KleinSampler(io.ComfyNode):
         latents, _ = engine.denoise(cond, refs, run, callback=StepReporter(total, host.torch_device()), init=init)
         if cache.kv.hits > kv_hits:
             logger.info("%s: reference keys/values reused from the previous run (reference pass skipped)", NODE)
-        return io.NodeOutput({"samples": latents.to(host.intermediate_device(), torch.float32)})
+        return io.NodeOutput({"samples": host.to_intermediate(latents, torch.float32)})

@@ -77,10 +77,10 @@ class KleinVAEDecode(io.ComfyNode):
                                 "latents need their own VAE and VAE Decode)")
         if native:
             image = host.native_vae_decode(vae, latents)
-            return io.NodeOutput(image.to(host.intermediate_device()))
+            return io.NodeOutput(host.to_intermediate(image))
         engine = open_engine(DECODE_NODE, {"vae": ("vae", vae.ref)}, speed=vae.speed)
         image = engine.decode(latents).permute(0, 2, 3, 1).contiguous()  # one image at a time, tiled if short
-        return io.NodeOutput(image.to(host.intermediate_device()))
+        return io.NodeOutput(host.to_intermediate(image))
 
 
 class KleinVAEEncode(io.ComfyNode):
@@ -126,7 +126,7 @@ class KleinVAEEncode(io.ComfyNode):
         rgb = px[..., :3] if px.shape[-1] >= 3 else px[..., :1].expand(*px.shape[:-1], 3)  # gray -> RGB
         if native:
             latents = host.native_vae_encode(vae, rgb.float())
-            return io.NodeOutput({"samples": latents.to(host.intermediate_device(), torch.float32)})
+            return io.NodeOutput({"samples": host.to_intermediate(latents, torch.float32)})
         engine = open_engine(ENCODE_NODE, {"vae": ("vae", vae.ref)}, speed=vae.speed)
         latents = engine.encode_pixels(rgb.permute(0, 3, 1, 2).float() * 2 - 1)
-        return io.NodeOutput({"samples": latents.to(host.intermediate_device(), torch.float32)})
+        return io.NodeOutput({"samples": host.to_intermediate(latents, torch.float32)})

@@ -500,3 +500,12 @@ def test_nvfp4_file_loads_in_the_loader_and_samples(comfy):  # noqa: F811
         comfy.cache.release_all("nvfp4 test done")
         path.unlink()
         comfy.folder_paths.filename_list_cache.clear()
+
+
+def test_node_outputs_on_the_cpu_are_cast_and_not_copied_through_page_locked_memory(comfy):  # noqa: F811
+    """Under ``--cpu`` the outputs stay ordinary CPU tensors; the cast happens as before (the GPU's
+    page-locked path: tests/gpu/test_gpu_nodes.py)."""
+    x = torch.randn(2, 128, 4, 4, dtype=torch.bfloat16)
+    out = comfy.host.to_intermediate(x, torch.float32)
+    assert out.dtype == torch.float32 and out.device.type == "cpu" and not out.is_pinned()
+    assert torch.equal(out, x.float()) and comfy.host.to_intermediate(out) is out

@@ -158,3 +158,26 @@ def test_encoder_node_replays_its_graph_run_after_run(gpu, comfy_on_device, pari
     diff = parity(tag(gpu, "encoder node fast (graph replay) vs plain, max abs"),
                   float((cond.positive.float() - plain.positive.float()).abs().max()))
     assert diff == 0.0, diff
+
+
+def test_node_outputs_cross_to_the_host_through_page_locked_memory(gpu, comfy_on_device, monkeypatch):
+    """The sampler's latents and the VAE decode's image reach ComfyUI's intermediate device (the CPU)
+    through page-locked memory (a copy to ordinary memory runs at a fraction of the bus speed), with
+    the values of an ordinary copy; above ``PINNED_OUTPUT_MAX_BYTES`` they are copied the ordinary way."""
+    comfy = comfy_on_device
+    host = importlib.import_module(f"{PACK}.host")
+    with torch.inference_mode():
+        cond = comfy.pack.KleinTextEncode.execute(Q4B, "a quiet harbour", "").args[0]
+        _, vae = comfy.pack.KleinModelLoader.execute(M4B, VAE, "bf16", "auto", "resident").args[:2]
+    latents = _sample(comfy, "resident", cond)
+    with torch.inference_mode():
+        image = comfy.pack.KleinVAEDecode.execute({"samples": latents}, vae).args[0]
+    assert latents.device.type == image.device.type == "cpu" and latents.dtype == image.dtype == torch.float32
+    on_cuda = gpu.device.type == "cuda"
+    assert latents.is_pinned() == image.is_pinned() == on_cuda
+    monkeypatch.setattr(host, "PINNED_OUTPUT_MAX_BYTES", 0)
+    ordinary = _sample(comfy, "resident", cond)
+    with torch.inference_mode():
+        ordinary_image = comfy.pack.KleinVAEDecode.execute({"samples": ordinary}, vae).args[0]
+    assert not ordinary.is_pinned() and not ordinary_image.is_pinned()
+    assert torch.equal(ordinary, latents) and torch.equal(ordinary_image, image)
