@@ -167,3 +167,16 @@ def test_an_engine_over_the_text_encoder_alone_takes_its_device():
     direct = kc.Engine(*build_tiny_components(), prompt_cache=None)
     direct.text_encoder = te
     assert torch.equal(engine.encode_prompts(["a red fox"]).positive, direct.encode_prompts(["a red fox"]).positive)
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_decode_channels_last_is_the_image_layout_of_the_same_pixels(batch):
+    """``Engine.decode(channels_last=True)`` gives ComfyUI's IMAGE ``[B, H, W, 3]``: the same pixels as
+    the default ``[B, 3, H, W]``, laid out before the copy to the host (the VAE Decode node's path)."""
+    tr, te, vae = build_tiny_components()
+    engine = kc.Engine(tr, te, vae, prompt_cache=None)
+    latents = torch.randn(batch, vae.config.latent_channels, 4, 6, generator=torch.Generator().manual_seed(3))
+    nchw = engine.decode(latents)
+    nhwc = engine.decode(latents, channels_last=True)
+    assert nhwc.shape == (batch, nchw.shape[2], nchw.shape[3], 3) and nhwc.is_contiguous()
+    assert torch.equal(nhwc, nchw.permute(0, 2, 3, 1)) and nhwc.dtype == torch.float32

@@ -448,14 +448,16 @@ class Engine:
         return latents, run
 
     def decode(self, latents: torch.Tensor, *, plan: MemoryPlan | None = None,
-               checks: Checks | None = None) -> torch.Tensor:
+               checks: Checks | None = None, channels_last: bool = False) -> torch.Tensor:
         """Stage 4: pixels ``[B, 3, H, W]`` in [0, 1] (CPU float32) from latents ``[B, 128, h, w]``,
         one image at a time, tiled as the plan says; if the device still runs out of memory, smaller
-        tiles are tried in turn."""
-        return self._decode(latents, plan, images=False, checks=checks)[0]
+        tiles are tried in turn. ``channels_last``: ``[B, H, W, 3]`` instead (ComfyUI's IMAGE),
+        laid out so where the image was decoded, not by the host after the copy."""
+        return self._decode(latents, plan, images=False, checks=checks, channels_last=channels_last)[0]
 
     def _decode(self, latents: torch.Tensor, plan: MemoryPlan | None, *, images: bool,
-                checks: Checks | None = None) -> tuple[torch.Tensor, list[Image.Image], list[int | None]]:
+                checks: Checks | None = None, channels_last: bool = False,
+                ) -> tuple[torch.Tensor, list[Image.Image], list[int | None]]:
         """:meth:`decode`, and with ``images`` the PIL images too, and each image's decode tile
         (:attr:`GenerationResult.decode_tiles`): each image is checked, clamped
         and (for the PIL images) rounded to 8 bits where it was decoded, so the host only receives
@@ -480,6 +482,8 @@ class Engine:
                         pixels, arr = queue_to_host(pixels, copies)
                         eight_bit.append(arr)
                     else:
+                        if channels_last:
+                            pixels = pixels.permute(0, 2, 3, 1).contiguous()
                         (pixels,) = copies.add(pixels)
                     frames.append(pixels)
                 copies.wait()
