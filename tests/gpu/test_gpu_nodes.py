@@ -163,7 +163,8 @@ def test_encoder_node_replays_its_graph_run_after_run(gpu, comfy_on_device, pari
 def test_node_outputs_cross_to_the_host_through_page_locked_memory(gpu, comfy_on_device, monkeypatch):
     """The sampler's latents and the VAE decode's image reach ComfyUI's intermediate device (the CPU)
     through page-locked memory (a copy to ordinary memory runs at a fraction of the bus speed), with
-    the values of an ordinary copy; above ``PINNED_OUTPUT_MAX_BYTES`` they are copied the ordinary way."""
+    the values of an ordinary copy; above ``PINNED_OUTPUT_MAX_BYTES`` the latents are copied the
+    ordinary way (one decoded image is the engine's own page-locked copy, as ``generate`` makes)."""
     comfy = comfy_on_device
     host = importlib.import_module(f"{PACK}.host")
     with torch.inference_mode():
@@ -179,5 +180,5 @@ def test_node_outputs_cross_to_the_host_through_page_locked_memory(gpu, comfy_on
     ordinary = _sample(comfy, "resident", cond)
     with torch.inference_mode():
         ordinary_image = comfy.pack.KleinVAEDecode.execute({"samples": ordinary}, vae).args[0]
-    assert not ordinary.is_pinned() and not ordinary_image.is_pinned()
+    assert not ordinary.is_pinned() and ordinary_image.is_pinned() == on_cuda
     assert torch.equal(ordinary, latents) and torch.equal(ordinary_image, image)
