@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from encoder_node_runs import assert_replayed_after_the_second_run, encode_runs
 from extras import require
 from test_nodes import M4B, M4B_BASE, Q4B, VAE, _load, _sample, comfy, progress  # noqa: F401 (fixtures)
 from test_text_graph import cpu_graphs  # noqa: F401 (fixture)
 
 import klein_core as kc
-from klein_core.accel.text_graph import graphed_forward
 from klein_core.memory.placement import module_bytes
 from klein_core.pipeline.inpaint import comfy_mask_to_latents
 from klein_core.pipeline.inputs import InitLatents
@@ -57,17 +57,8 @@ def test_encoder_options_match_klein_core(comfy):  # noqa: F811
 def test_the_encoder_node_replays_its_graph_run_after_run(comfy, cpu_graphs):  # noqa: F811
     """At speed fast the encoder node records its forward once per prompt shape and then replays
     it on every run, though each run asks ComfyUI to load the encoder (which detaches it first)."""
-    comfy.cache.release_all("a fresh encoder for this test")
-    shapes = []
-    for i in range(4):
-        with torch.inference_mode():
-            cond = comfy.pack.KleinTextEncode.execute(Q4B, f"a red fox number {i}", "").args[0]
-        forward = graphed_forward(comfy.cache._resident["text_encoder"][1])
-        assert forward is not None and forward.disabled is None and forward.moves == 0
-        shapes.append((forward.captures, forward.replays))
-    # run 0 records the prompt with the empty negative, run 1 the prompt alone; then replays only
-    assert [c for c, _ in shapes] == [shapes[0][0], shapes[1][0], shapes[1][0], shapes[1][0]]
-    assert [r for _, r in shapes][1:] == [shapes[1][1], shapes[1][1] + 1, shapes[1][1] + 2]
+    cond, counts = encode_runs(comfy.pack, comfy.cache, Q4B, "a red fox number")
+    assert_replayed_after_the_second_run(counts)
     with torch.inference_mode():
         plain = comfy.pack.KleinTextEncode.execute(Q4B, "a red fox number 3", "", speed="plain").args[0]
     assert torch.equal(cond.positive, plain.positive)

@@ -23,6 +23,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from encoder_node_runs import assert_replayed_after_the_second_run, encode_runs
 from script_module import load_script
 
 import klein_core as kc
@@ -139,20 +140,10 @@ def test_encoder_node_replays_its_graph_run_after_run(gpu, comfy_on_device, pari
     """Speed fast (the default): the encoder node records its forward once per prompt shape and
     replays it on the next runs, though each run asks ComfyUI to load the encoder again (which
     detaches it with ``unpatch_all=False`` first); the embeddings are the plain path's."""
-    from klein_core.accel.text_graph import graphed_forward
-
     comfy = comfy_on_device
-    comfy.cache.release_all("a fresh encoder for this test")
-    counts = []
-    for i in range(4):
-        with torch.inference_mode():
-            cond = comfy.pack.KleinTextEncode.execute(Q4B, f"a quiet harbour, take {i}", "").args[0]
-        forward = graphed_forward(comfy.cache._resident["text_encoder"][1])
-        assert forward is not None and forward.disabled is None and forward.moves == 0, forward.disabled
-        counts.append((forward.captures, forward.replays))
-    if gpu.device.type == "cuda":  # recorded: run 0 with the empty negative, run 1 the prompt alone
-        assert [c for c, _ in counts[1:]] == [counts[1][0]] * 3, counts
-        assert [r for _, r in counts[1:]] == [counts[1][1] + k for k in range(3)], counts
+    cond, counts = encode_runs(comfy.pack, comfy.cache, Q4B, "a quiet harbour, take")
+    if gpu.device.type == "cuda":  # (off CUDA nothing is recorded)
+        assert_replayed_after_the_second_run(counts)
     with torch.inference_mode():
         plain = comfy.pack.KleinTextEncode.execute(Q4B, "a quiet harbour, take 3", "", speed="plain").args[0]
     diff = parity(tag(gpu, "encoder node fast (graph replay) vs plain, max abs"),
