@@ -29,12 +29,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import cProfile
 import gc
 import importlib.util
-import io
 import json
-import pstats
 import shutil
 import statistics
 import sys
@@ -55,6 +52,7 @@ if str(REPO) not in sys.path:  # run as a script from a checkout
 import klein_core
 from benchmarks import comfy_peer
 from benchmarks.host_audit import HostAudit
+from benchmarks.profile_run import python_profile, summarise
 from benchmarks.speed import PROMPT, SEED, _spec, build_ours
 from klein_core.testing import write_tiny_model_files
 
@@ -121,8 +119,6 @@ def device_profile(device: torch.device, run: Callable[[], Any]) -> dict[str, An
     """One more node chain under ``torch.profiler``, summarised as ``profile_run.py`` summarises a
     generation: GPU busy and idle time, kernels by family, and the largest idle gaps with what the
     host did meanwhile (the ``klein.node.*`` range of the node running, and the engine's ranges)."""
-    from benchmarks.profile_run import summarise
-
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -135,25 +131,6 @@ def _as_uint8(image: torch.Tensor) -> np.ndarray:
     """A ComfyUI IMAGE ``[1, H, W, 3]`` in [0, 1] rounded to 8 bits (half up; SaveImage truncates
     instead), to compare with the engine's rounded image."""
     return np.clip(image[0].float().cpu().numpy() * 255.0 + 0.5, 0, 255).astype(np.uint8)
-
-
-def host_profile(run: Callable[[], Any], top: int = 40) -> dict[str, list[str]]:
-    """Python's profile of one more node chain: where the host spends the time the nodes add to the
-    engine's (``cumulative``: the pack's, ComfyUI's and klein_core's functions, waits for the GPU
-    included; ``self``: any function, by its own time). Profiling slows the host: read the shares."""
-    prof = cProfile.Profile()
-    prof.enable()
-    try:
-        run()
-    finally:
-        prof.disable()
-    out: dict[str, list[str]] = {}
-    for key, order, restrict in (("cumulative", "cumulative", (r"nodes/|comfy/|klein_core/", top)),
-                                 ("self", "tottime", (top // 2,))):
-        text = io.StringIO()
-        pstats.Stats(prof, stream=text).sort_stats(order).print_stats(*restrict)
-        out[key] = [line.rstrip() for line in text.getvalue().splitlines() if "(" in line and ":" in line]
-    return out
 
 
 def bench(args: argparse.Namespace) -> dict[str, Any]:
@@ -202,7 +179,9 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         with HostAudit() as nodes_audit:  # garbage collections inside the timed runs
             node_runs = [nodes(p) for p in prompts[args.warmup: args.warmup + args.runs]]
         result["nodes_host_audit"] = nodes_audit.result()
-        result["nodes_cprofile"] = host_profile(lambda: nodes(prompts[-1] + ", profiled"))
+        # where the host time the nodes add goes (the pack's, ComfyUI's and klein_core's functions)
+        result["nodes_cprofile"] = python_profile(lambda: nodes(prompts[-1] + ", profiled"),
+                                                  r"nodes/|comfy/|klein_core/")
         result["nodes_profile"] = device_profile(device, lambda: nodes(prompts[-1] + ", under torch.profiler"))
         cache.release_all("nodes_speed: the engine's turn")
         gc.collect()

@@ -18,8 +18,8 @@ conversion, launch latency) only shows as ``e2e - sum(stages)``. This script run
   ``host`` names it), and in ``unprofiled`` those of the run without the profiler;
 * ``unprofiled``: one run without the profiler, its wall time against the engine's own stage clocks
   (``GenerationResult.timings``: on CUDA the device's time from each stage's start to its end, the
-  host waiting for the device only at the end of the run); ``cprofile_cumulative``: Python's
-  profile of one more run.
+  host waiting for the device only at the end of the run); ``cprofile_cumulative`` and
+  ``cprofile_self``: Python's profile of one more run (:func:`python_profile`).
 
 Usage (GPU)::
 
@@ -37,6 +37,7 @@ import pstats
 import sys
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -130,6 +131,24 @@ def _device_us(e: Any) -> float:
     return e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
 
 
+def python_profile(run: Callable[[], Any], pattern: str, top: int = 40) -> dict[str, list[str]]:
+    """Python's profile of ``run()``: ``cumulative``, the functions whose file matches ``pattern``
+    (waits for the GPU included), and ``self``, any function by its own time; the table's header
+    line and rows. Profiling slows the host: read the shares, not the times."""
+    prof = cProfile.Profile()
+    prof.enable()
+    try:
+        run()
+    finally:
+        prof.disable()
+    out: dict[str, list[str]] = {}
+    for key, order, restrict in (("cumulative", "cumulative", (pattern, top)), ("self", "tottime", (top // 2,))):
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats(order).print_stats(*restrict)
+        out[key] = [line.rstrip() for line in text.getvalue().splitlines() if "(" in line and ":" in line]
+    return out
+
+
 def summarise(prof: Any, wall_ms: float) -> dict[str, Any]:
     kernels, ranges = device_events(prof.events())
     stage_spans: dict[str, float] = defaultdict(float)
@@ -221,19 +240,14 @@ def main() -> int:
         t0 = time.perf_counter()
         stages = run()
         plain_wall = (time.perf_counter() - t0) * 1000
-    host = cProfile.Profile()
-    host.enable()
-    run()
-    host.disable()
-    text = io.StringIO()
-    pstats.Stats(host, stream=text).sort_stats("cumulative").print_stats(r"klein_core|PIL|numpy", 40)
+    python = python_profile(run, r"klein_core|PIL|numpy")
     result = {"model": spec.name, "case": case.title, "speed": args.speed, "device": str(device),
               "described": speed.describe_speed(tr), **summarise(prof, wall),
               "host_audit": profiled_audit.result(),
               "unprofiled": {"wall_ms": plain_wall, "engine_stages_ms": stages,
                              "outside_stages_ms": plain_wall - sum(stages.values()),
                              "host_audit": plain_audit.result()},
-              "cprofile_cumulative": text.getvalue().splitlines()[:70]}
+              "cprofile_cumulative": python["cumulative"], "cprofile_self": python["self"]}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
     print(json.dumps({k: result[k] for k in ("model", "case", "wall_ms", "gpu_busy_ms", "gpu_idle_ms",
