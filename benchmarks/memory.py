@@ -5,7 +5,9 @@ Builds full-size random-weight components directly on the GPU (built on the meta
 for every case and memory mode runs one warm-up and one measured generation stage by stage (text
 encoder -> reference encode -> denoise -> decode) through :class:`klein_core.pipeline.engine.Engine` with the plan,
 recording ``torch.cuda.max_memory_allocated`` and wall time per stage next to the estimate of
-:mod:`klein_core.memory.planner`. ``--cap-gb`` limits the allocator with
+:mod:`klein_core.memory.planner`. The components a plan keeps ``resident`` are on the GPU for its
+runs, as a user who loaded them there has them (``on_device`` in each row); the others live in
+pinned CPU memory and are copied in or streamed by the engine. ``--cap-gb`` limits the allocator with
 ``torch.cuda.set_per_process_memory_fraction`` to emulate a smaller card (``auto`` then plans for
 that size). ``--uncapped-resident`` first runs each case in ``resident`` mode with no cap at all
 (the allocator's fraction at 1.0, the planner given the card's measured free memory) and then every
@@ -50,8 +52,9 @@ from torch import nn  # noqa: E402
 
 from klein_core import testing as demo  # noqa: E402
 from klein_core.accel.speed import DEFAULT_SPEED, SPEEDS, apply_speed, describe_speed  # noqa: E402
+from klein_core.accel.text_graph import release_text_graphs  # noqa: E402
 from klein_core.errors import KleinOutOfMemory  # noqa: E402
-from klein_core.memory.placement import pin_memory_  # noqa: E402
+from klein_core.memory.placement import on_device, pin_memory_  # noqa: E402
 from klein_core.memory.planner import (  # noqa: E402
     MODES,
     MemoryPlan,
@@ -241,9 +244,31 @@ def run_generation(
     return out
 
 
+@contextlib.contextmanager
+def placed(components: dict[str, nn.Module], plan: MemoryPlan, device: torch.device) -> Iterator[list[str]]:
+    """The components the plan keeps ``resident`` on ``device`` for the block, as a user who loaded
+    them there has them; yields their names. Between modes every component lives in pinned CPU
+    memory (:func:`_home`), and the engine copies a resident component that lives elsewhere in for
+    each stage and drops it after (``StagePlacer``): without this, a ``resident`` row measured that
+    staged run, neither the resident peak (every weight on the device at once) nor its time (no
+    copies). The pinned homes are kept, so nothing is pinned again."""
+    # A plan that does not fit is refused by the engine before anything runs: copy nothing for it.
+    names = [c for c, where in plan.placements.items() if where == "resident" and c in components] \
+        if plan.fits else []
+    with contextlib.ExitStack() as stack:
+        for name in names:
+            stack.enter_context(on_device(components[name], device))
+        try:
+            yield names
+        finally:
+            for name in names:  # their graphs point at the copies about to be dropped: free them too
+                release_text_graphs(components[name])
+
+
 def _home(components: dict[str, nn.Module]) -> None:
     """Every component back to (pinned) CPU memory: each mode starts from the same state."""
     for m in components.values():
+        release_text_graphs(m)  # a graph's memory pool would count in the next mode's peak
         pin_memory_(m)
 
 
@@ -316,8 +341,9 @@ def _measure(args: argparse.Namespace, device: torch.device, dtype: torch.dtype,
                            "reason": plan.reason, "free_bytes": free, "estimated_peak": plan.peak_bytes,
                            "estimated_stages": est.stage_peaks(plan)}
                     try:
-                        run_generation(comps, req, plan, device, args.steps)  # warm-up (first moves, kernels)
-                        row.update(run_generation(comps, req, plan, device, args.steps))
+                        with placed(comps, plan, device) as row["on_device"]:
+                            run_generation(comps, req, plan, device, args.steps)  # warm-up (first moves, kernels)
+                            row.update(run_generation(comps, req, plan, device, args.steps))
                     except (torch.OutOfMemoryError, KleinOutOfMemory) as exc:  # refused up front, or ran out
                         row.update(oom=str(exc).splitlines()[0])
                     except Exception as exc:  # noqa: BLE001 - one failing mode must not lose the other rows

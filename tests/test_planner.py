@@ -21,6 +21,7 @@ from script_module import load_script
 from klein_core import testing as demo
 from klein_core.memory.planner import (
     DEFAULT_RESERVE_BYTES,
+    MemoryPlan,
     MemoryRequest,
     ModelSizes,
     choose_plan,
@@ -370,6 +371,25 @@ def _stand_in_cuda(monkeypatch, mem, total: int) -> list:
     return fraction
 
 
+def _stand_in_device(monkeypatch, mem) -> list:
+    """``on_device`` of benchmarks/memory.py recording instead of copying (the stand-in CUDA holds
+    nothing); returns the list of the modules "on the device" now."""
+    import contextlib
+
+    on = []
+
+    @contextlib.contextmanager
+    def recorded(module, device):
+        on.append(module)
+        try:
+            yield module
+        finally:
+            on.remove(module)
+
+    monkeypatch.setattr(mem, "on_device", recorded)
+    return on
+
+
 def _timings(total_s: float) -> dict:
     return {"time_s": {"text": 0.1, "references": 0.1, "denoise": total_s - 0.3, "decode": 0.1},
             "total_s": total_s, "peak_total": 10**9, "peak_bytes": {}, "finite": True}
@@ -381,11 +401,18 @@ def test_memory_benchmark_uncapped_resident_runs_without_the_cap(monkeypatch, tm
     mem = _memory_module()
     total = 80 * 2**30
     fraction = _stand_in_cuda(monkeypatch, mem, total)
+    on = _stand_in_device(monkeypatch, mem)
     calls = []
 
     def fake_generation(components, req, plan, device, steps, seed=0):
         calls.append((plan.name, fraction[0]))
+        # the plan's resident components are on the device for its runs, the others not
+        here = {name for name, m in components.items() if any(m is o for o in on)}
+        assert here == {c for c, where in plan.placements.items() if where == "resident"}, plan.name
+        seen.append(here)
         return _timings(2.0 if fraction[0] == 1.0 else 3.0)  # the capped runs take longer
+
+    seen: list[set] = []
 
     monkeypatch.setattr(mem, "run_generation", fake_generation)
     report = mem.main(["--out", str(tmp_path / "m.json"), "--models", "9b", "--cases", "edit1024",
@@ -394,7 +421,10 @@ def test_memory_benchmark_uncapped_resident_runs_without_the_cap(monkeypatch, tm
     # a warm-up and a measured generation each: resident uncapped, then the modes under the cap
     assert [f for _, f in calls] == [1.0, 1.0, capped, capped, capped, capped]
     assert calls[0][0] == "resident" and calls[-1][0] == "stream all blocks"
+    assert seen[0] == {"text_encoder", "transformer", "vae"} and seen[-1] < seen[0] and not on
     rows = report["results"]
+    assert rows[0]["on_device"] == ["text_encoder", "transformer", "vae"]
+    assert set(rows[-1]["on_device"]) == seen[-1]
     assert [r["free_bytes"] for r in rows] == [70 * 10**9, 12 * 10**9, 12 * 10**9]
     assert [r["time_over_uncapped_resident"] for r in rows] == [1.0, 1.5, 1.5]
     assert report["env"]["cap_gb"] == 12 and report["env"]["gpu"] == "stand-in GPU"
@@ -405,6 +435,7 @@ def test_memory_benchmark_keeps_the_rows_when_a_mode_fails_or_time_runs_out(monk
     session's timeout (SIGINT) still writes the rows measured so far."""
     mem = _memory_module()
     _stand_in_cuda(monkeypatch, mem, 80 * 2**30)
+    _stand_in_device(monkeypatch, mem)
     out = tmp_path / "m.json"
     argv = ["--out", str(out), "--models", "9b", "--cases", "edit1024", "--modes", "auto,minimum",
             "--cap-gb", "12", "--uncapped-resident"]
@@ -436,6 +467,32 @@ def test_memory_benchmark_keeps_the_rows_when_a_mode_fails_or_time_runs_out(monk
     assert saved["interrupted"] and [r["mode"] for r in saved["results"]] == ["resident", "auto"]
     ratios = saved["summary"]["groups"][0]["time_over_uncapped_resident"]
     assert ratios == {"resident(uncapped)": 1.0, "auto": 1.0}
+
+
+def test_memory_benchmark_runs_resident_components_on_the_device(monkeypatch):
+    """A ``resident`` row measures what the planner estimates: the components it keeps resident on the
+    device for the runs (copied from their pinned homes, which are kept), the others where they live;
+    a plan that does not fit copies nothing (the engine refuses it); the text encoder's graphs, which
+    point at the copies, are dropped with them. The meta device stands in for the GPU."""
+    mem = _memory_module()
+    tr, te, vae = demo.build_tiny_components()
+    comps = {"text_encoder": te, "transformer": tr, "vae": vae}
+    homes = {n: next(m.parameters()).data_ptr() for n, m in comps.items()}
+    released = []
+    monkeypatch.setattr(mem, "release_text_graphs", lambda m: released.append(m))
+    plan = MemoryPlan({"text_encoder": "staged", "transformer": "resident", "vae": "resident"})
+    meta = torch.device("meta")
+    with mem.placed(comps, plan, meta) as names:
+        assert names == ["transformer", "vae"]
+        assert {p.device.type for p in tr.parameters()} == {"meta"} == {p.device.type for p in vae.parameters()}
+        assert {p.device.type for p in te.parameters()} == {"cpu"}
+    assert released == [tr, vae]
+    for n, m in comps.items():  # the same home memory, not copies of it
+        assert {p.device.type for p in m.parameters()} == {"cpu"}
+        assert next(m.parameters()).data_ptr() == homes[n]
+    refused = MemoryPlan({"text_encoder": "resident", "transformer": "resident", "vae": "resident"}, fits=False)
+    with mem.placed(comps, refused, meta) as names:
+        assert names == [] and {p.device.type for p in tr.parameters()} == {"cpu"}
 
 
 def test_plan_for_loaded_components_on_cpu():
