@@ -12,7 +12,9 @@
 #             runs): 146 s with plain as well; then case c (base, 50 steps, CFG, same variants, 1 run): 105 s
 #   speed9b   benchmarks/speed.py 9B cases a,b (same variants, 1 run): 87 s
 #   vae       benchmarks/vae_decode.py eager decode layouts (plain, fast, ...) profiled, no compiled
-#             ones (speed.py's compile variant times the compiled decode): 12-17 s (starts only with 30 s left)
+#             ones (speed.py's compile variant times the compiled decode): 12-17 s (starts only with 30 s left);
+#             since the twentieth session also each layout's peak memory against the planner's estimate
+#             and what is live at that peak (vaemem: the same at 2048², optional, not timed yet)
 #   tests     pytest tests/gpu with no KLEIN_GPU_TESTS_* variable (the nodes test runs in the
 #             ComfyUI host when .devpack carried it): 122 s
 #   memory9b  benchmarks/memory.py 9B 1024x1024 edit with one reference (edit1024), bf16, speed fast:
@@ -71,11 +73,11 @@ PY="${PYTHON:-python3}"
 DRY=0
 PHASES=()
 ALL=(speed4b speed9b vae tests memory9b)
-OPTIONAL=(warm peer kernels memory fastpass blocks profile profilec texttests trainprof trainfast fasttests compile4b train nodesspeed trim)
+OPTIONAL=(warm peer kernels memory fastpass blocks profile profilec texttests trainprof trainfast fasttests compile4b train nodesspeed trim vaemem)
 for arg in "$@"; do
     case "$arg" in
         --dry-run) DRY=1 ;;
-        speed4b|speed9b|tests|memory9b|vae|warm|peer|kernels|memory|fastpass|blocks|profile|profilec|texttests|trainprof|trainfast|fasttests|compile4b|train|nodesspeed|trim)
+        speed4b|speed9b|tests|memory9b|vae|warm|peer|kernels|memory|fastpass|blocks|profile|profilec|texttests|trainprof|trainfast|fasttests|compile4b|train|nodesspeed|trim|vaemem)
             PHASES+=("$arg") ;;
         all) PHASES+=("${ALL[@]}") ;;
         -h|--help) sed -n '2,/^$/p' "${BASH_SOURCE[0]}"; exit 0 ;;
@@ -308,6 +310,15 @@ phase_vae() {
     [ "$DRY" -eq 1 ] && tiny=(--tiny --runs 1 --warmup 1)
     NEED=30 step vae_decode 90 "$PY" benchmarks/vae_decode.py --no-compile "${tiny[@]}" \
         --out "$OUT/vae_decode.json"
+}
+
+phase_vaemem() {
+    # the eager decode layouts at 2048²: what one decode allocates at its peak (against the planner's
+    # estimate) and what is live then, as the vae phase records at 1024²
+    local -a args=(--size 2048 --runs 2 --warmup 1)
+    [ "$DRY" -eq 1 ] && args=(--tiny --runs 1 --warmup 1)
+    step vae_decode_2048 90 "$PY" benchmarks/vae_decode.py --no-compile "${args[@]}" \
+        --out "$OUT/vae_decode_2048.json"
 }
 
 phase_warm() {

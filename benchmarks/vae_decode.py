@@ -18,6 +18,13 @@ costliest kernels and the share of GroupNorm, SiLU, upsampling, convolutions and
 Medians of ``--runs`` decodes (CUDA events) after ``--warmup`` decodes; every variant's pixels are
 compared with ``plain``.
 
+Memory, per variant on CUDA: the peak one decode allocates above what was allocated before it
+(``peak_mb``), next to the memory planner's estimate for the decode (``estimate_mb``,
+:func:`klein_core.memory.planner.vae_decode_activation_bytes`, which matches the eager trace on the
+CPU), and what was live at that peak (``at_peak``: the largest allocations, each with the Python
+line that made it, from the allocator's history). On an H100 the decode stage measured about 1 GB
+above the estimate at 1024² (2026-11-26/27); this names where it goes.
+
     python benchmarks/vae_decode.py --out vae.json           # GPU
     python benchmarks/vae_decode.py --tiny --out /tmp/v.json  # CPU self-test
 """
@@ -42,6 +49,7 @@ if str(REPO) not in sys.path:
 
 from benchmarks.timing import call_times
 from klein_core.accel import fast
+from klein_core.memory.planner import vae_decode_activation_bytes
 from klein_core.models import Flux2VAE, VAEConfig
 from klein_core.models.variants import KLEIN_4B
 from klein_core.testing.fill import full_size_configs, random_fill_
@@ -92,6 +100,68 @@ def time_decode(vae: Flux2VAE, lat: torch.Tensor, runs: int, warmup: int) -> tup
     last: dict[str, torch.Tensor] = {}
     times = call_times(lambda: last.update(out=vae.decode(lat)), lat.device, runs)
     return times, last["out"], first
+
+
+def live_at_peak(events: list[dict[str, Any]], top: int = 8) -> dict[str, Any]:
+    """Replay the CUDA caching allocator's history (``torch.cuda.memory._snapshot()["device_traces"]``
+    of one device: ``alloc`` / ``free_completed`` entries with ``addr``, ``size`` and Python
+    ``frames``) and describe the moment the most bytes were live: the bytes, and the ``top``
+    largest allocations then, each ``{"mb", "where"}`` (``where``: the innermost frame outside torch,
+    then the innermost torch function, e.g. ``klein_core/models/vae.py:88 forward <- conv2d``).
+    Memory allocated before the history began is not counted."""
+    live: dict[int, dict[str, Any]] = {}
+    total = peak = 0
+    at_peak: list[dict[str, Any]] = []
+    for e in events:
+        action = e.get("action")
+        if action == "alloc":
+            live[e["addr"]] = e
+            total += e["size"]
+            if total > peak:
+                peak, at_peak = total, list(live.values())
+        elif action == "free_completed" and e.get("addr") in live:
+            total -= live.pop(e["addr"])["size"]
+    largest = sorted(at_peak, key=lambda a: -a["size"])[:top]
+    return {"mb": peak / 2**20, "largest": [{"mb": a["size"] / 2**20, "where": _where(a.get("frames", []))}
+                                            for a in largest]}
+
+
+def _where(frames: list[dict[str, Any]]) -> str:
+    """The innermost frame outside torch (file relative to klein_core/benchmarks when it is ours)
+    and the innermost torch function it called."""
+    def outside(f: dict[str, Any]) -> bool:
+        return "/torch/" not in f.get("filename", "")
+
+    own = next((f for f in frames if outside(f)), None)
+    inner = next((f for f in frames if not outside(f) and f.get("name")), None)
+    text = "?"
+    if own is not None:
+        name = own.get("filename", "?")
+        for root in ("klein_core/", "benchmarks/"):
+            if root in name:
+                name = root + name.split(root, 1)[1]
+        text = f"{name}:{own.get('line', '?')} {own.get('name', '?')}"
+    return text + (f" <- {inner['name']}" if inner is not None else "")
+
+
+def peak_memory(vae: Flux2VAE, lat: torch.Tensor) -> dict[str, Any] | None:
+    """One decode's peak bytes above those allocated before it, and what was live then (CUDA only)."""
+    if lat.device.type != "cuda":
+        return None
+    torch.cuda.synchronize(lat.device)
+    base = torch.cuda.memory_allocated(lat.device)
+    torch.cuda.reset_peak_memory_stats(lat.device)
+    torch.cuda.memory._record_memory_history(enabled="all", stacks="python", max_entries=200_000)
+    try:
+        vae.decode(lat)
+        torch.cuda.synchronize(lat.device)
+        peak = torch.cuda.max_memory_allocated(lat.device) - base
+        snap = torch.cuda.memory._snapshot(lat.device)
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    index = lat.device.index if lat.device.index is not None else torch.cuda.current_device()
+    traces = snap.get("device_traces", [])
+    return {"peak_mb": peak / 2**20, "at_peak": live_at_peak(traces[index] if index < len(traces) else [])}
 
 
 def kernel_profile(vae: Flux2VAE, lat: torch.Tensor) -> dict[str, Any]:
@@ -155,13 +225,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             with cudnn_benchmark(bench):
                 times, out, first = time_decode(vae, lat, args.runs, args.warmup)
                 prof = kernel_profile(vae, lat) if device.type == "cuda" and "compiled" not in name else None
+                memory = peak_memory(vae, lat)
             ref = out.float() if ref is None else ref
             d = (out.float() - ref).abs()
             results[name] = {"median_ms": statistics.median(times), "all_ms": times, "first_call_ms": first,
                              "max_abs_vs_plain": float(d.max()), "finite": bool(torch.isfinite(out).all()),
-                             **({"profile": prof} if prof else {})}
+                             **({"profile": prof} if prof else {}), **(memory or {})}
         fast.disable_fast_vae(vae)
+    estimate = vae_decode_activation_bytes(size, size, 1, vae.config.decoder_block_channels, lat.element_size())
     env = {"torch": torch.__version__, "device": str(device), "dtype": str(dtype), "size": size,
+           "estimate_mb": estimate / 2**20,
            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
            "cudnn": torch.backends.cudnn.version() if device.type == "cuda" else None}
     report = {"env": env, "results": results}
@@ -173,6 +246,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if "profile" in r:
             kinds = ", ".join(f"{k} {v:.1f}" for k, v in r["profile"]["by_kind_ms"].items() if v)
             line += f"\n      kernels: {kinds}"
+        if "peak_mb" in r:
+            top = ", ".join(f"{a['mb']:.0f} MB {a['where']}" for a in r["at_peak"]["largest"][:3])
+            line += f"\n      peak {r['peak_mb']:.0f} MB (estimate {estimate / 2**20:.0f}); largest then: {top}"
         print(line)
     return report
 

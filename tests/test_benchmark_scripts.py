@@ -170,3 +170,29 @@ def test_host_audit_counts_collections_and_compilations():
     with audit_mod.HostAudit() as again:  # the same shape again: compiled already, nothing new
         f(torch.ones(3))
     assert again.result()["compiles"]["frames"] == 0
+
+
+def test_vae_decode_finds_what_is_live_at_the_peak():
+    """vae_decode.py's allocator-history replay: the peak is the most bytes live at once (memory
+    allocated before the history is not counted, a free of it is ignored), and the allocations
+    live then are named by our line and the torch function that allocated them."""
+    vae_decode = load_script("klein_vae_decode_benchmark", REPO / "benchmarks" / "vae_decode.py")
+    conv = [{"filename": "/x/torch/nn/functional.py", "line": 1, "name": "conv2d"},
+            {"filename": "/repo/klein_core/models/vae.py", "line": 88, "name": "forward"}]
+    norm = [{"filename": "/repo/klein_core/models/vae.py", "line": 40, "name": "group_norm"}]
+    mb = 2**20
+    events = [
+        {"action": "free_completed", "addr": 9, "size": 500 * mb},  # allocated before the history
+        {"action": "alloc", "addr": 1, "size": 256 * mb, "frames": conv},
+        {"action": "alloc", "addr": 2, "size": 1024 * mb, "frames": norm},  # a workspace, say
+        {"action": "alloc", "addr": 3, "size": 64 * mb, "frames": conv},  # peak: 1344 MB
+        {"action": "free_completed", "addr": 2, "size": 1024 * mb},
+        {"action": "alloc", "addr": 4, "size": 512 * mb, "frames": norm},  # 832 MB: below the peak
+    ]
+    found = vae_decode.live_at_peak(events)
+    assert found["mb"] == 1344
+    assert [a["mb"] for a in found["largest"]] == [1024, 256, 64]
+    assert found["largest"][0]["where"] == "klein_core/models/vae.py:40 group_norm"
+    assert found["largest"][1]["where"] == "klein_core/models/vae.py:88 forward <- conv2d"
+    assert vae_decode.live_at_peak([]) == {"mb": 0.0, "largest": []}
+    assert vae_decode.live_at_peak(events, top=1)["largest"] == found["largest"][:1]
