@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import klein_core as kc
-from klein_core.files.identify import probe
+from klein_core.files.identify import FileInfo, probe
 
 from . import cache, host
 
@@ -41,12 +41,33 @@ def model_file(node: str, input_name: str, folder: str, name: str, expect: str) 
         raise ValueError(f"{node}: {input_name} '{name}' was not found in models/{folder} (or the {folder} "
                          f"folders added in extra_model_paths.yaml). Put the file there and refresh, or pick "
                          f"another file.")
-    info = probe(path)
+    info = _probe(path)
     if info.kind in _KINDS and info.kind != expect:
         (noun, where), wanted = _KINDS[info.kind], _KINDS[expect][0]
         raise ValueError(f"{node}: {input_name} '{name}' is {noun} ({info.description}), not {wanted}: "
                          f"use it in {where}, and pick {wanted} here.")
     return path
+
+
+_PROBED: dict[tuple[str, int, int], FileInfo] = {}  # (path, size, mtime) -> what the header says
+_PROBED_MAX = 64
+
+
+def _probe(path: str) -> FileInfo:
+    """:func:`probe` of ``path``, remembered while the file keeps its size and modification time: the
+    encoder node checks its file on every new prompt, and parsing a header of a few hundred tensors
+    costs about a millisecond each time (CPU, measured), while the GPU waits for the node."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return probe(path)  # says "unreadable" itself
+    key = (path, st.st_size, st.st_mtime_ns)
+    info = _PROBED.get(key)
+    if info is None:
+        info = _PROBED[key] = probe(path)
+        while len(_PROBED) > _PROBED_MAX:
+            del _PROBED[next(iter(_PROBED))]
+    return info
 
 
 def file_state(folder: str, name: object) -> tuple | None:

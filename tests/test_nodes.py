@@ -278,6 +278,34 @@ def test_model_loader_names_the_input_for_wrong_or_missing_files(comfy):
         _load(comfy, "missing.safetensors")
 
 
+def test_model_files_are_probed_once_until_they_change(comfy, monkeypatch):
+    """The encoder node checks its file on every new prompt: the header is read once while the file
+    keeps its size and time, and again once it is replaced (a VAE written under the transformer's
+    name is then refused as the VAE it now is)."""
+    common = importlib.import_module(f"{PACK}.common")
+    read = []
+    real = common.probe
+    monkeypatch.setattr(common, "probe", lambda path: read.append(path) or real(path))
+    monkeypatch.setattr(common, "_PROBED", {})
+    name = "replaced-later.safetensors"
+    target = comfy.models / "diffusion_models" / name
+    shutil.copy(comfy.paths["klein_4b"], target)
+    try:
+        for _ in range(3):
+            assert common.model_file("N", "model_name", "diffusion_models", name, expect="transformer") == str(target)
+        assert read == [str(target)]
+        shutil.copy(comfy.paths["vae"], target)  # another size: a new file
+        with pytest.raises(ValueError, match="is a FLUX.2 VAE"):
+            common.model_file("N", "model_name", "diffusion_models", name, expect="transformer")
+        assert len(read) == 2
+        for i in range(common._PROBED_MAX + 5):  # bounded
+            common._probe(str(comfy.paths["vae"]) + f".missing{i}")  # unreadable: never remembered
+        assert len(common._PROBED) <= common._PROBED_MAX
+    finally:
+        target.unlink()
+        comfy.folder_paths.filename_list_cache.clear()
+
+
 # ----- Klein Reference Stacker -----------------------------------------------------------------------
 
 
