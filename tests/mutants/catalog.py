@@ -302,4 +302,19 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/test_text_graph.py::test_comfyui_offloading_the_encoder_releases_its_graphs",),
         "ComfyUI offloads the encoder but its graphs keep device memory ComfyUI does not count",
     ),
+    # ----- measurements and the nodes' host work (twentieth session) -----
+    Mutant(
+        "memory-benchmark-resident-left-in-cpu-memory", "benchmarks/memory.py",
+        'names = [c for c, where in plan.placements.items() if where == "resident" and c in components]',
+        'names = []',
+        ("tests/test_planner.py::test_memory_benchmark_runs_resident_components_on_the_device",
+         "tests/test_planner.py::test_memory_benchmark_uncapped_resident_runs_without_the_cap"),
+        "a resident row measures a staged run: the largest stage's peak, and a time with every weight copied in",
+    ),
+    Mutant(
+        "probed-file-remembered-after-it-changed", "nodes/common.py",
+        "    key = (path, st.st_size, st.st_mtime_ns)", "    key = (path,)",
+        ("tests/test_nodes.py::test_model_files_are_probed_once_until_they_change",),
+        "a model file replaced under the same name keeps the old file's kind: a wrong file is not refused",
+    ),
 )
