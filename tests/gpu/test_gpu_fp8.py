@@ -139,6 +139,47 @@ def test_generate_with_fp8_transformer_and_text_encoder(gpu, tmp_path, parity):
     assert 0 < rel < 0.05, rel
 
 
+@pytest.mark.cuda("CUDA graphs exist only on a CUDA device; tests/test_text_graph.py checks on the CPU that "
+                  "these encoders are eligible for replay")
+@pytest.mark.parametrize("quantize", ["fp8", "q8"])
+def test_quantised_text_encoder_graph_replay(gpu, tmp_path, parity, caplog, quantize):
+    """``speed="fast"`` replays the text encoder's forward as a CUDA graph: also with fp8 layers
+    (``torch._scaled_mm`` or upcast) and with GGML blocks (``quantize="q8"``, the layers a GGUF file
+    gives), recorded once and replayed with the eager forward's features, without a warning (a
+    capture that fails would run eagerly from then on, with one)."""
+    import logging
+
+    from klein_core.accel.speed import apply_speed
+    from klein_core.accel.text_encoder import disable_fast_text_encoder
+    from klein_core.accel.text_graph import graphed_forward
+    from klein_core.pipeline.tokenizer import tokenize_prompts
+    from klein_core.quant.ggml import ggml_layers
+
+    te = load_small(gpu, device="cpu", dtype=torch.bfloat16)[1]
+    path = tmp_path / "qwen_3_4b.safetensors"
+    save_file({"model." + k: v.contiguous() for k, v in te.state_dict().items()}, str(path))
+    q = kc.load_text_encoder(path, device=gpu.device, dtype=gpu.dtype, quantize=quantize)
+    assert (fp8_layers if quantize == "fp8" else ggml_layers)(q)
+    ids, mask = tokenize_prompts(["a red fox in the snow"], max_length=512)
+    other_ids, other_mask = tokenize_prompts(["an old boat"], max_length=512)
+    eager, eager_other = q.encode(ids, mask), q.encode(other_ids, other_mask)
+    try:
+        with caplog.at_level(logging.INFO, logger="klein_core.accel.text_graph"):
+            apply_speed(None, None, "fast", q)
+            forward = graphed_forward(q)
+            assert forward is not None
+            first, other, again = q.encode(ids, mask), q.encode(other_ids, other_mask), q.encode(ids, mask)
+    finally:
+        disable_fast_text_encoder(q)
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert (forward.captures, forward.replays, forward.disabled) == (1, 3, None)
+    assert torch.equal(first, again) and not torch.equal(first, other)
+    for name, out, ref in (("prompt 1", first, eager), ("prompt 2", other, eager_other)):
+        rel = parity(tag(gpu, f"{quantize} text encoder: CUDA graph vs eager forward ({name}), relative L2"),
+                     rel_l2(out, ref))
+        assert rel < 1e-3, (name, rel)
+
+
 # ---------------------------------------------------------------------------------------------
 # Full size
 
