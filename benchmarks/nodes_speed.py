@@ -10,7 +10,8 @@ files through Klein Model Loader, and times, with a new prompt each run so the e
 
 * ``nodes``: encoder -> sampler -> VAE decode, each node's ``execute`` called directly (ComfyUI's
   executor, its output cache and its UI messages are not in the time);
-* ``engine``: ``klein_core.generate`` on the same files loaded again (speed fast, no prompt cache).
+* ``engine``: ``klein_core.generate`` on the same files loaded again (speed fast, no prompt cache);
+  those loads are timed (``engine_load``: seconds and GB/s per file, from the page cache).
 
 ``nodes_cprofile`` is Python's profile of one more node chain (where the host time goes), and
 ``nodes_profile`` one more under ``torch.profiler`` (the GPU's idle gaps, each with the node whose
@@ -188,9 +189,17 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
-        tr = klein_core.load_transformer(models / "diffusion_models" / tr_file, device=device, dtype=dtype)
-        te = klein_core.load_text_encoder(models / "text_encoders" / te_file, device=device, dtype=dtype)
-        vae_m = klein_core.load_vae(models / "vae" / VAE_FILE, device=device, dtype=dtype)
+        # The loads are timed too (the files are in the page cache, written just before): what a
+        # process pays once per model, file to device, before any Python-side set-up of the nodes.
+        loads = (("transformer", klein_core.load_transformer, models / "diffusion_models" / tr_file),
+                 ("text_encoder", klein_core.load_text_encoder, models / "text_encoders" / te_file),
+                 ("vae", klein_core.load_vae, models / "vae" / VAE_FILE))
+        loaded, result["engine_load"] = {}, {}
+        for name, load, path in loads:
+            loaded[name], ms = _timed(device, lambda load=load, path=path: load(path, device=device, dtype=dtype))
+            gb = path.stat().st_size / 1e9
+            result["engine_load"][name] = {"s": ms / 1000, "file_gb": gb, "gb_per_s": gb / (ms / 1000)}
+        tr, te, vae_m = loaded["transformer"], loaded["text_encoder"], loaded["vae"]
 
         def engine(prompt: str) -> tuple[np.ndarray, dict[str, float]]:
             res, ms = _timed(device, lambda: klein_core.generate(
@@ -239,6 +248,8 @@ def main(argv: list[str] | None = None) -> int:
     sys.stdout.write(f"nodes chain {n['chain']:.1f} ms (encoder {n['encoder']:.1f}, sampler {n['sampler']:.1f}, "
                      f"decode {n['vae_decode']:.1f}) vs engine {e['e2e']:.1f} ms: {result['nodes_over_engine']:.3f}x; "
                      f"images differ by at most {result['image_max_abs_diff']}/255\n")
+    sys.stdout.write("loads: " + ", ".join(f"{k} {v['s']:.2f} s ({v['gb_per_s']:.2f} GB/s)"
+                                           for k, v in result["engine_load"].items()) + "\n")
     return 0
 
 

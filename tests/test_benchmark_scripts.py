@@ -118,6 +118,12 @@ def test_nodes_speed_times_the_node_chain_against_the_engine(comfy_pack, tmp_pat
     assert under_torch["wall_ms"] > 0 and under_torch["gpu_busy_ms"] == 0
     assert any(row["op"].startswith("klein.node.") for row in under_torch["cpu_ops_self_ms"])
     assert "nodes chain" in done.stdout
+    loads = report["engine_load"]  # each file's load, timed
+    assert set(loads) == {"transformer", "text_encoder", "vae"}
+    for row in loads.values():
+        assert row["s"] > 0 and row["file_gb"] > 0
+        assert row["gb_per_s"] == pytest.approx(row["file_gb"] / row["s"], rel=0.05)
+    assert "loads: transformer" in done.stdout
 
 
 def test_profile_train_profiles_one_step_of_each_side(tmp_path):
