@@ -11,7 +11,8 @@ files through Klein Model Loader, and times, with a new prompt each run so the e
 * ``nodes``: encoder -> sampler -> VAE decode, each node's ``execute`` called directly (ComfyUI's
   executor, its output cache and its UI messages are not in the time);
 * ``engine``: ``klein_core.generate`` on the same files loaded again (speed fast, no prompt cache);
-  those loads are timed (``engine_load``: seconds and GB/s per file, from the page cache).
+  those loads are timed (``engine_load``: seconds and GB/s per file, from the page cache), and the
+  transformer's once more with the page-locked staged reads off (``engine_load_unstaged``).
 
 ``nodes_cprofile`` is Python's profile of one more node chain (where the host time goes), and
 ``nodes_profile`` one more under ``torch.profiler`` (the GPU's idle gaps, each with the node whose
@@ -55,6 +56,7 @@ from benchmarks import comfy_peer
 from benchmarks.host_audit import HostAudit
 from benchmarks.profile_run import python_profile, summarise
 from benchmarks.speed import PROMPT, SEED, _spec, build_ours
+from klein_core.files import staging
 from klein_core.testing import write_tiny_model_files
 
 PACK = "klein_pack_nodes"  # nodes/ as a package of its own name (ComfyUI has a top-level `nodes` module)
@@ -200,6 +202,17 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             gb = path.stat().st_size / 1e9
             result["engine_load"][name] = {"s": ms / 1000, "file_gb": gb, "gb_per_s": gb / (ms / 1000)}
         tr, te, vae_m = loaded["transformer"], loaded["text_encoder"], loaded["vae"]
+        # The transformer once more through ordinary memory, as loads ran before the staged reads
+        # (klein_core.files.staging): the same file, the same process, for the before/after.
+        staging.STAGED_READS = False
+        try:
+            path = models / "diffusion_models" / tr_file
+            again, ms = _timed(device, lambda: klein_core.load_transformer(path, device=device, dtype=dtype))
+            del again
+        finally:
+            staging.STAGED_READS = True
+        gb = path.stat().st_size / 1e9
+        result["engine_load_unstaged"] = {"transformer": {"s": ms / 1000, "file_gb": gb, "gb_per_s": gb / (ms / 1000)}}
 
         def engine(prompt: str) -> tuple[np.ndarray, dict[str, float]]:
             res, ms = _timed(device, lambda: klein_core.generate(
@@ -248,8 +261,10 @@ def main(argv: list[str] | None = None) -> int:
     sys.stdout.write(f"nodes chain {n['chain']:.1f} ms (encoder {n['encoder']:.1f}, sampler {n['sampler']:.1f}, "
                      f"decode {n['vae_decode']:.1f}) vs engine {e['e2e']:.1f} ms: {result['nodes_over_engine']:.3f}x; "
                      f"images differ by at most {result['image_max_abs_diff']}/255\n")
+    unstaged = result["engine_load_unstaged"]["transformer"]
     sys.stdout.write("loads: " + ", ".join(f"{k} {v['s']:.2f} s ({v['gb_per_s']:.2f} GB/s)"
-                                           for k, v in result["engine_load"].items()) + "\n")
+                                           for k, v in result["engine_load"].items())
+                     + f"; transformer without staged reads {unstaged['s']:.2f} s ({unstaged['gb_per_s']:.2f} GB/s)\n")
     return 0
 
 

@@ -123,7 +123,8 @@ def test_nodes_speed_times_the_node_chain_against_the_engine(comfy_pack, tmp_pat
     for row in loads.values():
         assert row["s"] > 0 and row["file_gb"] > 0
         assert row["gb_per_s"] == pytest.approx(row["file_gb"] / row["s"], rel=0.05)
-    assert "loads: transformer" in done.stdout
+    assert "loads: transformer" in done.stdout and "without staged reads" in done.stdout
+    assert report["engine_load_unstaged"]["transformer"]["file_gb"] == loads["transformer"]["file_gb"]
 
 
 def test_profile_train_profiles_one_step_of_each_side(tmp_path):

@@ -14,6 +14,7 @@ from . import gguf as gguf_files
 from . import nvfp4 as nvfp4_files
 from .key_map import KeyMap, check_key_map
 from .source import WeightSource
+from .staging import DeviceStager, device_stager, reading_through
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +73,34 @@ def materialize(
     nv = nvfp4_files.plan_nvfp4(module, plan.ops, src, quantize)
     nvfp4_files.swap_to_nvfp4_(module, nv, src, plan.ops, dtype)
     state: dict[str, torch.Tensor] = {}
+    with device_stager(device) as stager:  # CUDA: the plain weights read through page-locked buffers
+        _fill(state, module, plan, src, device, dtype, keep_fp32, fp8, nv, ggml, stager)
+    module.load_state_dict(state, strict=True, assign=True)
+    leftovers = [n for n, b in module.named_buffers() if b.is_meta]
+    if leftovers and device.type != "meta":  # a non-persistent buffer would be left on meta: a bug in the module definition
+        raise RuntimeError(f"{component}: buffers left uninitialised after loading: {leftovers[:5]}")
+    module.eval().requires_grad_(False)
+    n = sum(p.numel() for p in module.parameters())
+    logger.info("Loaded %s from %s: %.1fM parameters, %d tensors", component, src.name, n / 1e6, len(state))
+    if nv:
+        logger.info("%s: %d Linear layers kept in NVFP4 (dequantised per call), compute dtype %s", component,
+                    len(nv), dtype)
+    if ggml:
+        kinds = sorted({q.name for q in ggml.values()})
+        logger.info("%s: %d Linear layers kept as GGML blocks (%s), compute dtype %s", component, len(ggml),
+                    ", ".join(kinds), dtype)
+    if fp8:
+        made = sum(1 for spec in fp8.values() if spec.quantize)
+        logger.info("%s: %d Linear layers in fp8 (%d quantised while loading), compute dtype %s",
+                    component, len(fp8), made, dtype)
+    return module
+
+
+def _fill(state: dict[str, torch.Tensor], module: nn.Module, plan: KeyMap, src: WeightSource, device: torch.device,
+          dtype: torch.dtype, keep_fp32: Callable[[str], bool], fp8: dict, nv: dict, ggml: dict,
+          stager: DeviceStager | None) -> None:
+    """Every tensor of ``plan`` into ``state``, as :func:`materialize` plans them (the fp8, NVFP4 and
+    GGML layers by their own readers; the rest as stored, through ``stager`` onto a CUDA device)."""
     for name, op in plan.ops.items():
         if name in fp8:
             state.update(fp8_files.load_fp8(name, fp8[name], op, src, device))
@@ -104,32 +133,14 @@ def materialize(
         elif fp8_files.reads_fp8(op, src):
             t = fp8_files.dequantize_op(op, src)
         else:
-            t = op.load(src)
+            with reading_through(stager):
+                t = op.load(src)
         if t.is_floating_point():
             target = torch.float32 if keep_fp32(name) else dtype
             t = t.to(device=device, dtype=target)
         else:
             t = t.to(device=device)
         state[name] = t.contiguous()
-    module.load_state_dict(state, strict=True, assign=True)
-    leftovers = [n for n, b in module.named_buffers() if b.is_meta]
-    if leftovers and device.type != "meta":  # a non-persistent buffer would be left on meta: a bug in the module definition
-        raise RuntimeError(f"{component}: buffers left uninitialised after loading: {leftovers[:5]}")
-    module.eval().requires_grad_(False)
-    n = sum(p.numel() for p in module.parameters())
-    logger.info("Loaded %s from %s: %.1fM parameters, %d tensors", component, src.name, n / 1e6, len(state))
-    if nv:
-        logger.info("%s: %d Linear layers kept in NVFP4 (dequantised per call), compute dtype %s", component,
-                    len(nv), dtype)
-    if ggml:
-        kinds = sorted({q.name for q in ggml.values()})
-        logger.info("%s: %d Linear layers kept as GGML blocks (%s), compute dtype %s", component, len(ggml),
-                    ", ".join(kinds), dtype)
-    if fp8:
-        made = sum(1 for spec in fp8.values() if spec.quantize)
-        logger.info("%s: %d Linear layers in fp8 (%d quantised while loading), compute dtype %s",
-                    component, len(fp8), made, dtype)
-    return module
 
 
 def _dominant_float_dtype(plan: KeyMap, src: WeightSource) -> torch.dtype:

@@ -7,7 +7,8 @@ of other formats (pickle, zip, GGUF) and refused by what it is.
 Only the requested tensors are read, with ``readinto`` into memory the returned tensor owns (no
 memory map), so a file replaced or truncated on disk cannot crash the process (SIGBUS) or change a
 loaded model. Every read re-checks the file's identity (device, inode, size, modification time) and
-refuses a file that changed since its header was read.
+refuses a file that changed since its header was read. Loads onto a GPU read through page-locked
+buffers straight into device memory (:mod:`klein_core.files.staging`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pathlib import Path
 import torch
 
 from ..errors import WeightFormatError
+from .staging import active_stager, read_full
 
 # safetensors dtype strings -> torch dtypes (every dtype the format defines that torch has).
 DTYPES: dict[str, torch.dtype] = {
@@ -46,7 +48,6 @@ for _name, _attr in (("U16", "uint16"), ("U32", "uint32"), ("U64", "uint64")):
 # A header larger than this is not a real checkpoint header (the 9B transformer's is ~50 KB; the
 # largest fp8 text encoder's ~125 KB).
 MAX_HEADER_BYTES = 100 * 1024 * 1024
-_CHUNK = 1 << 30  # one readinto call reads at most this much (Linux caps a read near 2 GiB)
 
 
 @dataclass(frozen=True)
@@ -232,9 +233,11 @@ class SafetensorsFile:
     identity: tuple[int, int, int, int]
 
     def read(self, key: str) -> torch.Tensor:
-        """Tensor ``key`` in its stored dtype and shape, in memory it owns (never a file map)."""
+        """Tensor ``key`` in its stored dtype and shape, in memory it owns (never a file map): on the
+        CPU, or on the device of the :func:`~klein_core.files.staging.reading_through` block it is
+        read in."""
         info = self.tensors[key]
-        raw = torch.empty(info.nbytes, dtype=torch.uint8)
+        stager = active_stager()
         try:
             with _open_regular(self.path) as fh:
                 if _identity(os.fstat(fh.fileno())) != self.identity:
@@ -243,13 +246,11 @@ class SafetensorsFile:
                         f"truncated), so tensor '{key}' cannot be read consistently. Load the model again."
                     )
                 fh.seek(info.begin)
-                view = memoryview(raw.numpy())
-                done = 0
-                while done < info.nbytes:
-                    got = fh.readinto(view[done : done + _CHUNK])
-                    if not got:
-                        break
-                    done += got
+                if stager is not None:
+                    raw, done = stager.read(fh, info.nbytes)
+                else:
+                    raw = torch.empty(info.nbytes, dtype=torch.uint8)
+                    done = read_full(fh, memoryview(raw.numpy()))
         except OSError as exc:
             raise WeightFormatError(f"{self.path}: cannot read tensor '{key}' ({exc}).") from exc
         if done != info.nbytes:

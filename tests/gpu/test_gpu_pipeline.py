@@ -311,3 +311,36 @@ def test_prompt_cache_joins_an_entry_from_disk_with_one_made_on_the_device(gpu, 
         te.source = old_source
     assert both is not None and both.device == positive.device == gpu.device
     assert torch.equal(both[:1], positive) and torch.equal(both[1:], negative)
+
+
+@pytest.mark.parametrize("slot_bytes", [None, 4099], ids=["default slots", "small slots"])
+def test_device_loads_equal_the_cpu_load(gpu, tmp_path, monkeypatch, slot_bytes):
+    """A load onto the device reads its weights through page-locked slots straight into device
+    memory (klein_core.files.staging; on CUDA only): the same tensors, bit for bit, as a load on
+    the CPU moved there, also when every tensor crosses many slots (small slots: each slot's copy
+    must finish before the slot is read into again). fp32 files, so the cast to the device dtype
+    happens on the device."""
+    from safetensors.torch import save_file
+
+    from klein_core.files import staging
+    from klein_core.testing import TINY_4B, tiny_text_encoder, tiny_transformer, tiny_vae
+
+    if slot_bytes is not None:
+        monkeypatch.setattr(staging, "SLOT_BYTES", slot_bytes)
+    read = []
+    original = staging.DeviceStager.read
+    monkeypatch.setattr(staging.DeviceStager, "read", lambda self, fh, n: read.append(n) or original(self, fh, n))
+    files = {"transformer": (kc.load_transformer, tiny_transformer(seed=3).state_dict(), ""),
+             "text_encoder": (kc.load_text_encoder, tiny_text_encoder(TINY_4B, 3).state_dict(), "model."),
+             "vae": (kc.load_vae, tiny_vae(3).state_dict(), "")}
+    for name, (load, sd, prefix) in files.items():
+        path = tmp_path / f"{name}.safetensors"
+        save_file({prefix + k: v.float().contiguous() for k, v in sd.items()}, str(path))
+        read.clear()
+        on_device = load(path, device=gpu.device, dtype=gpu.dtype).state_dict()
+        assert bool(read) == (gpu.device.type == "cuda"), name  # staged on CUDA only
+        moved = {k: v.to(gpu.device) for k, v in load(path, device="cpu", dtype=gpu.dtype).state_dict().items()}
+        assert on_device.keys() == moved.keys()
+        for k, v in on_device.items():
+            assert v.device.type == gpu.device.type and v.dtype == moved[k].dtype, (name, k)
+            assert torch.equal(v, moved[k]), (name, k)

@@ -1,0 +1,95 @@
+"""Device loads read through page-locked slots (klein_core.files.staging), on the CPU.
+
+The stager's CUDA parts (page-locked slots, copies queued without waiting, an event per slot) run
+on a GPU only (tests/gpu/test_gpu_pipeline.py::test_device_loads_equal_the_cpu_load); here the CPU
+stands in for the device, with slots small enough that every tensor crosses several of them at odd
+offsets, so the slicing and the order of the reads are checked byte for byte.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import klein_core as kc
+from klein_core import testing as demo
+from klein_core.errors import WeightFormatError
+from klein_core.files import materialize as materialize_mod
+from klein_core.files import staging
+from klein_core.files.safetensors import open_safetensors
+from klein_core.files.staging import DeviceStager, reading_through
+
+
+def _file(tmp_path, seed: int = 0):
+    path = tmp_path / "flux-2-klein-4b.safetensors"
+    save_file({k: v.contiguous() for k, v in demo.tiny_transformer(seed=seed).state_dict().items()}, str(path))
+    return path
+
+
+@pytest.mark.parametrize("slot_bytes, slots", [(1000, 2), (4096, 1), (1 << 20, 3)])
+def test_reads_through_slots_give_the_stored_bytes(tmp_path, slot_bytes, slots):
+    path = _file(tmp_path)
+    f = open_safetensors(path)
+    stager = DeviceStager(torch.device("cpu"), slot_bytes=slot_bytes, slots=slots)
+    total = 0
+    for key, info in f.tensors.items():
+        plain = f.read(key)
+        with reading_through(stager):
+            staged = f.read(key)
+        assert staged.dtype == plain.dtype and staged.shape == plain.shape, key
+        assert torch.equal(staged.view(torch.uint8) if staged.numel() else staged,
+                           plain.view(torch.uint8) if plain.numel() else plain), key
+        total += info.nbytes
+    stager.finish()
+    assert stager.bytes_read == total
+    with reading_through(None):  # no stager: the ordinary read
+        assert torch.equal(f.read("img_in.weight"), f.read("img_in.weight"))
+    assert staging.active_stager() is None  # the block ended, also for the reads after it
+
+
+def test_a_file_changed_after_opening_is_refused_through_the_stager_too(tmp_path):
+    path = _file(tmp_path)
+    f = open_safetensors(path)
+    _file(tmp_path, seed=1)  # rewritten under the same name
+    stager = DeviceStager(torch.device("cpu"), slot_bytes=1000)
+    with reading_through(stager), pytest.raises(WeightFormatError, match="changed on disk"):
+        f.read("img_in.weight")
+    with pytest.raises(ValueError, match="positive"):
+        DeviceStager(torch.device("cpu"), slot_bytes=0)
+
+
+def test_a_load_reads_its_plain_weights_through_the_stager(tmp_path, monkeypatch):
+    """load_transformer reads every weight stored as-is through the stager the device gets (here a
+    CPU one, forced), and the model equals the one read the ordinary way, tensor for tensor."""
+    path = _file(tmp_path)
+    stagers: list[DeviceStager] = []
+
+    @contextlib.contextmanager
+    def forced(device):
+        stagers.append(DeviceStager(torch.device(device), slot_bytes=777, slots=2))
+        try:
+            yield stagers[-1]
+        finally:
+            stagers[-1].finish()
+
+    plain = kc.load_transformer(path, device="cpu", dtype=torch.float32)
+    monkeypatch.setattr(materialize_mod, "device_stager", forced)
+    staged = kc.load_transformer(path, device="cpu", dtype=torch.float32)
+    (stager,) = stagers
+    assert stager.bytes_read == sum(i.nbytes for i in open_safetensors(path).tensors.values())
+    a, b = plain.state_dict(), staged.state_dict()
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_only_cuda_loads_are_staged(monkeypatch):
+    with staging.device_stager("cpu") as stager:
+        assert stager is None
+    with staging.device_stager("meta") as stager:
+        assert stager is None
+    monkeypatch.setattr(staging, "STAGED_READS", False)
+    with staging.device_stager(torch.device("cuda", 0)) as stager:  # turned off: not even built
+        assert stager is None
