@@ -317,4 +317,12 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/test_nodes.py::test_model_files_are_probed_once_until_they_change",),
         "a model file replaced under the same name keeps the old file's kind: a wrong file is not refused",
     ),
+    Mutant(
+        "staged-read-slice-at-the-wrong-offset", "klein_core/files/staging.py",
+        "out[done : done + got].copy_(slot[:got], non_blocking=self.cuda)",
+        "out[:got].copy_(slot[:got], non_blocking=self.cuda)",
+        ("tests/test_staging.py::test_reads_through_slots_give_the_stored_bytes",
+         "tests/test_staging.py::test_a_load_reads_its_plain_weights_through_the_stager"),
+        "a tensor larger than one slot loads with every slice written over its first bytes: garbage weights",
+    ),
 )
