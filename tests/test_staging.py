@@ -61,10 +61,24 @@ def test_a_file_changed_after_opening_is_refused_through_the_stager_too(tmp_path
         DeviceStager(torch.device("cpu"), slot_bytes=0)
 
 
-def test_a_load_reads_its_plain_weights_through_the_stager(tmp_path, monkeypatch):
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16 file", "fp8 file"])
+def test_a_load_reads_its_plain_weights_through_the_stager(tmp_path, monkeypatch, fp8):
     """load_transformer reads every weight stored as-is through the stager the device gets (here a
-    CPU one, forced), and the model equals the one read the ordinary way, tensor for tensor."""
+    CPU one, forced), and the model equals the one read the ordinary way, tensor for tensor. From
+    an fp8 file the fp8 weights' bytes go through it too (their scales and ComfyUI's markers are
+    read the ordinary way)."""
     path = _file(tmp_path)
+    quant_keys: set[str] = set()
+    if fp8:
+        from klein_core.files.fp8 import quantize_state_dict
+        from klein_core.quant.fp8 import block_linear_names
+
+        tiny = demo.tiny_transformer()
+        q = quantize_state_dict({k: v.contiguous() for k, v in tiny.state_dict().items()},
+                                block_linear_names(tiny), style="comfy_quant")
+        quant_keys = {k for k in q if k.endswith(("weight_scale", "comfy_quant"))}
+        assert any(v.dtype == torch.float8_e4m3fn for v in q.values()) and quant_keys
+        save_file(q, str(path))
     stagers: list[DeviceStager] = []
 
     @contextlib.contextmanager
@@ -79,7 +93,7 @@ def test_a_load_reads_its_plain_weights_through_the_stager(tmp_path, monkeypatch
     monkeypatch.setattr(materialize_mod, "device_stager", forced)
     staged = kc.load_transformer(path, device="cpu", dtype=torch.float32)
     (stager,) = stagers
-    assert stager.bytes_read == sum(i.nbytes for i in open_safetensors(path).tensors.values())
+    assert stager.bytes_read == sum(i.nbytes for k, i in open_safetensors(path).tensors.items() if k not in quant_keys)
     a, b = plain.state_dict(), staged.state_dict()
     assert a.keys() == b.keys()
     assert all(torch.equal(a[k], b[k]) for k in a)

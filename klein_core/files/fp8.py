@@ -36,6 +36,7 @@ from ..quant.fp8 import (
 from . import nvfp4 as nvfp4_files
 from .key_map import Cat, DecodingView, Op, SwapHalves, Take
 from .source import TensorInfo, WeightSource
+from .staging import DeviceStager, reading_through
 
 logger = logging.getLogger(__name__)
 
@@ -421,9 +422,11 @@ def dequantize_op(op: Op, src: WeightSource) -> torch.Tensor:
 
 
 def load_fp8(
-    name: str, spec: Fp8Layer, op: Op, src: WeightSource, device: torch.device
+    name: str, spec: Fp8Layer, op: Op, src: WeightSource, device: torch.device,
+    stager: DeviceStager | None = None,
 ) -> dict[str, torch.Tensor]:
-    """State-dict entries (``weight``, ``weight_scale``, [``input_scale``]) of one FP8Linear."""
+    """State-dict entries (``weight``, ``weight_scale``, [``input_scale``]) of one FP8Linear.
+    ``stager``: the weight's bytes are read through it onto the device (as stored: a copy, exact)."""
     prefix = spec.name + "."
     if device.type == "meta":  # shapes only (see weights.materialize)
         rows = op.shape(src)[0]
@@ -434,10 +437,15 @@ def load_fp8(
         return out
     if spec.quantize:
         # Quantised where it will live (one layer's float32 copy at a time): far faster on a GPU.
-        w = (dequantize_op(op, src) if reads_fp8(op, src) else op.load(src)).to(device)
+        if reads_fp8(op, src):
+            w = dequantize_op(op, src).to(device)
+        else:
+            with reading_through(stager):
+                w = op.load(src).to(device)
         q, scale = quantize_fp8(w, spec.fmt)
         return {name: q, prefix + "weight_scale": scale}
-    data = op.load(src)
+    with reading_through(stager):
+        data = op.load(src)
     if spec.per_row_scale:
         scale = op.load(_RowScales(src))  # type: ignore[arg-type]
     else:

@@ -17,6 +17,9 @@ from torch import nn
 from .source import TensorInfo, WeightSource
 
 
+_FLOAT8 = {getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n)}
+
+
 class Op:
     """One internal tensor, described in terms of source tensors. ``shape`` reads no data."""
 
@@ -66,7 +69,13 @@ class Cat(Op):
         return tuple(out)
 
     def load(self, src: WeightSource) -> torch.Tensor:
-        return torch.cat([src.get(k) for k in self.keys], dim=self.dim)
+        parts = [src.get(k) for k in self.keys]
+        if len({t.dtype for t in parts}) == 1 and parts[0].dtype in _FLOAT8:
+            # torch.cat of float8 is missing on CUDA in some torch versions (2.4: "cat_cuda" not
+            # implemented): a loaded fp8 weight may be on the GPU. Its bytes, joined, are the same.
+            dtype = parts[0].dtype
+            return torch.cat([t.view(torch.uint8) for t in parts], dim=self.dim).view(dtype)
+        return torch.cat(parts, dim=self.dim)
 
 
 @dataclass(frozen=True)

@@ -99,11 +99,12 @@ def materialize(
 def _fill(state: dict[str, torch.Tensor], module: nn.Module, plan: KeyMap, src: WeightSource, device: torch.device,
           dtype: torch.dtype, keep_fp32: Callable[[str], bool], fp8: dict, nv: dict, ggml: dict,
           stager: DeviceStager | None) -> None:
-    """Every tensor of ``plan`` into ``state``, as :func:`materialize` plans them (the fp8, NVFP4 and
-    GGML layers by their own readers; the rest as stored, through ``stager`` onto a CUDA device)."""
+    """Every tensor of ``plan`` into ``state``, as :func:`materialize` plans them (the NVFP4 and GGML
+    layers by their own readers; fp8 layers' bytes and the rest as stored through ``stager`` onto a
+    CUDA device; data decoded on the CPU, such as fp8 weights dequantised, as before)."""
     for name, op in plan.ops.items():
         if name in fp8:
-            state.update(fp8_files.load_fp8(name, fp8[name], op, src, device))
+            state.update(fp8_files.load_fp8(name, fp8[name], op, src, device, stager))
             continue
         if name in nv:
             layer = nv[name]

@@ -319,7 +319,7 @@ def test_device_loads_equal_the_cpu_load(gpu, tmp_path, monkeypatch, slot_bytes)
     memory (klein_core.files.staging; on CUDA only): the same tensors, bit for bit, as a load on
     the CPU moved there, also when every tensor crosses many slots (small slots: each slot's copy
     must finish before the slot is read into again). fp32 files, so the cast to the device dtype
-    happens on the device."""
+    happens on the device; an fp8 file's fp8 weights go through the slots as bytes."""
     from safetensors.torch import save_file
 
     from klein_core.files import staging
@@ -330,12 +330,20 @@ def test_device_loads_equal_the_cpu_load(gpu, tmp_path, monkeypatch, slot_bytes)
     read = []
     original = staging.DeviceStager.read
     monkeypatch.setattr(staging.DeviceStager, "read", lambda self, fh, n: read.append(n) or original(self, fh, n))
-    files = {"transformer": (kc.load_transformer, tiny_transformer(seed=3).state_dict(), ""),
+    from klein_core.files.fp8 import quantize_state_dict
+    from klein_core.quant.fp8 import block_linear_names
+
+    tr = tiny_transformer(seed=3)
+    fp8_sd = quantize_state_dict({k: v.float().contiguous() for k, v in tr.state_dict().items()},
+                                 block_linear_names(tr), style="comfy_quant")
+    files = {"transformer": (kc.load_transformer, tr.state_dict(), ""),
+             "fp8 transformer": (kc.load_transformer, fp8_sd, ""),
              "text_encoder": (kc.load_text_encoder, tiny_text_encoder(TINY_4B, 3).state_dict(), "model."),
              "vae": (kc.load_vae, tiny_vae(3).state_dict(), "")}
     for name, (load, sd, prefix) in files.items():
-        path = tmp_path / f"{name}.safetensors"
-        save_file({prefix + k: v.float().contiguous() for k, v in sd.items()}, str(path))
+        path = tmp_path / f"{name.replace(' ', '_')}.safetensors"
+        save_file({prefix + k: (v.float() if v.is_floating_point() and v.element_size() > 1 else v).contiguous()
+                   for k, v in sd.items()}, str(path))
         read.clear()
         on_device = load(path, device=gpu.device, dtype=gpu.dtype).state_dict()
         assert bool(read) == (gpu.device.type == "cuda"), name  # staged on CUDA only
@@ -343,4 +351,5 @@ def test_device_loads_equal_the_cpu_load(gpu, tmp_path, monkeypatch, slot_bytes)
         assert on_device.keys() == moved.keys()
         for k, v in on_device.items():
             assert v.device.type == gpu.device.type and v.dtype == moved[k].dtype, (name, k)
-            assert torch.equal(v, moved[k]), (name, k)
+            assert torch.equal(v.view(torch.uint8) if v.element_size() == 1 else v,
+                               moved[k].view(torch.uint8) if v.element_size() == 1 else moved[k]), (name, k)
