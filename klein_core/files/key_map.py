@@ -16,7 +16,6 @@ from torch import nn
 
 from .source import TensorInfo, WeightSource
 
-
 _FLOAT8 = {getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n)}
 
 
