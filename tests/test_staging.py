@@ -107,3 +107,29 @@ def test_only_cuda_loads_are_staged(monkeypatch):
     monkeypatch.setattr(staging, "STAGED_READS", False)
     with staging.device_stager(torch.device("cuda", 0)) as stager:  # turned off: not even built
         assert stager is None
+
+
+def test_a_gguf_load_reads_its_blocks_through_the_stager(tmp_path, monkeypatch):
+    """A GGUF transformer: its blocks kept packed and its float tensors go through the stager as
+    bytes (every byte of the file's tensors), and the model equals the ordinary load."""
+    pytest.importorskip("gguf")
+    from gguf_files import write_tiny_gguf_transformer
+
+    from klein_core.files.gguf import _scan
+    from klein_core.quant.ggml import ggml_layers
+
+    path = write_tiny_gguf_transformer(tmp_path / "flux-2-klein-4b-Q8_0.gguf", "Q8_0")
+    stagers: list[DeviceStager] = []
+
+    @contextlib.contextmanager
+    def forced(device):
+        stagers.append(DeviceStager(torch.device(device), slot_bytes=999, slots=2))
+        yield stagers[-1]
+
+    plain = kc.load_transformer(path, device="cpu")
+    monkeypatch.setattr(materialize_mod, "device_stager", forced)
+    staged = kc.load_transformer(path, device="cpu")
+    assert ggml_layers(staged)
+    assert stagers[0].bytes_read == sum(st.nbytes for st, _ in _scan(path)[0].values())
+    a, b = plain.state_dict(), staged.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

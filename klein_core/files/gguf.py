@@ -35,6 +35,7 @@ from ..quant.ggml import BLOCKS, FLOAT_TYPES, QUANTIZE_TYPES, GGMLLinear, GGMLTy
 from .key_map import DecodingView, Op, Take, quantizable_linears
 from .safetensors import SafetensorsFile, StoredTensor, _identity, _open_regular
 from .source import TensorInfo, WeightSource
+from .staging import DeviceStager, reading_through
 
 logger = logging.getLogger(__name__)
 
@@ -434,12 +435,14 @@ def swap_to_ggml_(module: nn.Module, layers: Mapping[str, GGMLType], dtype: torc
 
 
 def load_ggml(name: str, qtype: GGMLType, op: Op, src: WeightSource, device: torch.device,
-              dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The state of one :class:`GGMLLinear` (``<layer>.qweight``): the file's blocks as they are, or
-    a float weight quantised on ``device`` (the float copy never stays there)."""
+              dtype: torch.dtype, stager: DeviceStager | None = None) -> dict[str, torch.Tensor]:
+    """The state of one :class:`GGMLLinear` (``<layer>.qweight``): the file's blocks as they are
+    (read through ``stager`` onto the device, if given: a copy of the bytes), or a float weight
+    quantised on ``device`` (the float copy never stays there)."""
     layer = name.rsplit(".", 1)[0]
     if isinstance(op, Take) and is_quantized(src, op.key):
-        raw = src.get(op.key)
+        with reading_through(stager):
+            raw = src.get(op.key)
         out_features = op.shape(src)[0]
         return {f"{layer}.qweight": raw.reshape(out_features, -1).to(device)}
     w = dequantize_op(op, src) if reads_ggml(op, src) else op.load(src)

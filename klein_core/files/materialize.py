@@ -99,9 +99,9 @@ def materialize(
 def _fill(state: dict[str, torch.Tensor], module: nn.Module, plan: KeyMap, src: WeightSource, device: torch.device,
           dtype: torch.dtype, keep_fp32: Callable[[str], bool], fp8: dict, nv: dict, ggml: dict,
           stager: DeviceStager | None) -> None:
-    """Every tensor of ``plan`` into ``state``, as :func:`materialize` plans them (the NVFP4 and GGML
-    layers by their own readers; fp8 layers' bytes and the rest as stored through ``stager`` onto a
-    CUDA device; data decoded on the CPU, such as fp8 weights dequantised, as before)."""
+    """Every tensor of ``plan`` into ``state``, as :func:`materialize` plans them: what is loaded as
+    stored (plain weights, fp8 weights' bytes, GGUF blocks kept packed) through ``stager`` onto a
+    CUDA device; data decoded on the CPU (NVFP4, GGUF or fp8 weights dequantised) as before."""
     for name, op in plan.ops.items():
         if name in fp8:
             state.update(fp8_files.load_fp8(name, fp8[name], op, src, device, stager))
@@ -118,7 +118,7 @@ def _fill(state: dict[str, torch.Tensor], module: nn.Module, plan: KeyMap, src: 
             if device.type == "meta":
                 state[f"{layer}.qweight"] = module.get_submodule(layer).qweight  # already the right shape
             else:
-                state.update(gguf_files.load_ggml(name, ggml[name], op, src, device, dtype))
+                state.update(gguf_files.load_ggml(name, ggml[name], op, src, device, dtype, stager))
             continue
         if device.type == "meta":  # a meta_model model: shapes and dtypes only, no tensor data read
             stored = src.dtype(op.sources()[0])

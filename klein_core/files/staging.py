@@ -13,8 +13,8 @@ last. The device tensor owns its memory, as before: a file changed on disk canno
 :func:`reading_through` makes :meth:`klein_core.files.safetensors.SafetensorsFile.read` use a
 stager for the reads inside it (a context variable: the key-mapping views over a file need not
 know). ``klein_core.files.materialize`` uses it for the weights it loads as they are stored, fp8 weights
-included (their bytes), not for data decoded on the CPU (GGUF, NVFP4, fp8 dequantised as it
-loads). :data:`STAGED_READS` turns it off (for a before/after measurement).
+and GGUF blocks kept packed included (their bytes), not for data decoded on the CPU (NVFP4, GGUF or
+fp8 weights dequantised as they load). :data:`STAGED_READS` turns it off (for a before/after measurement).
 """
 
 from __future__ import annotations
