@@ -151,17 +151,24 @@ def peak_memory(vae: Flux2VAE, lat: torch.Tensor) -> dict[str, Any] | None:
     torch.cuda.synchronize(lat.device)
     base = torch.cuda.memory_allocated(lat.device)
     torch.cuda.reset_peak_memory_stats(lat.device)
-    torch.cuda.memory._record_memory_history(enabled="all", stacks="python", max_entries=200_000)
+    vae.decode(lat)
+    torch.cuda.synchronize(lat.device)
+    result: dict[str, Any] = {"peak_mb": (torch.cuda.max_memory_allocated(lat.device) - base) / 2**20}
+    # One more decode with the allocator's history on (a private torch API: if it fails, the peak stays)
     try:
-        vae.decode(lat)
-        torch.cuda.synchronize(lat.device)
-        peak = torch.cuda.max_memory_allocated(lat.device) - base
-        snap = torch.cuda.memory._snapshot(lat.device)
-    finally:
-        torch.cuda.memory._record_memory_history(enabled=None)
-    index = lat.device.index if lat.device.index is not None else torch.cuda.current_device()
-    traces = snap.get("device_traces", [])
-    return {"peak_mb": peak / 2**20, "at_peak": live_at_peak(traces[index] if index < len(traces) else [])}
+        torch.cuda.memory._record_memory_history(enabled="all", stacks="python", max_entries=200_000)
+        try:
+            vae.decode(lat)
+            torch.cuda.synchronize(lat.device)
+            snap = torch.cuda.memory._snapshot(lat.device)
+        finally:
+            torch.cuda.memory._record_memory_history(enabled=None)
+        index = lat.device.index if lat.device.index is not None else torch.cuda.current_device()
+        traces = snap.get("device_traces", [])
+        result["at_peak"] = live_at_peak(traces[index] if index < len(traces) else [])
+    except Exception as exc:  # noqa: BLE001 - the history is a diagnosis, not the measurement
+        result["at_peak"] = {"error": f"{type(exc).__name__}: {exc}"[:300], "mb": None, "largest": []}
+    return result
 
 
 def kernel_profile(vae: Flux2VAE, lat: torch.Tensor) -> dict[str, Any]:
@@ -247,7 +254,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             kinds = ", ".join(f"{k} {v:.1f}" for k, v in r["profile"]["by_kind_ms"].items() if v)
             line += f"\n      kernels: {kinds}"
         if "peak_mb" in r:
-            top = ", ".join(f"{a['mb']:.0f} MB {a['where']}" for a in r["at_peak"]["largest"][:3])
+            top = ", ".join(f"{a['mb']:.0f} MB {a['where']}" for a in r["at_peak"]["largest"][:3]) \
+                or r["at_peak"].get("error", "")
             line += f"\n      peak {r['peak_mb']:.0f} MB (estimate {estimate / 2**20:.0f}); largest then: {top}"
         print(line)
     return report

@@ -99,11 +99,22 @@ def test_a_load_reads_its_plain_weights_through_the_stager(tmp_path, monkeypatch
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_only_cuda_loads_are_staged(monkeypatch):
+def test_only_cuda_loads_are_staged(monkeypatch, caplog):
     with staging.device_stager("cpu") as stager:
         assert stager is None
     with staging.device_stager("meta") as stager:
         assert stager is None
+
+    def refused(*a, **k):
+        raise RuntimeError("CUDA error: out of memory (page-locked)")
+
+    monkeypatch.setattr(staging, "DeviceStager", refused)  # no page-locked memory to be had
+    monkeypatch.setattr(staging, "_refused_said", False)
+    for _ in range(3):  # ordinary reads then, said once
+        with staging.device_stager(torch.device("cuda", 0)) as stager:
+            assert stager is None
+    said = [r for r in caplog.records if "ordinary memory" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelname == "WARNING"
     monkeypatch.setattr(staging, "STAGED_READS", False)
     with staging.device_stager(torch.device("cuda", 0)) as stager:  # turned off: not even built
         assert stager is None

@@ -35,6 +35,7 @@ SLOTS = 2  # reading one slot while the other's copy runs
 READ_CAP = 1 << 30  # one readinto call reads at most this much (Linux caps a read near 2 GiB)
 
 _active: contextvars.ContextVar[DeviceStager | None] = contextvars.ContextVar("klein_stager", default=None)
+_refused_said = False  # page-locked memory was refused once: said then, not at every load
 
 
 def read_full(fh: BinaryIO, view: memoryview) -> int:
@@ -106,14 +107,17 @@ def active_stager() -> DeviceStager | None:
 def device_stager(device: torch.device | str) -> Iterator[DeviceStager | None]:
     """A :class:`DeviceStager` for loads onto ``device`` if it is a CUDA device (and
     :data:`STAGED_READS`), else None; on leaving, its copies are waited for. If page-locked memory
-    cannot be had, None (reads go through ordinary memory), said once in the log."""
+    cannot be had, None (reads go through ordinary memory), said once per process in the log."""
+    global _refused_said
     device = torch.device(device)
     stager = None
     if STAGED_READS and device.type == "cuda":
         try:
             stager = DeviceStager(device, SLOT_BYTES, SLOTS)
         except RuntimeError as exc:  # page-locked memory refused (a container's limits, say)
-            logger.warning("weights are read through ordinary memory: no page-locked buffer (%s)", exc)
+            if not _refused_said:
+                _refused_said = True
+                logger.warning("weights are read through ordinary memory: no page-locked buffer (%s)", exc)
     try:
         yield stager
     finally:
