@@ -114,7 +114,7 @@ def device_stager(device: torch.device | str) -> Iterator[DeviceStager | None]:
     if STAGED_READS and device.type == "cuda":
         try:
             stager = DeviceStager(device, SLOT_BYTES, SLOTS)
-        except RuntimeError as exc:  # page-locked memory refused (a container's limits, say)
+        except RuntimeError as exc:  # page-locked memory refused (little free RAM, a restricted environment)
             if not _refused_said:
                 _refused_said = True
                 logger.warning("weights are read through ordinary memory: no page-locked buffer (%s)", exc)
