@@ -251,9 +251,10 @@ def test_replay_of_the_plain_forward_gives_the_plain_features(cpu_graphs):
 @pytest.mark.parametrize("quantize", ["fp8", "q8"])
 def test_quantised_encoders_replay_their_forward(cpu_graphs, tmp_path, quantize):
     """An encoder loaded with fp8 layers or GGML blocks (``quantize="q8"``, the layers a GGUF file
-    gives) is as eligible for replay as a bf16 one: its layers carry no hooks and their packed
-    weights and scales are part of the weights' key. The real capture of these forwards is checked
-    on a GPU (tests/gpu/test_gpu_fp8.py::test_quantised_text_encoder_graph_replay)."""
+    gives) is as eligible for replay as a bf16 one: its layers carry no hooks, and their packed
+    weights and scales are part of the weights' key (each one replaced at a new address is recorded
+    again, never replayed from the old memory). The real capture of these forwards is checked on a
+    GPU (tests/gpu/test_gpu_fp8.py::test_quantised_text_encoder_graph_replay)."""
     from safetensors.torch import save_file
 
     from klein_core.quant.fp8 import fp8_layers
@@ -266,12 +267,20 @@ def test_quantised_encoders_replay_their_forward(cpu_graphs, tmp_path, quantize)
     ids, mask = tokens()
     other_ids, other_mask = tokens(("an old boat", "rain on a window"))
     plain, plain_other = te.encode(ids, mask), te.encode(other_ids, other_mask)
+    layer = te.get_submodule(list((fp8_layers if quantize == "fp8" else ggml_layers)(te))[0])
+    packed = {"fp8": ("_parameters", "weight"), "q8": ("_buffers", "qweight")}[quantize]
     with _graphed(te) as forward:
         with torch.no_grad():  # as encode calls it
             assert forward.ineligible(ids, mask, None, False) is None
         assert torch.equal(te.encode(ids, mask), plain)
         assert torch.equal(te.encode(other_ids, other_mask), plain_other)
-    assert (forward.captures, forward.replays) == (1, 2)
+        assert (forward.captures, forward.replays) == (1, 2)
+        replaced = [packed, ("_buffers", "weight_scale")] if quantize == "fp8" else [packed]
+        for captures, (table, name) in enumerate(replaced, start=2):
+            held = getattr(layer, table)
+            held[name] = held[name].clone()  # the same values at a new address
+            assert torch.equal(te.encode(ids, mask), plain)
+            assert forward.captures == captures, name  # recorded again, not replayed from the old memory
 
 
 def test_the_default_speed_on_the_cpu_is_exactly_the_plain_path():
