@@ -267,7 +267,7 @@ def test_quantised_encoders_replay_their_forward(cpu_graphs, tmp_path, quantize)
     ids, mask = tokens()
     other_ids, other_mask = tokens(("an old boat", "rain on a window"))
     plain, plain_other = te.encode(ids, mask), te.encode(other_ids, other_mask)
-    layer = te.get_submodule(list((fp8_layers if quantize == "fp8" else ggml_layers)(te))[0])
+    layer = te.get_submodule(next(iter((fp8_layers if quantize == "fp8" else ggml_layers)(te))))
     packed = {"fp8": ("_parameters", "weight"), "q8": ("_buffers", "qweight")}[quantize]
     with _graphed(te) as forward:
         with torch.no_grad():  # as encode calls it
