@@ -9,6 +9,10 @@ bounce buffer, synchronously. Measured on the CPU machine of the twentieth sessi
 that are reused, and queues each slice's copy to the device at once; a slot is refilled only after
 its previous copy has finished (a CUDA event), so reading the next slice overlaps the copy of the
 last. The device tensor owns its memory, as before: a file changed on disk cannot change it.
+(:func:`klein_core.transfer.to_device` stages a tensor that is already in memory; here the file is
+read straight into the page-locked slot, and a fixed pair of slots bounds the locked memory to
+128 MiB whatever the read and copy speeds, where fresh page-locked blocks from torch's caching
+allocator would grow with any backlog of copies.)
 
 :func:`reading_through` makes :meth:`klein_core.files.safetensors.SafetensorsFile.read` use a
 stager for the reads inside it (a context variable: the key-mapping views over a file need not
