@@ -3,7 +3,9 @@
 The stager's CUDA parts (page-locked slots, copies queued without waiting, an event per slot) run
 on a GPU only (tests/gpu/test_gpu_pipeline.py::test_device_loads_equal_the_cpu_load); here the CPU
 stands in for the device, with slots small enough that every tensor crosses several of them at odd
-offsets, so the slicing and the order of the reads are checked byte for byte.
+offsets, so the slicing and the order of the reads are checked byte for byte. A stand-in device
+whose copies run only when waited for (:class:`LateCopies`) checks the waits: no slot is read into
+again while its copy may still be queued.
 """
 
 from __future__ import annotations
@@ -144,3 +146,58 @@ def test_a_gguf_load_reads_its_blocks_through_the_stager(tmp_path, monkeypatch):
     assert stagers[0].bytes_read == sum(st.nbytes for st, _ in _scan(path)[0].values())
     a, b = plain.state_dict(), staged.state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+class LateCopies(DeviceStager):
+    """A device whose copies run only when waited for, as a GPU's may run long after they are
+    queued: a slot read into again before its copy has run would give that copy the new bytes."""
+
+    def __init__(self, slot_bytes: int, slots: int) -> None:
+        super().__init__(torch.device("cpu"), slot_bytes=slot_bytes, slots=slots)
+        self.queued: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.ran = 0  # the copies run so far, in the order queued (one stream)
+        self.most_pending = 0
+
+    def _queue_copy(self, dst, src):
+        self.queued.append((dst, src))
+        self.most_pending = max(self.most_pending, len(self.queued) - self.ran)
+        return len(self.queued)  # waiting for it runs every copy queued up to it, as a CUDA event does
+
+    def _wait(self, token):
+        for dst, src in self.queued[self.ran:token]:
+            dst.copy_(src)
+        self.ran = max(self.ran, token)
+
+    def _wait_all(self):
+        LateCopies._wait(self, len(self.queued))
+
+
+class RefillsEarly(LateCopies):
+    """The bug the stager guards against (the control): never waits before reading into a slot."""
+
+    def _wait(self, token):
+        pass
+
+
+@pytest.mark.parametrize("slot_bytes, slots", [(1000, 2), (4096, 1), (333, 3)])
+def test_no_slot_is_refilled_before_its_copy_has_run(tmp_path, slot_bytes, slots):
+    """With copies that run late (a GPU's), every tensor read through the stager still has the
+    stored bytes once the stager has finished; the same reads that refill a slot without waiting
+    (the control) give other bytes, so the check can fail."""
+    f = open_safetensors(_file(tmp_path))
+    big = [k for k, i in f.tensors.items() if i.nbytes > 2 * slot_bytes]
+    assert big  # tensors spanning several slots: slots are reused within one tensor
+    results = {}
+    for cls in (LateCopies, RefillsEarly):
+        stager = cls(slot_bytes, slots)
+        with reading_through(stager):
+            staged = {k: f.read(k) for k in f.tensors}
+        assert stager.ran < len(stager.queued)  # copies still pending when the reads returned
+        stager.finish()
+        assert stager.ran == len(stager.queued) and stager.most_pending >= slots
+        results[cls] = staged
+    plain = {k: f.read(k) for k in f.tensors}
+    same = {cls: [k for k in plain if torch.equal(r[k].view(torch.uint8), plain[k].view(torch.uint8))]
+            for cls, r in results.items()}
+    assert same[LateCopies] == list(plain)
+    assert not set(big) <= set(same[RefillsEarly])

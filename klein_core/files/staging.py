@@ -65,7 +65,7 @@ class DeviceStager:
         self.cuda = device.type == "cuda"
         self.slot_bytes = slot_bytes
         self._slots = [torch.empty(slot_bytes, dtype=torch.uint8, pin_memory=self.cuda) for _ in range(slots)]
-        self._done: list[torch.cuda.Event | None] = [None] * slots
+        self._done: list[object | None] = [None] * slots  # per slot: its last copy, until waited for
         self._next = 0
         self.bytes_read = 0
 
@@ -77,18 +77,15 @@ class DeviceStager:
         while done < nbytes:
             i = self._next
             self._next = (i + 1) % len(self._slots)
-            event = self._done[i]
-            if event is not None:
-                event.synchronize()  # the slot's previous copy has read it
+            token = self._done[i]
+            if token is not None:
+                self._wait(token)  # the slot's previous copy has read it: it may be refilled
+                self._done[i] = None
             n = min(self.slot_bytes, nbytes - done)
             slot = self._slots[i]
             got = read_full(fh, memoryview(slot.numpy())[:n])
             if got:
-                out[done : done + got].copy_(slot[:got], non_blocking=self.cuda)
-                if self.cuda:
-                    event = torch.cuda.Event()
-                    event.record(torch.cuda.current_stream(self.device))
-                    self._done[i] = event
+                self._done[i] = self._queue_copy(out[done : done + got], slot[:got])
             done += got
             if got < n:
                 break
@@ -97,9 +94,29 @@ class DeviceStager:
 
     def finish(self) -> None:
         """Wait for every queued copy: the tensors are complete and the slots free."""
+        self._wait_all()
+        self._done = [None] * len(self._slots)
+
+    # The three steps that differ on a GPU, apart so that the tests can stand in a device whose
+    # copies run late (tests/test_staging.py) and check that no slot is refilled too early.
+    def _queue_copy(self, dst: torch.Tensor, src: torch.Tensor) -> object | None:
+        """Queue ``dst.copy_(src)`` (``src`` a slot); returns what :meth:`_wait` takes to know
+        that the copy has run (None: it has run already, as on the CPU)."""
+        dst.copy_(src, non_blocking=self.cuda)
+        if not self.cuda:
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def _wait(self, token: object) -> None:
+        """Return once the copy that gave ``token`` has run."""
+        token.synchronize()  # type: ignore[attr-defined]  # a torch.cuda.Event
+
+    def _wait_all(self) -> None:
+        """Return once every copy queued so far has run."""
         if self.cuda:
             torch.cuda.current_stream(self.device).synchronize()
-        self._done = [None] * len(self._slots)
 
 
 def active_stager() -> DeviceStager | None:

@@ -319,10 +319,18 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "staged-read-slice-at-the-wrong-offset", "klein_core/files/staging.py",
-        "out[done : done + got].copy_(slot[:got], non_blocking=self.cuda)",
-        "out[:got].copy_(slot[:got], non_blocking=self.cuda)",
+        "self._queue_copy(out[done : done + got], slot[:got])",
+        "self._queue_copy(out[:got], slot[:got])",
         ("tests/test_staging.py::test_reads_through_slots_give_the_stored_bytes",
          "tests/test_staging.py::test_a_load_reads_its_plain_weights_through_the_stager"),
         "a tensor larger than one slot loads with every slice written over its first bytes: garbage weights",
+    ),
+    Mutant(
+        "staged-slot-refilled-before-its-copy-ran", "klein_core/files/staging.py",
+        "                self._wait(token)  # the slot's previous copy has read it: it may be refilled\n",
+        "",
+        ("tests/test_staging.py::test_no_slot_is_refilled_before_its_copy_has_run",),
+        "on a GPU a slot's copy may still be queued when the next slice is read into it: weights silently "
+        "mixed from two slices",
     ),
 )
