@@ -32,6 +32,15 @@ def test_kernels_blocks_rows_cover_every_variant():
         assert r["max_abs_diff_vs_plain"] == 0.0
     assert "elementwise=plain" in rows[-1]["described"]["cpu torch.float32"]
 
+    class Resolved:  # what the fast ops of a GPU say: the kernel was resolved before the row switched it off
+        @staticmethod
+        def resolved():
+            return {"cuda:0 torch.bfloat16": "attention=sdpa_cudnn, swiglu=triton, compile=False"}
+
+    assert kernels._described(Resolved, swiglu_plain=True) == {
+        "cuda:0 torch.bfloat16": "attention=sdpa_cudnn, swiglu=plain, compile=False"}
+    assert kernels._described(Resolved, swiglu_plain=False) == Resolved.resolved()
+
 
 def test_profile_run_reports_stages_and_host_profile(tmp_path):
     out = tmp_path / "p.json"

@@ -97,8 +97,9 @@ def _refused(path, layer_names: list[str], *why: str) -> str:
     return msg
 
 
-def test_the_hard_case_shapes_agree_and_a_misread_is_silently_wrong():
-    """Why the shape check cannot help here, and what reading the wrong layout would cost."""
+def test_the_hard_case_shapes_agree_and_a_misread_is_silently_wrong(parity):
+    """Why the shape check cannot help here, and what reading the wrong layout would cost: the
+    weight read in the wrong layout is unrelated to the stored one (relative L2 about sqrt(2))."""
     model = _model()
     for layer in block_linear_names(model):
         out_f, in_f = model.get_submodule(layer).weight.shape
@@ -110,6 +111,9 @@ def test_the_hard_case_shapes_agree_and_a_misread_is_silently_wrong():
     mq, mbs = _as_modelopt(q, bs)
     misread = nvfp4.dequantize(mq, mbs, pts, tuple(w.shape))  # what the loader did before #28
     assert misread.shape == exact.shape and not torch.equal(misread, exact)
+    rel = parity("NVFP4 ModelOpt scales read as ComfyUI's: relative L2 of the weight",
+                 ((misread - exact).norm() / exact.norm()).item())
+    assert rel > 1.0  # not a small error: every block scale lands on the wrong block
     # the ModelOpt data holds the same weight: nibbles swapped back and scales swizzled, it is exact again
     swapped = ((mq << 4) | (mq >> 4)).to(torch.uint8)
     assert torch.equal(nvfp4.dequantize(swapped, nvfp4.swizzle(mbs), pts, tuple(w.shape)), exact)
