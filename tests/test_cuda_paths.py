@@ -198,6 +198,31 @@ def test_out_of_memory_frees_the_failed_frames_before_emptying_the_cache(monkeyp
             raise kc.KleinOutOfMemory("refused before running: too big")
 
 
+@pytest.mark.parametrize("device, error, where, offload", [
+    ("cuda", torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), "GPU", True),
+    ("cuda", RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate "
+                          "memory: you tried to allocate 100000000000000 bytes. Error code 12"), "CPU", False),
+    ("cuda", RuntimeError("DefaultCPUAllocator: not enough memory: you tried to allocate 8 bytes."), "CPU", False),
+    ("mps", RuntimeError("MPS backend out of memory (MPS allocated: 9 GB). Tried to allocate 2 GB"), "MPS", True),
+    ("cpu", RuntimeError("DefaultCPUAllocator: can't allocate memory"), "CPU", True),
+])
+def test_out_of_memory_names_the_memory_that_ran_out(device, error, where, offload):
+    """Host memory running out while the engine runs on a GPU (a batch prepared on the host) is
+    named as CPU memory, and its advice is not to offload more to the CPU (which would take more of
+    it); the GPU's own out-of-memory keeps the offloading advice."""
+    import klein_core as kc
+    from klein_core.pipeline import oom
+
+    with pytest.raises(kc.KleinOutOfMemory) as err:
+        with oom.explain_oom("preparing the batch", torch.device(device), 1024, 1024, 2, 0):
+            raise error
+    msg = str(err.value)
+    assert msg.startswith(f"Out of {where} memory while preparing the batch"), msg
+    assert "a smaller batch (now 2 images" in msg
+    assert ("offload the text encoder or transformer blocks" in msg) == offload, msg
+    assert ("more free CPU memory" in msg) == (not offload), msg
+
+
 # ----- a component already on the GPU is not streamed ---------------------------------------------------
 
 

@@ -22,6 +22,20 @@ def is_out_of_memory(exc: BaseException) -> bool:
         s in text for s in ("can't allocate memory", "not enough memory", "MPS backend out of memory"))
 
 
+# The CPU allocator's words (Linux/macOS, then Windows): the host ran out, whatever the device.
+_HOST_WORDS = ("can't allocate memory", "not enough memory", "DefaultCPUAllocator")
+
+
+def memory_ran_out(exc: BaseException, device: torch.device) -> str:
+    """Which memory ``exc`` (:func:`is_out_of_memory`) says ran out: "CPU" for the host's allocator
+    (also while running on a GPU: a batch prepared on the host, pinned copies), else the device's
+    ("GPU" for CUDA)."""
+    text = str(exc)
+    if not isinstance(exc, torch.OutOfMemoryError) and "MPS" not in text and any(s in text for s in _HOST_WORDS):
+        return "CPU"
+    return "GPU" if device.type == "cuda" else device.type.upper()
+
+
 def release_failed_attempt(exc: BaseException, device: torch.device) -> None:
     """Free what a computation that raised ``exc`` still holds, then return the cached blocks.
 
@@ -46,6 +60,7 @@ def explain_oom(stage: str, device: torch.device, w: int | None = None, h: int |
     except RuntimeError as exc:
         if not is_out_of_memory(exc) or isinstance(exc, KleinOutOfMemory):  # already explained (a refusal)
             raise
+        where = memory_ran_out(exc, device)
         release_failed_attempt(exc, device)
         del exc
         hints = [f"a lower resolution than {w}x{h}"] if w and h else []
@@ -53,11 +68,15 @@ def explain_oom(stage: str, device: torch.device, w: int | None = None, h: int |
             hints.append(f"a smaller batch (now {batch} images per step including CFG)")
         if n_refs:
             hints.append(f"fewer or smaller references (now {n_refs})")
-        hints.append("a lower-memory mode (offload the text encoder or transformer blocks, tiled VAE)")
-        where = "GPU" if device.type == "cuda" else device.type.upper()
+        if where == "CPU" and device.type != "cpu":
+            # Offloading would make it worse: the offloading modes keep the weights in CPU memory.
+            hints.append("more free CPU memory (close other programs; the memory modes that offload to the "
+                         "CPU, swap, blocks and minimum, keep the weights there)")
+        else:
+            hints.append("a lower-memory mode (offload the text encoder or transformer blocks, tiled VAE)")
         raise KleinOutOfMemory(
             f"Out of {where} memory while {stage}; the memory was released. Try " + ", or ".join(hints) + "."
         ) from None
 
 
-__all__ = ["explain_oom", "is_out_of_memory", "release_failed_attempt"]
+__all__ = ["explain_oom", "is_out_of_memory", "memory_ran_out", "release_failed_attempt"]
