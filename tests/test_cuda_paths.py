@@ -213,9 +213,9 @@ def test_out_of_memory_names_the_memory_that_ran_out(device, error, where, offlo
     import klein_core as kc
     from klein_core.pipeline import oom
 
-    with pytest.raises(kc.KleinOutOfMemory) as err:
-        with oom.explain_oom("preparing the batch", torch.device(device), 1024, 1024, 2, 0):
-            raise error
+    with pytest.raises(kc.KleinOutOfMemory) as err, \
+            oom.explain_oom("preparing the batch", torch.device(device), 1024, 1024, 2, 0):
+        raise error
     msg = str(err.value)
     assert msg.startswith(f"Out of {where} memory while preparing the batch"), msg
     assert "a smaller batch (now 2 images" in msg
