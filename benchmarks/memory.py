@@ -54,7 +54,7 @@ from klein_core import testing as demo  # noqa: E402
 from klein_core.accel.speed import DEFAULT_SPEED, SPEEDS, apply_speed, describe_speed  # noqa: E402
 from klein_core.accel.text_graph import release_text_graphs  # noqa: E402
 from klein_core.errors import KleinOutOfMemory  # noqa: E402
-from klein_core.memory.placement import on_device, pin_memory_  # noqa: E402
+from klein_core.memory.placement import module_bytes, on_device, pin_memory_  # noqa: E402
 from klein_core.memory.planner import (  # noqa: E402
     MODES,
     MemoryPlan,
@@ -265,6 +265,15 @@ def placed(components: dict[str, nn.Module], plan: MemoryPlan, device: torch.dev
                 release_text_graphs(components[name])
 
 
+def _locked_bytes() -> int | None:
+    """Page-locked CPU memory torch's allocator holds in this process (None where torch does not say)."""
+    stats = getattr(torch.cuda, "host_memory_stats", None)
+    try:
+        return stats().get("allocated_bytes.current") if stats is not None and torch.cuda.is_available() else None
+    except RuntimeError:
+        return None
+
+
 def _home(components: dict[str, nn.Module]) -> None:
     """Every component back to (pinned) CPU memory: each mode starts from the same state."""
     for m in components.values():
@@ -322,6 +331,9 @@ def _measure(args: argparse.Namespace, device: torch.device, dtype: torch.dtype,
             comps = {"text_encoder": te, "transformer": tr, "vae": vae}
             sizes = ModelSizes.from_modules(tr, te, vae)
             _home(comps)
+            # the components' CPU homes, page-locked (packed into chunks since the twenty-first session)
+            env.setdefault("pinned_homes", {})[f"{model} {precision}"] = {
+                "weights_bytes": sum(module_bytes(m) for m in comps.values()), "locked_bytes": _locked_bytes()}
             for case in args.cases:
                 req = _tiny_request(CASES[case]) if model == "tiny" else CASES[case]
                 est = estimate(req, sizes)
@@ -353,6 +365,7 @@ def _measure(args: argparse.Namespace, device: torch.device, dtype: torch.dtype,
                         _home(comps)
                     if row.get("peak_total"):
                         row["estimate_over_measured"] = plan.peak_bytes / row["peak_total"]
+                    row["host_locked_bytes"] = _locked_bytes()  # streamed blocks' homes included
                     case_rows.append(row)
                     results.append(row)
                     _time_ratios(case_rows)  # known as soon as the reference ran: printed with the row

@@ -26,6 +26,7 @@ from typing_extensions import Self
 
 from ..pipeline.request import indexed_device
 from ..quant.fp8 import holds_float8, is_fp8
+from . import pinned
 
 logger = logging.getLogger(__name__)
 
@@ -106,16 +107,29 @@ def _pinnable() -> bool:
 def pin_memory_(module: nn.Module) -> nn.Module:
     """Move ``module``'s tensors to pinned (page-locked) CPU memory, in place.
 
-    Pinned memory lets host-to-device copies run asynchronously at full PCIe speed. Without CUDA
-    the tensors are just moved to the CPU.
+    Pinned memory lets host-to-device copies run asynchronously at full PCIe speed. The tensors
+    are packed into a few page-locked chunks (:mod:`klein_core.memory.pinned`), within the share
+    of the machine's memory that may be locked; beyond it they stay in ordinary CPU memory (said
+    once). Without CUDA the tensors are just moved to the CPU.
     """
-    pin = _pinnable()
-    for slot in _slots(module):
-        t = slot.home.to("cpu")
-        if pin and not t.is_pinned():
-            t = t.pin_memory()
-        _set(slot, t)
+    slots = _slots(module)
+    for slot in slots:
+        slot.home = slot.home.to("cpu")
+        _set(slot, slot.home)
+    _pin_homes(slots, type(module).__name__)
     return module
+
+
+def _pin_homes(slots: Sequence[_Slot], what: str) -> None:
+    """Each slot's CPU home replaced by its page-locked copy (:func:`~klein_core.memory.pinned.pin_tensors`),
+    where there is one; nothing without CUDA."""
+    if not _pinnable():
+        return
+    copies, _ = pinned.pin_tensors([s.home for s in slots], budget=pinned.pin_budget(), what=what)
+    for slot, copy in zip(slots, copies):
+        if copy is not None:
+            slot.home = copy
+            _set(slot, copy)
 
 
 @contextlib.contextmanager
@@ -218,7 +232,6 @@ class BlockOffloader:
             return self
         self._attached = True
         in_blocks = {(id(s.owner), s.name) for slots in self._slots for s in slots}
-        pin = _pinnable()
         # Non-block weights are on the device while attached; their own tensors come back at
         # detach, so an offloaded model leaves nothing behind on the device.
         self._resident = [s for s in _slots(self.model) if (id(s.owner), s.name) not in in_blocks]
@@ -227,11 +240,10 @@ class BlockOffloader:
                 _set(slot, slot.home.to(self.device, copy=True))
         for slots in self._slots:
             for s in slots:
-                home = s.home.to("cpu")
-                if pin and not home.is_pinned():
-                    home = home.pin_memory()
-                s.home = home
-                _set(s, home)
+                s.home = s.home.to("cpu")
+                _set(s, s.home)
+        # All blocks at once: packed together, they waste least of the page-locked chunks.
+        _pin_homes([s for slots in self._slots for s in slots], f"{type(self.model).__name__} blocks")
         if self.device.type == "cuda":
             self._stream = torch.cuda.Stream(self.device)
         for i, block in enumerate(self.blocks if hooks else ()):

@@ -87,6 +87,31 @@ def test_block_offloader_on_the_device(gpu, prefetch, parity):
     assert all(p.device.type == "cpu" for p in model.parameters())
 
 
+def test_streamed_blocks_are_packed_in_page_locked_chunks(gpu):
+    """Streaming pins the blocks' CPU homes packed into a few page-locked chunks
+    (klein_core.memory.pinned): every block weight is page-locked, they share the planned chunks, and
+    torch's page-locked allocator holds no more than those chunks for them (not one power of two per
+    weight). On the CPU nothing is page-locked."""
+    from klein_core.memory.pinned import plan_chunks
+    from klein_core.memory.placement import find_block_lists
+
+    model = load_small(gpu, device="cpu")[0]
+    weights = [t for lst in find_block_lists(model) for b in lst for t in [*b.parameters(), *b.buffers()]]
+    chunks = plan_chunks([t.nbytes for t in weights if t.numel()])
+    stats = getattr(torch.cuda, "host_memory_stats", None) if not gpu.cpu else None
+    before = stats().get("allocated_bytes.current") if stats else None
+    BlockOffloader(model, gpu.device).attach().detach()
+    weights = [t for lst in find_block_lists(model) for b in lst for t in [*b.parameters(), *b.buffers()]]
+    if gpu.cpu:
+        assert not any(t.is_pinned() for t in weights)
+        return
+    assert all(t.is_pinned() for t in weights if t.numel())
+    assert len({t.untyped_storage().data_ptr() for t in weights if t.numel()}) == len(chunks)
+    if before is not None:
+        grew = stats()["allocated_bytes.current"] - before
+        assert grew <= sum(size for size, _ in chunks), (grew, chunks)
+
+
 # ---------------------------------------------------------------------------------------------
 # Full size
 

@@ -333,4 +333,13 @@ MUTANTS: tuple[Mutant, ...] = (
         "on a GPU a slot's copy may still be queued when the next slice is read into it: weights silently "
         "mixed from two slices",
     ),
+    Mutant(
+        "pinned-chunk-offsets-overlap", "klein_core/memory/pinned.py",
+        "                b[2].append((i, b[1]))\n                b[1] += need\n",
+        "                b[2].append((i, b[1]))\n",
+        ("tests/test_pinned.py::test_streamed_blocks_live_in_packed_page_locked_chunks",
+         "tests/test_pinned.py::test_chunks_hold_every_tensor_apart"),
+        "streamed blocks' weights packed over one another in their page-locked chunk: every block computes "
+        "with the last weight written there",
+    ),
 )
