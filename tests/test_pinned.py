@@ -10,6 +10,7 @@ memory as Linux and a container's cgroup say it. The real allocations run in the
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import sys
@@ -19,6 +20,7 @@ import torch
 
 from klein_core import testing as demo
 from klein_core.memory import host, pinned, placement
+from klein_core.memory import placement as placement_mod
 from klein_core.memory.pinned import ALIGN, CHUNK_BYTES, next_pow2, pin_budget, plan_chunks
 from klein_core.memory.placement import BlockOffloader, find_block_lists, pin_memory_
 from klein_core.models.transformer import Flux2Transformer
@@ -210,3 +212,35 @@ def test_ram_total_reads_the_machine_and_its_cgroup(tmp_path, cgroup, files, wan
 def test_ram_total_here_is_the_machine_or_less():
     total = host.ram_total()
     assert total is None or 0 < total <= (1 << 50)
+
+
+@pytest.mark.parametrize("placement", ["staged", "resident"])
+def test_a_component_copied_in_per_stage_is_page_locked_first(monkeypatch, placement):
+    """On CUDA a component held on the CPU and copied in for its stage (swap; resident elsewhere) has
+    its CPU tensors page-locked before the copy, once, in place (the values unchanged); the copy
+    itself is on_device's (stood in here: the CPU cannot copy to CUDA)."""
+    vae = demo.tiny_vae(seed=3)
+    state = {k: v.clone() for k, v in vae.state_dict().items()}
+    stand_in = StandIn(monkeypatch)
+    seen = []
+
+    @contextlib.contextmanager
+    def copied_in(module, device, **kw):
+        seen.append((device, all(stand_in.holds(t) for t in module.state_dict().values() if t.numel())))
+        yield module
+
+    monkeypatch.setattr(placement_mod, "on_device", copied_in)
+    placer = placement_mod.StagePlacer(torch.device("cuda", 0), {"vae": vae}, {"vae": placement})
+    for _ in range(2):
+        with placer.stage("vae") as m:
+            assert m is vae
+    assert seen == [(torch.device("cuda", 0), True)] * 2
+    n = len(stand_in.chunks)
+    assert n and all(torch.equal(v, state[k]) for k, v in vae.state_dict().items())
+    with placer.stage("vae"):
+        pass
+    assert len(stand_in.chunks) == n  # page-locked once
+    cpu = placement_mod.StagePlacer(torch.device("cpu"), {"vae": demo.tiny_vae(seed=3)}, {"vae": placement})
+    with cpu.stage("vae"):
+        pass
+    assert len(stand_in.chunks) == n  # on the CPU nothing is

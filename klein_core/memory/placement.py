@@ -389,7 +389,8 @@ class StagePlacer:
     ``placements`` maps them to ``"resident"`` (already on ``device``: run in place; elsewhere:
     copied in for the stage like ``"staged"``), ``"staged"`` (on ``device`` only inside
     :meth:`stage`) or ``"blocks"`` (blocks streamed inside :meth:`stage`). Modules are never moved
-    for good. Offloaded modules should live on the CPU (pinned: :func:`pin_memory_`).
+    for good. Offloaded modules live on the CPU; on CUDA their tensors are page-locked at their first
+    stage (:func:`pin_memory_`'s packing, within its bound), in place.
 
     ``with placer.stage("transformer") as model: ...`` runs a stage.
     """
@@ -427,7 +428,11 @@ class StagePlacer:
             yield module
         elif placement in ("resident", "staged"):
             # A resident component that lives elsewhere is copied in for the stage, never moved for
-            # good: the caller's module keeps its own tensors and device.
+            # good: the caller's module keeps its device. Its CPU tensors are page-locked first (once,
+            # as streamed blocks are): a copy from ordinary memory runs synchronously through the
+            # driver's bounce buffer, at a fraction of the bus's speed, every stage.
+            if self.device.type == "cuda":
+                _pin_homes(_slots(module), f"{type(module).__name__} (copied in per stage)")
             with on_device(module, self.device):
                 yield module
         elif here and self.device.type != "cpu":
