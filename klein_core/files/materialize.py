@@ -8,6 +8,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from ..memory import host
 from ..quant.fp8 import float8_refused, holds_float8, is_fp8
 from . import fp8 as fp8_files
 from . import gguf as gguf_files
@@ -72,6 +73,8 @@ def materialize(
     gguf_files.swap_to_ggml_(module, ggml, dtype)
     nv = nvfp4_files.plan_nvfp4(module, plan.ops, src, quantize)
     nvfp4_files.swap_to_nvfp4_(module, nv, src, plan.ops, dtype)
+    if device.type == "cpu":  # Linux ends a process that takes more than memory and swap: say so first
+        _warn_if_short_of_ram(module, plan, src, component, dtype, keep_fp32, fp8, nv, ggml)
     state: dict[str, torch.Tensor] = {}
     with device_stager(device) as stager:  # CUDA: the plain weights read through page-locked buffers
         _fill(state, module, plan, src, device, dtype, keep_fp32, fp8, nv, ggml, stager)
@@ -142,6 +145,19 @@ def _fill(state: dict[str, torch.Tensor], module: nn.Module, plan: KeyMap, src: 
         else:
             t = t.to(device=device)
         state[name] = t.contiguous()
+
+
+def _warn_if_short_of_ram(module: nn.Module, plan: KeyMap, src: WeightSource, component: str, dtype: torch.dtype,
+                          keep_fp32: Callable[[str], bool], fp8: dict, nv: dict, ggml: dict) -> None:
+    """One warning before a CPU load that does not fit the CPU memory available (its bytes counted
+    as :func:`_fill` would make them, on the meta device: shapes only, nothing read)."""
+    shapes: dict[str, torch.Tensor] = {}
+    _fill(shapes, module, plan, src, torch.device("meta"), dtype, keep_fp32, fp8, nv, ggml, None)
+    nbytes = sum(t.nbytes for t in shapes.values())
+    short = host.shortfall(nbytes)
+    if short is not None:
+        logger.warning("%s: loading %s into CPU memory: %s. Close other programs, unload other models, or use "
+                       "a smaller file (fp8, or a GGUF quantisation).", component, src.name, short)
 
 
 def _dominant_float_dtype(plan: KeyMap, src: WeightSource) -> torch.dtype:
