@@ -72,47 +72,50 @@ def _meminfo(root: Path) -> dict[str, int]:
     return out
 
 
-def _cgroup_room(root: Path) -> tuple[int, int | None] | None:
-    """Within the process's cgroup (v2, else v1) with a memory limit: the bytes it may still take
-    (its reclaimable file cache counted as free, as the kernel would reclaim it) and the swap it
-    may still use (None: no limit of its own). None without a limited cgroup."""
-    for base, limit_name, usage_name, stat_name, file_key in (
-            (Path("sys/fs/cgroup"), "memory.max", "memory.current", "memory.stat", "inactive_file"),
-            (Path("sys/fs/cgroup/memory"), "memory.limit_in_bytes", "memory.usage_in_bytes", "memory.stat",
-             "total_inactive_file")):
-        folder = _own_cgroup(root, base, v2=limit_name == "memory.max")
-        if folder is None:
-            continue
-        limit = _read_limit(folder / limit_name)
-        usage = _read_limit(folder / usage_name)
-        if limit is None or usage is None:
-            continue
-        stat = _stat(folder / stat_name)
-        room = max(0, limit - usage + stat.get(file_key, 0))
-        swap = None
-        swap_max = _read_limit(folder / "memory.swap.max") if limit_name == "memory.max" else None
-        if swap_max is not None:
-            swap = max(0, swap_max - (_read_limit(folder / "memory.swap.current") or 0))
-        elif limit_name == "memory.max" and (folder / "memory.swap.max").exists() and \
-                (folder / "memory.swap.max").read_text().strip() == "0":
-            swap = 0
-        return room, swap
-    return None
+# Per cgroup version: the mount under /sys/fs/cgroup, and its files for the limit, the usage, the
+# statistics and the reclaimable file cache's entry in them.
+_CGROUPS = {"v2": ("", "memory.max", "memory.current", "inactive_file"),
+            "v1": ("memory", "memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")}
 
 
-def _own_cgroup(root: Path, base: Path, *, v2: bool) -> Path | None:
-    """The folder of the process's own cgroup under ``base`` (v2: the unified hierarchy; v1: the
-    memory controller's), if it exists."""
+def _cgroup_folders(root: Path) -> list[tuple[str, list[Path]]]:
+    """For each memory cgroup hierarchy of the process (v2, v1): its own folder, then its parents
+    up to the mount. Inside a container the cgroup namespace usually makes the container's cgroup
+    the mount's top folder, and the path says "/"."""
     try:
         lines = (root / "proc" / "self" / "cgroup").read_text().splitlines()
     except OSError:
-        return None
+        return []
+    out = []
     for line in lines:
         hierarchy, _, rest = line.partition(":")
         controllers, _, path = rest.partition(":")
-        if (v2 and hierarchy == "0" and controllers == "") or (not v2 and "memory" in controllers.split(",")):
-            folder = root / base / path.strip("/")
-            return folder if folder.is_dir() else (root / base if (root / base).is_dir() else None)
+        version = "v2" if hierarchy == "0" and controllers == "" else \
+            "v1" if "memory" in controllers.split(",") else None
+        if version is None:
+            continue
+        mount = root / "sys" / "fs" / "cgroup" / _CGROUPS[version][0]
+        parts = [p for p in path.strip("/").split("/") if p]
+        out.append((version, [mount.joinpath(*parts[:depth]) for depth in range(len(parts), -1, -1)]))
+    return out
+
+
+def _cgroup_room(root: Path) -> tuple[int, int | None] | None:
+    """In the nearest cgroup with a memory limit: the bytes it may still take (its reclaimable file
+    cache counted as free, as the kernel would reclaim it) and the swap it may still use (None: no
+    bound of its own). None without a limited cgroup."""
+    for version, folders in _cgroup_folders(root):
+        _, limit_name, usage_name, file_key = _CGROUPS[version]
+        for folder in folders:
+            limit, usage = _read_limit(folder / limit_name), _read_limit(folder / usage_name)
+            if limit is None or usage is None:
+                continue
+            room = max(0, limit - usage + _stat(folder / "memory.stat").get(file_key, 0))
+            swap = None
+            swap_max = _read_int(folder / "memory.swap.max") if version == "v2" else None
+            if swap_max is not None:  # "max" (no bound of its own) reads as None
+                swap = max(0, swap_max - (_read_int(folder / "memory.swap.current") or 0))
+            return room, swap
     return None
 
 
@@ -163,44 +166,24 @@ def _meminfo_total(root: Path) -> int | None:
 
 
 def _cgroup_limit(root: Path) -> int | None:
-    """The lowest memory limit of the process's cgroup and its parents (v2), or of its v1 memory
-    cgroup; None if there is none."""
-    try:
-        lines = (root / "proc" / "self" / "cgroup").read_text().splitlines()
-    except OSError:
-        return None
-    limits = []
-    for line in lines:
-        hierarchy, _, rest = line.partition(":")
-        controllers, _, path = rest.partition(":")
-        if hierarchy == "0" and controllers == "":  # cgroup v2: one unified hierarchy
-            base, name = root / "sys" / "fs" / "cgroup", "memory.max"
-        elif "memory" in controllers.split(","):  # cgroup v1
-            base, name = root / "sys" / "fs" / "cgroup" / "memory", "memory.limit_in_bytes"
-        else:
-            continue
-        parts = [p for p in path.strip("/").split("/") if p]
-        # Inside a container the cgroup namespace usually makes the container's cgroup the root of
-        # what is mounted, and the path says "/": the limit is then in the mount's top folder.
-        for depth in range(len(parts), -1, -1):
-            limit = _read_limit(base.joinpath(*parts[:depth]) / name)
-            if limit is not None:
-                limits.append(limit)
+    """The lowest memory limit of the process's cgroups and their parents; None if there is none."""
+    limits = [limit for version, folders in _cgroup_folders(root) for folder in folders
+              if (limit := _read_limit(folder / _CGROUPS[version][1])) is not None]
     return min(limits) if limits else None
 
 
+def _read_int(path: Path) -> int | None:
+    """The number in a cgroup file; None for "max", a missing file or anything else."""
+    try:
+        return int(path.read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
 def _read_limit(path: Path) -> int | None:
-    try:
-        text = path.read_text().strip()
-    except OSError:
-        return None
-    if text == "max":
-        return None
-    try:
-        value = int(text)
-    except ValueError:
-        return None
-    return value if 0 < value < _NO_LIMIT else None
+    """A cgroup limit or usage in bytes; None for none ("max", v1's huge number, 0, no file)."""
+    value = _read_int(path)
+    return value if value is not None and 0 < value < _NO_LIMIT else None
 
 
 __all__ = ["ram_available", "ram_total", "shortfall"]
