@@ -12,6 +12,7 @@ offload ours when another model needs the GPU. Where the weights live is klein_c
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import threading
@@ -25,6 +26,7 @@ import torch
 
 import klein_core as kc
 from klein_core.files.loaders import LOADERS, meta_model
+from klein_core.memory import pinned
 from klein_core.memory.placement import module_bytes
 from klein_core.pipeline.reference_kv import ReferenceKVCache
 
@@ -172,8 +174,12 @@ def release_all(reason: str = "ComfyUI unloaded all models") -> int:
         prompts.clear()
         kv.clear()
         host.release_native_vaes()
-    logger.info("Klein: released %d cached model(s) (%s): %s; cache empty", len(names),
-                ", ".join(names) or "none", reason)
+    # The models' page-locked CPU homes (streamed blocks, components copied in per stage) go back
+    # to torch's page-locked cache, still locked, until it is emptied.
+    gc.collect()
+    unlocked = pinned.release_cached()
+    logger.info("Klein: released %d cached model(s) (%s): %s; cache empty%s", len(names),
+                ", ".join(names) or "none", reason, "; page-locked CPU memory returned" if unlocked else "")
     return len(names)
 
 

@@ -230,9 +230,12 @@ def test_text_encoder_outputs_and_exact_embeddings(comfy):
     assert torch.equal(cond.positive, expected[:1]) and torch.equal(cond.negative, expected[1:])
 
 
-def test_text_encoder_is_cached_and_only_changed_texts_are_encoded(comfy):
+def test_text_encoder_is_cached_and_only_changed_texts_are_encoded(comfy, monkeypatch):
     cache = comfy.cache
+    unlocked = []
+    monkeypatch.setattr(cache.pinned, "release_cached", lambda: unlocked.append(1) or True)
     cache.release_all("test start")
+    assert unlocked == [1]  # the models' page-locked CPU memory goes back to the system too
     loads, misses = cache.loads["text_encoder"], cache.prompts.misses
     first = _encode(comfy, "a castle on a hill", "fog")
     assert cache.loads["text_encoder"] == loads + 1 and cache.prompts.misses == misses + 2

@@ -244,3 +244,21 @@ def test_a_component_copied_in_per_stage_is_page_locked_first(monkeypatch, place
     with cpu.stage("vae"):
         pass
     assert len(stand_in.chunks) == n  # on the CPU nothing is
+
+
+def test_release_cached_asks_torch_where_it_can(monkeypatch):
+    """A dropped model's page-locked chunks stay locked in torch's cache until it is emptied: the
+    public call where torch has it, the older private one otherwise, nothing without CUDA in use."""
+    calls = []
+    assert not pinned.release_cached()  # no CUDA here
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.accelerator, "empty_host_cache", lambda: calls.append("accelerator"), raising=False)
+    monkeypatch.setattr(torch._C, "_host_emptyCache", lambda: calls.append("private"), raising=False)
+    assert pinned.release_cached() and calls == ["accelerator"]
+    monkeypatch.setattr(torch.accelerator, "empty_host_cache", None)
+    assert pinned.release_cached() and calls == ["accelerator", "private"]
+    monkeypatch.setattr(torch._C, "_host_emptyCache", None)
+    assert not pinned.release_cached()
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)  # CUDA never used: nothing to give back
+    assert not pinned.release_cached()

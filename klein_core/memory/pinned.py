@@ -170,4 +170,20 @@ def pin_tensors(tensors: Sequence[torch.Tensor], *, budget: int | None = None,
     return out, PinReport(pinned, locked, left, reason)
 
 
-__all__ = ["ALIGN", "CHUNK_BYTES", "PinReport", "next_pow2", "pin_budget", "pin_tensors", "plan_chunks"]
+def release_cached() -> bool:
+    """Give back to the system the page-locked blocks torch's allocator keeps cached for reuse once
+    their tensors are gone (they stay locked until then: a dropped model's chunks too). True if
+    torch was asked (CUDA in use, and a torch that has the call: ``torch.accelerator.empty_host_cache``,
+    or ``torch._C._host_emptyCache`` before it)."""
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return False
+    empty = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None) or \
+        getattr(torch._C, "_host_emptyCache", None)
+    if empty is None:
+        return False
+    empty()
+    return True
+
+
+__all__ = ["ALIGN", "CHUNK_BYTES", "PinReport", "next_pow2", "pin_budget", "pin_tensors", "plan_chunks",
+           "release_cached"]
