@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from comfy_api.latest import ComfyExtension, io
 
-from . import cache
+from klein_core.memory import pinned
+
+from . import cache, host
 from .encode import KleinTextEncode
 from .inpaint import KleinInpaintCrop, KleinInpaintStitch
 from .loaders import KleinModelLoader
-from .native_model import KleinModelToMODEL
 from .lora import KleinLoraLoader
+from .native_model import KleinModelToMODEL
 from .references import KleinReferenceStacker
 from .sampler import KleinSampler
 from .train import KleinLoraTrainer
@@ -28,4 +30,5 @@ class KleinExtension(ComfyExtension):
 
 async def comfy_entrypoint() -> KleinExtension:
     cache.install_free_hook()  # POST /free (and ComfyUI's other "unload everything") releases our models
+    pinned.other_locked = host.comfy_pinned_bytes  # our page-locked memory and ComfyUI's share one bound
     return KleinExtension()

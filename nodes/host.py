@@ -160,6 +160,15 @@ def use_models(handles: list, memory_required: int = 0) -> None:
     _mm().load_models_gpu(list(handles), memory_required=int(memory_required), force_full_load=True)
 
 
+def comfy_pinned_bytes() -> int:
+    """Page-locked memory ComfyUI holds for its own models (registered with cudaHostRegister,
+    outside torch's allocator): ``comfy.model_management.TOTAL_PINNED_MEMORY``, 0 where absent."""
+    try:
+        return max(0, int(getattr(_mm(), "TOTAL_PINNED_MEMORY", 0) or 0))
+    except (TypeError, ValueError):
+        return 0
+
+
 def install_unload_hook(on_unload: Callable[[], object]) -> bool:
     """Call ``on_unload()`` whenever ComfyUI unloads all models (``POST /free``, OOM recovery,
     ``--disable-smart-memory``). Wraps ``comfy.model_management.unload_all_models`` once, chaining to

@@ -14,6 +14,7 @@ import gc
 import importlib.util
 import logging
 import shutil
+import sys
 import weakref
 from pathlib import Path
 from types import SimpleNamespace
@@ -228,6 +229,19 @@ def test_text_encoder_outputs_and_exact_embeddings(comfy):
     direct = kc.load_text_encoder(comfy.paths["qwen_4b"], dtype=torch.bfloat16)
     expected = encode_prompts(direct, ["a red fox", "blurry"], cache=None)
     assert torch.equal(cond.positive, expected[:1]) and torch.equal(cond.negative, expected[1:])
+
+
+def test_comfyui_pinned_memory_counts_against_the_packs_bound(comfy, monkeypatch):
+    """ComfyUI page-locks its own models' weights outside torch's allocator (cudaHostRegister), so
+    torch's statistics miss it: the pack, once ComfyUI loaded it, counts it against its own bound."""
+    from klein_core.memory import pinned
+
+    mm = importlib.import_module("comfy.model_management")
+    monkeypatch.setattr(mm, "TOTAL_PINNED_MEMORY", 5 << 30)
+    monkeypatch.setattr(pinned, "_locked_now", lambda: 0)
+    monkeypatch.setattr(sys, "platform", "linux")
+    assert pinned.other_locked is not None and pinned.other_locked() == 5 << 30
+    assert pinned.pin_budget(64 << 30) == int(0.9 * (64 << 30)) - (5 << 30)
 
 
 def test_text_encoder_is_cached_and_only_changed_texts_are_encoded(comfy, monkeypatch):

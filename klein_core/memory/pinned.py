@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +34,11 @@ CHUNK_BYTES = 512 << 20  # a power of two: torch's allocator would round anythin
 ALIGN = 512  # each tensor's offset in a chunk: every dtype's alignment, and whole DMA bursts
 
 _left_said = False  # weights were left in ordinary memory: said once per process
+
+# Page-locked memory the host application holds outside torch's allocator, in bytes (ComfyUI
+# registers its own with cudaHostRegister, which torch does not count): counted against the bound
+# too. The nodes set it; None: none.
+other_locked: Callable[[], int] | None = None
 
 
 @dataclass(frozen=True)
@@ -85,13 +90,13 @@ def pin_budget(total: int | None = None) -> int | None:
     """Bytes klein_core may lock now: of the machine's memory (``total``, default
     :func:`~klein_core.memory.host.ram_total`), 40 % on Windows (where ComfyUI's code notes a
     limit near half), elsewhere 90 % but 4 GiB left free (at least 40 %), as ComfyUI bounds its own
-    pinned memory; less what torch has locked in this process already. None if the machine's
-    memory is not known (no bound)."""
+    pinned memory; less what torch has locked in this process already, and what the host
+    application has (:data:`other_locked`). None if the machine's memory is not known (no bound)."""
     total = ram_total() if total is None else total
     if total is None:
         return None
     cap = 0.4 * total if sys.platform == "win32" else max(0.4 * total, min(0.9 * total, total - (4 << 30)))
-    return max(0, int(cap) - _locked_now())
+    return max(0, int(cap) - _locked_now() - (other_locked() if other_locked is not None else 0))
 
 
 def plan_chunks(sizes: Sequence[int], chunk: int | None = None) -> list[tuple[int, list[tuple[int, int]]]]:
