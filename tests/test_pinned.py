@@ -78,8 +78,13 @@ class StandIn:
         monkeypatch.setattr(pinned, "_page_locked", self._allocate)
         monkeypatch.setattr(pinned, "_pinned_like", self._like)
         # the bound less what is locked already, as torch's allocator statistics give it
-        monkeypatch.setattr(pinned, "pin_budget", lambda total=None: None if budget is None else max(
-            0, budget - sum(c.nbytes for c in self.chunks)))
+        self.budget_asked = 0
+
+        def bound(total=None):
+            self.budget_asked += 1
+            return None if budget is None else max(0, budget - sum(c.nbytes for c in self.chunks))
+
+        monkeypatch.setattr(pinned, "pin_budget", bound)
         monkeypatch.setattr(pinned, "_left_said", False)
         monkeypatch.setattr(torch.Tensor, "is_pinned", lambda t, *a: self.holds(t))
 
@@ -130,6 +135,7 @@ def test_streamed_blocks_live_in_packed_page_locked_chunks(monkeypatch):
     n = len(stand_in.chunks)
     assert torch.equal(_stream(model, inputs), want)  # the next run keeps those homes, locks nothing more
     assert len(stand_in.chunks) == n
+    assert stand_in.budget_asked == 1  # the bound (files in /proc, torch's statistics) asked at the first only
 
 
 @pytest.mark.parametrize("refuse", [True, False], ids=["refused", "over the budget"])

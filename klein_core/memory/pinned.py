@@ -124,16 +124,21 @@ def plan_chunks(sizes: Sequence[int], chunk: int | None = None) -> list[tuple[in
     return [(next_pow2(used), items) for _, used, items in bins]
 
 
-def pin_tensors(tensors: Sequence[torch.Tensor], *, budget: int | None = None,
+def pin_tensors(tensors: Sequence[torch.Tensor], *, budget: int | Callable[[], int | None] | None = None,
                 what: str = "weights") -> tuple[list[torch.Tensor | None], PinReport]:
     """Page-locked copies of the CPU ``tensors``: for each, its copy (same dtype, shape and values)
     or None where it stays as it is (already page-locked, not on the CPU, empty, beyond ``budget``
     bytes of page-locked memory, or the system refused to lock more). Contiguous tensors are packed
     into chunks (:func:`plan_chunks`: a copy is a view of one); a strided one (a channels-last
-    convolution weight) is copied alone, keeping its strides. ``what`` names them in the warning."""
+    convolution weight) is copied alone, keeping its strides. ``budget`` may be a function (such as
+    :func:`pin_budget`), asked only when there is something to pin. ``what`` names them in the warning."""
     global _left_said
     out: list[torch.Tensor | None] = [None] * len(tensors)
     wanted = [i for i, t in enumerate(tensors) if t.device.type == "cpu" and t.numel() and not t.is_pinned()]
+    if not wanted:
+        return out, PinReport()
+    if callable(budget):
+        budget = budget()
     packed = [i for i in wanted if tensors[i].is_contiguous()]
     # Each group: what torch's allocator will lock for it, and its tensors with their chunk offsets
     # (None: pinned alone, with its strides).

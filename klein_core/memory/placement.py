@@ -125,7 +125,7 @@ def _pin_homes(slots: Sequence[_Slot], what: str) -> None:
     where there is one; nothing without CUDA."""
     if not _pinnable():
         return
-    copies, _ = pinned.pin_tensors([s.home for s in slots], budget=pinned.pin_budget(), what=what)
+    copies, _ = pinned.pin_tensors([s.home for s in slots], budget=pinned.pin_budget, what=what)
     for slot, copy in zip(slots, copies):
         if copy is not None:
             slot.home = copy
