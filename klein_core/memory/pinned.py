@@ -67,8 +67,8 @@ def _page_locked(nbytes: int) -> torch.Tensor:
 
 
 def _pinned_like(t: torch.Tensor) -> torch.Tensor:
-    """A page-locked copy of ``t`` with its strides (the tests stand ordinary memory in)."""
-    return t.pin_memory()
+    """A page-locked CPU copy of ``t`` with its strides (the tests stand ordinary memory in)."""
+    return (t if t.device.type == "cpu" else t.cpu()).pin_memory()
 
 
 def _locked_now() -> int:
@@ -126,15 +126,17 @@ def plan_chunks(sizes: Sequence[int], chunk: int | None = None) -> list[tuple[in
 
 def pin_tensors(tensors: Sequence[torch.Tensor], *, budget: int | Callable[[], int | None] | None = None,
                 what: str = "weights") -> tuple[list[torch.Tensor | None], PinReport]:
-    """Page-locked copies of the CPU ``tensors``: for each, its copy (same dtype, shape and values)
-    or None where it stays as it is (already page-locked, not on the CPU, empty, beyond ``budget``
-    bytes of page-locked memory, or the system refused to lock more). Contiguous tensors are packed
+    """Page-locked CPU copies of ``tensors`` (on the CPU, or on a device: copied straight in): for
+    each, its copy (same dtype, shape and values) or None where it stays as it is (already
+    page-locked, empty, on the meta device, beyond ``budget`` bytes of page-locked memory, or the
+    system refused to lock more). Contiguous tensors are packed
     into chunks (:func:`plan_chunks`: a copy is a view of one); a strided one (a channels-last
     convolution weight) is copied alone, keeping its strides. ``budget`` may be a function (such as
     :func:`pin_budget`), asked only when there is something to pin. ``what`` names them in the warning."""
     global _left_said
     out: list[torch.Tensor | None] = [None] * len(tensors)
-    wanted = [i for i, t in enumerate(tensors) if t.device.type == "cpu" and t.numel() and not t.is_pinned()]
+    wanted = [i for i, t in enumerate(tensors)
+              if t.numel() and t.device.type != "meta" and not (t.device.type == "cpu" and t.is_pinned())]
     if not wanted:
         return out, PinReport()
     if callable(budget):

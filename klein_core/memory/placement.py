@@ -113,10 +113,11 @@ def pin_memory_(module: nn.Module) -> nn.Module:
     once). Without CUDA the tensors are just moved to the CPU.
     """
     slots = _slots(module)
-    for slot in slots:
-        slot.home = slot.home.to("cpu")
-        _set(slot, slot.home)
-    _pin_homes(slots, type(module).__name__)
+    _pin_homes(slots, type(module).__name__)  # a device tensor is copied straight into its chunk
+    for slot in slots:  # what was not page-locked (no CUDA, over the bound) moves to ordinary memory
+        if slot.home.device.type != "cpu":
+            slot.home = slot.home.to("cpu")
+            _set(slot, slot.home)
     return module
 
 

@@ -112,6 +112,18 @@ def test_streamed_blocks_are_packed_in_page_locked_chunks(gpu):
         assert grew <= sum(size for size, _ in chunks), (grew, chunks)
 
 
+def test_pin_memory_copies_a_device_model_into_page_locked_chunks(gpu):
+    """pin_memory_ on a model on the device: its tensors copied straight into page-locked chunks
+    (no ordinary CPU copy of the whole model first), the same values, all on the CPU."""
+    model = load_small(gpu)[0]
+    want = {k: v.cpu() for k, v in model.state_dict().items()}
+    pin_memory_(model)
+    got = model.state_dict()
+    assert all(v.device.type == "cpu" for v in got.values())
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    assert all(v.is_pinned() for v in got.values() if v.numel()) == (not gpu.cpu)
+
+
 # ---------------------------------------------------------------------------------------------
 # Full size
 
