@@ -89,3 +89,26 @@ def test_a_cpu_load_larger_than_the_memory_available_is_said_first(tmp_path, mon
         kc.load_transformer(path, device="meta")
     assert not [r for r in caplog.records if "into CPU memory" in r.getMessage()]
     assert len(seen) == n  # not asked for a load that takes no CPU memory
+
+
+def test_windows_total_reads_global_memory_status(monkeypatch):
+    """On Windows the machine's memory comes from GlobalMemoryStatusEx (stood in here: the call
+    fills the structure it is given, which must announce its size, 64 bytes, as Windows checks)."""
+    import ctypes
+    from types import SimpleNamespace
+
+    seen = []
+
+    def status_ex(ref):
+        status = ref._obj
+        seen.append(status.dwLength)
+        status.ullTotalPhys = 34359738368
+        return 1
+
+    monkeypatch.setattr(ctypes, "windll", SimpleNamespace(kernel32=SimpleNamespace(GlobalMemoryStatusEx=status_ex)),
+                        raising=False)
+    assert host._windows_total() == 34359738368 and seen == [64]
+    monkeypatch.setattr(ctypes, "windll", SimpleNamespace(kernel32=SimpleNamespace(GlobalMemoryStatusEx=lambda r: 0)))
+    assert host._windows_total() is None  # the call failed
+    monkeypatch.delattr(ctypes, "windll")
+    assert host._windows_total() is None  # not Windows at all
