@@ -432,8 +432,9 @@ class StagePlacer:
             # good: the caller's module keeps its device. Its CPU tensors are page-locked first (once,
             # as streamed blocks are): a copy from ordinary memory runs synchronously through the
             # driver's bounce buffer, at a fraction of the bus's speed, every stage.
-            if self.device.type == "cuda":
-                _pin_homes(_slots(module), f"{type(module).__name__} (copied in per stage)")
+            if self.device.type == "cuda":  # (only CPU tensors: one on another GPU stays there)
+                _pin_homes([s for s in _slots(module) if s.home.device.type == "cpu"],
+                           f"{type(module).__name__} (copied in per stage)")
             with on_device(module, self.device):
                 yield module
         elif here and self.device.type != "cpu":
