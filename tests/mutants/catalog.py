@@ -342,4 +342,18 @@ MUTANTS: tuple[Mutant, ...] = (
         "streamed blocks' weights packed over one another in their page-locked chunk: every block computes "
         "with the last weight written there",
     ),
+    Mutant(
+        "pinned-bound-per-chunk", "klein_core/memory/pinned.py",
+        "if reason is None and budget is not None and locked + size > budget:",
+        "if reason is None and budget is not None and size > budget:",
+        ("tests/test_pinned.py::test_what_cannot_be_locked_stays_in_ordinary_memory",),
+        "each chunk checked against the bound alone: a model locks any amount of RAM, chunk by chunk",
+    ),
+    Mutant(
+        "host-oom-named-gpu", "klein_core/pipeline/oom.py",
+        'if not isinstance(exc, torch.OutOfMemoryError) and "MPS" not in text and any(s in text for s in _HOST_WORDS):',
+        'if False:',
+        ("tests/test_cuda_paths.py::test_out_of_memory_names_the_memory_that_ran_out",),
+        "host memory running out on a GPU run is called GPU memory, with the advice to offload to the CPU",
+    ),
 )
