@@ -201,3 +201,50 @@ def test_no_slot_is_refilled_before_its_copy_has_run(tmp_path, slot_bytes, slots
             for cls, r in results.items()}
     assert same[LateCopies] == list(plain)
     assert not set(big) <= set(same[RefillsEarly])
+
+
+@pytest.fixture
+def small_pieces(monkeypatch):
+    """Parallel reads from 64 KiB up, in pieces of 16 KiB, so that tiny files take that path."""
+    if not hasattr(__import__("os"), "preadv"):
+        pytest.skip("no os.preadv here: reads are sequential")
+    monkeypatch.setattr(staging, "PARALLEL_BYTES", 1 << 16)
+    monkeypatch.setattr(staging, "PIECE_BYTES", 1 << 14)
+    monkeypatch.setattr(staging, "READ_THREADS", 4)
+
+
+def test_parallel_reads_give_the_file_bytes_and_leave_the_position_after_them(tmp_path, small_pieces):
+    data = torch.randint(0, 256, (300_001,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    path = tmp_path / "bytes.bin"
+    path.write_bytes(data.numpy().tobytes())
+    with open(path, "rb", buffering=0) as fh:
+        fh.seek(1000)
+        out = torch.empty(200_000, dtype=torch.uint8)
+        assert staging.read_full(fh, memoryview(out.numpy())) == 200_000
+        assert torch.equal(out, data[1000:201_000]) and fh.tell() == 201_000
+        rest = torch.zeros(150_000, dtype=torch.uint8)  # past the end: what there is, then a short count
+        assert staging.read_full(fh, memoryview(rest.numpy())) == 99_001
+        assert torch.equal(rest[:99_001], data[201_000:]) and not rest[99_001:].any() and fh.tell() == 300_001
+
+
+def test_a_load_through_parallel_reads_equals_the_sequential_one(tmp_path, monkeypatch, small_pieces):
+    """Every tensor of a tiny model file, read with the parallel path where large enough (CPU load
+    and through the stager): the same tensors as read sequentially."""
+    path = _file(tmp_path)
+    f = open_safetensors(path)
+    big = [k for k, i in f.tensors.items() if i.nbytes >= 1 << 16]
+    assert big
+    calls = []
+    real = staging._read_pieces
+    monkeypatch.setattr(staging, "_read_pieces", lambda *a: calls.append(a[3]) or real(*a))
+    stager = DeviceStager(torch.device("cpu"), slot_bytes=1 << 17)
+    for key in f.tensors:
+        got = f.read(key)
+        with reading_through(stager):
+            staged = f.read(key)
+        monkeypatch.setattr(staging, "PARALLEL_BYTES", 1 << 40)
+        want = f.read(key)  # sequential
+        monkeypatch.setattr(staging, "PARALLEL_BYTES", 1 << 16)
+        assert torch.equal(got, want) and torch.equal(staged, want), key
+    stager.finish()
+    assert calls and max(calls) > 1

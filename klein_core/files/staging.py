@@ -26,7 +26,10 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import logging
+import os
+import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import BinaryIO
 
 import torch
@@ -42,15 +45,72 @@ _active: contextvars.ContextVar[DeviceStager | None] = contextvars.ContextVar("k
 _refused_said = False  # page-locked memory was refused once: said then, not at every load
 
 
+# A read of at least PARALLEL_BYTES is split into pieces of at least PIECE_BYTES read by up to
+# READ_THREADS threads at once (positioned reads on the one open file: the file checked when it was
+# opened is the file read). Reading into fresh memory is bound by the page faults of its first
+# touch, one page at a time in a single read; in parallel they are taken on several cores. Measured
+# on the CPU machine of the twenty-first session (2 cores, a 1.5 GB file in the page cache, fresh
+# memory): one thread 1.8-2.1 GB/s, two 3.9 GB/s, four 3.1-3.7 GB/s.
+PARALLEL_BYTES = 64 << 20
+PIECE_BYTES = 16 << 20
+READ_THREADS = min(8, os.cpu_count() or 1)
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _forget_pool() -> None:
+    global _pool
+    _pool = None  # a forked child has none of its parent's threads: it starts its own pool
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool)
+
+
 def read_full(fh: BinaryIO, view: memoryview) -> int:
-    """Fill ``view`` from ``fh``'s position; the bytes read (fewer only at the end of the file)."""
-    done, size = 0, len(view)
+    """Fill ``view`` from ``fh``'s position; the bytes read (fewer only at the end of the file).
+    ``fh``'s position ends after them. A large read is split over threads (:data:`PARALLEL_BYTES`)
+    where the system has positioned reads into buffers (``os.preadv``: Linux, BSD)."""
+    size = len(view)
+    pieces = min(READ_THREADS, size // PIECE_BYTES)
+    if size >= PARALLEL_BYTES and pieces > 1 and hasattr(os, "preadv"):
+        start = fh.tell()
+        done = _read_pieces(fh.fileno(), view, start, pieces)
+        fh.seek(start + done)
+        return done
+    done = 0
     while done < size:
         got = fh.readinto(view[done : done + READ_CAP])
         if not got:
             break
         done += got
     return done
+
+
+def _read_pieces(fd: int, view: memoryview, start: int, pieces: int) -> int:
+    """``view`` from ``fd`` at ``start`` in ``pieces`` parallel pieces; the bytes read before the
+    first gap (the end of the file)."""
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="klein-read")
+    step = -(-len(view) // pieces)
+    bounds = [(a, min(a + step, len(view))) for a in range(0, len(view), step)]
+
+    def piece(a: int, b: int) -> int:
+        done = a
+        while done < b:
+            got = os.preadv(fd, [view[done : min(b, done + READ_CAP)]], start + done)
+            if not got:
+                break
+            done += got
+        return done
+
+    ends = [f.result() for f in [_pool.submit(piece, a, b) for a, b in bounds]]
+    for (_, b), end in zip(bounds, ends):
+        if end < b:
+            return end
+    return len(view)
 
 
 class DeviceStager:
