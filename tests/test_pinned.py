@@ -268,3 +268,27 @@ def test_release_cached_asks_torch_where_it_can(monkeypatch):
     assert not pinned.release_cached()
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)  # CUDA never used: nothing to give back
     assert not pinned.release_cached()
+
+
+def test_each_original_is_freed_before_the_next_chunk_is_made(monkeypatch):
+    """Packing a model's blocks never holds them twice: each weight replaced as soon as it is
+    copied, the originals of one chunk are gone before the next chunk is allocated (at the end,
+    all of them), so streaming 9B's 17 GB of blocks does not need 34 GB of RAM on the way."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    model = demo.tiny_transformer(demo.TinySpec(depth=2, depth_single=3), seed=4)
+    originals = [(StorageWeakRef(t.untyped_storage()), t.nbytes)
+                 for lst in find_block_lists(model) for b in lst for t in [*b.parameters(), *b.buffers()] if t.numel()]
+    alive_at_allocation = []
+    stand_in = StandIn(monkeypatch)
+    allocate = stand_in._allocate
+
+    def counting(nbytes):
+        alive_at_allocation.append(sum(n for ref, n in originals if not ref.expired()))
+        return allocate(nbytes)
+
+    monkeypatch.setattr(pinned, "_page_locked", counting)
+    BlockOffloader(model, "cpu").attach().detach()
+    assert len(alive_at_allocation) > 2
+    assert all(a > b for a, b in itertools.pairwise(alive_at_allocation))
+    assert not any(not ref.expired() for ref, _ in originals)

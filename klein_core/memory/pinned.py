@@ -124,21 +124,24 @@ def plan_chunks(sizes: Sequence[int], chunk: int | None = None) -> list[tuple[in
     return [(next_pow2(used), items) for _, used, items in bins]
 
 
-def pin_tensors(tensors: Sequence[torch.Tensor], *, budget: int | Callable[[], int | None] | None = None,
-                what: str = "weights") -> tuple[list[torch.Tensor | None], PinReport]:
-    """Page-locked CPU copies of ``tensors`` (on the CPU, or on a device: copied straight in): for
-    each, its copy (same dtype, shape and values) or None where it stays as it is (already
-    page-locked, empty, on the meta device, beyond ``budget`` bytes of page-locked memory, or the
-    system refused to lock more). Contiguous tensors are packed
-    into chunks (:func:`plan_chunks`: a copy is a view of one); a strided one (a channels-last
-    convolution weight) is copied alone, keeping its strides. ``budget`` may be a function (such as
-    :func:`pin_budget`), asked only when there is something to pin. ``what`` names them in the warning."""
+def pin_tensors(tensors: list[torch.Tensor], *, budget: int | Callable[[], int | None] | None = None,
+                what: str = "weights", on_pinned: Callable[[int, torch.Tensor], None] | None = None) -> PinReport:
+    """Replace, in the list ``tensors``, each tensor (on the CPU, or on a device: copied straight in)
+    by a page-locked CPU copy with its dtype, shape and values, and tell ``on_pinned(index, copy)``;
+    a tensor stays where none is made (already page-locked, empty, on the meta device, beyond
+    ``budget`` bytes of page-locked memory, or the system refused to lock more).
+
+    Contiguous tensors are packed into chunks (:func:`plan_chunks`: a copy is a view of one); a
+    strided one (a channels-last convolution weight) is copied alone, keeping its strides. One
+    chunk at a time, each tensor replaced as soon as it is copied: with ``on_pinned`` replacing the
+    caller's own references, an original is freed before the next chunk is made, so the copies
+    never hold twice the memory. ``budget`` may be a function (such as :func:`pin_budget`), asked
+    only when there is something to pin. ``what`` names the tensors in the warning."""
     global _left_said
-    out: list[torch.Tensor | None] = [None] * len(tensors)
     wanted = [i for i, t in enumerate(tensors)
               if t.numel() and t.device.type != "meta" and not (t.device.type == "cpu" and t.is_pinned())]
     if not wanted:
-        return out, PinReport()
+        return PinReport()
     if callable(budget):
         budget = budget()
     packed = [i for i in wanted if tensors[i].is_contiguous()]
@@ -167,19 +170,24 @@ def pin_tensors(tensors: Sequence[torch.Tensor], *, budget: int | Callable[[], i
         for i, offset in items:
             t = tensors[i]
             if offset is None:
-                out[i] = memory
+                copy = memory
             else:
-                out[i] = memory[offset : offset + t.nbytes].view(t.dtype).view(t.shape)
+                copy = memory[offset : offset + t.nbytes].view(t.dtype).view(t.shape)
                 with torch.no_grad():
-                    out[i].copy_(t)
+                    copy.copy_(t)
             pinned += t.nbytes
+            tensors[i] = copy
+            del t
+            if on_pinned is not None:
+                on_pinned(i, copy)
+        del memory
     if left and not _left_said:
         _left_said = True
         logger.warning("%.2f GB of %s stay in ordinary CPU memory, not page-locked: %s. Their copies to the GPU "
                        "are slower (the results are the same).", left / 1e9, what, reason)
     if pinned:
         logger.info("%s: %.2f GB page-locked in %.2f GB", what, pinned / 1e9, locked / 1e9)
-    return out, PinReport(pinned, locked, left, reason)
+    return PinReport(pinned, locked, left, reason)
 
 
 def release_cached() -> bool:

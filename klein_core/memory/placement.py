@@ -123,14 +123,16 @@ def pin_memory_(module: nn.Module) -> nn.Module:
 
 def _pin_homes(slots: Sequence[_Slot], what: str) -> None:
     """Each slot's CPU home replaced by its page-locked copy (:func:`~klein_core.memory.pinned.pin_tensors`),
-    where there is one; nothing without CUDA."""
+    where there is one, as soon as it is made (the original is freed then, unless held elsewhere);
+    nothing without CUDA."""
     if not _pinnable():
         return
-    copies, _ = pinned.pin_tensors([s.home for s in slots], budget=pinned.pin_budget, what=what)
-    for slot, copy in zip(slots, copies):
-        if copy is not None:
-            slot.home = copy
-            _set(slot, copy)
+
+    def replace(i: int, copy: torch.Tensor) -> None:
+        slots[i].home = copy
+        _set(slots[i], copy)
+
+    pinned.pin_tensors([s.home for s in slots], budget=pinned.pin_budget, what=what, on_pinned=replace)
 
 
 @contextlib.contextmanager

@@ -343,6 +343,13 @@ MUTANTS: tuple[Mutant, ...] = (
         "with the last weight written there",
     ),
     Mutant(
+        "pinned-originals-held-to-the-end", "klein_core/memory/pinned.py",
+        "            tensors[i] = copy\n",
+        "",
+        ("tests/test_pinned.py::test_each_original_is_freed_before_the_next_chunk_is_made",),
+        "every original weight kept until all chunks are made: streaming a model briefly needs twice its RAM",
+    ),
+    Mutant(
         "pinned-bound-per-chunk", "klein_core/memory/pinned.py",
         "if reason is None and budget is not None and locked + size > budget:",
         "if reason is None and budget is not None and size > budget:",
