@@ -27,7 +27,7 @@ import torch
 import klein_core as kc
 from klein_core.files.loaders import LOADERS, meta_model
 from klein_core.memory import pinned
-from klein_core.memory.placement import module_bytes
+from klein_core.memory.placement import module_bytes, pin_memory_
 from klein_core.pipeline.reference_kv import ReferenceKVCache
 
 from . import host
@@ -131,6 +131,11 @@ def acquire(ref: ModelRef) -> torch.nn.Module:
             t0 = time.perf_counter()
             extra = {"quantize": ref.quantize} if ref.quantize else {}
             model = LOADERS[ref.role](ref.path, device=ref.device, dtype=ref.dtype, **extra)
+            if device.type == "cpu" and host.torch_device().type == "cuda":
+                # Homed in CPU memory to be streamed or copied onto the GPU: page-locked now rather
+                # than at its first stage, so the LoRA'd copies (Klein LoRA Loader), which share its
+                # tensors, share the page-locked ones instead of each locking a copy of its own.
+                pin_memory_(model)
             loads[ref.role] += 1
             handle = host.register_model(model, ref.role, device)
             _resident[ref.role] = (ref, model, handle)

@@ -231,6 +231,22 @@ def test_text_encoder_outputs_and_exact_embeddings(comfy):
     assert torch.equal(cond.positive, expected[:1]) and torch.equal(cond.negative, expected[1:])
 
 
+def test_a_transformer_homed_on_the_cpu_for_a_gpu_is_page_locked_when_loaded(comfy, monkeypatch):
+    """Loaded into CPU memory to be streamed or copied onto a GPU, the transformer is page-locked
+    at once (its LoRA'd copies then share the page-locked tensors); for CPU compute it is not."""
+    cache = comfy.cache
+    pinned_models = []
+    monkeypatch.setattr(cache, "pin_memory_", lambda m: pinned_models.append(m) or m)
+    for compute, expect in ((torch.device("cpu"), 0), (torch.device("cuda", 0), 1)):
+        cache.release_all("fresh load")
+        monkeypatch.setattr(cache.host, "torch_device", lambda compute=compute: compute)
+        ref = cache.model_ref("transformer", comfy.paths["klein_4b"], "flux-2-klein-4b.safetensors",
+                              torch.device("cpu"), torch.bfloat16)
+        model = cache.acquire(ref)
+        assert len(pinned_models) == expect and (not expect or pinned_models[-1] is model)
+    cache.release_all("done")
+
+
 def test_comfyui_pinned_memory_counts_against_the_packs_bound(comfy, monkeypatch):
     """ComfyUI page-locks its own models' weights outside torch's allocator (cudaHostRegister), so
     torch's statistics miss it: the pack, once ComfyUI loaded it, counts it against its own bound."""

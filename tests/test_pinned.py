@@ -292,3 +292,30 @@ def test_each_original_is_freed_before_the_next_chunk_is_made(monkeypatch):
     assert len(alive_at_allocation) > 2
     assert all(a > b for a, b in itertools.pairwise(alive_at_allocation))
     assert not any(not ref.expired() for ref, _ in originals)
+
+
+def test_a_lora_copy_of_a_page_locked_model_locks_only_its_factors(monkeypatch):
+    """The nodes page-lock a CPU-homed transformer when they load it; a LoRA'd copy (with_loras,
+    Klein LoRA Loader) shares its tensors, so streaming the copy locks only the LoRA factors,
+    not a second copy of the weights (as it did when the base was left to its first stage)."""
+    from test_lora_memory_hunt import _lora
+
+    from klein_core.lora import with_loras
+
+    base = demo.tiny_transformer(demo.TinySpec(depth=2, depth_single=3), seed=4)
+    inputs = _inputs(base.config)
+    stand_in = StandIn(monkeypatch)
+    pin_memory_(base)
+    before = sum(c.nbytes for c in stand_in.chunks)
+    lora = _lora(base)
+    copy = with_loras(base, [(lora, 0.5)])
+    with torch.no_grad():
+        want = copy(**inputs)
+    assert torch.equal(_stream(copy, inputs), want)
+    weights = [t for lst in find_block_lists(copy) for b in lst for t in b.parameters()]
+    assert weights and all(stand_in.holds(t) for t in weights)  # the base's page-locked tensors
+    factors = {id(t) for lst in find_block_lists(copy) for b in lst for t in b.buffers()} - \
+        {id(t) for lst in find_block_lists(base) for b in lst for t in b.buffers()}
+    grew = sum(c.nbytes for c in stand_in.chunks) - before
+    assert grew <= sum(next_pow2(max(1, t.nbytes)) for lst in find_block_lists(copy) for b in lst
+                       for t in b.buffers() if id(t) in factors), grew  # at most the LoRA's own tensors
