@@ -11,6 +11,8 @@ again while its copy may still be queued.
 from __future__ import annotations
 
 import contextlib
+import os
+import threading
 
 import pytest
 import torch
@@ -206,8 +208,8 @@ def test_no_slot_is_refilled_before_its_copy_has_run(tmp_path, slot_bytes, slots
 @pytest.fixture
 def small_pieces(monkeypatch):
     """Parallel reads from 64 KiB up, in pieces of 16 KiB, so that tiny files take that path."""
-    if not hasattr(__import__("os"), "preadv"):
-        pytest.skip("no os.preadv here: reads are sequential")
+    if not hasattr(os, "preadv") or not hasattr(os, "RWF_NOWAIT"):
+        pytest.skip("no positioned reads without waiting here: reads are sequential")
     monkeypatch.setattr(staging, "PARALLEL_BYTES", 1 << 16)
     monkeypatch.setattr(staging, "PIECE_BYTES", 1 << 14)
     monkeypatch.setattr(staging, "READ_THREADS", 4)
@@ -248,3 +250,39 @@ def test_a_load_through_parallel_reads_equals_the_sequential_one(tmp_path, monke
         assert torch.equal(got, want) and torch.equal(staged, want), key
     stager.finish()
     assert calls and max(calls) > 1
+
+
+@pytest.mark.parametrize("in_cache", [True, False], ids=["in the page cache", "on disk"])
+def test_only_what_the_page_cache_holds_is_read_in_parallel(tmp_path, monkeypatch, small_pieces, in_cache):
+    """Data in the page cache is read by the pool's threads without waiting; data that must come
+    from the disk is read afterwards by the calling thread in file order, one read at a time, so a
+    spinning disk is never asked for several places at once. The bytes are the file's either way."""
+    if not hasattr(os, "posix_fadvise"):
+        pytest.skip("cannot drop a file from the page cache here")
+    data = torch.randint(0, 256, (400_000,), dtype=torch.uint8, generator=torch.Generator().manual_seed(2))
+    path = tmp_path / "bytes.bin"
+    with open(path, "wb") as fh:
+        fh.write(data.numpy().tobytes())
+        fh.flush()
+        os.fsync(fh.fileno())
+    calls = []
+    real = os.preadv
+
+    def preadv(fd, buffers, offset, *flags):
+        calls.append((offset, bool(flags and flags[0] & os.RWF_NOWAIT), threading.current_thread() is threading.main_thread()))
+        return real(fd, buffers, offset, *flags)
+
+    with open(path, "rb", buffering=0) as fh:
+        if in_cache:
+            fh.read()
+        else:
+            os.posix_fadvise(fh.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+        fh.seek(0)
+        monkeypatch.setattr(os, "preadv", preadv)
+        out = torch.empty(400_000, dtype=torch.uint8)
+        assert staging.read_full(fh, memoryview(out.numpy())) == 400_000
+    assert torch.equal(out, data)
+    waiting = [offset for offset, nowait, main in calls if not nowait]
+    assert all(main for _, nowait, main in calls if not nowait)  # the disk reads: the calling thread's
+    assert waiting == sorted(waiting)  # in file order
+    assert bool(waiting) == (not in_cache)

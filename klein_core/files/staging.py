@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import errno
 import logging
 import os
 import threading
@@ -47,10 +48,11 @@ _refused_said = False  # page-locked memory was refused once: said then, not at 
 
 # A read of at least PARALLEL_BYTES is split into pieces of at least PIECE_BYTES read by up to
 # READ_THREADS threads at once (positioned reads on the one open file: the file checked when it was
-# opened is the file read). Reading into fresh memory is bound by the page faults of its first
-# touch, one page at a time in a single read; in parallel they are taken on several cores. Measured
-# on the CPU machine of the twenty-first session (2 cores, a 1.5 GB file in the page cache, fresh
-# memory): one thread 1.8-2.1 GB/s, two 3.9 GB/s, four 3.1-3.7 GB/s.
+# opened is the file read), as far as the page cache holds it; the rest is read in order after
+# (:func:`_read_pieces`). Reading into fresh memory is bound by the page faults of its first touch,
+# one page at a time in a single read; in parallel they are taken on several cores. Measured on the
+# CPU machine of the twenty-first session (2 cores, a 1.5 GB file in the page cache, fresh memory):
+# one thread 1.8-2.1 GB/s, two 3.9 GB/s, four 3.1-3.7 GB/s.
 PARALLEL_BYTES = 64 << 20
 PIECE_BYTES = 16 << 20
 READ_THREADS = min(8, os.cpu_count() or 1)
@@ -70,10 +72,11 @@ if hasattr(os, "register_at_fork"):
 def read_full(fh: BinaryIO, view: memoryview) -> int:
     """Fill ``view`` from ``fh``'s position; the bytes read (fewer only at the end of the file).
     ``fh``'s position ends after them. A large read is split over threads (:data:`PARALLEL_BYTES`)
-    where the system has positioned reads into buffers (``os.preadv``: Linux, BSD)."""
+    where the system has positioned reads that need not wait for the disk (``os.preadv`` with
+    ``RWF_NOWAIT``: Linux)."""
     size = len(view)
     pieces = min(READ_THREADS, size // PIECE_BYTES)
-    if size >= PARALLEL_BYTES and pieces > 1 and hasattr(os, "preadv"):
+    if size >= PARALLEL_BYTES and pieces > 1 and hasattr(os, "preadv") and hasattr(os, "RWF_NOWAIT"):
         start = fh.tell()
         done = _read_pieces(fh.fileno(), view, start, pieces)
         fh.seek(start + done)
@@ -88,8 +91,12 @@ def read_full(fh: BinaryIO, view: memoryview) -> int:
 
 
 def _read_pieces(fd: int, view: memoryview, start: int, pieces: int) -> int:
-    """``view`` from ``fd`` at ``start`` in ``pieces`` parallel pieces; the bytes read before the
-    first gap (the end of the file)."""
+    """``view`` from ``fd`` at ``start``; the bytes read before the first gap (the end of the file).
+
+    What the page cache holds is read in ``pieces`` parallel pieces without waiting for the disk
+    (``RWF_NOWAIT``: a read of data not in the cache returns at once); the rest after, in file
+    order, one read at a time as before, so that a spinning disk is never asked for several places
+    at once."""
     global _pool
     with _pool_lock:
         if _pool is None:
@@ -97,19 +104,31 @@ def _read_pieces(fd: int, view: memoryview, start: int, pieces: int) -> int:
     step = -(-len(view) // pieces)
     bounds = [(a, min(a + step, len(view))) for a in range(0, len(view), step)]
 
-    def piece(a: int, b: int) -> int:
+    def cached(a: int, b: int) -> tuple[int, bool]:  # (where it stopped, whether at the end of the file)
         done = a
+        while done < b:
+            try:
+                got = os.preadv(fd, [view[done : min(b, done + READ_CAP)]], start + done, os.RWF_NOWAIT)
+            except BlockingIOError:  # not in the page cache: read in order below
+                return done, False
+            except OSError as exc:  # a file system without non-waiting reads
+                if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL):
+                    return done, False
+                raise
+            if not got:
+                return done, True
+            done += got
+        return done, False
+
+    stops = [f.result() for f in [_pool.submit(cached, a, b) for a, b in bounds]]
+    for (_, b), (done, at_end) in zip(bounds, stops):
+        if at_end:
+            return done
         while done < b:
             got = os.preadv(fd, [view[done : min(b, done + READ_CAP)]], start + done)
             if not got:
-                break
+                return done
             done += got
-        return done
-
-    ends = [f.result() for f in [_pool.submit(piece, a, b) for a, b in bounds]]
-    for (_, b), end in zip(bounds, ends):
-        if end < b:
-            return end
     return len(view)
 
 
