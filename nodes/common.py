@@ -4,6 +4,7 @@ the engine a node runs (:func:`open_engine`)."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 from collections.abc import Iterator, Mapping
@@ -49,10 +50,6 @@ def model_file(node: str, input_name: str, folder: str, name: str, expect: str) 
     return path
 
 
-_PROBED: dict[tuple[str, int, int], FileInfo] = {}  # (path, size, mtime) -> what the header says
-_PROBED_MAX = 64
-
-
 def _probe(path: str) -> FileInfo:
     """:func:`probe` of ``path``, remembered while the file keeps its size and modification time: the
     encoder node checks its file on every new prompt, and parsing a header of a few hundred tensors
@@ -61,13 +58,13 @@ def _probe(path: str) -> FileInfo:
         st = os.stat(path)
     except OSError:
         return probe(path)  # says "unreadable" itself
-    key = (path, st.st_size, st.st_mtime_ns)
-    info = _PROBED.get(key)
-    if info is None:
-        info = _PROBED[key] = probe(path)
-        while len(_PROBED) > _PROBED_MAX:
-            del _PROBED[next(iter(_PROBED))]
-    return info
+    return _probe_state(path, st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=64)
+def _probe_state(path: str, size: int, mtime_ns: int) -> FileInfo:
+    """:func:`probe` of ``path`` as it is at ``size`` and ``mtime_ns`` (the cache's key)."""
+    return probe(path)
 
 
 def file_state(folder: str, name: object) -> tuple | None:

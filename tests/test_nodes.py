@@ -319,7 +319,7 @@ def test_model_files_are_probed_once_until_they_change(comfy, monkeypatch):
     read = []
     real = common.probe
     monkeypatch.setattr(common, "probe", lambda path: read.append(path) or real(path))
-    monkeypatch.setattr(common, "_PROBED", {})
+    common._probe_state.cache_clear()
     name = "replaced-later.safetensors"
     target = comfy.models / "diffusion_models" / name
     shutil.copy(comfy.paths["klein_4b"], target)
@@ -331,9 +331,12 @@ def test_model_files_are_probed_once_until_they_change(comfy, monkeypatch):
         with pytest.raises(ValueError, match="is a FLUX.2 VAE"):
             common.model_file("N", "model_name", "diffusion_models", name, expect="transformer")
         assert len(read) == 2
-        for i in range(common._PROBED_MAX + 5):  # bounded
-            common._probe(str(comfy.paths["vae"]) + f".missing{i}")  # unreadable: never remembered
-        assert len(common._PROBED) <= common._PROBED_MAX
+        common._probe(str(comfy.paths["vae"]) + ".missing")  # unreadable: never remembered
+        assert common._probe_state.cache_info().currsize == 2
+        bound = common._probe_state.cache_info().maxsize
+        for i in range(bound + 5):  # bounded: as many states of one file as fit, the oldest dropped
+            common._probe_state(str(comfy.paths["vae"]), 1, i)
+        assert common._probe_state.cache_info().currsize == bound == 64
     finally:
         target.unlink()
         comfy.folder_paths.filename_list_cache.clear()
