@@ -13,7 +13,9 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import os
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -216,8 +218,11 @@ def test_ram_total_reads_the_machine_and_its_cgroup(tmp_path, cgroup, files, wan
 
 
 def test_ram_total_here_is_the_machine_or_less():
+    """On this machine: its physical memory as the C library counts it, or a cgroup's lower limit."""
     total = host.ram_total()
-    assert total is None or 0 < total <= (1 << 50)
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert total is not None and 0 < total <= physical
+    assert total == physical or host._cgroup_limit(Path("/")) == total
 
 
 @pytest.mark.parametrize("placement", ["staged", "resident"])

@@ -20,7 +20,7 @@ def ram_total(root: Path = Path("/")) -> int | None:
     """Bytes of CPU memory the process may use: the machine's physical memory, or its cgroup's
     memory limit (a container's) if that is lower; None if it cannot be told. ``root`` is where
     ``/proc`` and ``/sys`` are found (the tests point it at a made-up tree)."""
-    total = _physical() if root == Path("/") else _meminfo_total(root)
+    total = _physical() if root == Path("/") else _meminfo(root).get("MemTotal")
     limit = _cgroup_limit(root) if sys.platform.startswith("linux") or root != Path("/") else None
     if total is None:
         return limit
@@ -153,16 +153,6 @@ def _windows_total() -> int | None:
     except (AttributeError, OSError):
         return None
     return int(status.ullTotalPhys) if ok else None
-
-
-def _meminfo_total(root: Path) -> int | None:
-    try:
-        for line in (root / "proc" / "meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) * 1024  # kB
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
 
 
 def _cgroup_limit(root: Path) -> int | None:

@@ -12,18 +12,16 @@ import torch
 
 from ..errors import KleinOutOfMemory
 
+# The CPU allocator's words (Linux/macOS, then Windows): the host ran out, whatever the device.
+_HOST_WORDS = ("can't allocate memory", "not enough memory", "DefaultCPUAllocator")
+
 
 def is_out_of_memory(exc: BaseException) -> bool:
     """A device running out of memory: CUDA's OutOfMemoryError, or the CPU / MPS allocators' errors."""
     if isinstance(exc, torch.OutOfMemoryError):
         return True
     text = str(exc)
-    return isinstance(exc, RuntimeError) and any(
-        s in text for s in ("can't allocate memory", "not enough memory", "MPS backend out of memory"))
-
-
-# The CPU allocator's words (Linux/macOS, then Windows): the host ran out, whatever the device.
-_HOST_WORDS = ("can't allocate memory", "not enough memory", "DefaultCPUAllocator")
+    return isinstance(exc, RuntimeError) and any(s in text for s in (*_HOST_WORDS, "MPS backend out of memory"))
 
 
 def memory_ran_out(exc: BaseException, device: torch.device) -> str:
