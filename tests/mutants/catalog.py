@@ -313,7 +313,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "probed-file-remembered-after-it-changed", "nodes/common.py",
-        "    key = (path, st.st_size, st.st_mtime_ns)", "    key = (path,)",
+        "    return _probe_state(path, st.st_size, st.st_mtime_ns)", "    return _probe_state(path, 0, 0)",
         ("tests/test_nodes.py::test_model_files_are_probed_once_until_they_change",),
         "a model file replaced under the same name keeps the old file's kind: a wrong file is not refused",
     ),
