@@ -594,6 +594,27 @@ def test_free_hook_is_installed_once(comfy):
     assert not hasattr(hooked.__wrapped__, "_klein_unload_hooks")  # one wrapper, around ComfyUI's own
 
 
+def test_free_empties_the_page_locked_cache_once_the_models_are_dead(comfy, monkeypatch):
+    """The pack's hook runs before ComfyUI's own unloading, but ComfyUI holds its loaded models by
+    weak reference only (``LoadedModel.real_model``), so when the hook empties torch's page-locked
+    cache the transformer is already freed: its page-locked blocks are in the cache, and go back."""
+    model, _ = _load(comfy)
+    cond = _encode(comfy, "a windmill at dusk")
+    _sample(comfy, model, cond)  # ComfyUI now lists the transformer among its loaded models
+    assert any(lm.model is not None and getattr(lm.model.model, "inner", None) is model.ref.get()
+               for lm in comfy.mm.current_loaded_models)
+    weights = weakref.ref(model.ref.get())
+    alive_at_release = []
+
+    def release_cached() -> bool:
+        alive_at_release.append(weights() is not None)
+        return True
+
+    monkeypatch.setattr(comfy.cache.pinned, "release_cached", release_cached)
+    comfy.mm.unload_all_models()
+    assert alive_at_release == [False]
+
+
 def test_free_hook_releases_every_copy_of_the_pack(comfy):
     """The pack loaded again under another module name (ComfyUI keeps that copy's nodes): its
     release_all is added to the one wrapper, so Free releases both copies' caches."""
