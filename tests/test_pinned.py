@@ -78,7 +78,6 @@ class StandIn:
         monkeypatch.setattr(placement, "_pinnable", lambda: True)
         monkeypatch.setattr(pinned, "CHUNK_BYTES", chunk)  # small chunks: a tiny model fills several
         monkeypatch.setattr(pinned, "_page_locked", self._allocate)
-        monkeypatch.setattr(pinned, "_pinned_like", self._like)
         # the bound less what is locked already, as torch's allocator statistics give it
         self.budget_asked = 0
 
@@ -95,13 +94,6 @@ class StandIn:
             raise RuntimeError("CUDA error: out of memory\nCUDA kernel errors might be reported asynchronously")
         self.chunks.append(torch.empty(nbytes, dtype=torch.uint8))
         return self.chunks[-1]
-
-    def _like(self, t: torch.Tensor) -> torch.Tensor:
-        memory = self._allocate(t.nbytes)  # its own allocation, as t.pin_memory() makes
-        out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype)
-        self.chunks[-1] = out  # what holds() looks into
-        del memory
-        return out.copy_(t)
 
     def holds(self, t: torch.Tensor) -> bool:
         p = t.untyped_storage().data_ptr()
@@ -174,7 +166,7 @@ def test_pin_memory_packs_a_whole_component_and_keeps_strided_weights_strided(mo
     pin_memory_(vae)
     assert all(stand_in.holds(t) for t in vae.state_dict().values() if t.numel())
     assert all(torch.equal(v, state[k]) for k, v in vae.state_dict().items())
-    assert conv.weight.is_contiguous(memory_format=torch.channels_last)  # its layout, not a packed copy's
+    assert conv.weight.is_contiguous(memory_format=torch.channels_last)  # packed with its strides
 
 
 def test_the_bound_follows_the_machine(monkeypatch):

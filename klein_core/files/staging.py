@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import errno
 import logging
 import os
 import threading
@@ -74,6 +73,8 @@ def read_full(fh: BinaryIO, view: memoryview) -> int:
     ``fh``'s position ends after them. A large read is split over threads (:data:`PARALLEL_BYTES`)
     where the system has positioned reads that need not wait for the disk (``os.preadv`` with
     ``RWF_NOWAIT``: Linux)."""
+    if view.format != "B" or view.ndim != 1:
+        view = view.cast("B")  # counted and sliced in bytes (a view of wider items counts items)
     size = len(view)
     pieces = min(READ_THREADS, size // PIECE_BYTES)
     if size >= PARALLEL_BYTES and pieces > 1 and hasattr(os, "preadv") and hasattr(os, "RWF_NOWAIT"):
@@ -109,12 +110,10 @@ def _read_pieces(fd: int, view: memoryview, start: int, pieces: int) -> int:
         while done < b:
             try:
                 got = os.preadv(fd, [view[done : min(b, done + READ_CAP)]], start + done, os.RWF_NOWAIT)
-            except BlockingIOError:  # not in the page cache: read in order below
+            except OSError:  # not in the page cache (EAGAIN); or no non-waiting reads on this file
+                # system (EOPNOTSUPP, EINVAL), kernel (ENOSYS) or sandbox (EPERM): read in order
+                # below, where a real I/O error is raised
                 return done, False
-            except OSError as exc:  # a file system without non-waiting reads
-                if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL):
-                    return done, False
-                raise
             if not got:
                 return done, True
             done += got

@@ -39,7 +39,7 @@ def ram_available(root: Path = Path("/")) -> tuple[int, int] | None:
     available, swap = info["MemAvailable"], info.get("SwapFree", 0)
     room = _cgroup_room(root)
     if room is not None:
-        available = min(available, room[0])
+        available = available if room[0] is None else min(available, room[0])
         swap = swap if room[1] is None else min(swap, room[1])
     return available, swap
 
@@ -100,23 +100,32 @@ def _cgroup_folders(root: Path) -> list[tuple[str, list[Path]]]:
     return out
 
 
-def _cgroup_room(root: Path) -> tuple[int, int | None] | None:
-    """In the nearest cgroup with a memory limit: the bytes it may still take (its reclaimable file
-    cache counted as free, as the kernel would reclaim it) and the swap it may still use (None: no
-    bound of its own). None without a limited cgroup."""
+def _cgroup_room(root: Path) -> tuple[int | None, int | None] | None:
+    """Within the process's cgroups and every parent of theirs with a bound (the kernel reclaims,
+    or ends a process, at the tightest): the bytes of memory they may still take, their
+    reclaimable file cache counted as free, as the kernel would reclaim it (None: no limit), and
+    the swap they may still use (None: no bound). None without any bound."""
+    rooms, swaps = [], []
     for version, folders in _cgroup_folders(root):
         _, limit_name, usage_name, file_key = _CGROUPS[version]
         for folder in folders:
             limit, usage = _read_limit(folder / limit_name), _read_limit(folder / usage_name)
-            if limit is None or usage is None:
-                continue
-            room = max(0, limit - usage + _stat(folder / "memory.stat").get(file_key, 0))
-            swap = None
-            swap_max = _read_int(folder / "memory.swap.max") if version == "v2" else None
-            if swap_max is not None:  # "max" (no bound of its own) reads as None
-                swap = max(0, swap_max - (_read_int(folder / "memory.swap.current") or 0))
-            return room, swap
-    return None
+            if limit is not None and usage is not None:
+                rooms.append(max(0, limit - usage + _stat(folder / "memory.stat").get(file_key, 0)))
+            if version == "v2":  # "max" (no bound of its own) reads as None
+                swap_max = _read_int(folder / "memory.swap.max")
+                if swap_max is not None:
+                    swaps.append(max(0, swap_max - (_read_int(folder / "memory.swap.current") or 0)))
+            elif limit is not None and usage is not None:
+                # v1 bounds memory and swap together (docker's --memory-swap): what is left of that,
+                # less the memory still free, may be swapped
+                both, both_used = (_read_limit(folder / "memory.memsw.limit_in_bytes"),
+                                   _read_limit(folder / "memory.memsw.usage_in_bytes"))
+                if both is not None and both_used is not None:
+                    swaps.append(max(0, (both - both_used) - (limit - usage)))
+    if not rooms and not swaps:
+        return None
+    return (min(rooms) if rooms else None), (min(swaps) if swaps else None)
 
 
 def _stat(path: Path) -> dict[str, int]:

@@ -66,9 +66,21 @@ def _page_locked(nbytes: int) -> torch.Tensor:
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
 
-def _pinned_like(t: torch.Tensor) -> torch.Tensor:
-    """A page-locked CPU copy of ``t`` with its strides (the tests stand ordinary memory in)."""
-    return (t if t.device.type == "cpu" else t.cpu()).pin_memory()
+def _dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s values fill its span with no gap and no overlap (contiguous in some order of
+    its dimensions: a channels-last weight is), so a copy with its strides takes ``t.nbytes``."""
+    expected = 1
+    for stride, size in sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _span(t: torch.Tensor) -> int:
+    """Bytes from ``t``'s first value to its last (an overlapping view, a broadcast, spans fewer
+    than its values take)."""
+    return (1 + sum((sz - 1) * st for sz, st in zip(t.shape, t.stride()))) * t.itemsize
 
 
 def _locked_now() -> int:
@@ -128,53 +140,54 @@ def pin_tensors(tensors: list[torch.Tensor], *, budget: int | Callable[[], int |
                 what: str = "weights", on_pinned: Callable[[int, torch.Tensor], None] | None = None) -> PinReport:
     """Replace, in the list ``tensors``, each tensor (on the CPU, or on a device: copied straight in)
     by a page-locked CPU copy with its dtype, shape and values, and tell ``on_pinned(index, copy)``;
-    a tensor stays where none is made (already page-locked, empty, on the meta device, beyond
-    ``budget`` bytes of page-locked memory, or the system refused to lock more).
+    a tensor stays where none is made (already page-locked, empty, on the meta device, a view whose
+    values overlap such as a broadcast, beyond ``budget`` bytes of page-locked memory, or the
+    system refused to lock more).
 
-    Contiguous tensors are packed into chunks (:func:`plan_chunks`: a copy is a view of one); a
-    strided one (a channels-last convolution weight) is copied alone, keeping its strides. One
-    chunk at a time, each tensor replaced as soon as it is copied: with ``on_pinned`` replacing the
-    caller's own references, an original is freed before the next chunk is made, so the copies
-    never hold twice the memory. ``budget`` may be a function (such as :func:`pin_budget`), asked
-    only when there is something to pin. ``what`` names the tensors in the warning."""
+    The tensors are packed into chunks (:func:`plan_chunks`: a copy is a view of one). A copy keeps
+    the tensor's strides where its values are dense (a channels-last convolution weight stays
+    channels-last); a view with gaps (a slice of a larger weight) is copied contiguous, its values
+    only. One chunk at a time, each tensor replaced as soon as it is copied: with ``on_pinned``
+    replacing the caller's own references, an original is freed before the next chunk is made, so
+    the copies never hold twice the memory. A chunk beyond ``budget`` is left out and the smaller
+    ones after it are still made; after a refusal none is. ``budget`` may be a function (such as
+    :func:`pin_budget`), asked only when there is something to pin. ``what`` names the tensors in
+    the warning."""
     global _left_said
     wanted = [i for i, t in enumerate(tensors)
-              if t.numel() and t.device.type != "meta" and not (t.device.type == "cpu" and t.is_pinned())]
+              if t.numel() and t.device.type != "meta" and not (t.device.type == "cpu" and t.is_pinned())
+              and (_dense(tensors[i]) or _span(tensors[i]) >= tensors[i].nbytes)]
     if not wanted:
         return PinReport()
     if callable(budget):
         budget = budget()
-    packed = [i for i in wanted if tensors[i].is_contiguous()]
-    # Each group: what torch's allocator will lock for it, and its tensors with their chunk offsets
-    # (None: pinned alone, with its strides).
-    groups: list[tuple[int, list[tuple[int, int | None]]]] = [
-        (size, [(packed[k], offset) for k, offset in items])
-        for size, items in plan_chunks([tensors[i].nbytes for i in packed])]
-    groups += [(next_pow2(tensors[i].nbytes), [(i, None)]) for i in wanted if not tensors[i].is_contiguous()]
+    groups = [(size, [(wanted[k], offset) for k, offset in items])
+              for size, items in plan_chunks([tensors[i].nbytes for i in wanted])]
     pinned = locked = left = 0
     reason = None
+    refused = False
     for size, items in groups:
-        if reason is None and budget is not None and locked + size > budget:
-            reason = (f"only {budget / 2**30:.1f} GiB more may be page-locked (the share of this machine's memory "
-                      "klein_core keeps it to)")
-        if reason is None:
-            strided = items[0][1] is None
+        memory = None
+        if refused:
+            pass
+        elif budget is not None and locked + size > budget:
+            reason = reason or (f"only {budget / 2**30:.1f} GiB more may be page-locked (the share of this "
+                                "machine's memory klein_core keeps it to)")
+        else:
             try:  # only the allocation: a failure there is the system refusing to lock more
-                memory = _pinned_like(tensors[items[0][0]]) if strided else _page_locked(size)
+                memory = _page_locked(size)
             except RuntimeError as exc:  # little free memory, a limit on locked memory (on Windows, said to be near half)
-                reason = f"the system refused to lock more ({str(exc).splitlines()[0]})"
-        if reason is not None:
+                reason, refused = f"the system refused to lock more ({str(exc).splitlines()[0]})", True
+        if memory is None:
             left += sum(tensors[i].nbytes for i, _ in items)
             continue
         locked += size
         for i, offset in items:
             t = tensors[i]
-            if offset is None:
-                copy = memory
-            else:
-                copy = memory[offset : offset + t.nbytes].view(t.dtype).view(t.shape)
-                with torch.no_grad():
-                    copy.copy_(t)
+            copy = memory[offset : offset + t.nbytes].view(t.dtype)
+            copy = copy.as_strided(t.shape, t.stride()) if _dense(t) else copy.view(t.shape)
+            with torch.no_grad():
+                copy.copy_(t)
             pinned += t.nbytes
             tensors[i] = copy
             del t

@@ -17,7 +17,7 @@ import contextlib
 import functools
 import logging
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -38,34 +38,46 @@ STREAMED_METHODS: tuple[str, ...] = ("reference",)
 
 @dataclass
 class _Slot:
-    """One parameter or buffer: where it lives in the module tree and its home (offload) copy."""
+    """One parameter or buffer: where it lives in the module tree (``also``: more places of the same
+    tensor, a tied weight) and its home (offload) copy."""
 
     owner: nn.Module
     name: str
     is_param: bool
     home: torch.Tensor
+    also: list[tuple[nn.Module, str]] = field(default_factory=list)
 
 
 def _slots(module: nn.Module) -> list[_Slot]:
-    out = []
+    """One slot per tensor: a weight tied between modules (one Parameter in two places) is one slot,
+    so it is moved, copied and page-locked once and stays tied, as ``module.to()`` keeps it."""
+    out: list[_Slot] = []
+    seen: dict[int, _Slot] = {}
     for owner in module.modules():
-        for name, p in owner._parameters.items():
-            if p is not None:
-                out.append(_Slot(owner, name, True, p.data))
-        for name, b in owner._buffers.items():
-            if b is not None:
-                out.append(_Slot(owner, name, False, b))
+        for table, is_param in ((owner._parameters, True), (owner._buffers, False)):
+            for name, t in table.items():
+                if t is None:
+                    continue
+                if id(t) in seen:
+                    seen[id(t)].also.append((owner, name))
+                    continue
+                seen[id(t)] = slot = _Slot(owner, name, is_param, t.data if is_param else t)
+                out.append(slot)
     return out
 
 
 def _set(slot: _Slot, t: torch.Tensor) -> None:
+    places = [(slot.owner, slot.name), *slot.also]
     if slot.is_param:
         # A new Parameter rather than ``.data =``: that refuses some device pairs (e.g. meta).
         old = slot.owner._parameters[slot.name]
         grad = bool(old is not None and old.requires_grad)
-        slot.owner._parameters[slot.name] = nn.Parameter(t, requires_grad=grad)
+        param = nn.Parameter(t, requires_grad=grad)
+        for owner, name in places:
+            owner._parameters[name] = param
     else:
-        slot.owner._buffers[slot.name] = t
+        for owner, name in places:
+            owner._buffers[name] = t
 
 
 def module_tensors(module: nn.Module) -> Iterator[torch.Tensor]:
