@@ -11,6 +11,7 @@ import collections
 import functools
 import logging
 import os
+import sys
 from collections.abc import Callable
 
 import torch
@@ -437,6 +438,11 @@ def run_diffusion_model_wrappers(fn: Callable, owner: object, transformer_option
 
 _NATIVE_VAES: dict[tuple, object] = {}
 
+# Where current ComfyUI asks every node output whether it holds a model, ``getattr(output,
+# "patcher", None)`` and ``"get_models"`` (its prompt's model tracker, its RAM-pressure cache):
+# (module, function). Asked there, a native VAE not read yet says no rather than read its file.
+_MODEL_PROBES = frozenset({("comfy.model_patcher", "is_model_patcher_output"), ("comfy.model_patcher", "add")})
+
 
 def is_native_vae(vae: object) -> bool:
     """Whether ``vae`` is ComfyUI's own VAE object (what VAELoader gives)."""
@@ -489,6 +495,9 @@ def _native_vae_class() -> type:
             pending = self.__dict__.get("_klein_pending")
             if pending is None or name.startswith("__"):
                 raise AttributeError(name)
+            caller = sys._getframe(1)
+            if (caller.f_globals.get("__name__"), caller.f_code.co_name) in _MODEL_PROBES:
+                raise AttributeError(name)  # no model yet; a use reads it
             self.__dict__["_klein_pending"] = None
             path, config = pending
             sd = comfy.utils.load_torch_file(path)

@@ -183,6 +183,33 @@ def test_loader_native_vae_decodes_and_encodes_like_ours(comfy):  # noqa: F811
     assert (enc_ours["samples"] - enc_native["samples"]).abs().max().item() < 1e-5
 
 
+# What current ComfyUI (0.38: comfy/model_patcher.py) runs on every node output, here under its
+# module's name (0.3.75 has neither): its prompt's model tracker and its RAM-pressure cache ask.
+_PROBE = """
+def is_model_patcher_output(output):
+    return getattr(output, "patcher", None) is not None
+
+def add(output):
+    return getattr(output, "patcher", None), getattr(output, "get_models", None)
+"""
+
+
+def test_comfyuis_model_probes_do_not_read_a_native_vae(comfy):  # noqa: F811
+    host = comfy.host
+    host.release_native_vaes()
+    native = _native_vae(comfy)
+    probes: dict = {"__name__": "comfy.model_patcher"}
+    exec(_PROBE, probes)  # noqa: S102
+    assert probes["is_model_patcher_output"](native) is False
+    assert probes["add"](native) == (None, None)
+    assert native.__dict__["_klein_pending"] is not None, "a probe read the VAE file"
+    elsewhere: dict = {"__name__": "some_custom_node"}
+    exec(_PROBE, elsewhere)  # noqa: S102
+    patcher, _ = elsewhere["add"](native)  # a node that takes the VAE's patcher first (to load it) gets it
+    assert patcher is not None and native.__dict__["_klein_pending"] is None
+    assert probes["is_model_patcher_output"](native) is True  # once read, ComfyUI sees its model
+
+
 def test_native_vae_mixes_with_the_pack_in_a_graph(comfy):  # noqa: F811
     model, vae = _load(comfy)
     native = _native_vae(comfy)

@@ -380,6 +380,13 @@ MUTANTS: tuple[Mutant, ...] = (
         "a tied weight gets a slot per owner: pinned twice, and the tie broken",
     ),
     Mutant(
+        "native-vae-read-by-probe", "nodes/host.py",
+        "            if (caller.f_globals.get(\"__name__\"), caller.f_code.co_name) in _MODEL_PROBES:",
+        "            if False:",
+        ("tests/test_native_interop.py::test_comfyuis_model_probes_do_not_read_a_native_vae",),
+        "current ComfyUI's question whether an output holds a model reads the native VAE's file",
+    ),
+    Mutant(
         "host-oom-named-gpu", "klein_core/pipeline/oom.py",
         'if not isinstance(exc, torch.OutOfMemoryError) and "MPS" not in text and any(s in text for s in _HOST_WORDS):',
         'if False:',
