@@ -64,6 +64,11 @@ def _table_wanted(config: pytest.Config) -> bool:
 # Node ids relative to the repository root: a module, a test (all its parameters), or one case.
 # Chosen from `--durations` on a 2-core CPU; tests/gpu is never listed (it skips without CUDA).
 FULL_TIER: tuple[str, ...] = (
+    # the docs' python blocks at their own sizes (1024², a 50-step base run): 60-80 s on 2 cores;
+    # the README's (4 s) stays in the default tier
+    "tests/test_docs_snippets.py::test_python_blocks_of_the_docs_run_and_do_what_they_say[docs/python.md]",
+    "tests/test_docs_snippets.py::test_python_blocks_of_the_docs_run_and_do_what_they_say[docs/inpaint.md]",
+    "tests/test_docs_snippets.py::test_python_blocks_of_the_docs_run_and_do_what_they_say[docs/speed.md]",
     # the training benchmark's self-tests: every case on the CPU with the diffusers peer, and the phase
     "tests/test_train_benchmark.py::test_tiny_run_with_the_diffusers_peer",
     "tests/test_train_benchmark.py::test_gpu_session_dry_run_train",
