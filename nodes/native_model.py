@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from comfy_api.latest import io
 
+from klein_core.accel.fast import eager_view
 from klein_core.accel.speed import apply_speed
 from klein_core.memory.placement import StagePlacer
 from klein_core.models.transformer import Flux2Transformer, TransformerConfig
@@ -216,6 +217,7 @@ class KleinDiffusionModel(torch.nn.Module):
                  stream_to: torch.device | None = None) -> None:
         super().__init__()
         view = module_view(transformer)
+        eager_view(view, transformer)  # "fast + compile" runs the fast kernels here, not the compile speed's
         object.__setattr__(self, "transformer", view)  # an attribute, not a child: no "transformer." in the keys
         self._modules = view._modules
         self._parameters = view._parameters

@@ -13,6 +13,8 @@ are left alone. Attention backends (``attention=``): ``auto`` (by GPU from :data
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import importlib
 import inspect
 import logging
@@ -43,6 +45,7 @@ from .triton_swiglu import triton_available
 logger = logging.getLogger(__name__)
 
 SPEED_ATTR = "_klein_speed"  # set by klein_core.accel.speed.apply_speed on the models it switched
+CUSTOM_SPEED = "custom"  # what the enable_* functions mark: switched by hand, not one of apply_speed's speeds
 ATTENTION_BACKENDS = ("auto", "sdpa", "sdpa_cudnn", "flash3", "flash2", "plain")
 _HALF = (torch.bfloat16, torch.float16)
 
@@ -325,6 +328,19 @@ class FastOps(BlockOps):
         """What runs where, e.g. ``{"cuda:0 torch.bfloat16": "attention=flash3, ..."}``."""
         return dict(self._described)
 
+    def compile_failed(self) -> None:
+        """Compilation was given up (:func:`_compile_group`'s fallback): the blocks run eagerly, so
+        resolve anew, with the fused kernels the fast path runs without Inductor (every model sharing
+        these ops, LoRA copies included, falls back with its group)."""
+        self.settings = dataclasses.replace(self.settings, compile=False)
+        self._bound.clear()
+        self._described.clear()
+
+    def without_compile(self) -> FastOps:
+        """These ops for an eager copy of a compiled model (the same choices, ``compile=False``)."""
+        return self if not self.settings.compile else FastOps(
+            dataclasses.replace(self.settings, compile=False), self.head_dim, self.hidden)
+
     def _kernel_choice(self, wanted: bool, name: str, device: torch.device, dtype: torch.dtype) -> bool:
         if not wanted:
             return False
@@ -495,6 +511,15 @@ def _set_vae_norms(vae: Flux2VAE, fused: FastVAENorm | None) -> None:
             module.fused = fused
 
 
+def _fuse_vae_norms(vae: Flux2VAE, part: torch.nn.Module, norm: FastVAENorm) -> None:
+    """``part``'s (the encoder's or the decoder's) GroupNorms + SiLUs as ``norm``: what the
+    uncompiled fast VAE runs, and a compiled part after compilation was given up."""
+    for module in part.modules():
+        if isinstance(module, GroupNormAct):
+            module.fused = norm
+    vae.__dict__.setdefault(_VAE_HOOKS, []).append(part.register_forward_pre_hook(norm.before_pass))
+
+
 # ---------------------------------------------------------------------------------------------
 # Compilation
 
@@ -547,22 +572,55 @@ def _uncompile(module: torch.nn.Module) -> None:
     module.__dict__.pop("forward", None)
 
 
-def _compile_group(modules: Sequence[torch.nn.Module], what: str, **options: Any) -> None:
+class _CompileGroup:
+    """Modules compiled together (a model's blocks, a VAE part, the text encoder's layers) and the
+    copies made of them later (``klein_core.lora.with_loras``). A compiler failure in the modules
+    sends them and every copy back to eager; one in a copy sends the copies back (a copy's LoRA
+    branches are its own to compile) and leaves the modules compiled. Each is said once: a compiler
+    that fails for one module fails for the next (no C++ compiler, an unsupported GPU), so they are
+    not each tried and warned about, nor is each new copy (another LoRA strength)."""
+
+    def __init__(self, modules: Sequence[torch.nn.Module], what: str,
+                 on_eager: Callable[[], None] | None) -> None:
+        self.modules = list(modules)
+        self.what = what
+        self.on_eager = on_eager
+        self.failed = False
+        self.copies_failed = False
+
+    def fail(self, exc: Exception, in_copy: bool) -> None:
+        if self.failed or (in_copy and self.copies_failed):
+            return
+        self.copies_failed = True
+        if in_copy:
+            # The copies then run with the ops their model shares with the original (compiled): the
+            # plain steps where Inductor would have fused them. Exact, if slower.
+            logger.warning("torch.compile failed for a copy of the %s (%s); running the copies eagerly",
+                           self.what, _first_line(exc))
+            return
+        self.failed = True
+        for m in self.modules:
+            _uncompile(m)
+        logger.warning("torch.compile failed for the %s (%s); running them eagerly (the fast path "
+                       "without compilation)", self.what, _first_line(exc))
+        if self.on_eager is not None:
+            self.on_eager()
+
+
+def _compile_group(modules: Sequence[torch.nn.Module], what: str,
+                   on_eager: Callable[[], None] | None = None, **options: Any) -> None:
     """``torch.compile`` the bound ``forward`` of each of ``modules`` (in place), falling back to eager.
 
     Only ``forward`` is replaced, so hooks on the modules stay eager. Modules of one class share one
     compiled graph (their parameters are graph inputs), compiled at the first call at each new shape.
-    On a compiler failure the call is re-run eagerly: if that succeeds the group goes back to eager
-    with one warning; if not, the eager error is raised and compilation stays on.
+    On a compiler failure the call is re-run eagerly: if that succeeds the group (and every copy of
+    its modules) goes back to eager with one warning, and ``on_eager()`` switches on what the
+    eager fast path runs instead (kernels that compilation leaves to Inductor); if not, the eager
+    error is raised and compilation stays on.
     """
-    def on_failure(exc: Exception) -> None:
-        for m in modules:
-            _uncompile(m)
-        logger.warning("torch.compile failed for the %s (%s); running them eagerly (the fast path "
-                       "without compilation)", what, _first_line(exc))
-
+    group = _CompileGroup(modules, what, on_eager)
     for module in modules:
-        module.forward = _compiled_forward(module, what, options, on_failure)  # type: ignore[method-assign]
+        module.forward = _compiled_forward(module, group, options)  # type: ignore[method-assign]
 
 
 # Compiled entries dynamo may keep per block kind (its default, 8, is per code object: every model
@@ -633,18 +691,21 @@ def _not_compiler_failures() -> tuple[type[BaseException], ...]:
 _NOT_COMPILER_FAILURES = _not_compiler_failures()
 
 
-def _compiled_forward(module: torch.nn.Module, what: str, options: dict[str, Any],
-                      on_failure: Callable[[Exception], None]) -> Callable[..., Any]:
+def _compiled_forward(module: torch.nn.Module, group: _CompileGroup, options: dict[str, Any],
+                      in_copy: bool = False) -> Callable[..., Any]:
     """``module``'s compiled forward with the eager fallback, for its instance ``forward``.
 
     It carries ``klein_rebind(copy)``: a shallow copy of ``module`` (``klein_core.lora.with_loras``
     makes them to hang LoRA branches on) must not call this one, which is bound to ``module`` and
-    would run ``module``'s children without the copy's branches; it gets its own.
+    would run ``module``'s children without the copy's branches; it gets its own, in the same group.
     """
     eager = type(module).forward.__get__(module)  # the class's: module.forward may be a copied instance one
     compiled = torch.compile(eager, **options)
 
     def forward(*args: Any, **kwargs: Any) -> Any:
+        if group.failed or (in_copy and group.copies_failed):  # fell back after this was made
+            _uncompile(module)
+            return eager(*args, **kwargs)
         try:
             with _hook_guards:
                 return compiled(*args, **kwargs)
@@ -652,15 +713,12 @@ def _compiled_forward(module: torch.nn.Module, what: str, options: dict[str, Any
             raise
         except Exception as exc:
             out = eager(*args, **kwargs)  # raises itself when the input is at fault
-            on_failure(exc)
+            group.fail(exc, in_copy)
+            _uncompile(module)
             return out
 
     def rebind(copy: torch.nn.Module) -> Callable[..., Any]:
-        def copy_failed(exc: Exception) -> None:
-            _uncompile(copy)
-            logger.warning("torch.compile failed for a copy of the %s (%s); running it eagerly", what,
-                           _first_line(exc))
-        return _compiled_forward(copy, what, options, copy_failed)
+        return _compiled_forward(copy, group, options, in_copy=True)
 
     forward.klein_rebind = rebind  # type: ignore[attr-defined]
     return forward
@@ -716,8 +774,14 @@ def enable_fast_paths(
     ops = FastOps(settings, model.config.head_dim, model.config.hidden_size)
     model.ops = ops
     if compile:
-        _compile_group(_blocks(model), "transformer blocks", mode=compile_mode, dynamic=compile_dynamic,
-                       backend=compile_backend)
+        def eager_fast() -> None:  # the fast path's own kernels, which compilation left to Inductor
+            ops.compile_failed()
+            if model.ops is ops:  # the timer's hooks, unless the model was switched since
+                _remove_hooks(model, getattr(model, "_fast_hooks", ()))
+                model._fast_hooks = []  # type: ignore[assignment]
+
+        _compile_group(_blocks(model), "transformer blocks", eager_fast, mode=compile_mode,
+                       dynamic=compile_dynamic, backend=compile_backend)
         timer = _CompileTimer()
         model._fast_hooks = [  # type: ignore[assignment]
             model.register_forward_pre_hook(timer.pre, with_kwargs=True),
@@ -725,12 +789,23 @@ def enable_fast_paths(
         ]
         logger.info("torch.compile (%s) enabled for %d blocks (mode=%s, dynamic=%s); compiled on first use",
                     compile_backend, len(_blocks(model)), compile_mode or "default", compile_dynamic)
+    model.__dict__[SPEED_ATTR] = CUSTOM_SPEED  # apply_speed names its own speed after this
     return ops
+
+
+def eager_view(view: Flux2Transformer, model: Flux2Transformer) -> None:
+    """Make ``view``, a copy of ``model``'s module tree that runs without ``model``'s compiled
+    forwards (the nodes' native MODEL), run ``model``'s fast path eagerly: its ops without
+    compilation (whose kernels compilation leaves to Inductor) and without the compile timer's
+    hooks. Nothing to do for a model not compiled."""
+    if isinstance(view.ops, FastOps):
+        view.ops = view.ops.without_compile()
+    _remove_hooks(view, getattr(model, "_fast_hooks", ()))
 
 
 def disable_fast_paths(model: Flux2Transformer) -> None:
     """Back to the plain PyTorch path: default ops, no compiled blocks, no hooks."""
-    model.__dict__.pop(SPEED_ATTR, None)  # switched by hand: klein_core.accel.speed sets it anew
+    model.__dict__.pop(SPEED_ATTR, None)  # plain; klein_core.accel.speed sets it anew
     model.ops = PLAIN_OPS
     for block in _blocks(model):
         _uncompile(block)
@@ -765,17 +840,18 @@ def enable_fast_vae(
     layout = compile if channels_last is None else channels_last
     fused = (not compile) if fused_norm is None else fused_norm
     vae.set_decode_format(dtype=dtype or vae.dtype, channels_last=layout)
+    norm = FastVAENorm(vae)  # one for both parts: the kernel is chosen (and checked) once per device
     if fused:
-        norm = FastVAENorm(vae)
-        _set_vae_norms(vae, norm)
-        vae.__dict__[_VAE_HOOKS] = [part.register_forward_pre_hook(norm.before_pass)
-                                    for part in (vae.encoder, vae.decoder)]
+        for part in (vae.encoder, vae.decoder):
+            _fuse_vae_norms(vae, part, norm)
     if compile:
-        _compile_group([vae.decoder], "VAE decoder", mode=compile_mode, backend=compile_backend)
-        _compile_group([vae.encoder], "VAE encoder", mode=compile_mode, backend=compile_backend)
+        for part, what in ((vae.decoder, "VAE decoder"), (vae.encoder, "VAE encoder")):
+            eager = None if fused else functools.partial(_fuse_vae_norms, vae, part, norm)
+            _compile_group([part], what, eager, mode=compile_mode, backend=compile_backend)
     logger.info("VAE: decoder in %s, %s%s%s", vae.decoder_dtype, "channels-last" if layout else "NCHW",
                 ", GroupNorm+SiLU fused where the device allows" if fused else "",
                 ", encoder and decoder compiled on first use" if compile else "")
+    vae.__dict__[SPEED_ATTR] = CUSTOM_SPEED
 
 
 def disable_fast_vae(vae: Flux2VAE) -> None:
@@ -796,7 +872,7 @@ def disable_fast_vae(vae: Flux2VAE) -> None:
 
 
 __all__ = [
-    "ATTENTION_BACKENDS", "AUTO_ATTENTION", "FastOps", "FastSettings", "FastVAENorm", "auto_attention",
-    "disable_fast_paths",
-    "disable_fast_vae", "enable_fast_paths", "enable_fast_vae", "is_compiled",
+    "ATTENTION_BACKENDS", "AUTO_ATTENTION", "CUSTOM_SPEED", "FastOps", "FastSettings", "FastVAENorm",
+    "auto_attention", "disable_fast_paths", "disable_fast_vae", "eager_view", "enable_fast_paths",
+    "enable_fast_vae", "is_compiled",
 ]

@@ -12,7 +12,7 @@
 * ``plain``: the reference PyTorch path that the parity tests check against diffusers and BFL.
 
 :func:`apply_speed` is idempotent, so a caller may apply it before every run; switching the fast
-paths by hand makes the next :func:`apply_speed` set them again.
+paths by hand (the speed is then ``"custom"``) makes the next :func:`apply_speed` set them again.
 """
 
 from __future__ import annotations
@@ -39,7 +39,9 @@ def check_speed(speed: str) -> str:
 
 
 def speed_of(model: Flux2Transformer | Flux2VAE | Qwen3TextEncoder) -> str:
-    """The speed ``model`` was set to by :func:`apply_speed` ("plain" if never)."""
+    """The speed ``model`` was set to by :func:`apply_speed` ("plain" if never), or ``"custom"``
+    where its fast paths were switched on by hand since (``enable_fast_paths``, ``enable_fast_vae``,
+    ``enable_fast_text_encoder``): the next :func:`apply_speed` then sets its speed whatever it is."""
     return getattr(model, SPEED_ATTR, "plain")
 
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 
 from ..models.qwen3 import Qwen3TextEncoder
-from .fast import SPEED_ATTR, _compile_group, _CompileTimer, _remove_hooks, _uncompile
+from .fast import CUSTOM_SPEED, SPEED_ATTR, _compile_group, _CompileTimer, _remove_hooks, _uncompile
 from .text_graph import GraphedTextForward, graphed_forward
 
 logger = logging.getLogger(__name__)
@@ -59,6 +59,7 @@ def enable_fast_text_encoder(
     if not compile:
         if graphs:
             encoder.forward = GraphedTextForward(encoder)  # type: ignore[method-assign]
+            encoder.__dict__[SPEED_ATTR] = CUSTOM_SPEED  # apply_speed names its own speed after this
             logger.info("text encoder: CUDA graph replay of the plain forward enabled")
         return
     _compile_group(list(encoder.layers), "text encoder layers", mode=compile_mode, backend=compile_backend)
@@ -72,6 +73,7 @@ def enable_fast_text_encoder(
         encoder.forward = GraphedTextForward(encoder, frozenset(h.id for _, h in hooks))  # type: ignore[method-assign]
     logger.info("torch.compile (%s) enabled for the %d text encoder layers (mode=%s); compiled on first use",
                 compile_backend, len(encoder.layers), compile_mode or "default")
+    encoder.__dict__[SPEED_ATTR] = CUSTOM_SPEED
 
 
 def disable_fast_text_encoder(encoder: Qwen3TextEncoder) -> None:

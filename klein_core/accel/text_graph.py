@@ -182,6 +182,8 @@ class GraphedTextForward:
                         break
                     key.append((t.data_ptr(), t.dtype, t.shape))
         weights = None if key is None else tuple(key)
+        if torch.is_autocast_enabled(device.type):  # a graph replays the kernels chosen when it was recorded
+            return "autocast is on", weights
         if device.type != "cuda" or attention_mask.device != device:
             return NOT_CUDA, weights
         if torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
