@@ -422,6 +422,13 @@ MUTANTS: tuple[Mutant, ...] = (
         "Klein Model to MODEL of a compile-speed model runs the plain steps",
     ),
     Mutant(
+        "vae-compile-fallback-plain-norms", "klein_core/accel/fast.py",
+        "            eager = None if fused else functools.partial(_fuse_vae_norms, vae, part, norm)",
+        "            eager = None",
+        ("tests/test_accel_hunt.py::test_after_a_compiler_failure_the_vae_runs_its_fused_norms",),
+        "after the VAE fails to compile it decodes channels-last with the plain GroupNorms (the slow path)",
+    ),
+    Mutant(
         "host-oom-named-gpu", "klein_core/pipeline/oom.py",
         'if not isinstance(exc, torch.OutOfMemoryError) and "MPS" not in text and any(s in text for s in _HOST_WORDS):',
         'if False:',
