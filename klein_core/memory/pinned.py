@@ -156,7 +156,7 @@ def pin_tensors(tensors: list[torch.Tensor], *, budget: int | Callable[[], int |
     global _left_said
     wanted = [i for i, t in enumerate(tensors)
               if t.numel() and t.device.type != "meta" and not (t.device.type == "cpu" and t.is_pinned())
-              and (_dense(tensors[i]) or _span(tensors[i]) >= tensors[i].nbytes)]
+              and (_dense(t) or _span(t) >= t.nbytes)]
     if not wanted:
         return PinReport()
     if callable(budget):
@@ -168,12 +168,10 @@ def pin_tensors(tensors: list[torch.Tensor], *, budget: int | Callable[[], int |
     refused = False
     for size, items in groups:
         memory = None
-        if refused:
-            pass
-        elif budget is not None and locked + size > budget:
+        if not refused and budget is not None and locked + size > budget:  # a smaller chunk may still fit
             reason = reason or (f"only {budget / 2**30:.1f} GiB more may be page-locked (the share of this "
                                 "machine's memory klein_core keeps it to)")
-        else:
+        elif not refused:
             try:  # only the allocation: a failure there is the system refusing to lock more
                 memory = _page_locked(size)
             except RuntimeError as exc:  # little free memory, a limit on locked memory (on Windows, said to be near half)
