@@ -246,6 +246,13 @@ class BlockOffloader:
         if self._hooks or self._attached:
             return self
         self._attached = True
+        try:
+            return self._attach(hooks)
+        except BaseException:  # out of memory part-way (or cancelled): every weight back home
+            self.detach()
+            raise
+
+    def _attach(self, hooks: bool) -> BlockOffloader:
         in_blocks = {(id(s.owner), s.name) for slots in self._slots for s in slots}
         # Non-block weights are on the device while attached; their own tensors come back at
         # detach, so an offloaded model leaves nothing behind on the device.

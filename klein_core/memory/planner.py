@@ -29,7 +29,7 @@ from ..models.transformer import Flux2Transformer
 from ..models.vae import Flux2VAE
 from ..pipeline.request import indexed_device
 from ..quant.fp8 import block_linear_names
-from .placement import find_block_lists, module_bytes, module_tensors
+from .placement import _same_device, find_block_lists, module_bytes, module_tensors, tensor_devices
 from .tiling import TILE_SIDES, tile_overlap
 
 logger = logging.getLogger(__name__)
@@ -41,6 +41,11 @@ GB = 1e9
 # output (9 x hidden), the residual, q, and the float32 RoPE temporaries. Per token and hidden
 # unit of every sequence in the (CFG-doubled) batch; Klein 4B and 9B both trace to 66.0.
 TRANSFORMER_BYTES_PER_TOKEN_DIM = 66.0
+# KV mode's reference pass (the references alone, batch 1), on top of the keys and values stored
+# so far: Klein 4B traces to 82.35 with one, two and four 1024² references.
+KV_REFERENCE_PASS_BYTES_PER_TOKEN_DIM = 83.0
+# ref_mode "timestep_zero": the 9 modulation vectors of a block ([B, tokens, hidden] each) per token.
+PER_TOKEN_MODULATION_VECTORS = 9
 # Qwen3: inside a late layer's MLP, five hidden-size maps (the kept states 9 and 18, the residual,
 # its norm, the attention output) and three intermediate-size ones (gate, up, their product);
 # after layer 27 the three states and their concatenation (12 x hidden). Plus the boolean
@@ -77,15 +82,19 @@ class MemoryRequest:
     encode_text: bool = True  # False when the prompt embeddings are cached
     denoise: bool = True
     decode: bool = True
-    activation_bytes: int = 2  # bf16/fp16 activations
+    activation_bytes: int = 2  # bf16/fp16 activations (a float32 component counts 4 itself: ModelSizes)
     reference_kv: bool = False  # KV mode: references run once alone; their keys/values stay stored
+    text_batch: int | None = None  # texts the encoder runs at once (prompts, + the negative); None: batch
+    text_activation_bytes: int | None = None  # 4: ComfyUI's float32 text activations; None: as the encoder
+    per_token_modulation: bool = False  # ref_mode "timestep_zero": modulation vectors per token
+    encoded: tuple[tuple[int, int], ...] = ()  # images VAE-encoded that join no sequence (an init image)
 
     def __post_init__(self) -> None:
         for name in ("width", "height"):
             v = getattr(self, name)
             if v < 16 or v % 16:
                 raise ValueError(f"MemoryRequest.{name} must be a positive multiple of 16 pixels, got {v}")
-        if self.batch < 1 or self.text_length < 1:
+        if self.batch < 1 or self.text_length < 1 or (self.text_batch is not None and self.text_batch < 1):
             raise ValueError(
                 f"MemoryRequest.batch and text_length must be positive, got {self.batch}, {self.text_length}"
             )
@@ -107,6 +116,7 @@ class ComponentSize:
     total: int
     nonblock: int = 0
     blocks: tuple[int, ...] = ()
+    block_params: int = 0  # the largest block's parameter count (what a per-layer cast copies)
 
     def streamed(self, prefetch: int = 1) -> int:
         """Bytes on the device while streaming: non-block weights + the largest run of
@@ -137,6 +147,9 @@ class ModelSizes:
     encoder_channels: tuple[int, ...] = ()
     decoder_channels: tuple[int, ...] = ()
     downscale: int = 16
+    # Bytes per activation element of a component computing in float32 (4), by component
+    # ("transformer", "text_encoder", "vae_encoder", "vae_decoder"); absent: the request's.
+    activation_elem: Mapping[str, int] = field(default_factory=dict)
 
     @classmethod
     def from_configs(
@@ -170,9 +183,18 @@ class ModelSizes:
                      vae: nn.Module | None = None) -> ModelSizes:
         """Sizes of loaded components (any of them may be absent), from the bytes their tensors occupy."""
         def size(m: nn.Module) -> ComponentSize:
-            blocks = tuple(module_bytes(b) for lst in find_block_lists(m) for b in lst)
+            block_list = [b for lst in find_block_lists(m) for b in lst]
+            blocks = tuple(module_bytes(b) for b in block_list)
             total = module_bytes(m)
-            return ComponentSize(total, total - sum(blocks), blocks)
+            params = max((sum(p.numel() for p in b.parameters()) for b in block_list), default=0)
+            return ComponentSize(total, total - sum(blocks), blocks, params)
+
+        dtypes = {"transformer": getattr(transformer, "dtype", None),
+                  "text_encoder": _compute_dtype(text_encoder),
+                  "vae_encoder": getattr(vae, "dtype", None),
+                  "vae_decoder": getattr(vae, "decoder_dtype", None)}
+        elems = {name: 4 for name, dtype in dtypes.items()
+                 if dtype == torch.float32}
 
         enc = dec = None
         if vae is not None:
@@ -189,7 +211,7 @@ class ModelSizes:
             text_hidden=getattr(qc, "hidden_size", 0), text_inter=getattr(qc, "intermediate_size", 0),
             encoder_channels=tuple(getattr(vc, "block_channels", ())),
             decoder_channels=tuple(getattr(vc, "decoder_block_channels", ())),
-            downscale=getattr(vc, "downscale", 16),
+            downscale=getattr(vc, "downscale", 16), activation_elem=elems,
         )
 
     @property
@@ -197,6 +219,15 @@ class ModelSizes:
         if self.vae_encoder is None or self.vae_decoder is None:
             return None
         return ComponentSize(self.vae_encoder.total + self.vae_decoder.total)
+
+
+def _compute_dtype(module: nn.Module | None) -> torch.dtype | None:
+    """The dtype ``module`` computes in: that of its first floating-point parameter of 2 bytes or
+    more (fp8 weights compute in their scale's dtype, not in fp8); None if it has none."""
+    if module is None:
+        return None
+    floats = (p.dtype for p in module.parameters() if p.is_floating_point() and p.element_size() >= 2)
+    return next(floats, None)
 
 
 @functools.lru_cache(maxsize=16)
@@ -216,11 +247,13 @@ def _meta_size(cls: type, config: Any, precision: str) -> ComponentSize:
         return total
 
     blocks = []
+    params = 0
     for lst in find_block_lists(model):
         lst_name = next(n for n, m in model.named_children() if m is lst)
         blocks += [nbytes(b, f"{lst_name}.{i}.") for i, b in enumerate(lst)]
+        params = max([params, *(sum(p.numel() for p in b.parameters()) for b in lst)])
     total = nbytes(model, "")
-    return ComponentSize(total, total - sum(blocks), tuple(blocks))
+    return ComponentSize(total, total - sum(blocks), tuple(blocks), params)
 
 
 @functools.lru_cache(maxsize=8)
@@ -343,7 +376,10 @@ class MemoryEstimate:
 def estimate(request: MemoryRequest, components: ModelSizes) -> MemoryEstimate:
     """Estimate per-stage memory for ``request`` (pure: sizes and formulas only, no device)."""
     r = request
-    e = r.activation_bytes
+
+    def elem(component: str) -> int:  # bytes per activation element
+        return max(r.activation_bytes, components.activation_elem.get(component, 0))
+
     comps: dict[str, ComponentSize] = {}
     if components.transformer is not None:
         comps["transformer"] = components.transformer
@@ -353,37 +389,46 @@ def estimate(request: MemoryRequest, components: ModelSizes) -> MemoryEstimate:
         comps["vae"] = components.vae
     stages: dict[str, StageEstimate] = {}
     if r.encode_text and components.text_encoder is not None:
-        stages["text"] = StageEstimate("text_encoder", text_activation_bytes(
-            r.text_length, r.batch, components.text_hidden, components.text_inter, e))
-    if r.references and components.vae is not None:
-        enc = components.encoder_channels
-        # References are encoded one at a time; the largest one sets the peak.
-        act = max(vae_encode_activation_bytes(h, w, 1, enc, e) for w, h in r.references)
+        te = components.text_encoder
+        e = r.text_activation_bytes or elem("text_encoder")
+        act = text_activation_bytes(r.text_length, r.text_batch or r.batch, components.text_hidden,
+                                    components.text_inter, e)
+        if r.text_activation_bytes and e * te.block_params > max(te.blocks, default=0):
+            act += e * te.block_params  # each layer's weights cast to the activations' dtype while it runs
+        stages["text"] = StageEstimate("text_encoder", act)
+    encoded = r.references + r.encoded
+    if encoded and components.vae is not None:
+        enc, e = components.encoder_channels, elem("vae_encoder")
+        # Images are encoded one at a time; the largest one sets the peak.
+        act = max(vae_encode_activation_bytes(h, w, 1, enc, e) for w, h in encoded)
         tiled = {}
         for tile in TILE_SIDES:
             side = 16 * tile
             tiled[tile] = max(vae_encode_activation_bytes(min(h, side), min(w, side), 1, enc, e)
-                              + h * w // 256 * 128 * 8 for w, h in r.references)
+                              + h * w // 256 * 128 * 8 for w, h in encoded)
         stages["references"] = StageEstimate("vae", act, tiled)
     if r.denoise and components.transformer is not None:
+        e, hidden = elem("transformer"), components.hidden
         seqs = r.batch * (2 if r.cfg else 1)
-        if r.reference_kv and r.reference_tokens:
-            # The references' own pass (batch 1), then steps without them in the sequence; their
-            # keys and values (2 x tokens x hidden per block) stay stored throughout.
-            steps = transformer_activation_bytes(r.text_length + r.image_tokens, seqs, components.hidden,
-                                                 r.text_length, components.context_dim, r.image_tokens, elem=e)
-            ref_pass = transformer_activation_bytes(r.reference_tokens, 1, components.hidden, 0,
-                                                    components.context_dim, 0, elem=e)
-            stored = 2 * r.reference_tokens * components.hidden * len(components.transformer.blocks) * e
-            act = max(steps, ref_pass) + stored
-        else:
-            tokens = r.text_length + r.image_tokens + r.reference_tokens
-            act = transformer_activation_bytes(tokens, seqs, components.hidden, r.text_length,
-                                               components.context_dim, r.image_tokens, elem=e)
+        kv = r.reference_kv and r.reference_tokens
+        tokens = r.text_length + r.image_tokens + (0 if kv else r.reference_tokens)
+        act = transformer_activation_bytes(tokens, seqs, hidden, r.text_length, components.context_dim,
+                                           r.image_tokens, elem=e)
+        if r.per_token_modulation:
+            every = r.text_length + r.image_tokens + r.reference_tokens
+            act += PER_TOKEN_MODULATION_VECTORS * seqs * every * hidden * e
+        if kv:
+            # The references' own pass (batch 1), then steps that join their stored keys and values to
+            # each sequence's ([B, heads, L + N, head_dim] twice per block); the keys and values (2 x
+            # tokens x hidden per block) stay stored throughout.
+            act += 2 * seqs * (tokens + r.reference_tokens) * hidden * e
+            ref_pass = int(KV_REFERENCE_PASS_BYTES_PER_TOKEN_DIM * r.reference_tokens * hidden * e / 2)
+            stored = 2 * r.reference_tokens * hidden * len(components.transformer.blocks) * e
+            act = max(act, ref_pass) + stored
         stages["denoise"] = StageEstimate("transformer", act)
     if r.decode and components.vae is not None:
-        dec = components.decoder_channels
-        one = replace(r, batch=1)  # the engine decodes one image at a time
+        dec, e = components.decoder_channels, elem("vae_decoder")
+        one = replace(r, batch=1, activation_bytes=e)  # the engine decodes one image at a time
         act = vae_decode_activation_bytes(r.height, r.width, 1, dec, e)
         stages["decode"] = StageEstimate("vae", act, {t: tiled_decode_bytes(one, dec, t) for t in TILE_SIDES})
     return MemoryEstimate(r, comps, stages)
@@ -465,7 +510,7 @@ def _candidates(mode: str, vae_tile: int | str | None = "auto") -> list[tuple[st
 
 def choose_plan(
     est: MemoryEstimate, free_bytes: int, *, mode: str = "auto", reserve_bytes: int = DEFAULT_RESERVE_BYTES,
-    prefetch: int = 1, vae_tile: int | str | None = "auto",
+    prefetch: int = 1, vae_tile: int | str | None = "auto", stay: frozenset[str] = frozenset(),
 ) -> MemoryPlan:
     """The fastest plan whose estimated peak fits ``free_bytes - reserve_bytes``.
 
@@ -474,34 +519,50 @@ def choose_plan(
     ``vae_tile``: ``"auto"`` tries each placement untiled, then in VAE tiles of 64 and 32 latents
     (16 only with everything streamed), before the next placement; None never tiles; a side of
     :data:`~klein_core.memory.tiling.TILE_SIDES` always tiles at that side (:data:`VAE_TILES`). If nothing fits, the plan with the smallest peak is
-    returned with ``fits=False`` and a reason that says how much is missing.
+    returned with ``fits=False`` and a reason that says how much is missing. ``stay``:
+    components already on the device, which run there whatever their placement (resident in
+    every plan).
     """
     budget = free_bytes - reserve_bytes
     best: MemoryPlan | None = None
-    first_peak: int | None = None
+    resident = MemoryPlan({c: _R for c in est.components})
+    resident_peak = est.peak(resident)
     for name, placements, tile in _candidates(mode, vae_tile):
         placements = {c: p for c, p in placements.items() if c in est.components}
+        held = sorted(c for c in stay if placements.get(c, _R) != _R)
+        if held:
+            placements.update(dict.fromkeys(held, _R))
+            name = f"{name} ({', '.join(c.replace('_', ' ') for c in held)} on the device already)"
         plan = MemoryPlan(placements, tile, prefetch, name)
         peak = est.peak(plan)
-        first_peak = peak if first_peak is None else first_peak
         plan = replace(plan, peak_bytes=peak, free_bytes=free_bytes, fits=peak <= budget)
         if plan.fits:
-            return replace(plan, reason=_reason(est, plan, first_peak, budget))
+            return replace(plan, reason=_reason(est, plan, resident_peak, budget))
         if best is None or peak <= best.peak_bytes:  # ties: the later, more frugal plan
             best = plan
     assert best is not None
-    return replace(best, reason=_reason(est, best, first_peak or 0, budget))
+    instead = None
+    if mode != "auto":  # a forced mode that does not fit: say which one would
+        other = choose_plan(est, free_bytes, reserve_bytes=reserve_bytes, prefetch=prefetch,
+                            vae_tile=vae_tile, stay=stay)
+        instead = other.name if other.fits else None
+    return replace(best, reason=_reason(est, best, resident_peak, budget, instead))
 
 
-def _reason(est: MemoryEstimate, plan: MemoryPlan, resident_peak: int, budget: int) -> str:
+def _reason(est: MemoryEstimate, plan: MemoryPlan, resident_peak: int, budget: int,
+            instead: str | None = None) -> str:
     peaks = est.stage_peaks(plan)
+    if not peaks:
+        return f"{plan.name}: nothing to run on the device"
     worst = max(peaks, key=peaks.__getitem__)
     tiling = f", VAE tiles of {plan.vae_tile} latents" if plan.vae_tile else ""
     head = f"{plan.name}{tiling}: estimated peak {plan.peak_bytes / GB:.2f} GB ({worst})"
     if not plan.fits:
+        fix = (f"memory mode auto would fit ({instead}), or use fp8 weights" if instead is not None
+               else "use fp8 weights")
         return (f"{head} does not fit {budget / GB:.2f} GB usable ({plan.free_bytes / GB:.2f} GB free); "
-                f"short by {(plan.peak_bytes - budget) / GB:.2f} GB: use fp8 weights, a smaller size or "
-                "fewer references")
+                f"short by {(plan.peak_bytes - budget) / GB:.2f} GB: {fix}, a smaller size or fewer "
+                "references")
     if plan.name == "resident" and not plan.vae_tile:
         return f"{head} fits {budget / GB:.2f} GB usable"
     return (f"{head} fits {budget / GB:.2f} GB usable; everything resident would need "
@@ -564,6 +625,12 @@ def plan_for(
     vae_tile = check_vae_tile(vae_tile)
     modules = [m for m in (transformer, text_encoder, vae) if m is not None]
     est = estimate(request, ModelSizes.from_modules(transformer, text_encoder, vae))
+    given = free_bytes is not None  # by the caller: its plan's reason says what fits it
+    # A component held on the device runs there whatever its plan (StagePlacer.in_place): never
+    # planned off it. (On the CPU, the tests' stand-in device, streaming a CPU model still runs.)
+    stay = frozenset() if device.type == "cpu" else frozenset(
+        c for c, m in (("transformer", transformer), ("text_encoder", text_encoder), ("vae", vae))
+        if m is not None and all(_same_device(d, device) for d in tensor_devices(m)))
     if free_bytes is None:
         if device.type != "cuda":
             if mode == "auto":
@@ -575,7 +642,8 @@ def plan_for(
             free_bytes = 1 << 62
         else:
             if make_room is not None:
-                fastest = choose_plan(est, 1 << 62, mode=mode, vae_tile=vae_tile)  # the first candidate: its peak is the wish
+                # the first candidate: its peak is the wish
+                fastest = choose_plan(est, 1 << 62, mode=mode, vae_tile=vae_tile, stay=stay)
                 # The hook gets the device with its index: a host compares it with its models' devices
                 # ("cuda" != "cuda:0" in torch), and would free nothing for a bare "cuda".
                 here = indexed_device(device)
@@ -583,8 +651,8 @@ def plan_for(
                 if wanted > 0:
                     make_room(wanted, here)
             free_bytes = free_device_bytes(device, modules)
-    plan = choose_plan(est, free_bytes, mode=mode, vae_tile=vae_tile)
-    if device.type != "cuda":
+    plan = choose_plan(est, free_bytes, mode=mode, vae_tile=vae_tile, stay=stay)
+    if device.type != "cuda" and not given:
         tiling = f", VAE tiles of {plan.vae_tile} latents" if plan.vae_tile else ""
         plan = replace(plan, reason=f"{plan.name}{tiling}: forced mode on {device.type} (no memory to measure); "
                                     f"estimated peak {plan.peak_bytes / GB:.2f} GB")
@@ -608,7 +676,9 @@ def weights_home(
         return device
     if mode != "auto":
         return device if mode == "resident" else torch.device("cpu")
-    request = request or MemoryRequest(encode_text=False, decode=False)
+    if request is None:  # a typical request whose stages use the component (a 1024² image)
+        request = MemoryRequest(encode_text=component == "text_encoder", denoise=component == "transformer",
+                                decode=component == "vae")
     sizes = ModelSizes.from_modules(**{component: model})
     if free_bytes is None:
         free_bytes = free_device_bytes(device)

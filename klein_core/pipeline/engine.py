@@ -89,10 +89,12 @@ def _on_grid(sizes: Sequence[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
     return tuple((max(16, -(-w // 16) * 16), max(16, -(-h // 16) * 16)) for w, h in sizes)
 
 
-def memory_request(width: int, height: int, references: Sequence[tuple[int, int]] = (), **kw: Any) -> MemoryRequest:
+def memory_request(width: int, height: int, references: Sequence[tuple[int, int]] = (),
+                   encoded: Sequence[tuple[int, int]] = (), **kw: Any) -> MemoryRequest:
     """A :class:`MemoryRequest` with every size on the planner's 16-pixel grid."""
-    (width, height), *refs = _on_grid([(width, height), *references])
-    return MemoryRequest(width, height, references=tuple(refs), **kw)
+    (width, height), *sizes = _on_grid([(width, height), *references, *encoded])
+    refs, more = sizes[:len(references)], sizes[len(references):]
+    return MemoryRequest(width, height, references=tuple(refs), encoded=tuple(more), **kw)
 
 
 class Engine:
@@ -213,6 +215,12 @@ class Engine:
         with suspend, placer.stage(component) as placed:
             yield placed
 
+    def _text_bytes(self) -> dict[str, int]:
+        """The planner's ``text_activation_bytes`` when the text encoder computes in a dtype of its own
+        (ComfyUI's float32: :data:`~klein_core.pipeline.prompts.COMFYUI_TEXT`)."""
+        dtype = self.text.activations
+        return {} if dtype is None else {"text_activation_bytes": dtype.itemsize}
+
     def _next_image(self) -> None:
         if self.check_cancel is not None:
             self.check_cancel()
@@ -275,8 +283,9 @@ class Engine:
         if any(e is None for e in embeds):  # the encoder is placed only when something is not cached
             if plan is None:
                 texts = [t for g in groups for t in g]
-                plan = self.plan(memory_request(1024, 1024, batch=len(texts), denoise=False, decode=False,
-                                                text_length=self.text.length(texts)))
+                plan = self.plan(memory_request(1024, 1024, batch=max(map(len, groups)), denoise=False,
+                                                decode=False, text_length=self.text.length(texts),
+                                                **self._text_bytes()))
             with explain_oom("encoding the prompts", self.device, batch=sum(map(len, groups))):
                 with self._stage("text_encoder", plan) as te:
                     check = checks or Checks()
@@ -314,7 +323,8 @@ class Engine:
             raise ValueError(f"pixels must be [B, 3, H, W], got {list(pixels.shape)}")
         h, w = pixels.shape[-2:]
         if plan is None:
-            plan = self.plan(memory_request(1024, 1024, [(w, h)], encode_text=False, denoise=False, decode=False))
+            plan = self.plan(memory_request(1024, 1024, encoded=[(w, h)], encode_text=False, denoise=False,
+                                            decode=False))
         check = checks or Checks()
         check.require_finite(pixels, "the pixels to encode")
         latents = []
@@ -425,7 +435,9 @@ class Engine:
             sizes = reference_pixel_sizes((), references, down)
             plan = self.plan(memory_request(width, height, sizes, batch=txt.shape[0], cfg=run.cfg,
                                             encode_text=False, decode=False, reference_kv=mode == "kv",
-                                            text_length=txt.shape[1]))
+                                            per_token_modulation=mode == "timestep_zero" and bool(sizes),
+                                            # a longer negative runs as its own pass, at its length
+                                            text_length=max(t.shape[1] for t in (txt, neg) if t is not None)))
         with explain_oom("denoising", self.device, width, height, txt.shape[0] * (2 if run.cfg else 1),
                          len(references)):
             if noise is None:
@@ -535,10 +547,19 @@ class Engine:
         else:
             text_length = self.text.length([*request.prompts, *([request.negative_prompt] if run.cfg else [])])
         mode = self.ref_mode if request.ref_mode is None else reference_mode(self.kind, request.ref_mode)
+        prompts = len(request.prompts) if cond is None else 0
+        negative = run.cfg and (cond is None or cond.negative is None)
+        # Texts encoded at once (_text_groups): the prompts and the negative in one batch when they are
+        # cut to one length, else each group alone.
+        text_batch = max(1, prompts + 1 if negative and (self.text.truncate or not prompts) else prompts)
+        as_reference = request.init is not None and request.init.as_reference
+        encoded = [init.size] if init is not None and not as_reference else []
         return memory_request(run.width, run.height, sizes, batch=len(request.prompts) * run.batch_size,
-                              cfg=run.cfg, encode_text=cond is None or (run.cfg and cond.negative is None),
+                              cfg=run.cfg, encode_text=cond is None or negative,
                               decode=request.output != "latent", reference_kv=mode == "kv",
-                              text_length=text_length)
+                              text_length=text_length, text_batch=text_batch, encoded=encoded,
+                              per_token_modulation=mode == "timestep_zero" and bool(sizes),
+                              **self._text_bytes())
 
     def generate(self, request: GenerationRequest, *, callback: StepCallback | None = None) -> GenerationResult:
         """Run the four stages for ``request`` under one memory plan; stages whose result the request
