@@ -173,6 +173,20 @@ def test_a_compiler_failure_in_a_lora_copy_is_said_once_per_copy(monkeypatch, ca
     assert all(fast.is_compiled(b) for b in model.double_blocks)  # the original's blocks are its own
 
 
+def test_after_a_compiler_failure_lora_copies_no_longer_time_compilations(monkeypatch, caplog):
+    """The compile timer's hooks (a log line and a device wait at each new shape) are dropped with
+    compilation: from the model, and in its LoRA copies, which carry copies of its hook dicts."""
+    model = demo.tiny_transformer()
+    monkeypatch.setattr(fast.torch, "compile", _compile_that_fails)
+    fast.enable_fast_paths(model, compile=True)
+    patched = kc.with_loras(model, [(_lora_for(model), 1.0)])
+    with torch.no_grad(), caplog.at_level(logging.INFO, logger=fast.__name__):
+        model(**_inputs(model))  # the original fails: compilation is given up for every copy too
+        caplog.clear()
+        patched(**_inputs(model, batch=2))  # a new shape
+    assert "compilation included" not in caplog.text
+
+
 def test_a_compiler_failure_in_the_original_after_a_copy_was_made_keeps_outputs_exact(monkeypatch, caplog):
     """Edge case: the original's group falls back to eager after a LoRA copy was made from
     it while compiled; both the original and the copy still give their eager outputs (the copy's

@@ -100,6 +100,27 @@ def test_a_tied_weight_is_copied_once_for_a_stage_and_stays_tied():
     assert m.embed.weight.data_ptr() == original.data_ptr()
 
 
+def test_a_weight_a_block_shares_with_a_module_outside_the_blocks_is_on_the_device_while_streaming():
+    """A head tied to the first block's weight: while the blocks stream, the head (outside the
+    blocks) has the weight on the device like the other non-block weights, and every weight is the
+    original tensor's values at home again afterwards."""
+    from klein_core.memory.placement import BlockOffloader
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 8)])
+            self.head = nn.Linear(8, 8)
+            self.head.weight = self.blocks[0].weight
+
+    m = Model()
+    want = m.head.weight.detach().clone()
+    with BlockOffloader(m, "meta", blocks=[m.blocks]):
+        assert m.head.weight.device.type == "meta" and m.head.bias.device.type == "meta"
+    assert all(t.device.type == "cpu" for t in m.state_dict().values())
+    assert torch.equal(m.head.weight, want) and torch.equal(m.blocks[0].weight, want)
+
+
 def test_a_non_dense_view_is_counted_at_what_pinning_it_locks(monkeypatch):
     """Was a bug. A strided tensor is pinned alone by ``t.pin_memory()``, which allocates (torch's
     ``_pin_memory``) ``computeStorageNbytes(sizes, strides)``: for a view with gaps (a column slice

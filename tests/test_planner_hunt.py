@@ -254,6 +254,25 @@ def test_a_component_already_on_the_device_is_planned_as_staying_there():
     assert stuck == {"transformer": "resident"}
     real = est.peak(replace(plan, placements={**plan.placements, **stuck}))
     assert not plan.fits or real <= free - DEFAULT_RESERVE_BYTES, (plan.name, plan.reason, real)
+    assert plan.placements["transformer"] == "resident"  # planned where it runs
+    assert not plan.fits and "load the transformer into CPU memory" in plan.reason, plan.reason
+    roomy = plan_for(req, tr, te, vae, device="meta", free_bytes=real + DEFAULT_RESERVE_BYTES)
+    assert roomy.fits and roomy.placements["transformer"] == "resident", roomy.reason
+    assert "transformer on the device already" in roomy.name  # the text encoder still swaps in and out
+
+
+def test_generate_with_given_embeddings_counts_the_negative_prompt_it_encodes():
+    """Engine.generate with conditioning that has no negative, on a base model: the negative prompt is
+    encoded and denoised at its own length, which the plan must count (ComfyUI's whole prompts)."""
+    tr, te, vae = demo.build_tiny_components()
+    engine = kc.Engine(tr, te, vae, kind="base", prompt_cache=None, text=kc.COMFYUI_TEXT)
+    ctx = tr.config.context_dim
+    negative = " ".join(["blurry, out of focus, low quality"] * 120)
+    req = kc.GenerationRequest(conditioning=kc.Conditioning(torch.zeros(1, 512, ctx), None),
+                               negative_prompt=negative, settings=kc.Settings(128, 128, steps=1))
+    mr = engine.memory_request(req)
+    assert mr.encode_text and mr.text_batch == 1
+    assert mr.text_length == kc.COMFYUI_TEXT.length([negative]) > 512
 
 
 def test_a_forced_modes_reason_names_what_everything_resident_would_need():

@@ -316,6 +316,7 @@ class FastOps(BlockOps):
         self.hidden = hidden
         self._bound: dict[tuple[str, int | None, torch.dtype], _BoundOps] = {}
         self._described: dict[str, str] = {}
+        self._eager: FastOps | None = None  # without_compile's
 
     def bind(self, device: torch.device, dtype: torch.dtype) -> BlockOps:
         key = (device.type, device.index, dtype)
@@ -337,9 +338,14 @@ class FastOps(BlockOps):
         self._described.clear()
 
     def without_compile(self) -> FastOps:
-        """These ops for an eager copy of a compiled model (the same choices, ``compile=False``)."""
-        return self if not self.settings.compile else FastOps(
-            dataclasses.replace(self.settings, compile=False), self.head_dim, self.hidden)
+        """These ops for an eager copy of a compiled model (the same choices, ``compile=False``): one
+        for all its copies, so its kernels are chosen and checked once."""
+        if not self.settings.compile:
+            return self
+        if self._eager is None:
+            eager = dataclasses.replace(self.settings, compile=False)
+            self._eager = FastOps(eager, self.head_dim, self.hidden)
+        return self._eager
 
     def _kernel_choice(self, wanted: bool, name: str, device: torch.device, dtype: torch.dtype) -> bool:
         if not wanted:
@@ -505,8 +511,9 @@ class FastVAENorm:
 _VAE_HOOKS = "_klein_fast_vae_hooks"  # the FastVAENorm pre-hooks enable_fast_vae registered
 
 
-def _set_vae_norms(vae: Flux2VAE, fused: FastVAENorm | None) -> None:
-    for module in vae.modules():
+def _set_vae_norms(part: torch.nn.Module, fused: FastVAENorm | None) -> None:
+    """Every GroupNorm (+ SiLU) of ``part`` (the VAE, its encoder or its decoder) runs ``fused``."""
+    for module in part.modules():
         if isinstance(module, GroupNormAct):
             module.fused = fused
 
@@ -514,9 +521,7 @@ def _set_vae_norms(vae: Flux2VAE, fused: FastVAENorm | None) -> None:
 def _fuse_vae_norms(vae: Flux2VAE, part: torch.nn.Module, norm: FastVAENorm) -> None:
     """``part``'s (the encoder's or the decoder's) GroupNorms + SiLUs as ``norm``: what the
     uncompiled fast VAE runs, and a compiled part after compilation was given up."""
-    for module in part.modules():
-        if isinstance(module, GroupNormAct):
-            module.fused = norm
+    _set_vae_norms(part, norm)
     vae.__dict__.setdefault(_VAE_HOOKS, []).append(part.register_forward_pre_hook(norm.before_pass))
 
 
@@ -534,6 +539,7 @@ class _CompileTimer:
     def __init__(self) -> None:
         self.seen: set[tuple[Any, ...]] = set()
         self._pending: tuple[tuple[Any, ...], float] | None = None
+        self.off = False  # compilation given up: nothing to time (LoRA copies keep copies of the hooks)
 
     @staticmethod
     def _key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
@@ -546,13 +552,16 @@ class _CompileTimer:
                 str(getattr(first, "dtype", "")), *(str(a) for a in given if isinstance(a, torch.dtype)))
 
     def pre(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if self.off:
+            return
         key = self._key(args, kwargs)
         self._pending = None if key in self.seen else (key, time.perf_counter())
 
     def post(
         self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
     ) -> None:
-        if self._pending is None:
+        if self._pending is None or self.off:
+            self._pending = None
             return
         key, t0 = self._pending
         self._pending = None
@@ -774,15 +783,17 @@ def enable_fast_paths(
     ops = FastOps(settings, model.config.head_dim, model.config.hidden_size)
     model.ops = ops
     if compile:
+        timer = _CompileTimer()
+
         def eager_fast() -> None:  # the fast path's own kernels, which compilation left to Inductor
             ops.compile_failed()
+            timer.off = True
             if model.ops is ops:  # the timer's hooks, unless the model was switched since
                 _remove_hooks(model, getattr(model, "_fast_hooks", ()))
                 model._fast_hooks = []  # type: ignore[assignment]
 
         _compile_group(_blocks(model), "transformer blocks", eager_fast, mode=compile_mode,
                        dynamic=compile_dynamic, backend=compile_backend)
-        timer = _CompileTimer()
         model._fast_hooks = [  # type: ignore[assignment]
             model.register_forward_pre_hook(timer.pre, with_kwargs=True),
             model.register_forward_hook(timer.post, with_kwargs=True),

@@ -194,7 +194,7 @@ class GraphedTextForward:
                  activations: torch.dtype | None = None, *, left_padded: bool | None = None) -> torch.Tensor:
         why, weights = self._check(input_ids, attention_mask, activations, left_padded)
         if why is not None:
-            if why == NOT_CUDA:
+            if input_ids.device.type != "cuda":
                 self.reset()  # the encoder left the GPU (offloaded): its graphs' memory would sit there unused
             return self._eager(input_ids, attention_mask, activations, left_padded=left_padded)
         if weights is None:  # some weights elsewhere (streamed, partly offloaded): same as above

@@ -140,9 +140,9 @@ def pin_tensors(tensors: list[torch.Tensor], *, budget: int | Callable[[], int |
                 what: str = "weights", on_pinned: Callable[[int, torch.Tensor], None] | None = None) -> PinReport:
     """Replace, in the list ``tensors``, each tensor (on the CPU, or on a device: copied straight in)
     by a page-locked CPU copy with its dtype, shape and values, and tell ``on_pinned(index, copy)``;
-    a tensor stays where none is made (already page-locked, empty, on the meta device, a view whose
-    values overlap such as a broadcast, beyond ``budget`` bytes of page-locked memory, or the
-    system refused to lock more).
+    a tensor stays where none is made (already page-locked, empty, on the meta device, a view
+    spanning fewer bytes than its values take, such as a broadcast, beyond ``budget`` bytes of
+    page-locked memory, or the system refused to lock more).
 
     The tensors are packed into chunks (:func:`plan_chunks`: a copy is a view of one). A copy keeps
     the tensor's strides where its values are dense (a channels-last convolution weight stays

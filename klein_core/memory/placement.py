@@ -66,8 +66,12 @@ def _slots(module: nn.Module) -> list[_Slot]:
     return out
 
 
+def _places(slot: _Slot) -> list[tuple[nn.Module, str]]:
+    return [(slot.owner, slot.name), *slot.also]
+
+
 def _set(slot: _Slot, t: torch.Tensor) -> None:
-    places = [(slot.owner, slot.name), *slot.also]
+    places = _places(slot)
     if slot.is_param:
         # A new Parameter rather than ``.data =``: that refuses some device pairs (e.g. meta).
         old = slot.owner._parameters[slot.name]
@@ -253,10 +257,16 @@ class BlockOffloader:
             raise
 
     def _attach(self, hooks: bool) -> BlockOffloader:
-        in_blocks = {(id(s.owner), s.name) for slots in self._slots for s in slots}
+        in_blocks = {(id(o), n) for slots in self._slots for s in slots for o, n in _places(s)}
         # Non-block weights are on the device while attached; their own tensors come back at
-        # detach, so an offloaded model leaves nothing behind on the device.
-        self._resident = [s for s in _slots(self.model) if (id(s.owner), s.name) not in in_blocks]
+        # detach, so an offloaded model leaves nothing behind on the device. A weight a block
+        # shares with a module outside the blocks is resident in that module (a copy of its own).
+        self._resident = []
+        for slot in _slots(self.model):
+            outside = [(o, n) for o, n in _places(slot) if (id(o), n) not in in_blocks]
+            if outside:
+                (owner, name), *also = outside
+                self._resident.append(_Slot(owner, name, slot.is_param, slot.home, also))
         for slot in self._resident:
             if not _same_device(slot.home.device, self.device):
                 _set(slot, slot.home.to(self.device, copy=True))
@@ -433,7 +443,7 @@ class StagePlacer:
         """Whether :meth:`stage` runs ``component`` where it is: when its tensors are all on the
         device already, whatever its placement (else it is copied in, or its blocks streamed, for
         the stage only)."""
-        return all(_same_device(d, self.device) for d in tensor_devices(self.components[component]))
+        return held_on(self.components[component], self.device)
 
     @contextlib.contextmanager
     def stage(self, component: str) -> Iterator[nn.Module]:
@@ -470,12 +480,19 @@ class StagePlacer:
                 yield module
 
 
+def held_on(module: nn.Module, device: torch.device | str) -> bool:
+    """Whether every tensor of ``module`` is on ``device`` ("cuda" is the current GPU)."""
+    device = torch.device(device)
+    return all(_same_device(d, device) for d in tensor_devices(module))
+
+
 def offload_blocks(model: nn.Module, device: torch.device | str, *, prefetch: int = 1) -> BlockOffloader:
     """Attach a :class:`BlockOffloader` to ``model`` and return it (``.detach()`` to undo)."""
     return BlockOffloader(model, device, prefetch=prefetch).attach()
 
 
 __all__ = [
-    "BlockOffloader", "OffloadStats", "StagePlacer", "find_block_lists", "module_bytes", "module_tensors",
+    "BlockOffloader", "OffloadStats", "StagePlacer", "find_block_lists", "held_on", "module_bytes",
+    "module_tensors",
     "offload_blocks", "on_device", "pin_memory_", "tensor_devices",
 ]

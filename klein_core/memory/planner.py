@@ -29,7 +29,7 @@ from ..models.transformer import Flux2Transformer
 from ..models.vae import Flux2VAE
 from ..pipeline.request import indexed_device
 from ..quant.fp8 import block_linear_names
-from .placement import _same_device, find_block_lists, module_bytes, module_tensors, tensor_devices
+from .placement import find_block_lists, held_on, module_bytes, module_tensors
 from .tiling import TILE_SIDES, tile_overlap
 
 logger = logging.getLogger(__name__)
@@ -546,11 +546,11 @@ def choose_plan(
         other = choose_plan(est, free_bytes, reserve_bytes=reserve_bytes, prefetch=prefetch,
                             vae_tile=vae_tile, stay=stay)
         instead = other.name if other.fits else None
-    return replace(best, reason=_reason(est, best, resident_peak, budget, instead))
+    return replace(best, reason=_reason(est, best, resident_peak, budget, instead, stay))
 
 
 def _reason(est: MemoryEstimate, plan: MemoryPlan, resident_peak: int, budget: int,
-            instead: str | None = None) -> str:
+            instead: str | None = None, stay: frozenset[str] = frozenset()) -> str:
     peaks = est.stage_peaks(plan)
     if not peaks:
         return f"{plan.name}: nothing to run on the device"
@@ -560,6 +560,10 @@ def _reason(est: MemoryEstimate, plan: MemoryPlan, resident_peak: int, budget: i
     if not plan.fits:
         fix = (f"memory mode auto would fit ({instead}), or use fp8 weights" if instead is not None
                else "use fp8 weights")
+        if stay:  # held on the device, they cannot be swapped or streamed
+            held = " and ".join(c.replace("_", " ") for c in sorted(stay))
+            fix = (f"load the {held} into CPU memory (held on the device, it can be neither swapped nor "
+                   f"streamed), {fix}")
         return (f"{head} does not fit {budget / GB:.2f} GB usable ({plan.free_bytes / GB:.2f} GB free); "
                 f"short by {(plan.peak_bytes - budget) / GB:.2f} GB: {fix}, a smaller size or fewer "
                 "references")
@@ -630,7 +634,7 @@ def plan_for(
     # planned off it. (On the CPU, the tests' stand-in device, streaming a CPU model still runs.)
     stay = frozenset() if device.type == "cpu" else frozenset(
         c for c, m in (("transformer", transformer), ("text_encoder", text_encoder), ("vae", vae))
-        if m is not None and all(_same_device(d, device) for d in tensor_devices(m)))
+        if m is not None and held_on(m, device))
     if free_bytes is None:
         if device.type != "cuda":
             if mode == "auto":

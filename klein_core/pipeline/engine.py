@@ -544,6 +544,8 @@ class Engine:
         cond = request.conditioning
         if cond is not None:
             text_length = max(e.shape[1] for e in (cond.positive, cond.negative) if e is not None)
+            if run.cfg and cond.negative is None:  # the negative prompt is encoded, at its own length
+                text_length = max(text_length, self.text.length([request.negative_prompt]))
         else:
             text_length = self.text.length([*request.prompts, *([request.negative_prompt] if run.cfg else [])])
         mode = self.ref_mode if request.ref_mode is None else reference_mode(self.kind, request.ref_mode)
