@@ -14,6 +14,7 @@ import logging
 import pytest
 import torch
 from extras import require
+from test_step_cache import _smooth_in_time  # the step cache skips on it (trained-like timesteps)
 from text_encoder_files import fresh_dynamo, tokens  # noqa: F401 - fresh_dynamo is autouse
 
 import klein_core as kc
@@ -327,18 +328,6 @@ def test_the_bridged_view_of_a_compile_speed_model_runs_the_fast_kernels(comfy_p
 
 # --- step cache --------------------------------------------------------------------------------------
 
-def _smooth(model):
-    """The time embedder's fast sinusoid channels off, so the cache skips (see test_step_cache)."""
-    import math
-
-    half = model.time_in.in_layer.weight.shape[1] // 2
-    freqs = torch.exp(-math.log(10000.0) * torch.arange(half) / half)
-    fastc = torch.cat([freqs > 0.01, freqs > 0.01])
-    with torch.no_grad():
-        model.time_in.in_layer.weight[:, fastc] = 0
-    return model
-
-
 def _denoise(model, seed, steps=12, neg=True, grid=(6, 6), callback=None):
     from klein_core.pipeline.sampling import denoise, get_schedule
 
@@ -360,7 +349,7 @@ def test_step_cache_after_a_cancelled_run_and_cfg_switched_off_and_on():
     with its own cache, and the cancelled run's tensors were released."""
     from klein_core.accel import enable_step_cache
 
-    model = _smooth(demo.tiny_transformer())
+    model = _smooth_in_time(demo.tiny_transformer())
     fresh = copy.deepcopy(model)
     cache = enable_step_cache(model, threshold=0.3, warmup=0)
 

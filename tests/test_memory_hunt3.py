@@ -19,6 +19,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 from test_pinned import StandIn
+from test_staging import small_pieces  # noqa: F401 - parallel reads from 64 KiB up, 16 KiB pieces
 from torch import nn
 
 from klein_core.errors import WeightFormatError
@@ -40,16 +41,6 @@ def _tree(tmp_path, cgroup: str, files: dict[str, str], meminfo: str = MEMINFO):
         (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / path).write_text(text)
     return tmp_path
-
-
-@pytest.fixture
-def small_pieces(monkeypatch):
-    """Parallel reads from 64 KiB up, in pieces of 16 KiB (as tests/test_staging.py does)."""
-    if not hasattr(os, "preadv") or not hasattr(os, "RWF_NOWAIT"):
-        pytest.skip("no positioned reads without waiting here")
-    monkeypatch.setattr(staging, "PARALLEL_BYTES", 1 << 16)
-    monkeypatch.setattr(staging, "PIECE_BYTES", 1 << 14)
-    monkeypatch.setattr(staging, "READ_THREADS", 4)
 
 
 def _bytes_file(tmp_path, n: int, seed: int = 0):
@@ -304,7 +295,7 @@ def test_v1_unlimited_child_uses_its_limited_parent(tmp_path):
 
 
 @pytest.mark.parametrize("err", [errno.ENOSYS, errno.EPERM], ids=["ENOSYS", "EPERM"])
-def test_a_system_that_refuses_nonwaiting_reads_still_reads(tmp_path, monkeypatch, small_pieces, err):
+def test_a_system_that_refuses_nonwaiting_reads_still_reads(tmp_path, monkeypatch, small_pieces, err):  # noqa: F811
     """Was a bug. Where preadv2 itself is refused (a seccomp profile without it, as older container
     runtimes have: EPERM; a kernel or sandbox without the call: ENOSYS), every read of 64 MiB or
     more fails ("cannot read tensor") though plain reads work: _read_pieces falls back only for
@@ -325,7 +316,7 @@ def test_a_system_that_refuses_nonwaiting_reads_still_reads(tmp_path, monkeypatc
     assert torch.equal(out, data)
 
 
-def test_read_full_fills_a_view_of_wider_items(tmp_path, monkeypatch, small_pieces):
+def test_read_full_fills_a_view_of_wider_items(tmp_path, monkeypatch, small_pieces):  # noqa: F811
     """Was a bug (public helper; the project's own callers pass uint8 views). read_full's threaded path
     sizes and offsets pieces with ``len(view)``, which counts items, not bytes: a float32 view of
     400 KB is read as 100 000 bytes at the wrong offsets and the count says 100 000. The sequential
@@ -338,7 +329,7 @@ def test_read_full_fills_a_view_of_wider_items(tmp_path, monkeypatch, small_piec
     assert torch.equal(torch.from_numpy(out.view(np.uint8)), data)
 
 
-def test_short_and_refused_nonwaiting_reads_give_the_file_bytes(tmp_path, monkeypatch, small_pieces):
+def test_short_and_refused_nonwaiting_reads_give_the_file_bytes(tmp_path, monkeypatch, small_pieces):  # noqa: F811
     """Edge case (test_staging drives the real page cache only). preadv returning fewer bytes than
     asked, with and without RWF_NOWAIT, and EAGAIN part way through a piece: every byte lands once,
     in place, and the count and position are right."""
@@ -362,7 +353,7 @@ def test_short_and_refused_nonwaiting_reads_give_the_file_bytes(tmp_path, monkey
     assert torch.equal(out, data[1:])
 
 
-def test_an_io_error_in_a_read_thread_reaches_the_caller(tmp_path, monkeypatch, small_pieces):
+def test_an_io_error_in_a_read_thread_reaches_the_caller(tmp_path, monkeypatch, small_pieces):  # noqa: F811
     """Edge case (not covered). An I/O error is not swallowed: a failing non-waiting read in a pool
     thread leaves that piece to the ordered read, whose error read_full raises, and
     SafetensorsFile.read names the file and tensor."""
@@ -381,7 +372,7 @@ def test_an_io_error_in_a_read_thread_reaches_the_caller(tmp_path, monkeypatch, 
         f.read("w")
 
 
-def test_a_read_across_the_4_gib_offset(tmp_path, small_pieces):
+def test_a_read_across_the_4_gib_offset(tmp_path, small_pieces):  # noqa: F811
     """Edge case (not covered). A threaded read starting just below 4 GiB in a (sparse) file and
     ending past it: the offsets stay 64-bit, the bytes are the file's."""
     path = tmp_path / "sparse.bin"
