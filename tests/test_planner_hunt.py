@@ -358,6 +358,30 @@ def test_a_cancelled_streamed_kv_run_leaves_no_block_on_the_device_and_no_hook()
     assert torch.equal(again, plain)
 
 
+def test_the_vae_is_placed_once_for_references_and_an_init_image():
+    """Engine.generate with a reference and an init image encodes both in one placement of the VAE
+    (encode_references and encode_pixels each placed it: a VAE staged from CPU memory was copied to
+    the GPU twice for one stage), then places it again to decode; every weight is home afterwards."""
+    tr, te, vae = demo.build_tiny_components()
+    engine = kc.Engine(tr, te, vae, prompt_cache=None, memory="minimum")  # the VAE staged
+    placed = []
+    real = StagePlacer.stage
+
+    def spy(self, component):
+        placed.append(component)
+        return real(self, component)
+
+    init = InitImage(Image.new("RGB", (64, 64), "gray"), strength=0.5)
+    req = kc.GenerationRequest(prompt="a fox", references=(Image.new("RGB", (64, 64), "red"),), init=init,
+                               settings=kc.Settings(steps=1), output="pil")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(StagePlacer, "stage", spy)
+        engine.generate(req)
+    assert placed.count("vae") == 2, placed  # references + init image, then decode
+    assert engine._placed == {}
+    assert all(t.device.type == "cpu" for t in vae.state_dict().values())
+
+
 # ---------------------------------------------------------------------------------------------
 # Edge cases that hold (not covered by other tests)
 

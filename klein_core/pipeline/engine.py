@@ -183,6 +183,7 @@ class Engine:
         self.kv_cache = kv_cache
         self.make_room = make_room
         self.check_cancel = check_cancel
+        self._placed: dict[str, Any] = {}  # components placed by an enclosing stage (_stage)
         if speed is not None:  # after every check: bad arguments leave the models untouched
             apply_speed(transformer, vae, speed, text_encoder)
 
@@ -203,6 +204,9 @@ class Engine:
 
     @contextlib.contextmanager
     def _stage(self, component: str, plan: MemoryPlan) -> Iterator[Any]:
+        if component in self._placed:  # inside a stage that placed it already (one VAE copy for two steps)
+            yield self._placed[component]
+            return
         module = getattr(self, component)
         if module is None:
             raise ValueError(f"this stage needs a {component.replace('_', ' ')}; none was given")
@@ -213,7 +217,11 @@ class Engine:
         staged = graphs is not None and not placer.in_place(component)
         suspend = graphs.suspended() if staged else contextlib.nullcontext()  # type: ignore[union-attr]
         with suspend, placer.stage(component) as placed:
-            yield placed
+            self._placed[component] = placed
+            try:
+                yield placed
+            finally:
+                del self._placed[component]
 
     def _text_bytes(self) -> dict[str, int]:
         """The planner's ``text_activation_bytes`` when the text encoder computes in a dtype of its own
@@ -592,7 +600,10 @@ class Engine:
                 elif memory.cfg and cond.negative is None:
                     cond = Conditioning(cond.positive, self.encode_prompts([request.negative_prompt], plan=plan,
                                                                            checks=checks).positive)
-            with clock.stage("references"):
+            # References and an init image are encoded in one placement of the VAE (copied in once
+            # when the plan stages it).
+            both = bool(request.references) and init is not None and prepared is not None
+            with clock.stage("references"), (self._stage("vae", plan) if both else contextlib.nullcontext()):
                 given = list(request.reference_latents)
                 refs = given + self.encode_references(request.references, plan=plan, first=len(given) + 1,
                                                       checks=checks)

@@ -471,6 +471,13 @@ MUTANTS: tuple[Mutant, ...] = (
         "running out of memory while attaching the streamed blocks leaves weights on the device",
     ),
     Mutant(
+        "vae-placed-twice-for-one-stage", "klein_core/pipeline/engine.py",
+        "        if component in self._placed:",
+        "        if False:",
+        ("tests/test_planner_hunt.py::test_the_vae_is_placed_once_for_references_and_an_init_image",),
+        "references and an init image each place the VAE: a staged VAE copied in twice for one stage",
+    ),
+    Mutant(
         "host-oom-named-gpu", "klein_core/pipeline/oom.py",
         'if not isinstance(exc, torch.OutOfMemoryError) and "MPS" not in text and any(s in text for s in _HOST_WORDS):',
         'if False:',
