@@ -187,7 +187,10 @@ def text_options(precision: str, max_tokens: str) -> kc.TextOptions:
 
 def warn_if_cut(input_name: str, text: str, limit: int) -> None:
     """Warn (shown on the node) when ``text`` is longer than ``limit`` tokens after the chat template."""
-    n = count_tokens(text)
+    try:
+        n = count_tokens(text)
+    except ValueError as exc:  # not valid Unicode text: say which input
+        raise ValueError(f"{NODE}: {input_name}: {exc}") from None
     if n > limit:
         logger.warning("%s: %s is %d tokens; only the first %d are used (%d cut from the end, as BFL and "
                        "diffusers do). Set max_tokens to 'whole prompt' to keep all of it.", NODE, input_name, n,

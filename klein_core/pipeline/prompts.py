@@ -35,7 +35,7 @@ from ..files.safetensors import open_safetensors
 from ..lora.apply import has_loras
 from ..transfer import to_device
 from .bounded_cache import BoundedCache, check_bound
-from .tokenizer import MAX_LENGTH, count_tokens, tokenize_prompts
+from .tokenizer import MAX_LENGTH, _check_prompts, count_tokens, tokenize_prompts, warn_cut
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ class TextOptions:
             return trimmed if self.max_tokens is None else min(trimmed, self.max_tokens)
         if self.max_tokens is not None:
             return self.max_tokens
-        return max(MAX_LENGTH, *(count_tokens(p) for p in prompts))
+        return max([MAX_LENGTH, *(count_tokens(p) for p in prompts)])
 
     def key(self) -> tuple:
         # ``trim`` is left out: it only chooses the length, which is part of every cache key, and a
@@ -340,7 +340,9 @@ class DiskPromptCache:
         key = self._key(identity, prompt, length, options)
         tensor = emb.detach().to("cpu").contiguous()
         metadata = {"format": _FORMAT, "key": key, "dtype": str(tensor.dtype).removeprefix("torch."),
-                    "width": str(tensor.shape[2]), "encoder": identity, "prompt": prompt[:2000]}
+                    "width": str(tensor.shape[2]), "prompt": prompt[:2000],
+                    # an encoder file name that is not UTF-8 (read with surrogate escapes): as escapes
+                    "encoder": identity.encode("utf-8", "backslashreplace").decode("utf-8")}
         tmp = None
         try:
             fd, tmp = tempfile.mkstemp(dir=self.folder, prefix=_TMP_PREFIX, suffix=".tmp")
@@ -356,6 +358,8 @@ class DiskPromptCache:
             self._evict(keep=path)
         except (OSError, SafetensorError) as exc:
             self._cannot_write(exc)
+        except UnicodeError as exc:  # text the metadata cannot hold: this entry only is not kept
+            logger.warning("prompt cache: not written to %s (%s)", self.folder, exc)
         finally:
             if tmp is not None:
                 try:
@@ -436,7 +440,7 @@ class PromptCache(BoundedCache[torch.Tensor]):
         found: dict[str, torch.Tensor | None] = {}
         with self._lock:
             for p in prompts:
-                key = (identity or id(encoder), p, length, options.key())
+                key = (identity or _in_memory(encoder), p, length, options.key())
                 emb = self._lookup(key, owner)
                 if emb is not None and width is not None and emb.shape[-1] != width:
                     self._data.pop(key, None)  # read from disk before the width was known: check it there
@@ -484,6 +488,7 @@ class PromptCache(BoundedCache[torch.Tensor]):
         :class:`~klein_core.checks.Checks` that defers) resolves, so the host need not wait here."""
         if isinstance(options, int):
             options = TextOptions(max_tokens=options)
+        prompts = _check_prompts(prompts)  # errors that name the prompt, before any lookup
         length = options.length(prompts)
         if has_loras(encoder):  # its outputs change with the LoRAs: nothing cached is valid for it
             logger.debug("prompt cache bypassed: the text encoder carries LoRAs")
@@ -500,10 +505,14 @@ class PromptCache(BoundedCache[torch.Tensor]):
         device = encoder.embed_tokens.weight.device
         found = {p: None if e is None else to_device(e, device) for p, e in found.items()}
         todo = [p for p, e in found.items() if e is None]
-        self.hits += len(prompts) - len(todo)
+        self.hits += len(found) - len(todo)  # distinct prompts (one repeated in the call is one)
+        if options.truncate:  # cached or not, a cut prompt is said, by its place in the caller's list
+            for index, p in enumerate(prompts):
+                if (n := count_tokens(p)) > length:
+                    warn_cut(index, n, length)
         if todo:
             self.misses += len(todo)
-            embs = _encode(encoder, todo, options, length)
+            embs = _encode(encoder, todo, options, length, warn=False)
             owner = None if identity is not None else encoder
             check = checks or Checks()
             for p, e in zip(todo, embs):
@@ -516,13 +525,21 @@ class PromptCache(BoundedCache[torch.Tensor]):
               options: TextOptions, emb: torch.Tensor) -> None:
         """Cache a new embedding ``[1, length, width]`` known to be finite (and write it to disk)."""
         with self._lock:
-            self._store((identity or id(encoder), prompt, length, options.key()), owner, emb)
+            self._store((identity or _in_memory(encoder), prompt, length, options.key()), owner, emb)
         if identity is not None and self.disk is not None:
             self.disk.put(identity, prompt, length, options, emb)
 
 
-def _encode(encoder: Any, prompts: list[str], options: TextOptions, length: int) -> torch.Tensor:
-    ids, mask = tokenize_prompts(prompts, max_length=length, truncate=options.truncate)
+def _in_memory(encoder: Any) -> tuple:
+    """The cache key of an encoder with no file identity (built in memory): the object (held
+    weakly by its entries) and its weights' dtype and device, which a conversion changes."""
+    weight = encoder.embed_tokens.weight
+    return id(encoder), str(weight.dtype), str(weight.device)
+
+
+def _encode(encoder: Any, prompts: list[str], options: TextOptions, length: int,
+            warn: bool = True) -> torch.Tensor:
+    ids, mask = tokenize_prompts(prompts, max_length=length, truncate=options.truncate, warn=warn)
     if options.activations is None:
         return encoder.encode(ids, mask)
     return encoder.encode(ids, mask, activations=options.activations)
@@ -546,9 +563,10 @@ def encode_prompts(
     """
     if isinstance(prompts, str):
         raise TypeError("prompts must be a list of strings; wrap a single prompt as [prompt]")
+    prompts = _check_prompts(prompts)  # errors that name the prompt
     options = options or TextOptions(max_tokens=max_length)
     if cache is None:
-        return _encode(text_encoder, list(prompts), options, options.length(prompts))
+        return _encode(text_encoder, prompts, options, options.length(prompts))
     return cache.encode(text_encoder, list(prompts), options, identity=identity, checks=checks)
 
 

@@ -244,8 +244,15 @@ def _encode(texts: list[str]) -> list[list[int]]:
     return [encoding.ids for encoding in encodings]
 
 
+def warn_cut(index: int, tokens: int, length: int) -> None:
+    """Say that prompt ``index`` (its place in the caller's list), ``tokens`` tokens long, is cut at
+    ``length``."""
+    logger.warning("prompt %d is %d tokens after the chat template; truncated to max_length=%d "
+                   "(%d tokens cut from the end)", index, tokens, length, tokens - length)
+
+
 def tokenize_prompts(
-    prompts: list[str], max_length: int = MAX_LENGTH, *, truncate: bool = True
+    prompts: list[str], max_length: int = MAX_LENGTH, *, truncate: bool = True, warn: bool = True
 ) -> tuple[torch.LongTensor, torch.LongTensor]:
     """Chat-template, tokenize, cut and right-pad ``prompts``, as the Hugging Face Qwen3 tokenizer with
     ``padding="max_length", truncation=True`` does (BFL, diffusers).
@@ -255,6 +262,7 @@ def tokenize_prompts(
         max_length: ``L`` (>= 1); longer prompts are cut at the end (with a warning), shorter ones padded
             with :data:`QWEN3_PAD_ID`.
         truncate: False cuts nothing and pads to ``max(max_length, longest)`` (ComfyUI's way).
+        warn: False leaves the warning for a cut prompt to the caller (:func:`warn_cut`).
 
     Returns ``(input_ids, attention_mask)``, both ``torch.long`` ``[B, L]``; the mask is 1 for real tokens.
     """
@@ -270,14 +278,8 @@ def tokenize_prompts(
     attention_mask = torch.zeros((len(texts), length), dtype=torch.long)
     for index, ids in enumerate(all_ids):
         if len(ids) > length:
-            logger.warning(
-                "prompt %d is %d tokens after the chat template; truncated to max_length=%d "
-                "(%d tokens cut from the end)",
-                index,
-                len(ids),
-                length,
-                len(ids) - length,
-            )
+            if warn:
+                warn_cut(index, len(ids), length)
             ids = ids[:length]
         n = len(ids)
         input_ids[index, :n] = torch.tensor(ids, dtype=torch.long)
@@ -296,6 +298,12 @@ def count_tokens(prompt: str) -> int:
     """
     if not isinstance(prompt, str):
         raise TypeError(f"prompt must be a str, got {type(prompt).__name__}")
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as exc:  # a lone surrogate, e.g. from a mis-decoded emoji
+        raise ValueError(f"the prompt is not valid Unicode text: it has an unpaired surrogate "
+                         f"U+{ord(prompt[exc.start]):04X} at position {exc.start}; fix the text's "
+                         "encoding.") from None
     return len(_encode([chat_template(prompt)])[0])
 
 

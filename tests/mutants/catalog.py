@@ -478,6 +478,20 @@ MUTANTS: tuple[Mutant, ...] = (
         "references and an init image each place the VAE: a staged VAE copied in twice for one stage",
     ),
     Mutant(
+        "cached-cut-prompt-silent", "klein_core/pipeline/prompts.py",
+        "        if options.truncate:  # cached or not, a cut prompt is said, by its place in the caller's list",
+        "        if False:",
+        ("tests/test_prompt_hunt.py::test_a_cut_prompt_served_from_the_disk_cache_is_still_warned",),
+        "a prompt cut at 512 tokens and served from the cache is cut without a word",
+    ),
+    Mutant(
+        "in-memory-encoder-key-without-dtype", "klein_core/pipeline/prompts.py",
+        "    return id(encoder), str(weight.dtype), str(weight.device)",
+        "    return id(encoder)",
+        ("tests/test_prompt_hunt.py::test_an_in_memory_encoder_converted_to_another_dtype_gets_its_own_embeddings",),
+        "an in-memory encoder converted to another dtype is served its old embeddings",
+    ),
+    Mutant(
         "host-oom-named-gpu", "klein_core/pipeline/oom.py",
         'if not isinstance(exc, torch.OutOfMemoryError) and "MPS" not in text and any(s in text for s in _HOST_WORDS):',
         'if False:',
