@@ -16,6 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from test_prompts import LONG, encoder, model_files  # noqa: F401 - tiny fp32 files, their encoder
 
 import klein_core as kc
 from klein_core.pipeline.prompts import encode_prompts, loaded_encoder_identity
@@ -23,17 +24,6 @@ from klein_core.pipeline.tokenizer import count_tokens
 from klein_core.testing import tiny_text_encoder, write_tiny_model_files
 
 TOKENIZER_LOG = "klein_core.pipeline.tokenizer"
-LONG = " ".join(f"word{i}" for i in range(700))  # well over 512 tokens after the chat template
-
-
-@pytest.fixture(scope="module")
-def model_files(tmp_path_factory) -> dict[str, Path]:
-    return write_tiny_model_files(tmp_path_factory.mktemp("models"), dtype=torch.float32)
-
-
-@pytest.fixture(scope="module")
-def encoder(model_files):
-    return kc.load_text_encoder(model_files["qwen_4b"])
 
 
 def _cut_warnings(caplog) -> list[str]:
@@ -57,7 +47,7 @@ def test_an_in_memory_encoder_converted_to_another_dtype_gets_its_own_embeddings
     assert torch.equal(out, encode_prompts(te, ["a red fox"], cache=None))
 
 
-def test_prompts_that_differ_only_in_whitespace_or_normal_form_are_each_encoded_as_written(encoder):
+def test_prompts_that_differ_only_in_whitespace_or_normal_form_are_each_encoded_as_written(encoder):  # noqa: F811
     """Edge case (passes): prompts that differ only in whitespace (trailing space, double space,
     no-break space, CRLF) tokenize differently and must each get their own cache entry, in the order
     asked, also from the cache; NFD and NFC forms tokenize alike (NFC) and give equal embeddings."""
@@ -72,7 +62,7 @@ def test_prompts_that_differ_only_in_whitespace_or_normal_form_are_each_encoded_
     assert cache.misses == len(prompts) and torch.equal(again, expected.flip(0))
 
 
-def test_a_long_prompt_cut_at_512_shares_its_entry_between_trimmed_and_full_padding(encoder, tmp_path):
+def test_a_long_prompt_cut_at_512_shares_its_entry_between_trimmed_and_full_padding(encoder, tmp_path):  # noqa: F811
     """Edge case (passes): TextOptions.key() leaves ``trim`` out because the padded length is in the
     key. A prompt over 512 tokens has length 512 with and without trim; the trimmed run is served
     the untrimmed run's disk entry, equal to it, and a short prompt is not (its trimmed length, 64,
@@ -89,7 +79,7 @@ def test_a_long_prompt_cut_at_512_shares_its_entry_between_trimmed_and_full_padd
 # ----- counts ----------------------------------------------------------------------------------------
 
 
-def test_a_prompt_repeated_in_one_call_is_not_counted_as_a_hit_of_an_empty_cache(encoder):
+def test_a_prompt_repeated_in_one_call_is_not_counted_as_a_hit_of_an_empty_cache(encoder):  # noqa: F811
     """Was a bug: PromptCache.encode counts ``len(prompts) - len(todo)`` hits, ``todo`` being the distinct
     prompts not cached: a batch repeating one prompt (a prompt equal to the negative, CFG in the
     BFL way encodes both in one batch) counts a hit although nothing was in the cache."""
@@ -102,7 +92,7 @@ def test_a_prompt_repeated_in_one_call_is_not_counted_as_a_hit_of_an_empty_cache
 # ----- warnings for cut prompts ---------------------------------------------------------------------
 
 
-def test_the_cut_warning_names_the_prompts_place_in_the_callers_list(encoder, caplog):
+def test_the_cut_warning_names_the_prompts_place_in_the_callers_list(encoder, caplog):  # noqa: F811
     """Was a bug: the tokenizer's warning numbers prompts within the batch it encodes; PromptCache.encode
     encodes only the prompts not cached, so with prompt 0 cached, the cut prompt 1 is reported as
     'prompt 0'."""
@@ -115,7 +105,7 @@ def test_the_cut_warning_names_the_prompts_place_in_the_callers_list(encoder, ca
     assert warning.startswith("prompt 1 "), warning
 
 
-def test_a_cut_prompt_served_from_the_disk_cache_is_still_warned(encoder, tmp_path, caplog):
+def test_a_cut_prompt_served_from_the_disk_cache_is_still_warned(encoder, tmp_path, caplog):  # noqa: F811
     """Was a bug: the only warning that a prompt was cut at 512 tokens is the tokenizer's, so a prompt
     served from the cache is cut silently: after a restart (the disk cache) the user never hears
     that the end of the prompt is ignored. (The encoder node warns on its own; the Python API and
@@ -132,7 +122,7 @@ def test_a_cut_prompt_served_from_the_disk_cache_is_still_warned(encoder, tmp_pa
     assert restarted.hits == 2 and _cut_warnings(caplog), "a 2702-token prompt was cut at 512 without a word"
 
 
-def test_a_whole_prompt_is_never_warned_and_a_trimmed_one_only_when_over_512(encoder, caplog):
+def test_a_whole_prompt_is_never_warned_and_a_trimmed_one_only_when_over_512(encoder, caplog):  # noqa: F811
     """Edge case (passes): no cut warning in ComfyUI's whole-prompt mode (nothing is cut, even padded
     with trim), nor for a prompt of exactly 512 tokens with trim; one for 513 tokens with trim."""
     caplog.set_level(logging.WARNING, logger=TOKENIZER_LOG)
@@ -154,7 +144,7 @@ def test_a_whole_prompt_is_never_warned_and_a_trimmed_one_only_when_over_512(enc
 @pytest.mark.parametrize("options", [kc.TextOptions(), kc.COMFYUI_TEXT, kc.TextOptions(trim=64)],
                          ids=["512", "whole", "trim"])
 @pytest.mark.parametrize("cached", [False, True], ids=["no-cache", "cache"])
-def test_an_empty_prompt_list_is_refused_naming_it(encoder, options, cached):
+def test_an_empty_prompt_list_is_refused_naming_it(encoder, options, cached):  # noqa: F811
     """Was a bug: encode_prompts(te, []) says 'prompts must contain at least one prompt' only without a
     cache and without whole-prompt mode; with a cache it fails inside torch.cat ('expected a
     non-empty list of Tensors'), in whole-prompt mode inside TextOptions.length ('int' object is not
@@ -166,7 +156,7 @@ def test_an_empty_prompt_list_is_refused_naming_it(encoder, options, cached):
 
 @pytest.mark.parametrize("options", [kc.TextOptions(), kc.COMFYUI_TEXT, kc.TextOptions(trim=64)],
                          ids=["512", "whole", "trim"])
-def test_a_prompt_with_an_unpaired_surrogate_is_refused_naming_it(encoder, options):
+def test_a_prompt_with_an_unpaired_surrogate_is_refused_naming_it(encoder, options):  # noqa: F811
     """Was a bug: tokenize_prompts names an unpaired surrogate ('prompts[0] is not valid Unicode text'),
     but count_tokens, which TextOptions.length calls first in whole-prompt and trimmed modes, hands
     it to the tokenizers library: 'TextEncodeInput must be Union[TextInputSequence, ...]'."""
@@ -177,7 +167,7 @@ def test_a_prompt_with_an_unpaired_surrogate_is_refused_naming_it(encoder, optio
 
 
 @pytest.mark.parametrize("options", [kc.TextOptions(), kc.COMFYUI_TEXT], ids=["512", "whole"])
-def test_a_prompt_that_is_not_a_string_is_refused_naming_it_with_a_cache(encoder, options):
+def test_a_prompt_that_is_not_a_string_is_refused_naming_it_with_a_cache(encoder, options):  # noqa: F811
     """Was a bug: with a cache, a prompt that is a list fails on the cache's dict ('unhashable type:
     list'), and in whole-prompt mode as 'prompt must be a str' without its index; without a cache
     the tokenizer says 'prompts[1] must be a str, got list'."""
@@ -188,7 +178,7 @@ def test_a_prompt_that_is_not_a_string_is_refused_naming_it_with_a_cache(encoder
 # ----- the disk cache never crashes generation ------------------------------------------------------
 
 
-def test_an_encoder_file_whose_name_is_not_utf8_does_not_break_the_disk_cache(model_files, tmp_path):
+def test_an_encoder_file_whose_name_is_not_utf8_does_not_break_the_disk_cache(model_files, tmp_path):  # noqa: F811
     """Was a bug: a file name with bytes that are not UTF-8 (a Latin-1 name on Linux) reaches Python as a
     surrogate escape; DiskPromptCache.put writes the identity into the entry's metadata, safetensors
     cannot encode it and raises UnicodeEncodeError, which put does not catch (it promises to log and

@@ -12,6 +12,8 @@ it is safe from several threads at once.
 
 from __future__ import annotations
 
+import functools
+
 import importlib.resources
 import json
 import logging
@@ -289,6 +291,7 @@ def tokenize_prompts(
 
 def count_tokens(prompt: str) -> int:
     """Number of tokens of ``chat_template(prompt)`` before truncation (for UI length warnings).
+    Remembered for the last 256 prompts: the prompt cache asks again for every prompt it serves.
 
     Args:
         prompt: one prompt.
@@ -304,6 +307,11 @@ def count_tokens(prompt: str) -> int:
         raise ValueError(f"the prompt is not valid Unicode text: it has an unpaired surrogate "
                          f"U+{ord(prompt[exc.start]):04X} at position {exc.start}; fix the text's "
                          "encoding.") from None
+    return _count(prompt)
+
+
+@functools.lru_cache(maxsize=256)
+def _count(prompt: str) -> int:
     return len(_encode([chat_template(prompt)])[0])
 
 
