@@ -19,9 +19,9 @@ import torch
 from test_prompts import LONG, encoder, model_files  # noqa: F401 - tiny fp32 files, their encoder
 
 import klein_core as kc
-from klein_core.pipeline.prompts import encode_prompts, loaded_encoder_identity
+from klein_core.pipeline.prompts import encode_prompts, encoder_identity, loaded_encoder_identity
 from klein_core.pipeline.tokenizer import count_tokens
-from klein_core.testing import tiny_text_encoder, write_tiny_model_files
+from klein_core.testing import TINY_4B, tiny_text_encoder, write_tiny_model_files
 
 TOKENIZER_LOG = "klein_core.pipeline.tokenizer"
 
@@ -228,3 +228,110 @@ def test_the_encoder_node_names_the_input_holding_an_unpaired_surrogate(node, mo
     with pytest.raises(ValueError, match=named), torch.inference_mode():
         node.node.execute(Q4B, "a cat", "blurry \ud83d")
 
+
+
+# ----- the encoder's identity: the files it was read from ---------------------------------------------
+
+
+def _repo_root(tmp_path: Path, model_files: dict[str, Path]) -> Path:  # noqa: F811
+    """A diffusers-style repo root: ``text_encoder/`` (weights and config.json), ``vae/``, ``transformer/``."""
+    root = tmp_path / "FLUX.2-klein-4B"
+    for sub, key, name in (("text_encoder", "qwen_4b", "model.safetensors"),
+                           ("vae", "vae", "diffusion_pytorch_model.safetensors"),
+                           ("transformer", "klein_4b", "diffusion_pytorch_model.safetensors")):
+        (root / sub).mkdir(parents=True)
+        shutil.copy(model_files[key], root / sub / name)
+    (root / "text_encoder" / "config.json").write_text('{"rms_norm_eps": 1e-06}')
+    return root
+
+
+def _bump(path: Path, seconds: int = 10) -> None:
+    """A later modification time, as a replaced file gets (the clock tick may not show a quick rewrite)."""
+    st = path.stat()
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + seconds * 10**9))
+
+
+def test_the_identity_of_a_repo_root_is_the_identity_of_the_encoder_loaded_from_it(model_files, tmp_path):  # noqa: F811
+    """Was a bug: ``encoder_identity(root)`` (the CLI's and a script's key to look up prompts before
+    loading the encoder) stamped every ``.safetensors`` under the root, the transformer and the VAE
+    too, while the loaded encoder's identity stamped only ``text_encoder/``: they never matched, so
+    a prompt cached from a repo root was never found without loading the encoder."""
+    root = _repo_root(tmp_path, model_files)
+    te = kc.load_text_encoder(root)
+    assert encoder_identity(root, torch.float32, "cpu") == loaded_encoder_identity(te) is not None
+    disk = kc.DiskPromptCache(tmp_path / "prompts")
+    kc.PromptCache(disk=disk).encode(te, ["a red fox"])
+    found = kc.Engine(prompt_cache=kc.PromptCache(disk=disk)).cached_prompts(
+        ["a red fox"], identity=encoder_identity(root, torch.float32, "cpu"))
+    assert found is not None and torch.equal(found.positive, encode_prompts(te, ["a red fox"], cache=None))
+    # The VAE and the transformer are not what the embeddings depend on; the VAE's own identity is its file.
+    text_before = encoder_identity(root, torch.float32, "cpu")
+    vae_before = encoder_identity(root, torch.float32, "cpu", component="vae")
+    _bump(root / "vae" / "diffusion_pytorch_model.safetensors")
+    _bump(root / "transformer" / "diffusion_pytorch_model.safetensors")
+    assert encoder_identity(root, torch.float32, "cpu") == text_before
+    assert encoder_identity(root, torch.float32, "cpu", component="vae") != vae_before
+
+
+def test_a_changed_config_json_is_a_new_encoder_for_the_prompt_cache(model_files, tmp_path):  # noqa: F811
+    """Was a bug: a folder encoder's identity stamped only its ``.safetensors`` files, but its
+    ``config.json`` sets ``rms_norm_eps`` and ``rope_theta``: after the config changed, the disk
+    cache served the embeddings of the old config."""
+    root = _repo_root(tmp_path, model_files)
+    disk = kc.DiskPromptCache(tmp_path / "prompts")
+    old = kc.PromptCache(disk=disk).encode(kc.load_text_encoder(root), ["a red fox"])
+    config = root / "text_encoder" / "config.json"
+    config.write_text('{"rms_norm_eps": 0.5}')
+    _bump(config)
+    te = kc.load_text_encoder(root)
+    new = encode_prompts(te, ["a red fox"], cache=None)
+    assert (new - old).abs().max() > 1e-3  # the config matters to the embeddings
+    restarted = kc.PromptCache(disk=disk)
+    assert restarted.cached(encoder_identity(root, torch.float32, "cpu"), ["a red fox"]) is None
+    assert torch.equal(restarted.encode(te, ["a red fox"]), new)
+
+
+def test_a_file_replaced_under_a_loaded_encoder_keeps_the_old_weights_out_of_the_new_files_entries(
+        model_files, tmp_path):  # noqa: F811
+    """Was a bug: the loaded encoder's identity was its file's ``stat`` at the time of the call. A
+    file replaced while the old encoder stayed loaded (ComfyUI keeps it until the node runs again)
+    had the old weights' embeddings stored under the new file's identity, and served for it."""
+    path = tmp_path / "qwen_3_4b.safetensors"
+    shutil.copy(model_files["qwen_4b"], path)
+    old_te = kc.load_text_encoder(path)
+    new_weights = tiny_text_encoder(TINY_4B, seed=7).state_dict()
+    from safetensors.torch import save_file
+    save_file({"model." + k: v.float().contiguous() for k, v in new_weights.items()}, str(path))
+    _bump(path)
+    disk = kc.DiskPromptCache(tmp_path / "prompts")
+    kc.PromptCache(disk=disk).encode(old_te, ["a red fox"])  # the old weights, encoded after the swap
+    looked_up = kc.PromptCache(disk=disk).cached(encoder_identity(path, torch.float32, "cpu"), ["a red fox"])
+    assert looked_up is None
+    new = kc.PromptCache(disk=disk).encode(kc.load_text_encoder(path), ["a red fox"])
+    assert torch.equal(new, encode_prompts(kc.load_text_encoder(path), ["a red fox"], cache=None))
+    assert not torch.equal(new, encode_prompts(old_te, ["a red fox"], cache=None))
+
+
+def test_a_file_that_changes_while_it_is_read_gives_an_encoder_that_is_never_cached(
+        model_files, tmp_path, monkeypatch):  # noqa: F811
+    """Weights read from a file that changed during the load are of neither version: no identity,
+    nothing cached under either file's key (the encoder still encodes)."""
+    from klein_core.files import loaders
+    path = tmp_path / "qwen_3_4b.safetensors"
+    shutil.copy(model_files["qwen_4b"], path)
+    real = loaders.materialize
+
+    def touched_meanwhile(*args, **kwargs):
+        out = real(*args, **kwargs)
+        _bump(path)
+        return out
+
+    monkeypatch.setattr(loaders, "materialize", touched_meanwhile)
+    te = kc.load_text_encoder(path)
+    monkeypatch.setattr(loaders, "materialize", real)
+    assert loaded_encoder_identity(te) is None
+    disk = kc.DiskPromptCache(tmp_path / "prompts")
+    cache = kc.PromptCache(disk=disk)
+    cache.encode(te, ["a red fox"])
+    assert disk.size_bytes() == 0 and len(cache) == 1  # kept in memory for this object only
+    assert kc.load_text_encoder(path) is not None and loaded_encoder_identity(kc.load_text_encoder(path)) is not None

@@ -15,14 +15,15 @@ from pathlib import Path
 
 import torch
 
+from ..errors import WeightFormatError
 from ..models.qwen3 import Qwen3Config, Qwen3TextEncoder
 from ..models.transformer import Flux2Transformer
 from ..models.vae import Flux2VAE
 from ..quant.fp8 import float8_refused, fp8_layers, holds_float8
 from .materialize import materialize
 from .opening import open_weights
-from .qwen3_layout import COMPONENT, normalise_keys, qwen3_key_map, read_hf_config
-from .source import WeightSource
+from .qwen3_layout import COMPONENT, hf_config_path, normalise_keys, qwen3_key_map, read_hf_config
+from .source import WeightSource, files_stamp, source_files
 from .transformer_layout import plan_transformer
 from .vae_layout import open_vae_source, prepare_vae
 
@@ -96,6 +97,7 @@ def load_text_encoder(
     hf_config = None
     if isinstance(source, (str, os.PathLike)) and Path(source).expanduser().is_dir():
         hf_config = read_hf_config(Path(source).expanduser())
+    stamp = source_stamp(source, "text_encoder")  # taken before reading: a file replaced meanwhile is seen
     src = normalise_keys(open_weights(source, component=COMPONENT, subfolder="text_encoder"))
     config = Qwen3Config.from_source(src, hf_config)
     plan = qwen3_key_map(src)
@@ -113,6 +115,10 @@ def load_text_encoder(
     assert isinstance(model, Qwen3TextEncoder)
     model.source = src.name
     model.quantize = quantize  # with source and dtype: what cached prompt embeddings depend on
+    # The files as they were read: embeddings cached later belong to these weights, also after the
+    # file is replaced while this encoder stays loaded. None (never cached) if it changed during the load.
+    model.source_stamp = (src.name, stamp if stamp is not None and source_stamp(source, "text_encoder") == stamp
+                          else None)
     return model
 
 
@@ -153,6 +159,28 @@ def load_vae(
     n = sum(p.numel() for p in model.parameters())
     logger.info("%s (%s layout): %.2fM parameters, %s", cfg.variant, layout, n / 1e6, dtype)
     return model
+
+
+_SUBFOLDERS = {"transformer": "transformer", "text_encoder": "text_encoder", "vae": "vae"}
+
+
+def source_stamp(source: object, component: str = "text_encoder") -> str | None:
+    """Names, sizes and modification times of the files that loading ``source`` as ``component``
+    reads (a repo root's ``text_encoder/``, ``vae/`` or ``transformer/`` folder as the loaders choose
+    it, a shard index, the text encoder's ``config.json``): what changes when one is replaced. ``stat``
+    only, plus a shard index. None for a state dict, or files that cannot be seen or opened."""
+    if component not in _SUBFOLDERS:
+        raise ValueError(f"source_stamp: component must be one of {sorted(_SUBFOLDERS)}, got {component!r}.")
+    if not isinstance(source, (str, os.PathLike)):
+        return None
+    path = Path(source).expanduser()
+    try:
+        files = source_files(path, _SUBFOLDERS[component])
+        if component == "text_encoder" and path.is_dir() and (config := hf_config_path(path)) is not None:
+            files.append(config)
+        return files_stamp(files) or None
+    except (OSError, WeightFormatError):
+        return None
 
 
 LOADERS = {"transformer": load_transformer, "text_encoder": load_text_encoder, "vae": load_vae}

@@ -75,14 +75,23 @@ def qwen3_key_map(src: WeightSource) -> KeyMap:
     return build_key_map(src, _rename, ignore=_is_unused)
 
 
-def read_hf_config(folder: Path) -> dict[str, Any] | None:
+def hf_config_path(folder: Path) -> Path | None:
+    """The ``config.json`` that :func:`read_hf_config` reads for ``folder`` (a repo root's
+    ``text_encoder/`` one first), or None."""
     for path in (folder / "text_encoder" / "config.json", folder / "config.json"):
         if path.is_file():
-            try:
-                return json.loads(path.read_text())
-            except (OSError, json.JSONDecodeError) as exc:
-                raise ValueError(f"{path}: cannot read the text encoder config ({exc}).") from None
+            return path
     return None
+
+
+def read_hf_config(folder: Path) -> dict[str, Any] | None:
+    path = hf_config_path(folder)
+    if path is None:
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path}: cannot read the text encoder config ({exc}).") from None
 
 
 def checkpoint_shapes(

@@ -155,7 +155,9 @@ def _read_weight_map(index_path: Path) -> dict[str, str]:
     return weight_map
 
 
-def folder_source(folder: Path, subfolder: str | None) -> WeightSource:
+def _folder_files(folder: Path, subfolder: str | None) -> tuple[Path, Path | None, dict[str, str] | None, list[Path]]:
+    """The folder a folder source reads (``folder/subfolder`` first, when it holds weights), its shard
+    index and ``weight_map`` (None without one), and its ``.safetensors`` files."""
     candidates = [folder]
     if subfolder:
         candidates.insert(0, folder / subfolder)
@@ -164,20 +166,42 @@ def folder_source(folder: Path, subfolder: str | None) -> WeightSource:
             continue
         indexes = sorted(d.glob("*.safetensors.index.json"))
         if indexes:
-            index_path = indexes[0]
-            weight_map = _read_weight_map(index_path)
-            files = sorted({d / f for f in weight_map.values()})
-            missing = [str(f) for f in files if not f.is_file()]
-            if missing:
-                raise WeightFormatError(f"{index_path}: shard files are missing: {missing[:3]}.")
-            return sharded_source(str(d), files, {k: d / v for k, v in weight_map.items()})
+            weight_map = _read_weight_map(indexes[0])
+            return d, indexes[0], weight_map, sorted({d / f for f in weight_map.values()})
         files = sorted(d.glob("*.safetensors"))
-        if len(files) == 1:
-            return file_source(files[0])
-        if len(files) > 1:
-            return sharded_source(str(d), files, None)
+        if files:
+            return d, None, None, files
     where = f"{folder}" + (f" (or its '{subfolder}' subfolder)" if subfolder else "")
     raise WeightFormatError(f"{where}: no .safetensors files found.")
+
+
+def folder_source(folder: Path, subfolder: str | None) -> WeightSource:
+    d, index_path, weight_map, files = _folder_files(folder, subfolder)
+    if index_path is not None and weight_map is not None:
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise WeightFormatError(f"{index_path}: shard files are missing: {missing[:3]}.")
+        return sharded_source(str(d), files, {k: d / v for k, v in weight_map.items()})
+    if len(files) == 1:
+        return file_source(files[0])
+    return sharded_source(str(d), files, None)
+
+
+def source_files(source: str | os.PathLike, subfolder: str | None = None) -> list[Path]:
+    """The files that opening ``source`` reads: the file itself, or the shard index and shards of a
+    folder (of its ``subfolder`` in a repo root), chosen as :func:`folder_source` chooses them. Reads
+    at most a shard index, never weights. Raises ``OSError`` / :class:`WeightFormatError` as opening would."""
+    path = Path(source).expanduser()
+    if not path.is_dir():
+        return [path]
+    _, index_path, _, files = _folder_files(path, subfolder)
+    return ([index_path] if index_path is not None else []) + files
+
+
+def files_stamp(files: Sequence[Path]) -> str:
+    """Name, size and modification time of each file (``stat`` only): what changes when one is
+    replaced. Raises ``OSError`` for a file that cannot be seen."""
+    return "|".join(f"{f.name}:{(st := f.stat()).st_size}:{st.st_mtime_ns}" for f in files)
 
 
 def dict_source(sd: Mapping[str, torch.Tensor], name: str) -> WeightSource:

@@ -31,6 +31,7 @@ import torch
 
 from ..checks import Checks, is_finite
 from ..errors import WeightFormatError
+from ..files.loaders import source_stamp
 from ..files.safetensors import open_safetensors
 from ..lora.apply import has_loras
 from ..transfer import to_device
@@ -99,38 +100,37 @@ class TextOptions:
 COMFYUI_TEXT = TextOptions(max_tokens=None, activations=torch.float32)
 
 
-def _source_identity(source: str | os.PathLike) -> str | None:
-    """File name, size and modification time of an encoder's file (or its folder's shards): what
-    changes when the file is replaced. ``stat`` only: the file is not opened."""
-    path = Path(source)
-    try:
-        files = sorted(path.glob("**/*.safetensors")) if path.is_dir() else [path]
-        parts = [f"{f.name}:{(st := f.stat()).st_size}:{st.st_mtime_ns}" for f in files]
-    except OSError:
-        return None
-    return "|".join(parts) if parts else None
-
-
-def encoder_identity(source: str | os.PathLike, dtype: torch.dtype, device: torch.device | str,
-                     quantize: str | None = None) -> str | None:
-    """What a cached embedding depends on besides the prompt and the options: the encoder file (by
-    ``stat``), the dtype it is loaded in, how it is quantised and the device type it runs on.
-    None when ``source`` is not a file (an in-memory model)."""
-    files = _source_identity(source)
+def _identity(files: str | None, dtype: torch.dtype, device: torch.device | str, quantize: str | None) -> str | None:
     if files is None:
         return None
     return f"{files}|{str(dtype).removeprefix('torch.')}|{quantize}|{torch.device(device).type}"
 
 
+def encoder_identity(source: str | os.PathLike, dtype: torch.dtype, device: torch.device | str,
+                     quantize: str | None = None, *, component: str = "text_encoder") -> str | None:
+    """What a cached embedding depends on besides the prompt and the options: the files that loading
+    ``source`` reads (by ``stat``: weights, shard index and ``config.json``, a repo root's
+    ``text_encoder/`` as the loader picks it; see :func:`~klein_core.files.loaders.source_stamp`), the
+    dtype it is loaded in, how it is quantised and the device type it runs on. ``component="vae"``
+    names a VAE the same way (the trainer's latent cache). None when ``source`` is not a file (an
+    in-memory model)."""
+    return _identity(source_stamp(source, component), dtype, device, quantize)
+
+
 def loaded_encoder_identity(encoder: Any, device: torch.device | str | None = None) -> str | None:
     """:func:`encoder_identity` of a loaded encoder computing on ``device`` (default: where its
-    embedding table is); None for encoders not loaded from a file or carrying LoRAs."""
+    embedding table is), for its files as they were when it was loaded (a file replaced since keeps
+    its old identity for these weights); None for encoders not loaded from a file or carrying LoRAs."""
     source = getattr(encoder, "source", None)
     if not source or has_loras(encoder):
         return None
+    recorded = getattr(encoder, "source_stamp", None)  # (source, stamp) set by load_text_encoder
+    if isinstance(recorded, tuple) and len(recorded) == 2 and recorded[0] == source:
+        files = recorded[1]
+    else:  # a source named by hand: its files as they are now
+        files = source_stamp(source, "text_encoder")
     weight = encoder.embed_tokens.weight
-    return encoder_identity(source, weight.dtype, weight.device if device is None else device,
-                            getattr(encoder, "quantize", None))
+    return _identity(files, weight.dtype, weight.device if device is None else device, getattr(encoder, "quantize", None))
 
 
 _FORMAT = "klein-prompt-embedding/1"  # the ``format`` metadata of entries written by this code

@@ -150,7 +150,8 @@ def _run(job: TrainJob, on_step: Callable[[StepReport], bool | None] | None,
     def tokens(caption: str) -> tuple[torch.Tensor, torch.Tensor]:
         return tokenize_prompts([caption], max_length=engine.text.length([caption]), truncate=engine.text.truncate)
 
-    encoders = Encoders(image, None if train_text else text, f"vae:{encoder_identity(job.vae, dtype, device)}",
+    vae_identity = encoder_identity(job.vae, dtype, device, component="vae")
+    encoders = Encoders(image, None if train_text else text, f"vae:{vae_identity}",
                         f"te:{encoder_identity(job.text_encoder, dtype, device)}", tokens if train_text else None)
     cache = job.cache_dir if job.cache_dir is not None else str(out) + ".cache"
     shard, gather = (0, 1), None

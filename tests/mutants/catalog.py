@@ -498,4 +498,18 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/test_cuda_paths.py::test_out_of_memory_names_the_memory_that_ran_out",),
         "host memory running out on a GPU run is called GPU memory, with the advice to offload to the CPU",
     ),
+    Mutant(
+        "loaded-encoder-identity-stat-now", "klein_core/pipeline/prompts.py",
+        "    if isinstance(recorded, tuple) and len(recorded) == 2 and recorded[0] == source:",
+        "    if False:",
+        ("tests/test_prompt_hunt.py::test_a_file_replaced_under_a_loaded_encoder_keeps_the_old_weights_out_of_the_new_files_entries",),
+        "a file replaced under a loaded encoder: the old weights' embeddings stored and served under the new file's key",
+    ),
+    Mutant(
+        "encoder-identity-without-config", "klein_core/files/loaders.py",
+        '        if component == "text_encoder" and path.is_dir() and (config := hf_config_path(path)) is not None:',
+        "        if False:",
+        ("tests/test_prompt_hunt.py::test_a_changed_config_json_is_a_new_encoder_for_the_prompt_cache",),
+        "a folder encoder's changed config.json (rms_norm_eps, rope_theta): the old config's embeddings served",
+    ),
 )
