@@ -196,8 +196,16 @@ def _merge_fp8(plan: _ModulePlan, q: torch.Tensor) -> tuple[torch.Tensor, torch.
     _check_delta(plan, torch.float32, q, delta, merged)
     amax = merged.abs().amax(dim=1, keepdim=True) if scale.ndim == 1 else merged.abs().amax()
     new_scale = torch.where(amax > 0, amax / fmax, torch.ones_like(amax))
-    module.weight.data = (merged / new_scale).clamp(-fmax, fmax).to(q.dtype)
-    module.weight_scale = new_scale.reshape(scale.shape).to(scale.dtype)
+    codes = (merged / new_scale).clamp(-fmax, fmax).to(q.dtype)
+    new_scale = new_scale.reshape(scale.shape).to(scale.dtype)
+    if scale.ndim == 1:
+        # Rows no patch changes (k and v of a fused qkv under a LoRA on q) keep their codes and scale:
+        # quantised again they would move by up to half a step.
+        kept = ~(delta != 0).any(dim=1)
+        codes.view(torch.uint8)[kept] = q.view(torch.uint8)[kept]
+        new_scale[kept] = scale[kept]
+    module.weight.data = codes
+    module.weight_scale = new_scale
     return q.to("cpu"), scale.to("cpu")
 
 

@@ -196,10 +196,30 @@ class FP8Linear(nn.Module):
         return layer
 
     def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
-        """The weight as ``dtype`` (``[out, in]``): float8 upcast, then scaled in ``dtype``."""
+        """The weight as ``dtype`` (``[out, in]``): float8 upcast, then scaled in ``dtype`` (as
+        ComfyUI's fp8 ops scale), except in float16: there it is scaled in float32 and rounded once.
+        A scale is ``amax / fp8_max``; float16 holds it only as a subnormal for weights with small
+        amax (e5m2 below 3.5, e4m3 below 0.027), and as 0 below 6e-8 (the layer's output then
+        all zeros). bfloat16 has float32's range."""
+        if dtype == torch.float16:
+            return dequantize(self.weight, self.weight_scale, dtype)
         w = self.weight.to(dtype)
         s = self.weight_scale.to(dtype)
         return w.mul_(s[:, None] if s.ndim else s)
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> FP8Linear:
+        # nn.Module.to(dtype) casts every floating tensor, float8 included: the weight became a dense
+        # bf16 weight (twice the memory) and the float32 scales were rounded to bf16 for good. The
+        # stored tensors keep their dtype and follow only the device (and in-place changes).
+        kept = {id(t) for t in (self.weight, self.weight_scale, self.input_scale) if t is not None}
+
+        def keep_dtype(t: torch.Tensor) -> torch.Tensor:
+            out = fn(t)
+            if id(t) in kept and out.dtype != t.dtype:
+                return t.to(device=out.device)
+            return out
+
+        return super()._apply(keep_dtype, recurse)
 
     def _use_scaled_mm(self, x: torch.Tensor) -> bool:
         if self.matmul == "upcast":

@@ -512,4 +512,25 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/test_prompt_hunt.py::test_a_changed_config_json_is_a_new_encoder_for_the_prompt_cache",),
         "a folder encoder's changed config.json (rms_norm_eps, rope_theta): the old config's embeddings served",
     ),
+    Mutant(
+        "fp8-fp16-scale-rounded", "klein_core/quant/fp8.py",
+        "        if dtype == torch.float16:\n            return dequantize(self.weight, self.weight_scale, dtype)",
+        "        if False:\n            return dequantize(self.weight, self.weight_scale, dtype)",
+        ("tests/test_quant_hunt.py::test_fp8_layer_in_fp16_keeps_its_weight_scale",),
+        "an fp8 layer in fp16 rounds its scale to fp16 first: small-amax layers lose precision, tiny ones compute zeros",
+    ),
+    Mutant(
+        "fp8-to-dtype-densified", "klein_core/quant/fp8.py",
+        "            if id(t) in kept and out.dtype != t.dtype:",
+        "            if False:",
+        ("tests/test_quant_hunt.py::test_fp8_model_to_dtype_keeps_fp8_storage_and_its_scales",),
+        "model.to(bf16) turns fp8 layers dense and rounds their float32 scales",
+    ),
+    Mutant(
+        "fp8-lora-merge-requantises-every-row", "klein_core/lora/apply.py",
+        "        kept = ~(delta != 0).any(dim=1)",
+        "        kept = torch.zeros(delta.shape[0], dtype=torch.bool, device=delta.device)",
+        ("tests/test_quant_hunt.py::test_lora_merge_into_a_per_row_fp8_layer_leaves_untouched_rows_alone",),
+        "a LoRA on q merged into a per-row-scaled fused qkv moves the k and v rows by requantising them",
+    ),
 )
