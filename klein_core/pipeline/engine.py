@@ -327,8 +327,8 @@ class Engine:
                       checks: Checks | None = None) -> torch.Tensor:
         """VAE-encode images ``[B, 3, H, W]`` in [-1, 1] (H, W multiples of 16) to normalised latents
         ``[B, 128, H/16, W/16]``, one image at a time, tiled as the plan says."""
-        if pixels.ndim != 4:
-            raise ValueError(f"pixels must be [B, 3, H, W], got {list(pixels.shape)}")
+        if pixels.ndim != 4 or pixels.shape[0] == 0:
+            raise ValueError(f"the pixels to encode must be [B, 3, H, W] with B >= 1, got {list(pixels.shape)}")
         h, w = pixels.shape[-2:]
         if plan is None:
             plan = self.plan(memory_request(1024, 1024, encoded=[(w, h)], encode_text=False, denoise=False,
@@ -484,6 +484,8 @@ class Engine:
         the results, through page-locked memory (:mod:`klein_core.transfer`). Each image's copies are
         queued as it is decoded and the host waits once, after the last: the GPU decodes the next
         image of a batch while the host would otherwise wait for the copy of the one before."""
+        if latents.ndim != 4 or latents.shape[0] == 0:
+            raise ValueError(f"the latents to decode must be [B, 128, h, w] with B >= 1, got {list(latents.shape)}")
         down = self.downscale
         width, height = latents.shape[-1] * down, latents.shape[-2] * down
         if plan is None:
@@ -514,7 +516,11 @@ class Engine:
     def _decode_one(self, vae: Any, latents: torch.Tensor, tile: int | None,
                     check: Checks) -> tuple[torch.Tensor, int | None]:
         """One image decoded, and the tile size that worked (kept for the next image)."""
-        tiles = [tile] + [t for t in TILE_SIDES if tile is None or t < tile]
+        # Only sides that tile these latents: one at least their size decodes them whole, the very
+        # decode that just ran out of memory (it was retried as "tiles of 64" at 1024²).
+        h, w = latents.shape[-2:]
+        tile = tiling.decode_tile(tile, h, w)
+        tiles = [tile] + [t for t in TILE_SIDES if t < max(h, w) and (tile is None or t < tile)]
         for i, tile in enumerate(tiles):
             try:
                 pixels = decode_to_pixels(vae, latents, tile=tile, clamp=False, host=False)

@@ -533,4 +533,11 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/test_quant_hunt.py::test_lora_merge_into_a_per_row_fp8_layer_leaves_untouched_rows_alone",),
         "a LoRA on q merged into a per-row-scaled fused qkv moves the k and v rows by requantising them",
     ),
+    Mutant(
+        "decode-retry-untiled-side", "klein_core/pipeline/engine.py",
+        "        tiles = [tile] + [t for t in TILE_SIDES if t < max(h, w) and (tile is None or t < tile)]",
+        "        tiles = [tile] + [t for t in TILE_SIDES if tile is None or t < tile]",
+        ("tests/test_vae_hunt.py::test_out_of_memory_retry_does_not_rerun_the_same_whole_decode",),
+        "a decode out of memory is retried whole under the name 'tiles of 64' (a side as large as the latents tiles nothing)",
+    ),
 )
