@@ -93,11 +93,10 @@ class KleinTextEncode(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, text_encoder: str, lora_name: str = NO_LORA) -> bool | str:
-        if lora_name not in (NO_LORA, None):
-            ok = check_choices(cls, {"lora_name": "loras"}, lora_name=lora_name)
-            if ok is not True:
-                return ok
+    def validate_inputs(cls, text_encoder: str) -> bool | str:
+        # One input only: ComfyUI reports a failure under every input this signature names, so a
+        # wrong lora_name named here was also shown under text_encoder. lora_name is checked by name
+        # when the node runs (and by current ComfyUI when the prompt is queued, as every list input).
         return check_choices(cls, {"text_encoder": "text_encoders"}, text_encoder=text_encoder)
 
     @classmethod

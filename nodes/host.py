@@ -322,6 +322,13 @@ def output_dir_path(name: str) -> str:
     return os.path.join(folder_paths.get_output_directory(), name)
 
 
+def input_dir() -> str:
+    """ComfyUI's input folder (``--input-directory``, ``--base-directory``, or ``ComfyUI/input``)."""
+    import folder_paths
+
+    return folder_paths.get_input_directory()
+
+
 def folder_paths_of(folder: str) -> list[str]:
     import folder_paths
 

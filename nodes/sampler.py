@@ -209,6 +209,13 @@ def settings(width: int, height: int, steps: int, guidance: float, seed: int, ba
     return kc.Settings(width or None, height or None, steps or None, guidance or None, seed, batch_size)
 
 
+def _guidance_problem(guidance: object) -> str | None:
+    if isinstance(guidance, bool) or not isinstance(guidance, (int, float)) or not math.isfinite(guidance) \
+            or not 0 <= guidance <= 20:
+        return f"{NODE}: guidance must be a finite number from 0 to 20, got {guidance!r}."
+    return None
+
+
 class KleinSampler(io.ComfyNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
@@ -252,7 +259,9 @@ class KleinSampler(io.ComfyNode):
                     "Inpainting: white = repaint, black = keep (LoadImage's mask, the mask editor, Pad "
                     "Image for Outpainting, Klein Inpaint Crop). Needs latent.")),
                 io.Float.Input("denoise", default=1.0, min=0.01, max=1.0, step=0.01, optional=True, tooltip=(
-                    "With latent: how much of the schedule runs. 1 = repaint fully (inpainting); 0.5-0.8 = "
+                    "With latent: how much of the schedule runs; steps x (1 - denoise) steps are skipped, "
+                    "rounded down (diffusers' rule): at 4 steps 0.75 runs 3 and 0.5 runs 2, while anything "
+                    "above 0.75 runs all 4 from noise, as 1 does. 1 = repaint fully (inpainting); 0.5-0.75 = "
                     "keep the composition (image-to-image). Ignored without latent.")),
                 io.Boolean.Input("latent_as_reference", default=True, optional=True, tooltip=(
                     "With latent: the image also joins as the first reference, as Klein's inpainting "
@@ -274,13 +283,12 @@ class KleinSampler(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, guidance: float = 0.0) -> bool | str:
+    def validate_inputs(cls, guidance: float | None = 0.0) -> bool | str:
         # ComfyUI's own min/max check lets NaN through (every comparison with NaN is False). Naming
         # only `guidance` here makes the host skip its default check for this input alone (a
         # **kwargs signature would disable it for every input), so the range is checked here too.
-        if not isinstance(guidance, (int, float)) or not math.isfinite(guidance) or not 0 <= guidance <= 20:
-            return f"{NODE}: guidance must be a finite number from 0 to 20, got {guidance!r}."
-        return True
+        # A linked guidance (a primitive node's output) is None here: checked when the node runs.
+        return True if guidance is None else _guidance_problem(guidance) or True
 
     @classmethod
     @notices.reported
@@ -291,6 +299,8 @@ class KleinSampler(io.ComfyNode):
                 latent_as_reference: bool = True, reference_mode: str = "auto",
                 negative: list | None = None) -> io.NodeOutput:
         check_widget(NODE, "reference_mode", reference_mode, REFERENCE_MODES)
+        if (problem := _guidance_problem(guidance)) is not None:  # a linked value was not checked when queued
+            raise ValueError(problem)
         conditioning, has_negative, native_refs = text_inputs(conditioning, negative, model.config.in_channels)
         refs = [r.latent for r in references.items] if references is not None else []
         refs += native_refs  # ReferenceLatent's references follow the stacker's

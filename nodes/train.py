@@ -135,6 +135,25 @@ def _jsonl_files(path: str) -> list[str]:
     return files
 
 
+def dataset_path(dataset: str) -> str:
+    """Where the trainer reads ``dataset``: an absolute path (``~`` expanded) as given; a relative one
+    in ComfyUI's input folder (also written ``input/...``, as the shipped workflow does), else from
+    the server's working directory. The server's working directory is not ComfyUI's folder in the
+    portable build, the desktop app or with ``--input-directory`` / ``--base-directory``."""
+    text = os.path.expanduser(dataset.strip())
+    if not text or os.path.isabs(text):
+        return text
+    inputs = host.input_dir()
+    parts = Path(text).parts
+    candidates = [os.path.join(inputs, text)]
+    if parts and parts[0] == "input" and len(parts) > 1:
+        candidates.append(os.path.join(inputs, *parts[1:]))
+    for candidate in candidates:
+        if os.path.exists(candidate):
+            return candidate
+    return os.path.abspath(text)  # the job names it if it is not there either
+
+
 def dataset_fingerprint(dataset: str) -> object:
     """What changes when the dataset does: a folder's files (names, sizes, times); a JSONL file's size
     and time and those of every image and reference its rows name (an edited image changes what is
@@ -155,7 +174,7 @@ def dataset_fingerprint(dataset: str) -> object:
 def run_key(dataset: str, *settings: object) -> str:
     """12 hex digits naming a run: the dataset's files (names, sizes, times) and every setting that
     changes what is learnt (not steps, sample images or memory_mode, which a resumed run may change)."""
-    blob = json.dumps([dataset, dataset_fingerprint(dataset), *settings], default=str)
+    blob = json.dumps([dataset, dataset_fingerprint(dataset_path(dataset)), *settings], default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
@@ -193,7 +212,8 @@ class KleinLoraTrainer(io.ComfyNode):
                 io.String.Input("dataset", default="", tooltip=(
                     "Folder ON THE SERVER (the machine running ComfyUI) holding the training images (png, jpg, "
                     "webp, bmp) with a .txt caption of the same name beside each; or a .jsonl file of rows "
-                    "{\"image\", \"caption\"} (edit pairs add \"references\").")),
+                    "{\"image\", \"caption\"} (edit pairs add \"references\"). A relative path is read in "
+                    "ComfyUI's input folder (input/my_set or my_set), else from the server's working folder.")),
                 io.Combo.Input("model_name", options=host.filename_list("diffusion_models", (".gguf",)), tooltip=(
                     "The Klein BASE model to train on (e.g. flux-2-klein-base-4b), from models/diffusion_models; "
                     "a GGUF base trains too (its quantised layers frozen, the LoRA on top). The LoRA then works "
@@ -274,13 +294,16 @@ class KleinLoraTrainer(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, model_name: str, vae_name: str, text_encoder: str) -> bool | str:
-        return check_choices(cls, _FOLDERS, model_name=model_name, vae_name=vae_name, text_encoder=text_encoder)
+    def validate_inputs(cls, model_name: str) -> bool | str:
+        # One input only: ComfyUI reports a failure under every input this signature names (a wrong
+        # model_name was shown under vae_name and text_encoder too). Those two are checked by name when
+        # the node runs (and by current ComfyUI when the prompt is queued, as every list input).
+        return check_choices(cls, _FOLDERS, model_name=model_name)
 
     @classmethod
     def fingerprint_inputs(cls, dataset: str = "", **_: Any) -> Any:
         # Train again when the dataset's files change (same inputs otherwise reuse the last result).
-        return dataset_fingerprint(dataset)
+        return dataset_fingerprint(dataset_path(dataset))
 
     @classmethod
     @notices.reported
@@ -325,7 +348,7 @@ class KleinLoraTrainer(io.ComfyNode):
             logger.info("%s: continuing from %s (the same settings were stopped there)", NODE, resume)
         side = int(resolution)
         job = TrainJob(
-            dataset=dataset.strip(), transformer=paths["model_name"], vae=paths["vae_name"],
+            dataset=dataset_path(dataset), transformer=paths["model_name"], vae=paths["vae_name"],
             text_encoder=paths["text_encoder"], output=out, preset=preset, rank=int(rank),
             resolution=side, device=device, dtype=dtype, quantize=PRECISIONS[base_precision], memory=memory_mode,
             text_encoder_rank=int(text_encoder_rank) or None, speed=speed,

@@ -102,10 +102,16 @@ def test_fingerprint_follows_the_lora_file(env):
     assert env.node.fingerprint_inputs(lora_name="none")[1] is None  # (text encoder file state, LoRA file state)
 
 
-def test_validate_names_a_missing_lora(env):
-    msg = env.node.validate_inputs(Q4B, lora_name="gone.safetensors")
-    assert msg.startswith("lora_name 'gone.safetensors' is not available") and "models/loras" in msg
-    assert env.node.validate_inputs(Q4B, lora_name="both.safetensors") is True
+def test_a_missing_lora_is_named_under_lora_name_only(env):
+    """validate_inputs names text_encoder alone: ComfyUI reports a failure under every input its
+    signature names, and a missing LoRA was also reported under text_encoder. The node names it when it runs."""
+    import inspect
+    assert list(inspect.signature(env.node.validate_inputs).parameters) == ["text_encoder"]
+    assert env.node.validate_inputs(Q4B) is True
+    assert env.node.validate_inputs("gone.safetensors").startswith("text_encoder 'gone.safetensors' is not available")
+    with pytest.raises(FileNotFoundError, match="lora_name 'gone.safetensors' was not found in models/loras"):
+        env.encode.text_encoder_lora("gone.safetensors")
+    assert env.encode.text_encoder_lora("both.safetensors") is not None
 
 
 def test_speed_compile_compiles_the_encoders_layers(env, monkeypatch):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
 import torch
 from test_nodes import M4B, VAE, comfy  # noqa: F401 (fixture)
 
@@ -35,3 +36,16 @@ def test_stacker_sizes_example_in_the_docs_is_what_the_node_prints(comfy):  # no
     px = prepare_reference_image(comfy.references.frames_to_pil(image)[0], 16)
     assert sizes == f"ref 1: {px.shape[-1]}x{px.shape[-2]} (from {src_w}x{src_h})"
     assert sizes == example
+
+
+def test_a_linked_guidance_passes_the_queue_check_and_is_checked_when_the_sampler_runs(comfy):  # noqa: F811
+    """Was a bug: ComfyUI calls validate_inputs with None for an input fed by a link (a primitive node's
+    value is not known when the prompt is queued); the sampler refused it ("got None"), so guidance
+    could not be linked at all. The value is now checked when the node runs, with the same message."""
+    sampler = comfy.pack.KleinSampler
+    assert sampler.validate_inputs(None) is True
+    assert sampler.validate_inputs(4.0) is True
+    for bad in (float("nan"), 25.0, -1.0):
+        assert "guidance must be a finite number from 0 to 20" in sampler.validate_inputs(bad)
+        with pytest.raises(ValueError, match="guidance must be a finite number from 0 to 20"):
+            sampler.execute(None, None, guidance=bad)  # refused before its other inputs are read

@@ -132,3 +132,26 @@ def test_given_noise_sets_the_size_and_a_conflicting_one_is_refused():
             engine.check_inputs(cond, (), kc.Settings(), noise=noise).height) == (96, 64)
     request = kc.GenerationRequest("x", noise=noise)
     assert (engine.memory_request(request).width, engine.memory_request(request).height) == (96, 64)
+
+
+def test_a_strength_that_skips_no_step_is_said(tiny, caplog):
+    """Was silent: diffusers' rule skips ``int(steps x (1 - strength))`` steps, so at 4 steps any
+    strength above 0.75 skips none and sampling starts from pure noise, as at 1. With the image not
+    joining as a reference it is then not used at all: a warning naming 0.75; as a reference (the
+    default, and diffusers' default 0.8) a note in the log; 0.75 skips one step and says nothing."""
+    from PIL import Image
+    tr, te, vae = tiny
+    picture = Image.new("RGB", (64, 64), (200, 40, 40))
+
+    def said(strength: float, as_reference: bool) -> list[tuple[int, str]]:
+        caplog.clear()
+        with caplog.at_level("INFO", logger="klein_core.pipeline.engine"):
+            kc.generate(tr, te, vae, prompt="x", image=picture, strength=strength, steps=4, seed=1,
+                        image_as_reference=as_reference)
+        return [(r.levelno, r.getMessage()) for r in caplog.records if "skips no step" in r.getMessage()]
+
+    [(level, text)] = said(0.8, False)
+    assert level == 30 and "Use 0.75 or less" in text and "the image is not used" in text, text
+    [(level, text)] = said(0.8, True)
+    assert level == 20 and "joins as a reference only" in text, text
+    assert said(0.75, False) == [] and said(1.0, False) == []

@@ -454,7 +454,19 @@ class Engine:
             sigmas = get_schedule(run.steps, noise.shape[-1] * noise.shape[-2])  # = self.schedule(run) for seeded noise
             image = mask = None
             if init is not None:
-                sigmas = sigmas[run.steps - steps_to_run(run.steps, init.strength):]  # >= 1 step for strength > 0
+                runs = steps_to_run(run.steps, init.strength)
+                if runs == run.steps and init.strength < 1:
+                    # diffusers' rule rounds the skipped steps down: at 4 steps any strength above 0.75
+                    # skips none. The image then seeds nothing: a warning when it is not a reference
+                    # either (it is unused), else a note (diffusers' default 0.8 at 4 steps does this).
+                    joins = bool(with_init_reference([], init))
+                    logger.log(logging.INFO if joins else logging.WARNING,
+                               "strength (denoise) %g at %d steps skips no step (int(%d x %g) = 0 of the schedule "
+                               "are skipped): sampling starts from pure noise, as at 1%s. Use %g or less, or more "
+                               "steps, to start from the image", init.strength, run.steps, run.steps,
+                               round(1 - init.strength, 6), "; the image joins as a reference only" if joins
+                               else ", and the image is not used", (run.steps - 1) / run.steps)
+                sigmas = sigmas[run.steps - runs:]  # >= 1 step for strength > 0
                 image, mask = init.latents, init.mask
             with self._stage("transformer", plan) as model:
                 ref_kv = None

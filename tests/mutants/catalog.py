@@ -540,4 +540,32 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/test_vae_hunt.py::test_out_of_memory_retry_does_not_rerun_the_same_whole_decode",),
         "a decode out of memory is retried whole under the name 'tiles of 64' (a side as large as the latents tiles nothing)",
     ),
+    Mutant(
+        "linked-guidance-refused", "nodes/sampler.py",
+        "        return True if guidance is None else _guidance_problem(guidance) or True",
+        "        return _guidance_problem(guidance) or True",
+        ("tests/test_node_options_hunt.py::test_a_linked_guidance_passes_the_queue_check_and_is_checked_when_the_sampler_runs",),
+        "guidance fed by a primitive node is refused when the prompt is queued ('got None')",
+    ),
+    Mutant(
+        "linked-guidance-unchecked", "nodes/sampler.py",
+        "        if (problem := _guidance_problem(guidance)) is not None:",
+        "        if (problem := None) is not None:",
+        ("tests/test_node_options_hunt.py::test_a_linked_guidance_passes_the_queue_check_and_is_checked_when_the_sampler_runs",),
+        "a linked guidance out of range (or NaN) reaches the sampler unchecked",
+    ),
+    Mutant(
+        "dataset-from-working-folder", "nodes/train.py",
+        "    for candidate in candidates:",
+        "    for candidate in ():",
+        ("tests/test_train_node.py::test_a_relative_dataset_is_read_in_comfyuis_input_folder",),
+        "the shipped workflow's dataset input/klein_lora_dataset is looked for in the server's working folder only",
+    ),
+    Mutant(
+        "strength-skipping-no-step-silent", "klein_core/pipeline/engine.py",
+        "                if runs == run.steps and init.strength < 1:",
+        "                if False:",
+        ("tests/test_sampling_hunt.py::test_a_strength_that_skips_no_step_is_said",),
+        "denoise 0.8 at 4 steps starts from pure noise without a word (the image unused when not a reference)",
+    ),
 )
