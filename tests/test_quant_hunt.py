@@ -13,11 +13,11 @@ import torch
 import torch.nn.functional as F
 from extras import require
 from safetensors.torch import save_file
+from test_nvfp4 import _run
 
 from klein_core.files.loaders import load_transformer
 from klein_core.lora.apply import apply_loras
 from klein_core.lora.read import load_lora
-from klein_core.pipeline.sampling import position_ids, text_position_ids
 from klein_core.quant.fp8 import FP8Linear, quantize_fp8
 from klein_core.quant.ggml import GGMLLinear, GGMLType, dequantize
 from klein_core.testing import tiny_transformer
@@ -36,14 +36,6 @@ def _fp8_layer(w: torch.Tensor, fmt: str) -> tuple[FP8Linear, torch.Tensor, torc
     layer.weight.data = q
     layer.weight_scale = s
     return layer, q, s
-
-
-def _run(model) -> torch.Tensor:
-    g = torch.Generator().manual_seed(1)
-    img, txt = torch.randn(2, 12, 128, generator=g), torch.randn(2, 5, 96, generator=g)
-    with torch.no_grad():
-        return model(img=img, img_ids=position_ids(3, 4), txt=txt, txt_ids=text_position_ids(5),
-                     timesteps=torch.tensor([0.9, 0.4]))
 
 
 def _float_sd():
