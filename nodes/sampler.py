@@ -318,8 +318,11 @@ class KleinSampler(io.ComfyNode):
                           (size_from.shape[-1] * 16, size_from.shape[-2] * 16)
                           if size_from is not None else None, size_from=source)
         except ValueError as exc:
-            raise ValueError(f"{NODE}: width/height: {exc} Set both to 0 to use the first reference's size "
-                             f"(1024x1024 without references).") from exc
+            if width or height:
+                raise ValueError(f"{NODE}: width/height: {exc} Set both to 0 to use the first reference's size "
+                                 f"(1024x1024 without references).") from exc
+            # Both 0: the size came from an image, which the message names with the fix.
+            raise ValueError(f"{NODE}: width/height: {exc}") from exc
         if run.cfg and not has_negative:
             raise ValueError(f"{NODE}: guidance {run.guidance:g} on a base model needs a negative: connect "
                              f"negative ({ENCODER_NODE}'s negative output, or CLIPTextEncode with an empty "

@@ -381,7 +381,8 @@ class Engine:
         else:
             first = reference_pixel_sizes((), references[:1], self.downscale)[0] if references else None
             run = resolve(settings, self.kind, first, multiple=self.downscale,
-                          size_from=size_source("reference 1", references[0]) if references else None)
+                          size_from=size_source("reference latent 1", references[0], self.downscale)
+                          if references else None)
         check_denoise_inputs(tr.config, self.kind, conditioning, references, run, noise=noise, init=init,
                              negative_prompt=negative_prompt, downscale=self.downscale, checks=checks)
         return run
@@ -556,7 +557,7 @@ class Engine:
         first = sizes[0] if sizes else None
         size_from = None
         if request.reference_latents:
-            size_from = size_source("reference latent 1", request.reference_latents[0])
+            size_from = size_source("reference latent 1", request.reference_latents[0], self.downscale)
         elif request.references:
             size_from = size_source("reference 1", request.references[0])
         if init is None and request.noise is not None and request.noise.ndim == 4:  # its grid sets the size

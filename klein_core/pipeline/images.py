@@ -42,7 +42,8 @@ def prepare_reference_image(image: Image.Image, multiple: int = 16) -> torch.Ten
     """Preprocess a reference image for VAE encoding: ``Tensor[1, 3, H, W]`` in [-1, 1], float32.
 
     LANCZOS down-scaling to at most 1024x1024 pixels of area when larger (before RGB conversion,
-    like diffusers), then a centre crop to multiples of ``multiple`` (16 for the FLUX.2 VAE).
+    like diffusers, for RGB, grey and 16-bit pictures; palette and alpha pictures are converted to
+    RGB first), then a centre crop to multiples of ``multiple`` (16 for the FLUX.2 VAE).
     Grayscale, palette, RGBA (alpha dropped), 16-bit and float images are converted to 8-bit RGB;
     the EXIF orientation of photos is applied first.
     """
@@ -61,6 +62,11 @@ def prepare_reference_image(image: Image.Image, multiple: int = 16) -> torch.Ten
     # come out almost black) or like one with negative values (and be refused).
     peak = levels_peak(image)
     if w * h > MAX_REFERENCE_AREA:
+        if image.mode not in _HIGH_BIT_MODES and image.mode not in ("RGB", "L"):
+            # Pillow resizes palette pictures with NEAREST whatever is asked, and pictures with alpha
+            # premultiplied (transparent pixels turn black): converted first, they are scaled as the
+            # RGB pixels a picture of 1 MP or less gives (diffusers resizes first, with these effects).
+            image = image.convert("RGB")
         new_w, new_h = reference_size(w, h, 1)
         image = image.resize((new_w, new_h), Image.Resampling.LANCZOS)
         w, h = new_w, new_h

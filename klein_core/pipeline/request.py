@@ -177,7 +177,8 @@ def resolve_size(
 def _check_inherited(width: int | None, height: int | None, w: object, h: object, size_from: str,
                      multiple: int) -> None:
     """Refuse, naming ``size_from``, a side taken from an image (``width`` / ``height``, None where
-    given explicitly) that is too small once rounded down to ``multiple``."""
+    given explicitly) that is too small once rounded down to ``multiple``, or an output over 4
+    megapixels that such a side makes."""
     small = [name for name, v in (("width", width), ("height", height))
              if isinstance(v, int) and v // multiple * multiple < MIN_SIDE]
     if small:
@@ -185,6 +186,14 @@ def _check_inherited(width: int | None, height: int | None, w: object, h: object
         raise ValueError(
             f"{size_from} is too small to set the output size: it gives an output {sides} under {MIN_SIDE} px "
             f"({w}x{h}). Use a larger image, or give width and height explicitly.")
+    inherited = [name for name, v in (("width", width), ("height", height)) if v is not None]
+    if inherited and all(isinstance(v, int) and not isinstance(v, bool) for v in (w, h)):
+        area = w // multiple * multiple * (h // multiple * multiple)  # type: ignore[operator]
+        if area > MAX_PIXELS:
+            raise ValueError(
+                f"{size_from} is too large to set the output size: {w}x{h} is {_megapixels(area)} megapixels "
+                f"(the output's {' and '.join(inherited)} taken from it); FLUX.2 Klein supports at most 4. Give "
+                "width and height explicitly (e.g. 2048x2048 at most), or use a smaller image.")
 
 
 @dataclass(frozen=True)
@@ -383,6 +392,8 @@ def as_reference(item: object, index: int) -> Image.Image | torch.Tensor:
     if isinstance(item, (str, os.PathLike)):
         try:
             return Image.open(item)
+        except Image.DecompressionBombError as exc:  # not an OSError: it escaped unnamed
+            raise ValueError(f"reference {index}: {item!s} is too large to read safely ({exc}).") from None
         except (OSError, ValueError) as exc:
             raise ValueError(f"reference {index}: cannot open {item!s} as an image ({exc}).") from None
     raise TypeError(f"reference {index} must be a PIL image, a [1, 3, H, W] tensor or an image path, "

@@ -60,8 +60,14 @@ def encode_references(
                 raise ValueError(f"reference {n}: {exc}") from None
         else:
             px = img
-        if not isinstance(px, torch.Tensor) or px.ndim != 4 or px.shape[0] != 1:
-            raise ValueError(f"reference {n}: expected a PIL image or a [1, 3, H, W] tensor")
+        if not isinstance(px, torch.Tensor) or px.ndim != 4 or px.shape[0] != 1 or px.shape[1] != 3:
+            got = list(px.shape) if isinstance(px, torch.Tensor) else type(px).__name__
+            raise ValueError(f"reference {n}: expected a PIL image or a [1, 3, H, W] tensor, got {got}")
+        down = vae.config.downscale
+        if px.shape[-1] % down or px.shape[-2] % down:
+            raise ValueError(f"reference {n}: a tensor reference needs height and width that are multiples of "
+                             f"{down}, got {px.shape[-2]}x{px.shape[-1]} (H x W); crop it, or give the picture "
+                             "as a PIL image (it is then cropped to fit)")
         check.require_finite(px, f"reference {n}")
         latent = tiling.encode(vae, px, tile)
         check.check_output(latent, f"The VAE encoder (reference {n})", vae, overflow_cause(vae.dtype))
@@ -81,12 +87,13 @@ def reference_pixel_sizes(images: Sequence[Image.Image | torch.Tensor], latents:
     return sizes
 
 
-def size_source(what: str, image: Image.Image | torch.Tensor) -> str:
-    """``what`` with the image's own size, for an error that names it: ``"reference 1 (1x1 px)"``."""
+def size_source(what: str, image: Image.Image | torch.Tensor, downscale: int = 1) -> str:
+    """``what`` with the image's own size, for an error that names it: ``"reference 1 (1x1 px)"``.
+    ``downscale``: pixels per position of a tensor (16 for latents, 1 for pixels)."""
     if isinstance(image, Image.Image):
         w, h = oriented_size(image)
     elif isinstance(image, torch.Tensor) and image.ndim >= 2:
-        w, h = image.shape[-1], image.shape[-2]
+        w, h = image.shape[-1] * downscale, image.shape[-2] * downscale
     else:  # not an image: refused elsewhere, by its type
         return what
     return f"{what} ({w}x{h} px)"

@@ -568,4 +568,25 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/test_sampling_hunt.py::test_a_strength_that_skips_no_step_is_said",),
         "denoise 0.8 at 4 steps starts from pure noise without a word (the image unused when not a reference)",
     ),
+    Mutant(
+        "large-rgba-reference-resized-with-alpha", "klein_core/pipeline/images.py",
+        '        if image.mode not in _HIGH_BIT_MODES and image.mode not in ("RGB", "L"):',
+        "        if False:",
+        ("tests/test_batch_refs_hunt.py::test_a_large_reference_with_alpha_or_a_palette_is_scaled_as_its_rgb_pixels",),
+        "a reference over 1 MP with alpha is resized with the alpha applied: transparent white turns black",
+    ),
+    Mutant(
+        "inherited-size-over-4mp-unnamed", "klein_core/pipeline/request.py",
+        "        if area > MAX_PIXELS:",
+        "        if False:",
+        ("tests/test_batch_refs_hunt.py::test_an_inherited_size_over_4_megapixels_names_the_reference_it_came_from",),
+        "an output size over 4 MP taken from reference 1 is blamed on 'Output size', which the user never gave",
+    ),
+    Mutant(
+        "tensor-reference-size-unnamed", "klein_core/pipeline/vae_io.py",
+        "        if px.shape[-1] % down or px.shape[-2] % down:",
+        "        if False:",
+        ("tests/test_batch_refs_hunt.py::test_a_bad_tensor_reference_is_refused_naming_which_reference",),
+        "a tensor reference of a size the VAE refuses is refused without saying which reference",
+    ),
 )
