@@ -128,19 +128,21 @@ class _ModulePlan:
 def _plan(
     components: Mapping[str, nn.Module], loras: list[tuple[LoRA, float]]
 ) -> tuple[dict[tuple[str, str], _ModulePlan], dict[str, str]]:
-    """Group patches by core module, check every shape, and list what cannot be applied."""
+    """Group patches by core module, check every shape, and list what cannot be applied: the keys,
+    each as ``"<LoRA name>: <key>"`` when several LoRAs are applied together (two files often share
+    key names), logged once per LoRA, naming it."""
     plans: dict[tuple[str, str], _ModulePlan] = {}
     skipped: dict[str, str] = {}
     tables = {c: dict(m.named_modules()) for c, m in components.items()}
-    for lora, strength in loras:
-        if strength == 0.0:  # exactly no LoRA: touch nothing
-            continue
+    active = [(lora, strength) for lora, strength in loras if strength != 0.0]  # 0: exactly no LoRA, touch nothing
+    for lora, strength in active:
+        own: dict[str, str] = {}
         for patch in lora.patches:
             model = components.get(patch.component)
             if model is None:
                 what = "text encoder" if patch.component == TEXT_ENCODER else "transformer"
                 for key in patch.keys:
-                    skipped[key] = f"not applied: no {what} was given to apply it to"
+                    own[key] = f"not applied: no {what} was given to apply it to"
                 continue
             module = tables[patch.component].get(patch.module)
             weight = _weight_of(module)
@@ -159,7 +161,8 @@ def _plan(
                 plans[key] = _ModulePlan(patch.component, patch.module, module)
             plans[key].items.append((patch, strength))
             plans[key].lora_of[id(patch)] = lora.name
-    log_skipped("LoRA", skipped)
+        log_skipped(lora.name, own)
+        skipped.update({f"{lora.name}: {k}" if len(active) > 1 else k: why for k, why in own.items()})
     return plans, skipped
 
 
@@ -549,8 +552,8 @@ class AppliedLoRAs:
     removal: bit-exact, which re-subtracting a delta in bf16 is not, at the cost of host memory
     equal to the touched weights. Branch mode keeps nothing: removal drops the hooks.
     ``modules``: the touched core modules (``"transformer:single_blocks.0.linear1"``);
-    ``skipped``: source keys not applied in this call, with reasons (plus each LoRA's own
-    ``LoRA.skipped``).
+    ``skipped``: source keys not applied in this call, with reasons, each as ``"<LoRA name>: <key>"``
+    when several LoRAs were applied together (plus each LoRA's own ``LoRA.skipped``).
     """
 
     def __init__(self, mode: str, loras: list[tuple[LoRA, float]], skipped: dict[str, str]) -> None:

@@ -50,6 +50,7 @@ _SUFFIX_ROLES: dict[str, str] = {
     "dora_scale": "dora_scale",  # LyCORIS DoRA, as ComfyUI reads it: [out, 1] or [1, in]
     "lora_magnitude_vector": "magnitude",  # PEFT DoRA: [out]
     "lora_magnitude_vector.default.weight": "magnitude",
+    "lora_magnitude_vector.weight": "magnitude",  # SimpleTuner / HF spelling (OneTrainer and InvokeAI read it)
 }
 #: The roles of a DoRA magnitude (see :attr:`klein_core.lora.patches.LoRAPatch.dora`).
 DORA_ROLES = ("dora_scale", "magnitude")

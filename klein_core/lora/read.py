@@ -185,7 +185,11 @@ def _build_patch(
             incomplete(", ".join(r for r in _LOHA_ROLES if r not in t))
             return None
         rank = _rank(name, path, t["hada_w1_b"].shape[0])
-        scale = alpha / rank if alpha is not None else 1.0
+        if cfg and str(cfg.get("peft_type", "")).upper() == "LOHA":  # PEFT LoHa: alpha / r, as LoKr
+            r = _rank(name, path, float(_pattern_value(cfg.get("rank_pattern"), peft_name, cfg.get("r", rank))))
+            scale = float(_pattern_value(cfg.get("alpha_pattern"), peft_name, cfg.get("alpha", r))) / r
+        else:  # LyCORIS: alpha / rank, 1 without alpha
+            scale = alpha / rank if alpha is not None else 1.0
     else:
         scale = 1.0
     if not math.isfinite(scale):

@@ -589,4 +589,18 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/test_batch_refs_hunt.py::test_a_bad_tensor_reference_is_refused_naming_which_reference",),
         "a tensor reference of a size the VAE refuses is refused without saying which reference",
     ),
+    Mutant(
+        "peft-loha-metadata-ignored", "klein_core/lora/read.py",
+        '        if cfg and str(cfg.get("peft_type", "")).upper() == "LOHA":  # PEFT LoHa: alpha / r, as LoKr',
+        "        if False:",
+        ("tests/test_lora_formats_hunt.py::test_peft_loha_with_diffusers_metadata_uses_alpha_over_r",),
+        "a PEFT LoHa runs at scale 1, not its metadata's alpha / r",
+    ),
+    Mutant(
+        "lora-skipped-logged-unnamed", "klein_core/lora/apply.py",
+        "        log_skipped(lora.name, own)",
+        '        log_skipped("LoRA", own)',
+        ("tests/test_lora_formats_hunt.py::test_not_applied_warning_names_each_file_when_two_loras_are_stacked",),
+        "keys not applied are logged without the file they came from",
+    ),
 )
