@@ -56,7 +56,9 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--weighting-scheme", choices=WEIGHTING_SCHEMES, default=None)
     p.add_argument("--shift", type=float, default=None)
     p.add_argument("--reference-dropout", type=float, default=None)
-    p.add_argument("--format", choices=FORMATS, default=None, help="key names of the saved LoRA")
+    p.add_argument("--format", choices=FORMATS, default=None, help=(
+        "key names of the saved LoRA: diffusers (default), kohya, or comfyui (BFL names: read whole by "
+        "ComfyUI's own LoRA loaders, which apply only part of a diffusers-named file, and by diffusers)"))
     p.add_argument("--no-gradient-checkpointing", action="store_true")
     p.add_argument("--cache-dir", default=None, help="latent/prompt cache (default <output>.cache)")
     p.add_argument("--device", default=None)
@@ -145,6 +147,27 @@ def _number(o: dict, key: str, kind: type, default: object) -> object:
             from None
 
 
+_TEXTS = ("dataset", "transformer", "vae", "text_encoder", "output", "preset", "format", "cache_dir", "resume",
+          "device", "quantize", "memory", "optimizer", "weighting_scheme", "speed")
+
+
+def _check_types(o: dict) -> None:
+    """A TOML value of the wrong type names its option (argparse types the flags): text options are
+    strings, the repeatable ones lists of strings, switches booleans ("no" was read as true)."""
+    for key in _TEXTS:
+        if key in o and not isinstance(o[key], str):
+            raise OptionError(f"option {key}: expected a string, got {o[key]!r}")
+    for key in _LISTS:
+        value = o.get(key)
+        if value is not None and (not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value)):
+            raise OptionError(f"option {key}: expected a string or a list of strings, got {value!r}")
+    if not isinstance(o.get("no_gradient_checkpointing", False), bool):
+        raise OptionError(f"option no_gradient_checkpointing: expected true or false, got "
+                          f"{o['no_gradient_checkpointing']!r}")
+    if o.get("format", FORMATS[0]) not in FORMATS:  # checked before training, not when the LoRA is saved
+        raise OptionError(f"option format: expected one of {', '.join(FORMATS)}, got {o['format']!r}")
+
+
 def _progress(report: StepReport) -> None:
     eta = time.strftime("%H:%M:%S", time.gmtime(report.eta_s)) if report.eta_s < 8.64e6 else "?"
     sys.stderr.write(f"\rstep {report.step}/{report.total}  loss {report.loss:.4f}  {report.it_per_s:.2f} it/s  "
@@ -210,6 +233,9 @@ def run_train(args: argparse.Namespace) -> int:
         for name, reason in result.skipped.items():
             sys.stderr.write(f"skipped {name}: {reason}\n")
         sys.stderr.write(f"wrote {result.path}\n")
+        if job.fmt == "diffusers":  # the default: ComfyUI's own LoRA loaders apply only part of it
+            sys.stderr.write("(diffusers names; for ComfyUI's own LoRA loaders train with --format comfyui, "
+                             "which this pack and diffusers read too)\n")
     return 0
 
 
@@ -220,6 +246,7 @@ def _job(o: dict) -> TrainJob | None:
     if missing:
         sys.stderr.write(f"error: train needs {', '.join('--' + m.replace('_', '-') for m in missing)}\n")
         return None
+    _check_types(o)
     size = o.get("sample_size", (512, 512))
     if not isinstance(size, (list, tuple)) or len(size) != 2:
         raise OptionError(f"option sample_size: expected [width, height], got {size!r}")

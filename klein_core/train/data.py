@@ -26,6 +26,7 @@ from safetensors.torch import save_file
 
 from ..pipeline.images import high_bit_to_rgb8, levels_mode, oriented_size
 from ..pipeline.request import guess_model_kind
+from ..pipeline.tokenizer import count_tokens
 from .trainer import TrainSample
 
 logger = logging.getLogger(__name__)
@@ -174,9 +175,10 @@ def bucket_size(width: int, height: int, area: int = 1024 * 1024) -> tuple[int, 
     aspect ratio and about ``area`` pixels (never more)."""
     if width < 1 or height < 1:
         raise ValueError(f"image size must be positive, got {width}x{height}")
-    scale = math.sqrt(area / (width * height))
-    w = max(1, int(width * scale) // PIXELS_PER_TOKEN) * PIXELS_PER_TOKEN
-    h = max(1, int(height * scale) // PIXELS_PER_TOKEN) * PIXELS_PER_TOKEN
+    # floor(width * sqrt(area / (width * height))) in integers: the float product gave 1023 for many
+    # squares at 1024² (1040, 1232, 2080 px...), so they fell into the 1008 bucket.
+    w = max(1, math.isqrt(area * width // height) // PIXELS_PER_TOKEN) * PIXELS_PER_TOKEN
+    h = max(1, math.isqrt(area * height // width) // PIXELS_PER_TOKEN) * PIXELS_PER_TOKEN
     # A very thin image has its short side raised to one token (16 px); the long side then gives
     # back what that added, so the bucket stays within ``area``.
     if w * h > area:
@@ -350,6 +352,10 @@ def build_samples(scan: DatasetScan, encoders: Encoders, cache_dir: str | os.Pat
                 ref_sizes.append(bucket_size(*oriented_size(im), reference_area or area))
                 rules[r] = pixels_rule(im)
         check_token_budget(item, size, ref_sizes, text_tokens, token_limit)
+        if (n := count_tokens(item.caption)) > text_tokens:  # said by its file, cached or not
+            logger.warning("%s: its caption is %d tokens after the chat template; truncated to max_length=%d, "
+                           "as at inference (%d tokens cut from the end)", item.image.name, n, text_tokens,
+                           n - text_tokens)
         plans.append((item, size, ref_sizes))
     latents = TensorCache(Path(cache_dir) / "latents", encoders.image_identity)
     texts = TensorCache(Path(cache_dir) / "prompts", encoders.text_identity)

@@ -23,7 +23,7 @@ from ..pipeline.prompts import encoder_identity
 from ..pipeline.tokenizer import tokenize_prompts
 from .adapters import LoRASet, preset, text_encoder_preset
 from .data import Encoders, build_samples, dataset_hash, require_base_model, scan_dataset
-from .save import save_lora
+from .save import FORMATS, save_lora
 from .trainer import StepReport, TrainConfig, Trainer, latest_checkpoint
 
 logger = logging.getLogger(__name__)
@@ -106,6 +106,8 @@ def run_job(job: TrainJob, *, on_step: Callable[[StepReport], bool | None] | Non
 def _run(job: TrainJob, on_step: Callable[[StepReport], bool | None] | None,
          check_cancel: Callable[[], None] | None) -> TrainResult:
     require_base_model(job.transformer)
+    if job.fmt not in FORMATS:  # before training, not when the LoRA is saved at the end
+        raise ValueError(f"fmt must be one of {', '.join(FORMATS)}, got {job.fmt!r}")
     if int(job.resolution) < 16:  # the bucket area is resolution²: 0 or a negative side is not a size
         raise ValueError(f"resolution must be 16 or more (pixels; the bucket area is resolution²), got {job.resolution}")
     # The LoRA's targets are checked before anything is encoded (a bad rank or pattern fails now).

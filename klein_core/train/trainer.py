@@ -418,7 +418,7 @@ class Trainer:
         stay."""
         found = [(n, folder / CHECKPOINT_FILE) for n, folder in checkpoints(self.output_dir or ".") if folder != newest]
         keep_others = self.config.keep_checkpoints - 1
-        for _, state in found[:len(found) - keep_others]:
+        for _, state in found[:max(0, len(found) - keep_others)]:  # (a negative end cut from the front)
             state.unlink(missing_ok=True)
             logger.info("removed the older training state %s (keep_checkpoints=%d)", state,
                         self.config.keep_checkpoints)

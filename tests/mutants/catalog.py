@@ -603,4 +603,25 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/test_lora_formats_hunt.py::test_not_applied_warning_names_each_file_when_two_loras_are_stacked",),
         "keys not applied are logged without the file they came from",
     ),
+    Mutant(
+        "keep-checkpoints-negative-slice", "klein_core/train/trainer.py",
+        "        for _, state in found[:max(0, len(found) - keep_others)]:  # (a negative end cut from the front)",
+        "        for _, state in found[:len(found) - keep_others]:",
+        ("tests/test_train_hunt3.py::test_keep_checkpoints_of_four_or_more_keeps_that_many",),
+        "keep_checkpoints 4 or more keeps fewer states than asked (a negative slice end deletes from the front)",
+    ),
+    Mutant(
+        "bucket-float-rounding", "klein_core/train/data.py",
+        "    w = max(1, math.isqrt(area * width // height) // PIXELS_PER_TOKEN) * PIXELS_PER_TOKEN",
+        "    w = max(1, int(width * math.sqrt(area / (width * height))) // PIXELS_PER_TOKEN) * PIXELS_PER_TOKEN",
+        ("tests/test_train_hunt3.py::test_square_images_get_the_square_bucket_of_the_resolution",),
+        "square images of many sizes get the bucket one step below the resolution",
+    ),
+    Mutant(
+        "toml-text-option-untyped", "klein_core/train/cli.py",
+        "        if key in o and not isinstance(o[key], str):",
+        "        if False:",
+        ("tests/test_train_hunt3.py::test_a_toml_option_of_the_wrong_type_names_the_option",),
+        "a TOML number for resume (or cache_dir) ends in a traceback, not a line naming the option",
+    ),
 )
