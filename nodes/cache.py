@@ -17,6 +17,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,6 +39,10 @@ ROLES = ("transformer", "text_encoder", "vae")
 
 _lock = threading.RLock()
 _resident: dict[str, tuple[ModelRef, torch.nn.Module, object]] = {}  # role -> (ref, model, host handle)
+# Models dropped from the cache that something else may still hold (Klein Model to MODEL's native
+# MODEL, in ComfyUI's output cache, holds its transformer): asked for again, such a model is taken
+# back rather than read from its file a second time beside it.
+_released: weakref.WeakValueDictionary[ModelRef, torch.nn.Module] = weakref.WeakValueDictionary()
 loads: Counter[str] = Counter()  # loads per role since start (tests and logs)
 prompts = kc.PromptCache(max_entries=32)  # the pack's prompt-embedding cache (in memory)
 kv = ReferenceKVCache(max_entries=1)  # KV models: the last edit's reference keys/values (on the GPU)
@@ -125,22 +130,28 @@ def acquire(ref: ModelRef) -> torch.nn.Module:
         if held is None or held[0] != ref:
             if held is not None:
                 logger.info("Klein: dropping the %s %s for %s", ref.role, held[0].name, ref.name)
+                _released[held[0]] = held[1]
                 del _resident[ref.role], held
             device = torch.device(ref.device)
             host.make_room(weight_bytes(ref), device)  # ComfyUI frees its models first
             t0 = time.perf_counter()
-            extra = {"quantize": ref.quantize} if ref.quantize else {}
-            model = LOADERS[ref.role](ref.path, device=ref.device, dtype=ref.dtype, **extra)
+            model = _released.pop(ref, None)
+            if model is not None:  # still alive, held by a node output: taken back, not read again
+                logger.info("Klein: took back the %s %s (still held by a node output; not read again)",
+                            ref.role.replace("_", " "), ref.name)
+            else:
+                extra = {"quantize": ref.quantize} if ref.quantize else {}
+                model = LOADERS[ref.role](ref.path, device=ref.device, dtype=ref.dtype, **extra)
+                loads[ref.role] += 1
+                logger.info("Klein: loaded %s %s on %s as %s in %.2fs", ref.role.replace("_", " "), ref.name,
+                            ref.device, str(ref.dtype).removeprefix("torch."), time.perf_counter() - t0)
             if device.type == "cpu" and host.torch_device().type == "cuda":
                 # Homed in CPU memory to be streamed or copied onto the GPU: page-locked now rather
                 # than at its first stage, so the LoRA'd copies (Klein LoRA Loader), which share its
                 # tensors, share the page-locked ones instead of each locking a copy of its own.
                 pin_memory_(model)
-            loads[ref.role] += 1
             handle = host.register_model(model, ref.role, device)
             _resident[ref.role] = (ref, model, handle)
-            logger.info("Klein: loaded %s %s on %s as %s in %.2fs", ref.role.replace("_", " "), ref.name,
-                        ref.device, str(ref.dtype).removeprefix("torch."), time.perf_counter() - t0)
         _, model, handle = _resident[ref.role]
         host.use_models([handle])  # back on its device if ComfyUI offloaded it
         return model
@@ -175,6 +186,8 @@ def release_all(reason: str = "ComfyUI unloaded all models") -> int:
     """Drop every cached model and prompt embedding; returns how many models were held."""
     with _lock:
         names = [f"{role} {entry[0].name}" for role, entry in _resident.items()]
+        for ref, model, _ in _resident.values():
+            _released[ref] = model  # freed below unless a node output still holds it
         _resident.clear()
         prompts.clear()
         kv.clear()

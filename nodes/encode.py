@@ -29,7 +29,7 @@ PRECISIONS: dict[str, torch.dtype | None] = {"model dtype": None, "fp32 activati
 MAX_TOKENS: dict[str, tuple[int | None, int | None]] = {
     "512": (512, None), "whole prompt": (None, None), "512, padding trimmed (approximate)": (512, TRIM_MULTIPLE)}
 NO_LORA = "none"
-NATIVE_ENCODER_KEY = "klein_encoder"  # in our CONDITIONING's options: the encoder file (the host ignores it)
+NATIVE_ENCODER_KEY = host.NATIVE_ENCODER_KEY  # in our CONDITIONING's options: the encoder file
 NATIVE_WRITTEN_KEY = "klein_written"  # in the negative output's options: whether a negative prompt was written
 
 

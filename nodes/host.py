@@ -424,9 +424,32 @@ def native_flux2_model(diffusion_model: torch.nn.Module, unet_config: dict, dtyp
     config = comfy.supported_models.Flux2({"image_model": "flux2", **unet_config,
                                            "disable_unet_model_creation": True})
     config.set_inference_dtype(dtype, None)
-    base = comfy.model_base.Flux2(config, device=device)
+    base = _klein_flux2_class()(config, device=device)
     base.diffusion_model = diffusion_model
     return _native_patcher_class()(base, load_device=device, offload_device=offload_device())
+
+
+# In the options of the pack encoder's CONDITIONING: the encoder file. ComfyUI passes the options on
+# to the model's extra_conds, where it marks text that must not be padded (_klein_flux2_class).
+NATIVE_ENCODER_KEY = "klein_encoder"
+
+
+@functools.cache
+def _klein_flux2_class() -> type:
+    """``comfy.model_base.Flux2`` that leaves the pack encoder's text as it is. ComfyUI pads any text
+    under 512 tokens to 512 with zero rows in front (its own encoder gives fewer); the pack's encoder
+    gives the Klein Sampler's embeddings (512 tokens, trimmed, or the whole prompt), and its
+    "padding trimmed" prompts padded so ran as neither (0.025 from the Klein Sampler at 4 steps).
+    Conditioning from ComfyUI's own encoders is padded as ComfyUI pads it."""
+    import comfy.model_base
+
+    class KleinFlux2(comfy.model_base.Flux2):
+        def extra_conds(self, **kwargs):
+            if NATIVE_ENCODER_KEY in kwargs:  # the pack's encoder: its length as the Klein Sampler uses it
+                return comfy.model_base.Flux.extra_conds(self, **kwargs)
+            return super().extra_conds(**kwargs)
+
+    return KleinFlux2
 
 
 def run_diffusion_model_wrappers(fn: Callable, owner: object, transformer_options: dict, *args, **kwargs):

@@ -219,6 +219,9 @@ class KleinDiffusionModel(torch.nn.Module):
         view = module_view(transformer)
         eager_view(view, transformer)  # "fast + compile" runs the fast kernels here, not the compile speed's
         object.__setattr__(self, "transformer", view)  # an attribute, not a child: no "transformer." in the keys
+        # The pack's transformer itself (the same tensors as the view): after the pack's cache lets it
+        # go (Unload models), the cache takes this one back rather than read the file again beside it.
+        object.__setattr__(self, "source_model", transformer)
         self._modules = view._modules
         self._parameters = view._parameters
         self._buffers = view._buffers

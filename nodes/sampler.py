@@ -69,6 +69,10 @@ def _native_entry(value: object, input_name: str) -> tuple[torch.Tensor, dict]:
         raise ValueError(f"{NODE}: {input_name} must be one CONDITIONING entry [1, tokens, width] (from "
                          f"{ENCODER_NODE} or CLIPTextEncode, through ReferenceLatent / ConditioningZeroOut), got "
                          f"{n} entries; combined or area conditioning is not supported.")
+    if value[0][0].shape[0] != 1:  # several prompts in one entry: each would get batch_size images
+        raise ValueError(f"{NODE}: {input_name} must be one CONDITIONING entry [1, tokens, width] (one prompt), "
+                         f"got {list(value[0][0].shape)}; batch_size sets how many images, and each prompt "
+                         "needs its own sampler.")
     return value[0][0], value[0][1]
 
 

@@ -294,10 +294,16 @@ def test_model_loader_outputs_kinds_and_reuse(comfy):
     assert transformer.dtype == torch.bfloat16 and transformer.device.type == "cpu"
     assert _load(comfy, M4B_BASE)[0].kind == "base"
     assert _load(comfy, M4B_BASE, kind="distilled")[0].kind == "distilled"
-    assert _load(comfy, M4B, kind="base")[0].kind == "base"
-    assert comfy.cache.loads["transformer"] == loads + 3  # 4b, base-4b, 4b again (one transformer kept)
+    again = _load(comfy, M4B, kind="base")[0]
+    assert again.kind == "base"
+    # 4b, base-4b; then 4b again is the transformer still held here, taken back rather than read again
+    assert comfy.cache.loads["transformer"] == loads + 2 and again.ref.get() is transformer
+    del transformer, again
+    _load(comfy, M4B_BASE)[0].ref.get()  # drops the 4b, which nothing holds now
+    assert _load(comfy, M4B, kind="distilled")[0].ref.get() is not None
+    assert comfy.cache.loads["transformer"] == loads + 4, "a dropped transformer nothing held was not read again"
     _load(comfy, M4B, kind="distilled")
-    assert comfy.cache.loads["transformer"] == loads + 3, "the same file was loaded again"
+    assert comfy.cache.loads["transformer"] == loads + 4, "the same file was loaded again"
     assert _load(comfy, M4B, dtype="fp32")[0].ref.get().dtype == torch.float32
 
 

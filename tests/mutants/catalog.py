@@ -624,4 +624,25 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/test_train_hunt3.py::test_a_toml_option_of_the_wrong_type_names_the_option",),
         "a TOML number for resume (or cache_dir) ends in a traceback, not a line naming the option",
     ),
+    Mutant(
+        "native-model-pads-pack-text", "nodes/host.py",
+        "            if NATIVE_ENCODER_KEY in kwargs:  # the pack's encoder: its length as the Klein Sampler uses it",
+        "            if False:",
+        ("tests/test_native_interop_hunt.py::test_trimmed_conditioning_through_klein_model_to_model_equals_the_klein_sampler",),
+        "trimmed prompts through Klein Model to MODEL padded back to 512 with zero rows in front",
+    ),
+    Mutant(
+        "released-transformer-read-again", "nodes/cache.py",
+        "            model = _released.pop(ref, None)",
+        "            model = None",
+        ("tests/test_native_interop_hunt.py::test_unload_models_leaves_one_copy_of_the_transformer_for_both_paths",),
+        "after Unload models the transformer a bridged MODEL holds is read again beside it (two copies)",
+    ),
+    Mutant(
+        "batched-native-conditioning-accepted", "nodes/sampler.py",
+        "    if value[0][0].shape[0] != 1:  # several prompts in one entry: each would get batch_size images",
+        "    if False:",
+        ("tests/test_native_interop_hunt.py::test_a_batched_conditioning_is_refused_or_gives_batch_size_images",),
+        "a 2-prompt native conditioning gives 2 x batch_size images",
+    ),
 )

@@ -2,11 +2,15 @@
 """Driving the pack over ComfyUI's HTTP API from a script, and loading the shipped workflows, against a
 real headless ComfyUI 0.3.75 with tiny models.
 
-Tests whose docstring starts with "BUG:" show a defect (they fail on the code as it is); the others pin
-behaviour a script relies on that no other e2e test checks: the shipped API files are what the UI files
+Tests whose docstring starts with "Was a bug:" failed on the code before their fix (a hunt over the
+HTTP API); the others pin behaviour a script relies on that no other e2e test checks: the shipped API files are what the UI files
 export, /object_info defaults fit their own limits, bad values are refused by input name, a failed,
 interrupted or cached run leaves the next run bit-identical, and saved PNGs carry a prompt that
 re-creates them.
+
+Its runs fail on purpose, which logs errors naming the pack: the file is named to run after the
+session server's log checks (test_host_smoke, test_nodes_e2e's traceback check), as the other files
+with deliberate failures (test_nodes_host_e2e, test_seed_e2e) are.
 """
 
 from __future__ import annotations
