@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import functools
+import io
 import json
 import logging
 import math
@@ -132,7 +134,7 @@ def _add_generate_args(g: argparse.ArgumentParser) -> None:
     kind = g.add_mutually_exclusive_group()
     kind.add_argument("--base", action="store_true", help="base model: CFG with a negative prompt")
     kind.add_argument("--distilled", action="store_true", help="distilled model (default unless the name says base)")
-    g.add_argument("--out", type=_out_path, default=Path("klein.png"),
+    g.add_argument("--out", default="klein.png",
                    help="output PNG; with --batch, _00, _01... are added before the suffix")
     g.add_argument("--device", default=None, help="cuda, cuda:1, cpu, mps (default: cuda if available, else cpu)")
     g.add_argument("--dtype", choices=DTYPES, default=None,
@@ -181,7 +183,8 @@ def _add_generate_args(g: argparse.ArgumentParser) -> None:
     g.add_argument("--prompt-cache", type=Path, default=None, metavar="DIR",
                    help="keep prompt embeddings in DIR across runs: a prompt seen before does not load the "
                         "text encoder at all")
-    g.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    g.add_argument("-q", "--quiet", action="store_true",
+                   help="no progress bar and no notes (what ran, the summary); warnings and errors are still shown")
 
 
 VAE_TILE_HELP = ("auto: the VAE encodes and decodes in tiles only where GPU memory is short; none: never in tiles "
@@ -334,33 +337,40 @@ class _Progress:
             write_line(sys.stderr, "\n")
 
 
-def _out_path(raw: str) -> Path:
-    """``--out`` as a path; one that ends with a path separator names a folder (``Path`` would drop
-    the separator, and ``outdir/`` would silently become the file ``outdir``)."""
-    if raw.endswith(("/", os.sep)):
-        raise argparse.ArgumentTypeError(f"{raw} is a folder; give a file name such as {Path(raw) / 'klein.png'}")
-    return Path(raw)
-
-
-def check_out(out: Path) -> Path:
+def check_out(out: str | Path) -> Path:
     """``--out`` checked before anything loads (a generation must not be lost at the end): a file name
-    whose extension PIL can write (none: ``.png`` is added), not a folder, in a folder that exists or
-    can be made. Returns the path images are written to."""
+    whose extension PIL can write an RGB picture in (none: ``.png`` is added), not a folder (also one
+    written with a trailing separator, which ``Path`` would drop), in a folder that exists or can be
+    made. Returns the path images are written to."""
+    if isinstance(out, str) and out.endswith(("/", os.sep)):
+        raise CLIError(f"--out {out}: is a folder; give a file name such as {Path(out) / 'klein.png'}")
+    out = Path(out)
     if out.name in ("", ".", "..") or out.is_dir():
         raise CLIError(f"--out {out}: is a folder; give a file name such as {out / 'klein.png'}")
     if not out.suffix:
         out = out.with_name(out.name + ".png")  # as batches have always done: PNG, which keeps the parameters
     formats = Image.registered_extensions()
     fmt = formats.get(out.suffix.lower())
-    if fmt is None or fmt not in Image.SAVE:
-        raise CLIError(f"--out {out}: PIL cannot write {out.suffix!r} files; use .png (keeps the parameters), "
-                       ".jpg or .webp")
+    if fmt is None or fmt not in Image.SAVE or not _writes_rgb(fmt):
+        raise CLIError(f"--out {out}: PIL cannot write {out.suffix!r} files of RGB pictures; use .png (keeps the "
+                       "parameters), .jpg or .webp")
     parent = out.parent
     while not parent.exists() and parent != parent.parent:  # the nearest folder that exists must be one
         parent = parent.parent
     if parent.exists() and not parent.is_dir():
         raise CLIError(f"--out {out}: {parent} is a file, not a folder")
     return out
+
+
+@functools.cache
+def _writes_rgb(fmt: str) -> bool:
+    """Whether PIL writes an RGB picture in format ``fmt``: some have a save handler that refuses RGB
+    (XBM writes 1-bit pictures) or is a stub (GRIB, BUFR), found only at the end otherwise."""
+    try:
+        Image.new("RGB", (1, 1)).save(io.BytesIO(), format=fmt)
+    except Exception:  # noqa: BLE001 - PIL's writers raise OSError, ValueError, KeyError...
+        return False
+    return True
 
 
 def _save_images(result: GenerationResult, out: Path, params: dict) -> list[Path]:
@@ -386,6 +396,13 @@ def _save_images(result: GenerationResult, out: Path, params: dict) -> list[Path
 def _check_request(args: argparse.Namespace, refs: list[Image.Image]) -> None:
     """Every number checked before anything loads (a wrong size must not wait for 16 GB of weights)."""
     args.out = check_out(args.out)
+    if args.demo:  # its tiny models are built in memory: a file or a quantisation asked for would not run
+        ignored = [flag for flag, value in (("--model", args.model), ("--models-dir", args.models_dir),
+                                            ("--transformer", args.transformer), ("--text-encoder", args.text_encoder),
+                                            ("--vae", args.vae), ("--quantize", args.quantize)) if value]
+        if ignored:
+            raise CLIError(f"--demo runs tiny random models built in memory; {', '.join(ignored)} would not be used. "
+                           "Leave --demo out to run model files.")
     if args.demo and not refs and args.image is None:  # the tiny models are quick at 256 px; a side given is kept
         args.width = 256 if args.width is None else args.width
         args.height = 256 if args.height is None else args.height
@@ -637,6 +654,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (CLIError, ValueError, TypeError, FileNotFoundError, WeightFormatError) as exc:
         write_line(sys.stderr, f"error: {exc}\n")
         return 2
+    except (FloatingPointError, torch.OutOfMemoryError) as exc:  # a run that failed: its message says why
+        write_line(sys.stderr, f"error: {exc}\n")
+        return 1
     except GenerationCancelled as exc:
         write_line(sys.stderr, f"cancelled: {exc}\n")
         return 130

@@ -211,7 +211,8 @@ class Settings:
 
 @dataclass(frozen=True)
 class Resolved:
-    """Concrete settings for one run: every default applied and every value checked."""
+    """Concrete settings for one run: every default applied and every value checked; ``guidance`` is
+    the one that runs (1 for distilled models, whatever was asked)."""
 
     width: int
     height: int
@@ -253,7 +254,10 @@ def resolve(settings: Settings, kind: ModelKind, first_reference: tuple[int, int
         logger.warning("guidance %.2f is ignored: distilled Klein models run without CFG", guidance)
     width, height = resolve_size(settings.width, settings.height, first_reference, multiple, warn=warn,
                                  size_from=size_from)
-    return Resolved(width, height, steps, guidance, seed, batch, kind == "base" and guidance > 1.0)
+    # What runs: a distilled model runs without CFG whatever was asked (said above), so the result and
+    # the PNG's parameters say 1, not the guidance given.
+    ran = guidance if kind == "base" else 1.0
+    return Resolved(width, height, steps, ran, seed, batch, kind == "base" and guidance > 1.0)
 
 
 @dataclass(frozen=True)

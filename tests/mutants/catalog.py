@@ -645,4 +645,32 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/test_native_interop_hunt.py::test_a_batched_conditioning_is_refused_or_gives_batch_size_images",),
         "a 2-prompt native conditioning gives 2 x batch_size images",
     ),
+    Mutant(
+        "cli-overflow-traceback", "klein_core/cli.py",
+        "    except (FloatingPointError, torch.OutOfMemoryError) as exc:  # a run that failed: its message says why",
+        "    except torch.OutOfMemoryError as exc:",
+        ("tests/test_docs_claims_hunt.py::test_an_overflow_in_the_cli_is_one_line_not_a_traceback",),
+        "numbers that overflow end the CLI in a 20-line traceback, not one error line",
+    ),
+    Mutant(
+        "cli-out-format-not-tried", "klein_core/cli.py",
+        "    if fmt is None or fmt not in Image.SAVE or not _writes_rgb(fmt):",
+        "    if fmt is None or fmt not in Image.SAVE:",
+        ("tests/test_docs_claims_hunt.py::test_an_out_extension_pil_cannot_write_is_refused_before_any_model_loads",),
+        "--out o.xbm passes the check, and the generation is lost when PIL cannot write it at the end",
+    ),
+    Mutant(
+        "demo-ignores-model-flags", "klein_core/cli.py",
+        '        if ignored:\n            raise CLIError(f"--demo runs',
+        '        if False:\n            raise CLIError(f"--demo runs',
+        ("tests/test_docs_claims_hunt.py::test_model_without_models_dir_is_refused_also_with_demo",),
+        "--demo --model X runs the demo model without a word; --demo --quantize q4 records a q4 that never ran",
+    ),
+    Mutant(
+        "distilled-guidance-reported-as-asked", "klein_core/pipeline/request.py",
+        '    ran = guidance if kind == "base" else 1.0',
+        "    ran = guidance",
+        ("tests/test_docs_claims_hunt.py::test_the_result_says_the_guidance_that_ran",),
+        "a distilled run reports (and the PNG records) the guidance asked, not the 1 that ran",
+    ),
 )
