@@ -44,7 +44,7 @@ from .pipeline.prompts import (
 )
 from .pipeline.request import MAX_STEPS, as_device, guess_model_kind, reference_mode, resolve_size
 from .pipeline.sampling import MAX_SEED
-from .provenance import run_environment
+from .provenance import run_environment, strength_text
 
 logger = logging.getLogger("klein_core.cli")
 
@@ -567,7 +567,7 @@ def run_generate(args: argparse.Namespace) -> int:
         "height": result.height, "steps": result.steps, "guidance": result.guidance, "seed": args.seed,
         "batch": args.batch, "model_kind": kind, "references": [str(r) for r in args.ref],
         "reference_sizes": [list(s) for s in result.reference_sizes],
-        "demo": bool(args.demo), **names, "loras": [f"{p.name}:{_strength_text(s)}" for p, s in args.lora],
+        "demo": bool(args.demo), **names, "loras": [f"{p.name}:{strength_text(s)}" for p, s in args.lora],
         "dtype": str(dtype).removeprefix("torch."), "quantize": args.quantize,
         "text_precision": args.text_precision, "max_tokens": args.max_tokens,
         "trim_padding": TRIM_MULTIPLE if args.trim_padding else None,
@@ -612,13 +612,6 @@ def _step_cache_record(cache: StepCache) -> dict[str, Any]:
     st = cache.last_run
     return {"threshold": cache.settings.threshold, "warmup": cache.settings.warmup, "forwards": st.forwards,
             "skipped": st.skipped, "patterns": list(st.patterns)}
-
-
-def _strength_text(strength: float) -> str:
-    """A LoRA strength as the parameters keep it: short (``0.5``, ``1``) when that is exact, else every
-    digit (``"%g"`` alone rounded 0.123456789 to 0.123457, a strength that did not run)."""
-    short = f"{strength:g}"
-    return short if float(short) == strength else repr(strength)
 
 
 def _resolved_strength(args: argparse.Namespace) -> float:

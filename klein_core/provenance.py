@@ -27,4 +27,11 @@ def run_environment(transformer: Flux2Transformer) -> dict[str, str]:
             "fast_paths": describe_speed(transformer)}
 
 
-__all__ = ["device_name", "run_environment"]
+def strength_text(strength: float) -> str:
+    """A LoRA strength as the parameters keep it: short (``0.5``, ``1``) when that is exact, else every
+    digit (``"%g"`` alone rounded 0.123456789 to 0.123457, a strength that did not run)."""
+    short = f"{strength:g}"
+    return short if float(short) == strength else repr(strength)
+
+
+__all__ = ["device_name", "run_environment", "strength_text"]

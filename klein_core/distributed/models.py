@@ -60,17 +60,25 @@ class ModelSpec:
                 "text_precision": self.text_precision, "max_tokens": "whole" if self.max_tokens is None else "512",
                 "trim_padding": self.trim,
                 "ref_mode": reference_mode(self.kind, self.ref_mode), "speed": self.speed,
-                "vae_tile": vae_tile_text(self.vae_tile)}
+                "vae_tile": vae_tile_text(self.vae_tile), "quantize": self.quantize}
+
+
+def spec_dtype(spec: ModelSpec, device: torch.device) -> torch.dtype:
+    """The dtype the models of ``spec`` load in on ``device``: the one asked, else bf16 on a GPU, fp32
+    on the CPU (the CLI's rule)."""
+    from ..files.loaders import as_dtype
+
+    return as_dtype(spec.dtype, "--dtype") or (torch.bfloat16 if device.type == "cuda" else torch.float32)
 
 
 def open_engine(spec: ModelSpec) -> Engine:
     """Load the three models of ``spec`` on this worker's device and return their :class:`Engine`
     (memory planned per call for this device's free memory when ``spec.memory`` is "auto")."""
-    from ..files.loaders import as_dtype, load_text_encoder, load_transformer, load_vae
+    from ..files.loaders import load_text_encoder, load_transformer, load_vae
     from ..pipeline.request import as_device
 
     device = as_device(spec.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = as_dtype(spec.dtype, "--dtype") or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    dtype = spec_dtype(spec, device)
     if spec.demo:
         from ..testing.tiny import build_tiny_components
 

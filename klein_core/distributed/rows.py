@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import binascii
 import csv
+import decimal
 import io
 import json
 import logging
@@ -98,9 +99,15 @@ def read_rows(path: str | Path) -> Iterator[tuple[int, dict | RowError]]:
     if not path.is_file():
         raise CLIError(f"input {path}: no such file")
     if suffix in (".jsonl", ".json", ".ndjson"):
-        with open(path, encoding="utf-8") as fh:
+        with open(path, "rb") as fh:  # decoded line by line: a line that is not UTF-8 is its row's error
             n = 0
-            for line in fh:
+            for i, raw_line in enumerate(fh):
+                try:  # a byte order mark (Windows editors) before the first row is not part of it
+                    line = raw_line.decode("utf-8-sig" if i == 0 else "utf-8")
+                except UnicodeDecodeError as exc:
+                    n += 1
+                    yield n, RowError(f"row {n}: not valid UTF-8 text ({exc.reason} at byte {exc.start})")
+                    continue
                 if not line.strip():
                     continue
                 n += 1
@@ -115,9 +122,21 @@ def read_rows(path: str | Path) -> Iterator[tuple[int, dict | RowError]]:
                 yield n, obj if isinstance(obj, dict) else RowError(
                     f"row {n}: must be a JSON object, got {type(obj).__name__}")
     elif suffix == ".csv":
-        with open(path, encoding="utf-8", newline="") as fh:
-            for n, rec in enumerate(csv.DictReader(fh), 1):
-                yield n, {k: v for k, v in rec.items() if k is not None and v not in ("", None)}
+        try:  # utf-8-sig: Excel's "CSV UTF-8" starts with a byte order mark, which would join the first name
+            with open(path, encoding="utf-8-sig", newline="") as fh:
+                for n, rec in enumerate(csv.DictReader(fh), 1):
+                    extra = rec.get(None)  # DictReader files cells beyond the header under None
+                    if extra and any(str(v).strip() for v in extra):
+                        row_id = str(rec.get("id") or "").strip() or None
+                        where = f"row {n} (id {row_id!r})" if row_id else f"row {n}"
+                        yield n, RowError(f"{where}: {len(extra)} more cell(s) than the header has names "
+                                          f"({', '.join(map(repr, extra))}); quote a value holding a comma",
+                                          row_id)
+                        continue
+                    yield n, {k: v for k, v in rec.items() if k is not None and v not in ("", None)}
+        except UnicodeDecodeError as exc:
+            raise CLIError(f"input {path}: not valid UTF-8 text ({exc.reason} at byte {exc.start}); save it "
+                           "as UTF-8") from None
     elif suffix == ".parquet":
         import pyarrow.parquet as pq  # comes with ray[data]
 
@@ -137,9 +156,10 @@ def _int(raw: Mapping, key: str, where: str) -> int | None:
     if v is None:
         return None
     if isinstance(v, str):
-        try:
-            v = int(v.strip())
-        except ValueError:
+        try:  # exact: "96.0" (pandas writes optional integer columns so) is 96, "1.5" is refused below
+            d = decimal.Decimal(v.strip())
+            v = int(d) if d.is_finite() and d == d.to_integral_value() else float(d)
+        except (decimal.InvalidOperation, ValueError):
             raise RowError(f"{where}: {key} must be an integer, got {raw[key]!r}") from None
     if isinstance(v, float) and v.is_integer():
         v = int(v)
@@ -244,7 +264,7 @@ def open_reference(ref: str, index: int, *, base64_data: bool = False, base_dir:
         except CLIError as exc:
             raise RowError(str(exc)) from None
     try:
-        data = base64.b64decode(ref.split(",", 1)[1] if ref.startswith("data:") else ref, validate=True)
+        data = base64.b64decode(ref.partition(",")[2] if ref.startswith("data:") else ref, validate=True)
     except (binascii.Error, ValueError):
         raise RowError(f"{label}: not valid base64 (send the image file's bytes base64-encoded)") from None
     try:
@@ -275,7 +295,10 @@ def check_row(spec: RowSpec, images: Sequence[Image.Image], *, kind: str, max_to
     limit = MAX_WHOLE_TOKENS if max_tokens is None else max_tokens
     for key in ("prompt", "negative_prompt"):
         text = getattr(spec, key)
-        n = count_tokens(text) if len(text) < 40 * limit else None  # a token is at least one character
+        try:
+            n = count_tokens(text) if len(text) < 40 * limit else None  # a token is at least one character
+        except ValueError as exc:  # not valid Unicode text (an unpaired surrogate): this row, not the job
+            raise RowError(f"{key}: {exc}", spec.id) from None
         if n is None or n > limit:
             hint = " (or run the job with --max-tokens whole)" if max_tokens is not None else ""
             raise RowError(f"{key} is {'far more than' if n is None else n} tokens; the limit is "

@@ -19,8 +19,8 @@ from PIL import Image
 
 from ..pipeline.engine import Engine, GenerationResult
 from ..pipeline.request import GenerationRequest
-from ..provenance import run_environment
-from .models import ModelSpec, open_engine
+from ..provenance import run_environment, strength_text
+from .models import ModelSpec, open_engine, spec_dtype
 from .rows import RowSpec, lora_path
 
 logger = logging.getLogger(__name__)
@@ -70,7 +70,10 @@ class RowRunner:
                   "width": result.width, "height": result.height, "steps": result.steps,
                   "guidance": result.guidance, "seed": row.seed,
                   "references": list(row.references),
-                  "loras": [f"{n}:{s:g}" for n, s in row.loras], **self.spec.png_params(),
+                  "reference_sizes": [list(size) for size in result.reference_sizes],
+                  # the exact strength that ran ("%g" alone wrote 0.123457 for 0.123456789), as the CLI does
+                  "loras": [f"{n}:{strength_text(s)}" for n, s in row.loras], **self.spec.png_params(),
+                  "dtype": str(spec_dtype(self.spec, self.engine.device)).removeprefix("torch."),
                   "decode_tiles": result.decode_tiles, "environment": run_environment(self.engine.transformer)}
         return RowOutput(result, params, time.perf_counter() - t0)
 

@@ -673,4 +673,25 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/test_docs_claims_hunt.py::test_the_result_says_the_guidance_that_ran",),
         "a distilled run reports (and the PNG records) the guidance asked, not the 1 that ran",
     ),
+    Mutant(
+        "ray-surrogate-prompt-ends-job", "klein_core/distributed/rows.py",
+        "        except ValueError as exc:  # not valid Unicode text (an unpaired surrogate): this row, not the job",
+        "        except RowError as exc:",
+        ("tests/test_ray_hunt2.py::test_lone_surrogate_prompt_is_a_bad_row_not_the_end_of_the_job",),
+        "one prompt with half an emoji stops the whole batch job before any row runs",
+    ),
+    Mutant(
+        "ray-csv-extra-cells-dropped", "klein_core/distributed/rows.py",
+        "                    if extra and any(str(v).strip() for v in extra):",
+        "                    if False:",
+        ("tests/test_ray_hunt2.py::test_csv_row_with_more_cells_than_the_header_is_refused",),
+        "a CSV prompt with an unquoted comma runs cut at the comma",
+    ),
+    Mutant(
+        "ray-lora-strength-rounded", "klein_core/distributed/runner.py",
+        '                  "loras": [f"{n}:{strength_text(s)}" for n, s in row.loras], **self.spec.png_params(),',
+        '                  "loras": [f"{n}:{s:g}" for n, s in row.loras], **self.spec.png_params(),',
+        ("tests/test_ray_hunt2.py::test_lora_strength_in_the_parameters_is_the_one_that_ran",),
+        "a batch PNG records a rounded LoRA strength that did not run",
+    ),
 )
