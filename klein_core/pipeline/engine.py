@@ -41,7 +41,7 @@ from .inpaint import InitImage, InpaintInputs, prepare_inpaint, resize_mask_to_l
 from .inputs import InitLatents, check_compatible, check_denoise_inputs, with_init_reference
 from .oom import explain_oom, is_out_of_memory, release_failed_attempt
 from .prompts import PromptCache, TextOptions, default_prompt_cache, encode_prompts, loaded_encoder_identity
-from .reference_kv import ReferenceKVCache, default_kv_cache
+from .reference_kv import ReferenceKVCache, default_kv_cache, weights_state
 from .request import (
     MODEL_KINDS,
     Conditioning,
@@ -469,10 +469,12 @@ class Engine:
                                else ", and the image is not used", (run.steps - 1) / run.steps)
                 sigmas = sigmas[run.steps - runs:]  # >= 1 step for strength > 0
                 image, mask = init.latents, init.mask
+            # The weights as they live between runs: a stage may copy them to the device anew each run.
+            home = weights_state(tr) if refs is not None and mode == "kv" and self.kv_cache is not None else None
             with self._stage("transformer", plan) as model:
                 ref_kv = None
                 if refs is not None and mode == "kv":  # once per run, or from an earlier run
-                    ref_kv = (self.kv_cache.get(model, refs) if self.kv_cache is not None
+                    ref_kv = (self.kv_cache.get(model, refs, weights=home) if self.kv_cache is not None
                               else model.reference_kv(refs.tokens, refs.ids))
                 latents = denoise(model, noise, txt, sigmas, neg_txt=neg, guidance=run.guidance, refs=refs,
                                   callback=callback, image=image, mask=mask, ref_mode=mode, ref_kv=ref_kv)

@@ -97,11 +97,15 @@ class ReferenceKVCache(BoundedCache[ReferenceKV]):
     def __init__(self, max_entries: int = 1, max_bytes: int = 8 << 30) -> None:
         super().__init__(max_entries, max_bytes, lambda kv: kv.nbytes())  # the bounds are checked there
 
-    def get(self, model: Flux2Transformer, refs: ReferenceTokens, timestep: float = 0.0) -> ReferenceKV:
-        """The keys/values of ``refs`` under ``model``: from the cache, or computed and kept."""
+    def get(self, model: Flux2Transformer, refs: ReferenceTokens, timestep: float = 0.0, *,
+            weights: tuple | None = None) -> ReferenceKV:
+        """The keys/values of ``refs`` under ``model``: from the cache, or computed and kept.
+        ``weights``: :func:`weights_state` of the model where its weights live between runs, taken
+        before a stage places them (default: of ``model`` as it is). A staged or streamed model's
+        device copies are new tensors every run: keyed by them, nothing was ever served again."""
         if has_loras(model):  # branches: their factors are buffers the key follows; not cached all the same
             return model.reference_kv(refs.tokens, refs.ids, timestep=timestep)
-        weights = weights_state(model)
+        weights = weights_state(model) if weights is None else weights
         if weights is None:
             logger.debug("reference keys/values not cached: the model's weights cannot be followed")
             return model.reference_kv(refs.tokens, refs.ids, timestep=timestep)

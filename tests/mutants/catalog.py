@@ -694,4 +694,11 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/test_ray_hunt2.py::test_lora_strength_in_the_parameters_is_the_one_that_ran",),
         "a batch PNG records a rounded LoRA strength that did not run",
     ),
+    Mutant(
+        "kv-cache-keyed-on-stage-copies", "klein_core/pipeline/engine.py",
+        "                    ref_kv = (self.kv_cache.get(model, refs, weights=home) if self.kv_cache is not None",
+        "                    ref_kv = (self.kv_cache.get(model, refs) if self.kv_cache is not None",
+        ("tests/test_kv_cache_hunt.py::test_the_engine_keys_the_kv_cache_on_the_weights_home_not_the_stage_copies",),
+        "a staged or streamed 9B-KV never reuses its reference keys/values (keyed by the per-stage copies)",
+    ),
 )
