@@ -85,7 +85,7 @@ def test_the_engine_keys_the_kv_cache_on_the_weights_home_not_the_stage_copies(m
                     p.data = homes[n]
 
     lat = torch.randn(1, 128, 4, 4, generator=torch.Generator().manual_seed(1))
-    kw = dict(reference_latents=[lat], width=64, height=64, steps=2, kind="kv", output="latent", cache=None)
+    kw = {"reference_latents": [lat], "width": 64, "height": 64, "steps": 2, "kind": "kv", "output": "latent", "cache": None}
     plain = [kc.generate(model, None, None, kv_cache=None, prompt_embeds=_emb(model, 10 + i), seed=i, **kw).latents
              for i in range(3)]
     monkeypatch.setattr(kc.Engine, "_stage", copying_stage)
@@ -103,7 +103,7 @@ def test_kv_cache_hits_through_the_engine_when_the_transformer_is_resident():
     model = tiny_transformer(seed=0)
     lat = torch.randn(1, 128, 4, 4, generator=torch.Generator().manual_seed(1))
     cache = ReferenceKVCache(max_entries=1)
-    kw = dict(reference_latents=[lat], width=64, height=64, steps=2, kind="kv", output="latent", cache=None)
+    kw = {"reference_latents": [lat], "width": 64, "height": 64, "steps": 2, "kind": "kv", "output": "latent", "cache": None}
     for i in range(3):
         run = dict(prompt_embeds=_emb(model, 10 + i), seed=i, batch_size=1 + i % 2, **kw)
         got = kc.generate(model, None, None, kv_cache=cache, **run).latents
@@ -126,7 +126,7 @@ def test_kv_mode_with_cfg_gives_each_image_of_a_batch_its_own_row(neg_length):
     txt = torch.randn(2, 9, model.config.context_dim, generator=g)
     neg = torch.randn(2, neg_length, model.config.context_dim, generator=g)
     sig = get_schedule(3, 16)
-    kw = dict(guidance=3.0, refs=refs, ref_mode="kv")
+    kw = {"guidance": 3.0, "refs": refs, "ref_mode": "kv"}
     with torch.no_grad():
         both = denoise(model, noise, txt, sig, neg_txt=neg, **kw)
         rows = torch.cat([denoise(model, noise[i:i + 1], txt[i:i + 1], sig, neg_txt=neg[i:i + 1], **kw)
@@ -150,7 +150,7 @@ def test_step_cache_threshold_zero_is_exact_with_references_two_pass_cfg_and_a_b
     txt = torch.randn(2, 9, model.config.context_dim, generator=g)
     neg = torch.randn(2, 5, model.config.context_dim, generator=g)
     sig = get_schedule(6, 36)
-    kw = dict(neg_txt=neg, guidance=3.0, refs=refs, ref_mode=ref_mode)
+    kw = {"neg_txt": neg, "guidance": 3.0, "refs": refs, "ref_mode": ref_mode}
     with torch.no_grad():
         exact = denoise(model, noise, txt, sig, **kw)
         cache = enable_step_cache(model, threshold=0.0)
@@ -172,8 +172,8 @@ def test_step_cache_and_kv_cache_second_edit_equals_a_fresh_model():
     model = _smooth_in_time(tiny_transformer(seed=0))
     fresh = copy.deepcopy(model)
     lat = torch.randn(1, 128, 4, 6, generator=torch.Generator().manual_seed(1))
-    kw = dict(reference_latents=[lat], width=64, height=64, steps=12, kind="base", ref_mode="kv",
-              output="latent", cache=None)
+    kw = {"reference_latents": [lat], "width": 64, "height": 64, "steps": 12, "kind": "base", "ref_mode": "kv",
+              "output": "latent", "cache": None}
     kv_cache = ReferenceKVCache()
     cache = enable_step_cache(model, threshold=0.3, warmup=0)
     kc.generate(model, None, None, prompt_embeds=_emb(model, 1), negative_embeds=_emb(model, 2, 5), seed=1,
