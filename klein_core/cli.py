@@ -433,6 +433,16 @@ def _check_request(args: argparse.Namespace, refs: list[Image.Image]) -> None:
         raise CLIError(f"--strength must be in (0, 1], got {args.strength}")
     if args.mask is not None and args.outpaint is not None:
         raise CLIError("--outpaint makes its own mask; give --mask or --outpaint, not both")
+    # The engine's own words, before anything loads (it would refuse them only after the models).
+    if args.feather is not None and args.feather < 0:
+        raise CLIError(f"--feather: feather must be a whole number of pixels >= 0, got {args.feather}")
+    if args.crop_padding is not None:
+        if args.crop_padding < 0:
+            raise CLIError(f"--crop-padding: crop_padding must be a whole number of pixels >= 0, got "
+                           f"{args.crop_padding}")
+        if args.mask is None and args.outpaint is None:
+            raise CLIError("--crop-padding: crop_padding needs a mask (--mask or --outpaint): it crops the "
+                           "region around the mask")
 
 
 def open_image(flag: str, path: Path) -> Image.Image:

@@ -263,7 +263,7 @@ class KleinSampler(io.ComfyNode):
                     "Inpainting: white = repaint, black = keep (LoadImage's mask, the mask editor, Pad "
                     "Image for Outpainting, Klein Inpaint Crop). Needs latent.")),
                 io.Float.Input("denoise", default=1.0, min=0.01, max=1.0, step=0.01, optional=True, tooltip=(
-                    "With latent: how much of the schedule runs; steps x (1 - denoise) steps are skipped, "
+                    "With latent: how much of the schedule runs; steps - steps x denoise steps are skipped, "
                     "rounded down (diffusers' rule): at 4 steps 0.75 runs 3 and 0.5 runs 2, while anything "
                     "above 0.75 runs all 4 from noise, as 1 does. 1 = repaint fully (inpainting); 0.5-0.75 = "
                     "keep the composition (image-to-image). Ignored without latent.")),

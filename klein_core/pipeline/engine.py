@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -407,7 +408,7 @@ class Engine:
         ``noise``: explicit starting latents (then the size comes from them); else seeded noise.
         ``callback(step, total, latents)`` after each step; return False to cancel.
         ``init``: image-to-image / inpainting (:class:`InitLatents`): the size comes from its
-        latents; the first ``int(steps * (1 - strength))`` steps are skipped (diffusers' rule).
+        latents; the first ``int(steps - steps * strength)`` steps are skipped (diffusers' rule).
         ``negative_prompt``: a negative prompt was given but not encoded (said once if unused).
         ``ref_mode``: this call's reference mode (None: the engine's).
         Everything is checked first, once (:meth:`check_inputs`); with a deferring ``checks`` the
@@ -462,11 +463,12 @@ class Engine:
                     # either (it is unused), else a note (diffusers' default 0.8 at 4 steps does this).
                     joins = bool(with_init_reference([], init))
                     logger.log(logging.INFO if joins else logging.WARNING,
-                               "strength (denoise) %g at %d steps skips no step (int(%d x %g) = 0 of the schedule "
+                               "strength (denoise) %g at %d steps skips no step (int(%d - %d x %g) = 0 of the schedule "
                                "are skipped): sampling starts from pure noise, as at 1%s. Use %g or less, or more "
                                "steps, to start from the image", init.strength, run.steps, run.steps,
-                               round(1 - init.strength, 6), "; the image joins as a reference only" if joins
-                               else ", and the image is not used", (run.steps - 1) / run.steps)
+                               run.steps, init.strength, "; the image joins as a reference only" if joins
+                               else ", and the image is not used",
+                               math.floor((run.steps - 1) / run.steps * 1e6) / 1e6)  # down: it must skip one
                 sigmas = sigmas[run.steps - runs:]  # >= 1 step for strength > 0
                 image, mask = init.latents, init.mask
             # The weights as they live between runs: a stage may copy them to the device anew each run.

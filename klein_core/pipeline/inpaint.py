@@ -161,12 +161,20 @@ def crop_region(mask: MaskInput, width: int, height: int, pad: int = 0) -> tuple
     return x1, y1, x2, y2
 
 
+def _fill_size(image_w: int, image_h: int, width: int, height: int) -> tuple[int, int]:
+    """The size an ``image_w x image_h`` picture takes inside ``width x height`` in :func:`_resize_fill`
+    (its aspect kept; centred, the rest filled)."""
+    ratio, src_ratio = width / height, image_w / image_h
+    src_w = width if ratio < src_ratio else image_w * height // image_h
+    src_h = height if ratio >= src_ratio else image_h * width // image_w
+    return src_w, src_h
+
+
 def _resize_fill(image: Image.Image, width: int, height: int) -> Image.Image:
     """Fit ``image`` inside ``width x height`` keeping its aspect, centred, the borders filled by
     stretching its edge rows/columns (diffusers' ``resize_mode="fill"``; RGB out, as there)."""
     ratio, src_ratio = width / height, image.width / image.height
-    src_w = width if ratio < src_ratio else image.width * height // image.height
-    src_h = height if ratio >= src_ratio else image.height * width // image.width
+    src_w, src_h = _fill_size(image.width, image.height, width, height)
     resized = image.resize((src_w, src_h), Image.Resampling.LANCZOS)
     out = Image.new("RGB", (width, height))
     out.paste(resized, box=(width // 2 - src_w // 2, height // 2 - src_h // 2))
@@ -276,6 +284,11 @@ def prepare_inpaint(image: Image.Image, mask: MaskInput | None = None, *, crop_p
     # cropping and the final composite (PIL's convert("RGB") clips them at 255: white) then all see
     # the picture's real levels.
     image = high_bit_to_rgb8(ImageOps.exif_transpose(image))
+    if image.mode not in ("RGB", "L"):
+        # Pillow resizes palette pictures with NEAREST whatever is asked, and pictures with alpha
+        # premultiplied (transparent pixels turn black, at some sizes only): as RGB they are scaled as
+        # their pixels (the composite keeps those colours too). diffusers resizes first, with these effects.
+        image = image.convert("RGB")
     w, h = image.size
     if w < MIN_REFERENCE_SIDE or h < MIN_REFERENCE_SIDE:
         raise ValueError(f"the image is {w}x{h}; both sides must be at least {MIN_REFERENCE_SIDE} px")
@@ -404,15 +417,19 @@ def composite_pixels(original: torch.Tensor, generated: torch.Tensor, mask: torc
     return torch.where(m == 0, original, blended)
 
 
-def composite(original: Image.Image, generated: Image.Image, mask: Image.Image, feather: int = 0) -> Image.Image:
+def composite(original: Image.Image, generated: Image.Image, mask: MaskInput, feather: int = 0) -> Image.Image:
     """``generated`` where the mask is white, ``original`` where it is black, blended in between:
-    every pixel under a black mask is the original's, bit for bit. ``generated`` (and the mask) are
+    every pixel under a black mask is the original's, bit for bit. ``original`` is taken upright (its
+    EXIF orientation); ``generated`` (and the mask, read as :func:`crop_for_inpaint` reads it) are
     resized to the original's size first if they differ."""
-    original = high_bit_to_rgb8(original).convert("RGB")  # a 16-bit original: its levels, not white
+    # Upright by its EXIF orientation, as crop_for_inpaint and outpaint see it (a no-op once applied).
+    original = high_bit_to_rgb8(ImageOps.exif_transpose(original)).convert("RGB")  # 16-bit: its levels
     if generated.size != original.size:
         generated = generated.resize(original.size, Image.Resampling.LANCZOS)
+    mask = mask_image(mask)  # read as crop_for_inpaint reads it (float, alpha-only and tensor masks)
     if mask.size != original.size:
-        mask = mask.resize(original.size, Image.Resampling.LANCZOS)
+        # BILINEAR, not LANCZOS: LANCZOS rings, changing pixels a few px outside a resized mask
+        mask = mask.resize(original.size, Image.Resampling.BILINEAR)
     m = torch.from_numpy(np.asarray(mask.convert("L"), dtype=np.float32) / 255.0)
     radius = feather_radius(m, feather)
     if radius != feather:
@@ -425,19 +442,27 @@ def composite(original: Image.Image, generated: Image.Image, mask: Image.Image, 
 
 
 def stitch(original: Image.Image, generated: Image.Image, box: tuple[int, int, int, int] | None,
-           mask: Image.Image | None, *, feather: int = 0, keep_unmasked: bool = True) -> Image.Image:
+           mask: MaskInput | None, *, feather: int = 0, keep_unmasked: bool = True) -> Image.Image:
     """Put a generated crop back: resized to ``box`` in ``original``, then (``keep_unmasked``)
     composited so that only the masked pixels change. ``box`` None: ``generated`` is the whole picture.
 
     (diffusers' own ``padding_mask_crop`` overlay for Klein centre-crops the generated image to the
     box size instead of resizing it, which misplaces the content; this resizes it.)
     """
+    original = ImageOps.exif_transpose(original)  # upright, as the crop was taken (a no-op once applied)
     if box is None:
         canvas = generated
     else:
         x1, y1, x2, y2 = _check_box(box, original.size)
         canvas = high_bit_to_rgb8(original).convert("RGB")  # a copy; a 16-bit original keeps its levels
-        canvas.paste(generated.convert("RGB").resize((x2 - x1, y2 - y1), Image.Resampling.LANCZOS), (x1, y1))
+        # The crop was fitted into the generated size keeping its aspect (_resize_fill), with filled
+        # bands where a box clipped by the picture's border has another aspect: only the crop's own
+        # region goes back into the box, not the bands (they squeezed and shifted it by several px).
+        gw, gh = generated.size
+        src_w, src_h = _fill_size(x2 - x1, y2 - y1, gw, gh)
+        left, top = gw // 2 - src_w // 2, gh // 2 - src_h // 2
+        region = generated.convert("RGB").crop((left, top, left + src_w, top + src_h))
+        canvas.paste(region.resize((x2 - x1, y2 - y1), Image.Resampling.LANCZOS), (x1, y1))
     if keep_unmasked and mask is not None:
         return composite(original, canvas, mask, feather)
     return canvas.convert("RGB") if canvas.size == original.size else canvas.resize(original.size,

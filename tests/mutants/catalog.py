@@ -701,4 +701,32 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/test_kv_cache_hunt.py::test_the_engine_keys_the_kv_cache_on_the_weights_home_not_the_stage_copies",),
         "a staged or streamed 9B-KV never reuses its reference keys/values (keyed by the per-stage copies)",
     ),
+    Mutant(
+        "stitch-pastes-fill-bands", "klein_core/pipeline/inpaint.py",
+        "        region = generated.convert(\"RGB\").crop((left, top, left + src_w, top + src_h))",
+        "        region = generated.convert(\"RGB\")",
+        ("tests/test_inpaint_hunt2.py::test_crop_box_clipped_by_the_border_stitches_the_crop_back_in_place",),
+        "a crop box clipped by the border comes back squeezed and shifted (its fill bands pasted too)",
+    ),
+    Mutant(
+        "composite-mask-read-plainly", "klein_core/pipeline/inpaint.py",
+        "    mask = mask_image(mask)  # read as crop_for_inpaint reads it (float, alpha-only and tensor masks)",
+        "    mask = mask if isinstance(mask, Image.Image) else mask_image(mask)",
+        ("tests/test_inpaint_hunt2.py::test_stitch_reads_the_mask_as_crop_for_inpaint_does",),
+        "a float or alpha-only mask loses the painted area in stitch / composite",
+    ),
+    Mutant(
+        "inpaint-palette-resized-nearest", "klein_core/pipeline/inpaint.py",
+        '    if image.mode not in ("RGB", "L"):\n        # Pillow resizes palette pictures',
+        '    if False:\n        # Pillow resizes palette pictures',
+        ("tests/test_inpaint_hunt2.py::test_palette_picture_is_prepared_as_its_rgb_pixels",),
+        "a palette picture is resized with NEAREST and an RGBA one with its transparent pixels black",
+    ),
+    Mutant(
+        "cli-feather-checked-late", "klein_core/cli.py",
+        "    if args.feather is not None and args.feather < 0:",
+        "    if False:",
+        ("tests/test_inpaint_hunt2.py::test_cli_refuses_bad_inpaint_numbers_before_loading_the_models",),
+        "--feather -2 is refused only after every model loaded",
+    ),
 )
