@@ -20,6 +20,7 @@ import pytest
 import torch
 from PIL import Image
 from safetensors.torch import save_file
+from test_serve_replica import _Replica  # KleinServer without @serve.batch, run in-process
 
 pytest.importorskip("starlette")  # Ray Serve's HTTP layer (the ray extra)
 
@@ -58,17 +59,6 @@ def _png_rgb(color=(200, 30, 40), size=(96, 80)) -> bytes:
     buf = io.BytesIO()
     Image.new("RGB", size, color).save(buf, format="PNG")
     return buf.getvalue()
-
-
-class _Replica(KleinServer):
-    """KleinServer without ``@serve.batch``: one job at a time (Serve's batching is tested over HTTP)."""
-
-    async def generate_batch(self, job):  # type: ignore[override]
-        return (await asyncio.to_thread(self._run_jobs, [job]))[0]
-
-
-_Replica.generate_batch.set_max_batch_size = lambda n: None  # type: ignore[attr-defined]
-_Replica.generate_batch.set_batch_wait_timeout_s = lambda s: None  # type: ignore[attr-defined]
 
 
 class _Request:
