@@ -133,13 +133,13 @@ def acquire(ref: ModelRef) -> torch.nn.Module:
                 _released[held[0]] = held[1]
                 del _resident[ref.role], held
             device = torch.device(ref.device)
-            host.make_room(weight_bytes(ref), device)  # ComfyUI frees its models first
             t0 = time.perf_counter()
             model = _released.pop(ref, None)
             if model is not None:  # still alive, held by a node output: taken back, not read again
                 logger.info("Klein: took back the %s %s (still held by a node output; not read again)",
                             ref.role.replace("_", " "), ref.name)
             else:
+                host.make_room(weight_bytes(ref), device)  # ComfyUI frees its models first
                 extra = {"quantize": ref.quantize} if ref.quantize else {}
                 model = LOADERS[ref.role](ref.path, device=ref.device, dtype=ref.dtype, **extra)
                 loads[ref.role] += 1

@@ -28,7 +28,7 @@ from klein_core.quant.fp8 import FP8Linear
 from klein_core.quant.ggml import GGMLLinear
 from klein_core.quant.nvfp4 import NVFP4Linear
 
-from . import host, model_patches, notices
+from . import cache, host, model_patches, notices
 from .common import errors_named
 from .encode import NODE as ENCODER_NODE
 from .types import KleinModel, KleinModelType
@@ -214,14 +214,15 @@ class KleinDiffusionModel(torch.nn.Module):
     patch_size = 1  # what model_base.Flux reads for attention masks
 
     def __init__(self, transformer: Flux2Transformer, model_name: str, kind: str = "distilled",
-                 stream_to: torch.device | None = None) -> None:
+                 stream_to: torch.device | None = None, source_model: torch.nn.Module | None = None) -> None:
         super().__init__()
         view = module_view(transformer)
         eager_view(view, transformer)  # "fast + compile" runs the fast kernels here, not the compile speed's
         object.__setattr__(self, "transformer", view)  # an attribute, not a child: no "transformer." in the keys
-        # The pack's transformer itself (the same tensors as the view): after the pack's cache lets it
-        # go (Unload models), the cache takes this one back rather than read the file again beside it.
-        object.__setattr__(self, "source_model", transformer)
+        # The pack's cached transformer (the same tensors as the view; for a LoRA'd model its base, which
+        # the LoRA copy shares them with): after the pack's cache lets it go (Unload models), the cache
+        # takes this one back rather than read the file again beside it.
+        object.__setattr__(self, "source_model", transformer if source_model is None else source_model)
         self._modules = view._modules
         self._parameters = view._parameters
         self._buffers = view._buffers
@@ -331,10 +332,15 @@ def bridge(model: KleinModel) -> Any:
     """The native MODEL for ``model``: its transformer (LoRAs applied, on its speed) in a Flux2 model_base."""
     with errors_named(NODE, "model", model.name):
         transformer = model.ref.get()
+        base = model.ref
+        while not isinstance(base, cache.ModelRef) and hasattr(base, "base"):  # a LoRA's ref: its base model's
+            base = base.base
+        source = base.get() if isinstance(base, cache.ModelRef) and base is not model.ref else transformer
     apply_speed(transformer, None, model.speed)
     compute = host.torch_device()
     streamed = model.memory in STREAMED_MODES
-    diffusion = KleinDiffusionModel(transformer, model.name, model.kind, stream_to=compute if streamed else None)
+    diffusion = KleinDiffusionModel(transformer, model.name, model.kind, stream_to=compute if streamed else None,
+                                    source_model=source)
     # Streamed: ComfyUI keeps the weights where they live (CPU memory) and samples there; each step
     # streams the blocks to the GPU. Otherwise ComfyUI loads the model whole onto the GPU.
     load_device = host.offload_device() if streamed else compute

@@ -369,6 +369,16 @@ def test_an_inherited_size_over_4_megapixels_names_the_reference_it_came_from(ti
     assert res.latents.shape == (1, 128, 4, 4)
 
 
+def test_an_oversized_output_with_one_side_given_is_named_as_the_output_size(tiny):
+    """Review of the fix above: with the width given and only the height taken from reference 1, an
+    output over 4 MP is the width's doing; it is named "Output size", not the reference."""
+    tr, _, vae = tiny
+    with pytest.raises(ValueError) as err:
+        kc.generate(tr, None, vae, prompt_embeds=_emb(1), reference_latents=[_lat(64, 64, 1)], width=8192,
+                    steps=1, output="latent")
+    assert str(err.value).startswith("Output size 8192x1024") and "reference" not in str(err.value), str(err.value)
+
+
 @pytest.mark.parametrize("grid", [(2, 2), (125, 188)], ids=["32x32px", "3008x2000px"])
 def test_sampler_refusing_reference_1s_size_does_not_tell_to_set_width_height_to_0(comfy, grid):  # noqa: F811
     """Was a bug: Klein Sampler, width and height 0, the first reference (a ReferenceLatent on the

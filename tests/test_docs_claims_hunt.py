@@ -135,7 +135,7 @@ def test_quiet_hides_the_progress_bar_and_the_notes_not_the_warnings(tmp_path, c
     quiet = capsys.readouterr().err
     assert [what for what, text in notes if text in quiet] == [], quiet
     assert "guidance 3.00 is ignored" in quiet  # a warning: shown under -q too
-    assert "`--quiet` hides the progress bar and the notes" in " ".join(_doc("docs/cli.md").split())
+    assert "`--quiet` hides the progress bar and the notes on stderr" in " ".join(_doc("docs/cli.md").split())
 
 
 def test_an_out_folder_with_a_trailing_separator_is_refused_in_one_line(tmp_path, capsys):

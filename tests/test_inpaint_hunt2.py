@@ -96,10 +96,30 @@ def test_crop_box_clipped_by_the_border_stitches_the_crop_back_in_place(padding)
     assert prepared.box == (0, 0, w, h) and prepared.size == (400, 288)
     # the model "paints" exactly what it was given: the stitched picture should be the original again
     same = _as_picture(prepared.pixels)
-    back = inpaint.stitch(prepared.original, same, prepared.box, prepared.original_mask, keep_unmasked=False)
+    back = inpaint.stitch(prepared.original, same, prepared.box, prepared.original_mask, keep_unmasked=False,
+                          fitted=True)  # as the engine stitches prepare_inpaint's crops
     assert back.size == picture.size
     found = _dark_columns(np.asarray(back)[h // 2, :, 0])
     assert _in_place(found, [20, 200, 370]), found
+
+
+def test_a_crop_for_inpaint_crop_stitches_back_in_place_however_its_sides_were_rounded():
+    """crop_for_inpaint stretches its box to sides rounded down to multiples of 16, so the crop's aspect
+    is not quite the box's; stitch (without ``fitted``) puts the whole crop back, stretched, not the
+    region an aspect-keeping fit would have (a review found the fitted geometry applied here: the
+    content came back shifted by several px near the box's sides)."""
+    w, h = 600, 420
+    a = np.full((h, w, 3), 220, np.uint8)
+    for x in (160, 300, 440):
+        a[:, x:x + 4] = 0
+    picture = Image.fromarray(a)
+    mask = _rect_mask((w, h), (153, 108, 447, 312))
+    crop, _, box = inpaint.crop_for_inpaint(picture, mask, padding=3, megapixels=0.0625)
+    bw, bh = box[2] - box[0], box[3] - box[1]
+    assert abs(crop.width / crop.height - bw / bh) > 1e-3  # the rounding changed the aspect
+    back = inpaint.stitch(picture, crop, box, mask, keep_unmasked=False)
+    found = _dark_columns(np.asarray(back)[h // 2, :, 0])
+    assert _in_place(found, [160, 300, 440]), found
 
 
 def test_crop_box_inside_the_picture_stitches_back_in_place():
@@ -116,7 +136,7 @@ def test_crop_box_inside_the_picture_stitches_back_in_place():
     x1, y1, x2, y2 = prepared.box
     assert 0 < x1 and x2 < w and 0 < y1 and y2 < h
     back = inpaint.stitch(prepared.original, _as_picture(prepared.pixels), prepared.box, prepared.original_mask,
-                          keep_unmasked=False)
+                          keep_unmasked=False, fitted=True)
     found = _dark_columns(np.asarray(back)[h // 2, :, 0])
     assert _in_place(found, [150, 200, 250]), found
     outside = np.ones((h, w), bool)

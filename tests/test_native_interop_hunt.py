@@ -132,6 +132,36 @@ def test_unload_models_leaves_one_copy_of_the_transformer_for_both_paths(host): 
                                     f"Sampler's reloaded transformer ({module_bytes(current)} bytes)")
 
 
+def test_unload_models_takes_back_the_base_of_a_lorad_bridged_model(host, tmp_path):  # noqa: F811
+    """Review of the fix above: Klein LoRA Loader -> Klein Model to MODEL bridged the LoRA copy, which
+    does not hold its base model; after Unload models the base was freed and read again from its file
+    while the bridged MODEL still held the shared tensors. The bridged MODEL now holds the base, and
+    the cache takes that back."""
+    import dataclasses
+
+    from train_files import nonzero_lora
+
+    import klein_core as kc
+    from klein_core.train.adapters import preset
+    from klein_core.train.save import save_lora
+
+    cache = importlib.import_module(f"{PACK}.cache")
+    lora_mod = importlib.import_module(f"{PACK}.lora")
+    model = _loaded(host, "fp32")
+    base = model.ref.get()
+    lora = kc.load_lora(save_lora(tmp_path / "l.safetensors", nonzero_lora(base, preset("style", rank=2)),
+                                  fmt="comfyui"))
+    lorad = dataclasses.replace(model, ref=lora_mod.LoRAModelRef(model.ref, [(lora, 1.0)]))
+    native = _bridge(host, lorad)
+    assert native.model.diffusion_model.source_model is base
+    del base
+    loads = cache.loads["transformer"]
+    host.mm.unload_all_models()
+    gc.collect()
+    assert model.ref.get() is native.model.diffusion_model.source_model  # taken back
+    assert cache.loads["transformer"] == loads
+
+
 def test_a_batched_conditioning_is_refused_or_gives_batch_size_images(host):  # noqa: F811
     """Was a bug: the Klein Sampler says a native conditioning must be "one CONDITIONING entry [1, tokens,
     width]" (``sampler._native_entry``'s docstring and refusal text), but it checks only ndim == 3: a

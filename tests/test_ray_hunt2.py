@@ -424,3 +424,29 @@ def test_cli_batch_args_reach_the_spec(tmp_path):
     src = _write(tmp_path / "r.jsonl", json.dumps({"id": "long", "prompt": "fox " * 600}) + "\n")
     todo, bad, _, _ = _prepare(src, tmp_path / "o", spec)
     assert [r.id for r in todo] == ["long"] and bad == []
+
+
+def test_integer_fields_refuse_huge_exponents_and_fractions_at_once():
+    """Review of the Decimal parsing above: "1e999999999" was turned into an integer of a billion digits
+    (a Serve replica pinned for minutes); "1e-999" and a fraction past float precision were accepted.
+    Each is refused at once, naming the field; integral forms of any spelling are exact."""
+    from klein_core.distributed.rows import _int
+
+    t0 = time.perf_counter()
+    for bad in ("1e999999999", "1e-999", "12345678901234567890.5", "nan", "inf"):
+        with pytest.raises(RowError, match="seed must be an integer"):
+            _int({"seed": bad}, "seed", "row 1")
+    assert time.perf_counter() - t0 < 1.0
+    assert _int({"seed": "18446744073709551615.0"}, "seed", "row 1") == 2**64 - 1
+    assert _int({"seed": "1.5e3"}, "seed", "row 1") == 1500
+
+
+def test_jsonl_rows_ending_in_a_lone_carriage_return_are_rows(tmp_path):
+    """Lines ended by a lone CR (old Mac files) are rows, as text mode reads them (reading bytes split
+    on LF only, making the whole file one bad row)."""
+    from klein_core.distributed.rows import read_rows
+
+    src = tmp_path / "rows.jsonl"
+    src.write_bytes(b'{"id": "a", "prompt": "fox"}\r{"id": "b", "prompt": "cat"}\r')
+    rows = list(read_rows(src))
+    assert [r["id"] for _, r in rows] == ["a", "b"], rows

@@ -155,3 +155,14 @@ def test_a_strength_that_skips_no_step_is_said(tiny, caplog):
     [(level, text)] = said(0.8, True)
     assert level == 20 and "joins as a reference only" in text, text
     assert said(0.75, False) == [] and said(1.0, False) == []
+
+
+def test_at_one_step_the_advice_is_more_steps(tiny, caplog):
+    """At 1 step every strength below 1 skips no step; the advice is more steps, not "Use 0 or less"."""
+    from PIL import Image
+    tr, te, vae = tiny
+    with caplog.at_level("INFO", logger="klein_core.pipeline.engine"):
+        kc.generate(tr, te, vae, prompt="x", image=Image.new("RGB", (64, 64), (9, 90, 200)), strength=0.5, steps=1,
+                    seed=1, image_as_reference=False)
+    [text] = [r.getMessage() for r in caplog.records if "skips no step" in r.getMessage()]
+    assert "Use more steps to start from the image" in text and "Use 0" not in text, text

@@ -99,18 +99,20 @@ def read_rows(path: str | Path) -> Iterator[tuple[int, dict | RowError]]:
     if not path.is_file():
         raise CLIError(f"input {path}: no such file")
     if suffix in (".jsonl", ".json", ".ndjson"):
-        with open(path, "rb") as fh:  # decoded line by line: a line that is not UTF-8 is its row's error
+        # utf-8-sig: a byte order mark (Windows editors) is not part of the first row; surrogateescape:
+        # bytes that are not UTF-8 come through as lone surrogates, so such a line is its row's error
+        # (any line ending is one, as in text mode)
+        with open(path, encoding="utf-8-sig", errors="surrogateescape") as fh:
             n = 0
-            for i, raw_line in enumerate(fh):
-                try:  # a byte order mark (Windows editors) before the first row is not part of it
-                    line = raw_line.decode("utf-8-sig" if i == 0 else "utf-8")
-                except UnicodeDecodeError as exc:
-                    n += 1
-                    yield n, RowError(f"row {n}: not valid UTF-8 text ({exc.reason} at byte {exc.start})")
-                    continue
+            for line in fh:
                 if not line.strip():
                     continue
                 n += 1
+                bad = next((i for i, ch in enumerate(line) if "\udc80" <= ch <= "\udcff"), None)
+                if bad is not None:
+                    yield n, RowError(f"row {n}: not valid UTF-8 text (byte {ord(line[bad]) - 0xDC00:#04x} at "
+                                      f"character {bad})")
+                    continue
                 try:
                     obj = json.loads(line)
                 except ValueError as exc:
@@ -156,11 +158,16 @@ def _int(raw: Mapping, key: str, where: str) -> int | None:
     if v is None:
         return None
     if isinstance(v, str):
-        try:  # exact: "96.0" (pandas writes optional integer columns so) is 96, "1.5" is refused below
+        try:  # exact: "96.0" (pandas writes optional integer columns so) is 96; "1.5", "1e-999" are not
             d = decimal.Decimal(v.strip())
-            v = int(d) if d.is_finite() and d == d.to_integral_value() else float(d)
+            # adjusted(): the exponent of the leading digit; past 25 (far above 2^64) it is refused before
+            # int() would build a number of that many digits ("1e999999999" took minutes and gigabytes)
+            ok = d.is_finite() and d.adjusted() <= 25 and d == d.to_integral_value()
         except (decimal.InvalidOperation, ValueError):
-            raise RowError(f"{where}: {key} must be an integer, got {raw[key]!r}") from None
+            ok = False
+        if not ok:
+            raise RowError(f"{where}: {key} must be an integer, got {raw[key]!r}")
+        v = int(d)
     if isinstance(v, float) and v.is_integer():
         v = int(v)
     if isinstance(v, bool) or not isinstance(v, int):

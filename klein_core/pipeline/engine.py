@@ -462,13 +462,14 @@ class Engine:
                     # skips none. The image then seeds nothing: a warning when it is not a reference
                     # either (it is unused), else a note (diffusers' default 0.8 at 4 steps does this).
                     joins = bool(with_init_reference([], init))
+                    most = math.floor((run.steps - 1) / run.steps * 1e6) / 1e6  # down: it must skip one
+                    advice = f"Use {most:g} or less, or more steps," if run.steps > 1 else "Use more steps"
                     logger.log(logging.INFO if joins else logging.WARNING,
                                "strength (denoise) %g at %d steps skips no step (int(%d - %d x %g) = 0 of the schedule "
-                               "are skipped): sampling starts from pure noise, as at 1%s. Use %g or less, or more "
-                               "steps, to start from the image", init.strength, run.steps, run.steps,
-                               run.steps, init.strength, "; the image joins as a reference only" if joins
-                               else ", and the image is not used",
-                               math.floor((run.steps - 1) / run.steps * 1e6) / 1e6)  # down: it must skip one
+                               "are skipped): sampling starts from pure noise, as at 1%s. %s to start from the "
+                               "image", init.strength, run.steps, run.steps, run.steps, init.strength,
+                               "; the image joins as a reference only" if joins else ", and the image is not used",
+                               advice)
                 sigmas = sigmas[run.steps - runs:]  # >= 1 step for strength > 0
                 image, mask = init.latents, init.mask
             # The weights as they live between runs: a stage may copy them to the device anew each run.
@@ -657,7 +658,7 @@ class Engine:
                         prepared.box is not None or (prepared.original_mask is not None and init.composite)):
                     # back into the picture: the crop resized into its box; only masked pixels changed
                     result.images = [stitch(prepared.original, img, prepared.box, prepared.original_mask,
-                                            feather=init.feather, keep_unmasked=init.composite)
+                                            feather=init.feather, keep_unmasked=init.composite, fitted=True)
                                      for img in result.images]
                     result.width, result.height = result.images[0].size
         result.timings = clock.read()

@@ -422,8 +422,13 @@ def composite(original: Image.Image, generated: Image.Image, mask: MaskInput, fe
     every pixel under a black mask is the original's, bit for bit. ``original`` is taken upright (its
     EXIF orientation); ``generated`` (and the mask, read as :func:`crop_for_inpaint` reads it) are
     resized to the original's size first if they differ."""
-    # Upright by its EXIF orientation, as crop_for_inpaint and outpaint see it (a no-op once applied).
-    original = high_bit_to_rgb8(ImageOps.exif_transpose(original)).convert("RGB")  # 16-bit: its levels
+    return _composite(ImageOps.exif_transpose(original), generated, mask, feather)
+
+
+def _composite(original: Image.Image, generated: Image.Image, mask: MaskInput, feather: int) -> Image.Image:
+    """:func:`composite` of an ``original`` already upright (transposed once: Pillow 10 left an XMP
+    orientation behind, which a second transpose applied again)."""
+    original = high_bit_to_rgb8(original).convert("RGB")  # a 16-bit original: its levels, not white
     if generated.size != original.size:
         generated = generated.resize(original.size, Image.Resampling.LANCZOS)
     mask = mask_image(mask)  # read as crop_for_inpaint reads it (float, alpha-only and tensor masks)
@@ -442,9 +447,13 @@ def composite(original: Image.Image, generated: Image.Image, mask: MaskInput, fe
 
 
 def stitch(original: Image.Image, generated: Image.Image, box: tuple[int, int, int, int] | None,
-           mask: MaskInput | None, *, feather: int = 0, keep_unmasked: bool = True) -> Image.Image:
+           mask: MaskInput | None, *, feather: int = 0, keep_unmasked: bool = True,
+           fitted: bool = False) -> Image.Image:
     """Put a generated crop back: resized to ``box`` in ``original``, then (``keep_unmasked``)
     composited so that only the masked pixels change. ``box`` None: ``generated`` is the whole picture.
+    ``fitted``: the crop was fitted into the generated size keeping its aspect, the rest filled
+    (:func:`prepare_inpaint`, the engine's crop): only the crop's own region goes back. Without it the
+    whole generated picture is the crop, stretched (:func:`crop_for_inpaint`'s).
 
     (diffusers' own ``padding_mask_crop`` overlay for Klein centre-crops the generated image to the
     box size instead of resizing it, which misplaces the content; this resizes it.)
@@ -455,16 +464,18 @@ def stitch(original: Image.Image, generated: Image.Image, box: tuple[int, int, i
     else:
         x1, y1, x2, y2 = _check_box(box, original.size)
         canvas = high_bit_to_rgb8(original).convert("RGB")  # a copy; a 16-bit original keeps its levels
-        # The crop was fitted into the generated size keeping its aspect (_resize_fill), with filled
-        # bands where a box clipped by the picture's border has another aspect: only the crop's own
-        # region goes back into the box, not the bands (they squeezed and shifted it by several px).
-        gw, gh = generated.size
-        src_w, src_h = _fill_size(x2 - x1, y2 - y1, gw, gh)
-        left, top = gw // 2 - src_w // 2, gh // 2 - src_h // 2
-        region = generated.convert("RGB").crop((left, top, left + src_w, top + src_h))
+        region = generated.convert("RGB")
+        if fitted:
+            # Fitted keeping its aspect (_resize_fill), with filled bands where a box clipped by the
+            # picture's border has another aspect: only the crop's own region goes back into the box,
+            # not the bands (they squeezed and shifted it by several px).
+            gw, gh = generated.size
+            src_w, src_h = _fill_size(x2 - x1, y2 - y1, gw, gh)
+            left, top = gw // 2 - src_w // 2, gh // 2 - src_h // 2
+            region = region.crop((left, top, left + src_w, top + src_h))
         canvas.paste(region.resize((x2 - x1, y2 - y1), Image.Resampling.LANCZOS), (x1, y1))
     if keep_unmasked and mask is not None:
-        return composite(original, canvas, mask, feather)
+        return _composite(original, canvas, mask, feather)
     return canvas.convert("RGB") if canvas.size == original.size else canvas.resize(original.size,
                                                                                       Image.Resampling.LANCZOS)
 

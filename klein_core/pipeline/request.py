@@ -187,7 +187,8 @@ def _check_inherited(width: int | None, height: int | None, w: object, h: object
             f"{size_from} is too small to set the output size: it gives an output {sides} under {MIN_SIDE} px "
             f"({w}x{h}). Use a larger image, or give width and height explicitly.")
     inherited = [name for name, v in (("width", width), ("height", height)) if v is not None]
-    if inherited and all(isinstance(v, int) and not isinstance(v, bool) for v in (w, h)):
+    # Both sides from the image: one side given may be the cause itself (check_size names the output).
+    if len(inherited) == 2 and all(isinstance(v, int) and not isinstance(v, bool) for v in (w, h)):
         area = w // multiple * multiple * (h // multiple * multiple)  # type: ignore[operator]
         if area > MAX_PIXELS:
             raise ValueError(

@@ -201,8 +201,14 @@ class FP8Linear(nn.Module):
         A scale is ``amax / fp8_max``; float16 holds it only as a subnormal for weights with small
         amax (e5m2 below 3.5, e4m3 below 0.027), and as 0 below 6e-8 (the layer's output then
         all zeros). bfloat16 has float32's range."""
-        if dtype == torch.float16:
-            return dequantize(self.weight, self.weight_scale, dtype)
+        if dtype == torch.float16:  # in float32 row blocks: a temporary of 4 MiB-ish rows, not the weight's
+            out = torch.empty(self.weight.shape, dtype=dtype, device=self.weight.device)
+            s = self.weight_scale.float()
+            rows = max(1, (1 << 22) // max(1, self.in_features))
+            for i in range(0, self.out_features, rows):
+                part = s[i:i + rows, None] if s.ndim else s
+                out[i:i + rows] = (self.weight[i:i + rows].float() * part).to(dtype)
+            return out
         w = self.weight.to(dtype)
         s = self.weight_scale.to(dtype)
         return w.mul_(s[:, None] if s.ndim else s)
