@@ -68,6 +68,14 @@ def _dark_columns(row: np.ndarray) -> list[int]:
     return [int(x) for x in np.flatnonzero(dark[1:] & ~dark[:-1]) + 1]
 
 
+def _striped(w: int, h: int, xs: tuple[int, ...], width: int) -> Image.Image:
+    """A light ``w x h`` picture with dark vertical stripes ``width`` px wide starting at ``xs``."""
+    a = np.full((h, w, 3), 220, np.uint8)
+    for x in xs:
+        a[:, x:x + width] = 0
+    return Image.fromarray(a)
+
+
 def _in_place(found: list[int], expected: list[int]) -> bool:
     """The stripes found where expected, to 1 px (resampling and the box's int() rounding)."""
     return len(found) == len(expected) and all(abs(f - e) <= 1 for f, e in zip(found, expected))
@@ -87,10 +95,7 @@ def test_crop_box_clipped_by_the_border_stitches_the_crop_back_in_place(padding)
     (the centred ``src_w x src_h`` of _resize_fill) out of the generated picture before resizing it
     into the box."""
     w, h = 400, 300
-    a = np.full((h, w, 3), 220, np.uint8)
-    for x in (20, 200, 370):
-        a[:, x:x + 6] = 0
-    picture = Image.fromarray(a)
+    picture = _striped(w, h, (20, 200, 370), 6)
     mask = _rect_mask((w, h), (180, 40, 230, 260))
     prepared = inpaint.prepare_inpaint(picture, mask, crop_padding=padding)
     assert prepared.box == (0, 0, w, h) and prepared.size == (400, 288)
@@ -109,10 +114,7 @@ def test_a_crop_for_inpaint_crop_stitches_back_in_place_however_its_sides_were_r
     region an aspect-keeping fit would have (a review found the fitted geometry applied here: the
     content came back shifted by several px near the box's sides)."""
     w, h = 600, 420
-    a = np.full((h, w, 3), 220, np.uint8)
-    for x in (160, 300, 440):
-        a[:, x:x + 4] = 0
-    picture = Image.fromarray(a)
+    picture = _striped(w, h, (160, 300, 440), 4)
     mask = _rect_mask((w, h), (153, 108, 447, 312))
     crop, _, box = inpaint.crop_for_inpaint(picture, mask, padding=3, megapixels=0.0625)
     bw, bh = box[2] - box[0], box[3] - box[1]
@@ -127,10 +129,7 @@ def test_crop_box_inside_the_picture_stitches_back_in_place():
     1 px: its int()-rounded aspect leaves a 1 px fill band), and the pixels outside the box are
     untouched."""
     w, h = 400, 300
-    a = np.full((h, w, 3), 220, np.uint8)
-    for x in (150, 200, 250):
-        a[:, x:x + 6] = 0
-    picture = Image.fromarray(a)
+    picture = _striped(w, h, (150, 200, 250), 6)
     mask = _rect_mask((w, h), (180, 120, 230, 170))
     prepared = inpaint.prepare_inpaint(picture, mask, crop_padding=40)
     x1, y1, x2, y2 = prepared.box
@@ -141,7 +140,7 @@ def test_crop_box_inside_the_picture_stitches_back_in_place():
     assert _in_place(found, [150, 200, 250]), found
     outside = np.ones((h, w), bool)
     outside[y1:y2, x1:x2] = False
-    assert np.array_equal(np.asarray(back)[outside], a[outside])
+    assert np.array_equal(np.asarray(back)[outside], np.asarray(picture)[outside])
 
 
 def test_crop_region_with_padding_beyond_the_picture_equals_diffusers():

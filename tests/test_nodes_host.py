@@ -310,9 +310,11 @@ def test_disk_prompt_cache_second_run_opens_no_encoder_file(comfy, tmp_path, mon
     assert cache.loads["text_encoder"] == loads + 1 and "text_encoder" not in cache.resident()
     assert torch.equal(second.positive, first.positive.cpu()) and torch.equal(second.negative, first.negative.cpu())
     assert second.text_dim == first.text_dim and second.variant == first.variant
-    # a new prompt loads the encoder as usual (or takes back the one an earlier test still holds)
+    # a new prompt loads the encoder as usual, or takes back the one an earlier test still holds
+    held = any(ref.role == "text_encoder" for ref in list(cache._released.keys()))
     _encode_out(comfy, "a lighthouse at noon", "fog")
-    assert "text_encoder" in cache.resident() and cache.loads["text_encoder"] in (loads + 1, loads + 2)
+    assert "text_encoder" in cache.resident()
+    assert cache.loads["text_encoder"] == loads + (1 if held else 2)
     monkeypatch.delenv("KLEIN_PROMPT_CACHE")
     assert cache.prompt_cache().disk is None
 
