@@ -141,6 +141,14 @@ class StepCache:
         tokens ``c [B, L, D]`` in, the image tokens after the last block ``[B, N, D]`` out."""
         key = (tuple(x.shape), tuple(c.shape), str(x.device), x.dtype)
         state = self._passes.setdefault(key, _Pass())
+        if self._steps is not None and len(state.pattern) >= self._steps:
+            # A forward past its pass's last step: a new run begun without start_run(). Its length is
+            # unknown, so the cache goes on as on a model that never had start_run (the last run's
+            # step count would end the new run's passes early and keep them from skipping).
+            logger.debug("step cache: a forward after the run's last step; a new run starts")
+            self._steps = self._noisy_tokens = None
+            self._passes, self._logged = {}, False
+            state = self._passes.setdefault(key, _Pass())
         x0 = x
         x, c = blocks.double(0, x, c)
         n = min(self._noisy_tokens or x.shape[1], x.shape[1])
@@ -167,6 +175,12 @@ class StepCache:
                 skip = accumulated < self.settings.threshold  # False for NaN
                 if skip:
                     state.accumulated = accumulated
+        elif self.settings.threshold > 0 and state.prev_t is not None and bool(t > state.prev_t):
+            # The same safety net for a forward that may not skip (its pass in its warmup, or at its
+            # cap of skips in a row): else the next forward would count as the old run's. One sync,
+            # only on such forwards, and never with threshold 0 (nothing skips then).
+            logger.debug("step cache: timestep rose; the pass starts afresh")
+            state = self._passes[key] = _Pass()
         state.prev_first, state.prev_t = first, t
         if skip:
             assert state.residual is not None
