@@ -58,6 +58,23 @@ def require_finite(t: torch.Tensor, what: str) -> None:
         _refuse(what)
 
 
+def require_within(t: torch.Tensor, what: str, bound: float, hint: str) -> None:
+    """Raise ValueError naming ``what`` and the range found if ``|t|`` exceeds ``bound`` anywhere
+    (pixels given in 0..255 where [-1, 1] is meant). NaN passes: it is :func:`require_finite`'s."""
+    if not _within(t, bound):
+        _refuse_range(t, what, hint)
+
+
+def _within(t: torch.Tensor, bound: float) -> torch.Tensor:
+    x = t.detach()
+    return (~(x.abs() > bound)).all()
+
+
+def _refuse_range(t: torch.Tensor, what: str, hint: str) -> NoReturn:
+    x = t.detach().float()
+    raise ValueError(f"{what} holds values from {x.min().item():g} to {x.max().item():g}; {hint}")
+
+
 def _refuse(what: str) -> NoReturn:
     raise ValueError(f"{what} contains NaN or infinite values; klein_core does not run on them. Check where "
                      "it came from (a corrupt image or file, or an earlier step that overflowed).")
@@ -141,10 +158,14 @@ class Checks:
         """How many checks wait for :meth:`resolve`."""
         return len(self._queued)
 
-    def _queue(self, t: torch.Tensor, on_result: Callable[[bool], object]) -> bool:
-        """Queue ``on_result(finite)`` for ``t`` if its check waits; False if the caller must check now."""
+    def _queue(self, t: torch.Tensor, on_result: Callable[[bool], object], flag: torch.Tensor | None = None) -> bool:
+        """Queue ``on_result(ok)`` for ``t`` if its check waits; False if the caller must check now.
+        ``ok`` is ``flag`` (a boolean computed on the device) if given, else whether ``t`` is finite."""
         if not (self.defer and t.device.type in DEFERRED_DEVICES and t.is_floating_point()):
             return False
+        if flag is not None:
+            self._queued.append((flag, on_result))
+            return True
         x = t.detach()
         if x.dtype.itemsize == 1:  # float8 has no isfinite
             x = x.float()
@@ -155,6 +176,12 @@ class Checks:
         """:func:`require_finite`, queued where this object defers."""
         if not self._queue(t, lambda ok: ok or _refuse(what)):
             require_finite(t, what)
+
+    def require_within(self, t: torch.Tensor, what: str, bound: float, hint: str) -> None:
+        """:func:`require_within`, queued where this object defers."""
+        waits = self.defer and t.device.type in DEFERRED_DEVICES and t.is_floating_point()
+        if not waits or not self._queue(t, lambda ok: ok or _refuse_range(t, what, hint), flag=_within(t, bound)):
+            require_within(t, what, bound, hint)
 
     def check_output(self, t: torch.Tensor, stage: str, module: nn.Module, cause: str) -> None:
         """:func:`check_output`, queued where this object defers (the weights are scanned only if it fails)."""

@@ -186,9 +186,10 @@ def test_a_deferred_run_gives_the_same_images_and_reads_once_after_the_decode(ti
     res = _run(*tiny, **kw)
     assert torch.equal(res.pixels, reference.pixels) and torch.equal(res.latents, reference.latents)
     assert order[:-1] == ["decode", "decode"] and order[-1][0] == "resolve"
-    # per prompt group: the text output; the conditioning; the reference pixels, its latents and the
-    # reference latents again as an input; the sampler's output; the latents to decode; two images
-    assert order[-1][1] == 9
+    # per prompt group: the text output; the conditioning; the reference pixels (finite, and in
+    # [-1, 1]), its latents and the reference latents again as an input; the sampler's output; the
+    # latents to decode; two images
+    assert order[-1][1] == 10
     assert list(res.timings) == ["text", "references", "denoise", "decode"]
     assert all(v >= 0 for v in res.timings.values())
     monkeypatch.undo()  # and the library is as usable as before

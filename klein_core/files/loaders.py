@@ -19,6 +19,7 @@ from ..errors import WeightFormatError
 from ..models.qwen3 import Qwen3Config, Qwen3TextEncoder
 from ..models.transformer import Flux2Transformer
 from ..models.vae import Flux2VAE
+from ..pipeline.request import as_device
 from ..quant.fp8 import float8_refused, fp8_layers, holds_float8
 from .materialize import materialize
 from .opening import open_weights
@@ -63,6 +64,7 @@ def load_transformer(
     bf16 file's block Linears while loading; "dequantize" loads everything in ``dtype``.
     """
     dtype = as_dtype(dtype, "load_transformer")
+    device = as_device(device)  # "cuda" on a CPU-only torch, or "gpu": one error naming the fix
     src = open_weights(source, component="transformer", subfolder="transformer")
     plan, config, layout, view = plan_transformer(src)
     logger.info("%s: %s transformer (%s layout), text width %d", src.name, config.variant, layout, config.context_dim)
@@ -94,6 +96,7 @@ def load_text_encoder(
     Raises ValueError (naming the file and keys) for anything but a complete Qwen3 decoder of 27+ layers.
     """
     dtype = as_dtype(dtype, "load_text_encoder")
+    device = as_device(device)  # "cuda" on a CPU-only torch, or "gpu": one error naming the fix
     hf_config = None
     if isinstance(source, (str, os.PathLike)) and Path(source).expanduser().is_dir():
         hf_config = read_hf_config(Path(source).expanduser())
@@ -140,6 +143,7 @@ def load_vae(
     missing / misshaped tensors (the message names the file and the first keys).
     """
     dtype = as_dtype(dtype, "load_vae")
+    device = as_device(device)  # "cuda" on a CPU-only torch, or "gpu": one error naming the fix
     src, plan, cfg, layout = prepare_vae(open_vae_source(source))
     if dtype is None:
         # One compute dtype for every conv, even if the file mixes them.

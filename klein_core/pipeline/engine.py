@@ -41,7 +41,14 @@ from .images import PUBLISHED_REFERENCE_LIMIT, pil_images, queue_to_host
 from .inpaint import InitImage, InpaintInputs, prepare_inpaint, resize_mask_to_latents, steps_to_run, stitch
 from .inputs import InitLatents, check_compatible, check_denoise_inputs, with_init_reference
 from .oom import explain_oom, is_out_of_memory, release_failed_attempt
-from .prompts import PromptCache, TextOptions, default_prompt_cache, encode_prompts, loaded_encoder_identity
+from .prompts import (
+    DiskPromptCache,
+    PromptCache,
+    TextOptions,
+    default_prompt_cache,
+    encode_prompts,
+    loaded_encoder_identity,
+)
 from .reference_kv import ReferenceKVCache, default_kv_cache, weights_state
 from .request import (
     MODEL_KINDS,
@@ -60,7 +67,15 @@ from .request import (
     resolve,
 )
 from .sampling import StepCallback, denoise, get_schedule, make_noise, reference_tokens
-from .vae_io import decode_to_pixels, encode_references, overflow_cause, reference_pixel_sizes, size_source
+from .vae_io import (
+    PIXEL_BOUND,
+    PIXEL_HINT,
+    decode_to_pixels,
+    encode_references,
+    overflow_cause,
+    reference_pixel_sizes,
+    size_source,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -176,6 +191,11 @@ class Engine:
         self.downscale = vae.config.downscale if vae is not None else 16
         self.memory = memory
         self.vae_tile = vae_tile
+        if isinstance(prompt_cache, DiskPromptCache):  # a disk cache alone: kept behind an in-memory one
+            prompt_cache = PromptCache(disk=prompt_cache)
+        if prompt_cache is not None and not isinstance(prompt_cache, PromptCache):
+            raise TypeError(f"prompt_cache (cache= of generate) must be a PromptCache, a DiskPromptCache or None, got "
+                            f"{type(prompt_cache).__name__}")
         self.prompt_cache = prompt_cache
         if not isinstance(text, TextOptions):
             raise TypeError(f"text must be a TextOptions, got {type(text).__name__}")
@@ -295,11 +315,15 @@ class Engine:
                 plan = self.plan(memory_request(1024, 1024, batch=max(map(len, groups)), denoise=False,
                                                 decode=False, text_length=self.text.length(texts),
                                                 **self._text_bytes()))
+            # An encoder without a file identity is cached by its weights where they live, taken
+            # before the stage (the placed copies are new every run: the cache would never hit).
+            home = weights_state(self.text_encoder) if cache is not None and identity is None else None
             with explain_oom("encoding the prompts", self.device, batch=sum(map(len, groups))):
                 with self._stage("text_encoder", plan) as te:
                     check = checks or Checks()
                     embeds = [e if e is not None else
-                              encode_prompts(te, g, cache=cache, options=self.text, identity=identity, checks=check)
+                              encode_prompts(te, g, cache=cache, options=self.text, identity=identity, checks=check,
+                                             weights=home)
                               for e, g in zip(embeds, groups)]
                     for emb in embeds:
                         check.check_output(emb, "The text encoder", te, overflow_cause(emb.dtype))
@@ -328,7 +352,11 @@ class Engine:
                       checks: Checks | None = None) -> torch.Tensor:
         """VAE-encode images ``[B, 3, H, W]`` in [-1, 1] (H, W multiples of 16) to normalised latents
         ``[B, 128, H/16, W/16]``, one image at a time, tiled as the plan says."""
-        if pixels.ndim != 4 or pixels.shape[0] == 0:
+        if isinstance(pixels, Image.Image):
+            raise TypeError("the pixels to encode must be a [B, 3, H, W] tensor in [-1, 1], got a PIL image: "
+                            "encode pictures with encode_references")
+        check_tensor(pixels, "the pixels to encode", 4)
+        if pixels.shape[0] == 0:
             raise ValueError(f"the pixels to encode must be [B, 3, H, W] with B >= 1, got {list(pixels.shape)}")
         h, w = pixels.shape[-2:]
         if plan is None:
@@ -336,6 +364,7 @@ class Engine:
                                             decode=False))
         check = checks or Checks()
         check.require_finite(pixels, "the pixels to encode")
+        check.require_within(pixels, "the pixels to encode", PIXEL_BOUND, f"they must lie in [-1, 1] ({PIXEL_HINT})")
         latents = []
         with explain_oom("encoding the image", self.device, w, h):
             with self._stage("vae", plan) as vae:
@@ -368,6 +397,16 @@ class Engine:
             raise ValueError("denoising needs a transformer; none was given")
         if init is not None and not isinstance(init, InitLatents):
             raise TypeError(f"init must be InitLatents, got {type(init).__name__}")
+        if not isinstance(conditioning, Conditioning):
+            raise TypeError(f"conditioning must be a Conditioning (encode_prompts gives one; kc.Conditioning(positive, "
+                            f"negative) wraps embeddings), got {type(conditioning).__name__}")
+        if not isinstance(settings, (Settings, Resolved)):
+            raise TypeError(f"settings must be a kc.Settings(width, height, steps, guidance, seed, batch_size), got "
+                            f"{type(settings).__name__}")
+        for i, ref in enumerate(references):
+            if not isinstance(ref, torch.Tensor):
+                raise TypeError(f"reference latent {i + 1} must be an encoded [1, 128, h, w] tensor, got "
+                                f"{type(ref).__name__}: encode pictures with encode_references first")
         if isinstance(settings, Resolved):
             run = settings
         elif init is not None:
@@ -388,6 +427,7 @@ class Engine:
                              negative_prompt=negative_prompt, downscale=self.downscale, checks=checks)
         return run
 
+    @torch.no_grad()  # inference: inputs that require grad (the caller's embeddings) must not record a graph
     def denoise(
         self,
         conditioning: Conditioning,
@@ -502,7 +542,8 @@ class Engine:
         the results, through page-locked memory (:mod:`klein_core.transfer`). Each image's copies are
         queued as it is decoded and the host waits once, after the last: the GPU decodes the next
         image of a batch while the host would otherwise wait for the copy of the one before."""
-        if latents.ndim != 4 or latents.shape[0] == 0:
+        check_tensor(latents, "the latents to decode", 4)
+        if latents.shape[0] == 0:
             raise ValueError(f"the latents to decode must be [B, 128, h, w] with B >= 1, got {list(latents.shape)}")
         down = self.downscale
         width, height = latents.shape[-1] * down, latents.shape[-2] * down
@@ -777,6 +818,9 @@ def generate(
     Returns:
         :class:`GenerationResult` with latents, images/pixels (if decoded) and per-stage timings.
     """
+    if negative_embeds is not None and prompt_embeds is None:
+        raise ValueError("negative_embeds needs prompt_embeds (the embeddings it pairs with): give both, or "
+                         "negative_prompt= with prompt=")
     engine = Engine(transformer, text_encoder, vae, kind=kind, device=device, memory=memory, vae_tile=vae_tile,
                     prompt_cache=cache, text=text, kv_cache=kv_cache, speed=speed)
     conditioning = None

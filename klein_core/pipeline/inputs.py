@@ -5,6 +5,7 @@ below (:mod:`klein_core.pipeline.sampling`, the transformer)."""
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -12,7 +13,9 @@ from typing import Any
 import torch
 
 from ..checks import Checks
+from ..models.qwen3 import Qwen3Config
 from ..models.transformer import TransformerConfig
+from ..models.vae import VAEConfig
 from ..models.variants import check_text_width
 from .inpaint import check_strength
 from .request import Conditioning, ModelKind, Resolved, check_size, check_tensor
@@ -20,8 +23,20 @@ from .request import Conditioning, ModelKind, Resolved, check_size, check_tensor
 logger = logging.getLogger(__name__)
 
 
+_COMPONENTS = (("transformer", TransformerConfig, "kc.load_transformer"),
+               ("text_encoder", Qwen3Config, "kc.load_text_encoder"), ("vae", VAEConfig, "kc.load_vae"))
+
+
 def check_compatible(transformer: Any | None, text_encoder: Any | None = None, vae: Any | None = None) -> None:
-    """Raise ValueError, before any compute, if the components do not belong together."""
+    """Raise, before any compute, a TypeError for a component of the wrong kind (another component,
+    a file path) and a ValueError if the components do not belong together."""
+    for (name, config_type, loader), module in zip(_COMPONENTS, (transformer, text_encoder, vae), strict=True):
+        # By the config: a compiled or LoRA'd copy keeps its module's config.
+        if module is not None and not isinstance(getattr(module, "config", None), config_type):
+            got = (f"the path {os.fspath(module)!r}" if isinstance(module, (str, os.PathLike))
+                   else f"a {type(module).__name__}")
+            raise TypeError(f"{name} must be a loaded {name.replace('_', ' ')} ({loader}(path)), got {got}. The "
+                            "components go in the order transformer, text_encoder, vae.")
     if transformer is None:
         return
     tc = transformer.config

@@ -36,6 +36,7 @@ from ..files.safetensors import open_safetensors
 from ..lora.apply import has_loras
 from ..transfer import to_device
 from .bounded_cache import BoundedCache, check_bound
+from .reference_kv import weights_state
 from .tokenizer import MAX_LENGTH, _check_prompts, count_tokens, tokenize_prompts, warn_cut
 
 logger = logging.getLogger(__name__)
@@ -414,14 +415,21 @@ class PromptCache(BoundedCache[torch.Tensor]):
     """Bounded LRU of prompt embeddings per (encoder, prompt, options), over an optional disk cache.
 
     Entries of an encoder loaded from a file are keyed by its identity (:func:`encoder_identity`),
-    so :meth:`cached` can answer before the encoder is loaded; other entries hold a weak reference
-    to their encoder, so a freed or reloaded encoder never serves stale embeddings. Entries own
+    so :meth:`cached` can answer before the encoder is loaded (weights written into such an encoder
+    in place are not seen: load the new weights, or :meth:`clear`); other entries hold a weak
+    reference to their encoder and the token of its weights, so a freed, reloaded or changed
+    encoder never serves stale embeddings. ``disk``: a :class:`DiskPromptCache`, or its folder. Entries own
     their memory; the cache is bounded by entry count and by bytes. Embeddings with NaN or infinite
     values are returned but never cached.
     """
 
-    def __init__(self, max_entries: int = 32, max_bytes: int = 1 << 30, disk: DiskPromptCache | None = None) -> None:
+    def __init__(self, max_entries: int = 32, max_bytes: int = 1 << 30,
+                 disk: DiskPromptCache | str | os.PathLike | None = None) -> None:
         super().__init__(max_entries, max_bytes, lambda t: t.numel() * t.element_size())  # both checked there
+        if isinstance(disk, (str, os.PathLike)):  # a folder: the disk cache in it
+            disk = DiskPromptCache(disk)
+        if disk is not None and not isinstance(disk, DiskPromptCache):
+            raise TypeError(f"disk must be a DiskPromptCache or a folder, got {type(disk).__name__}")
         self.disk = disk
         self._widths: dict[str, int] = {}  # encoder identity -> the width it produced (learned by encode)
 
@@ -434,13 +442,13 @@ class PromptCache(BoundedCache[torch.Tensor]):
         # would count only the slice.
         super()._store(key, encoder, emb.clone())
 
-    def _find(self, identity: str | None, encoder: Any, prompts: Sequence[str], options: TextOptions,
-              length: int, width: int | None) -> dict[str, torch.Tensor | None]:
+    def _find(self, base: str | tuple, identity: str | None, encoder: Any, prompts: Sequence[str],
+              options: TextOptions, length: int, width: int | None) -> dict[str, torch.Tensor | None]:
         owner = None if identity is not None else encoder
         found: dict[str, torch.Tensor | None] = {}
         with self._lock:
             for p in prompts:
-                key = (identity or _in_memory(encoder), p, length, options.key())
+                key = (base, p, length, options.key())
                 emb = self._lookup(key, owner)
                 if emb is not None and width is not None and emb.shape[-1] != width:
                     self._data.pop(key, None)  # read from disk before the width was known: check it there
@@ -464,7 +472,7 @@ class PromptCache(BoundedCache[torch.Tensor]):
         if identity is None or not prompts:
             return None
         width = width if width is not None else self._widths.get(identity)
-        found = self._find(identity, None, prompts, options, options.length(prompts), width)
+        found = self._find(identity, identity, None, prompts, options, options.length(prompts), width)
         embs = list(found.values())
         if any(e is None for e in embs):
             return None
@@ -480,12 +488,16 @@ class PromptCache(BoundedCache[torch.Tensor]):
         return torch.cat([to_device(e, device) for e in ordered])  # type: ignore[arg-type]
 
     def encode(self, encoder: Any, prompts: Sequence[str], options: TextOptions | int = TextOptions(), *,
-               identity: str | None = None, checks: Checks | None = None) -> torch.Tensor:
+               identity: str | None = None, checks: Checks | None = None,
+               weights: tuple | None = None) -> torch.Tensor:
         """Embeddings ``[len(prompts), length, text_dim]``; only prompts found in neither cache are
         encoded. ``options`` may be a plain max length (the older signature). ``identity`` (see
         :func:`loaded_encoder_identity`) defaults to the encoder's own, on the device its weights are on.
         New embeddings are kept once known to be finite: at once, or when ``checks`` (a run's
-        :class:`~klein_core.checks.Checks` that defers) resolves, so the host need not wait here."""
+        :class:`~klein_core.checks.Checks` that defers) resolves, so the host need not wait here.
+        ``weights``: for an encoder without identity, the token of its weights where they live
+        (:func:`~klein_core.pipeline.reference_kv.weights_state`, taken before a stage placed them);
+        default: taken now."""
         if isinstance(options, int):
             options = TextOptions(max_tokens=options)
         prompts = _check_prompts(prompts)  # errors that name the prompt, before any lookup
@@ -501,7 +513,8 @@ class PromptCache(BoundedCache[torch.Tensor]):
                 self._widths[identity] = width
                 while len(self._widths) > 64:
                     del self._widths[next(iter(self._widths))]
-        found = self._find(identity, encoder, prompts, options, length, width)
+        base = identity or _in_memory(encoder, weights)
+        found = self._find(base, identity, encoder, prompts, options, length, width)
         device = encoder.embed_tokens.weight.device
         found = {p: None if e is None else to_device(e, device) for p, e in found.items()}
         todo = [p for p, e in found.items() if e is None]
@@ -518,23 +531,26 @@ class PromptCache(BoundedCache[torch.Tensor]):
             for p, e in zip(todo, embs):
                 found[p] = e[None]
                 # garbage is returned (the caller names it), never cached
-                check.when_finite(e, partial(self._keep, identity, encoder, owner, p, length, options, e[None]))
+                check.when_finite(e, partial(self._keep, base, identity, owner, p, length, options, e[None]))
         return torch.cat([found[p] for p in prompts])  # type: ignore[misc]
 
-    def _keep(self, identity: str | None, encoder: Any, owner: Any, prompt: str, length: int,
+    def _keep(self, base: str | tuple, identity: str | None, owner: Any, prompt: str, length: int,
               options: TextOptions, emb: torch.Tensor) -> None:
         """Cache a new embedding ``[1, length, width]`` known to be finite (and write it to disk)."""
         with self._lock:
-            self._store((identity or _in_memory(encoder), prompt, length, options.key()), owner, emb)
+            self._store((base, prompt, length, options.key()), owner, emb)
         if identity is not None and self.disk is not None:
             self.disk.put(identity, prompt, length, options, emb)
 
 
-def _in_memory(encoder: Any) -> tuple:
+def _in_memory(encoder: Any, weights: tuple | None = None) -> tuple:
     """The cache key of an encoder with no file identity (built in memory): the object (held
-    weakly by its entries) and its weights' dtype and device, which a conversion changes."""
+    weakly by its entries), its weights' dtype and device, which a conversion changes, and the
+    token of its weights (:func:`~klein_core.pipeline.reference_kv.weights_state`), which a
+    ``load_state_dict`` or any write in place changes; ``weights``: that token as the caller took it
+    (before a stage placed the weights on the device: placed copies are new tensors every run)."""
     weight = encoder.embed_tokens.weight
-    return id(encoder), str(weight.dtype), str(weight.device)
+    return id(encoder), str(weight.dtype), str(weight.device), weights_state(encoder) if weights is None else weights
 
 
 def _encode(encoder: Any, prompts: list[str], options: TextOptions, length: int,
@@ -551,7 +567,7 @@ default_prompt_cache = PromptCache()
 def encode_prompts(
     text_encoder: Any, prompts: Sequence[str], *, cache: PromptCache | None = default_prompt_cache,
     max_length: int = MAX_LENGTH, options: TextOptions | None = None, identity: str | None = None,
-    checks: Checks | None = None,
+    checks: Checks | None = None, weights: tuple | None = None,
 ) -> torch.Tensor:
     """Tokenize and encode prompts: ``[len(prompts), length, text_dim]``, cached by default.
 
@@ -559,7 +575,7 @@ def encode_prompts(
     prompts are cut at ``max_length`` and encoded in the model dtype. ``identity``: the cache key
     of the encoder (:func:`loaded_encoder_identity` with the compute device); default: derived from it.
     ``checks``: a run's :class:`~klein_core.checks.Checks`; the cache keeps new embeddings when it
-    finds them finite (see :meth:`PromptCache.encode`).
+    finds them finite (see :meth:`PromptCache.encode`). ``weights``: see :meth:`PromptCache.encode`.
     """
     if isinstance(prompts, str):
         raise TypeError("prompts must be a list of strings; wrap a single prompt as [prompt]")
@@ -567,7 +583,7 @@ def encode_prompts(
     options = options or TextOptions(max_tokens=max_length)
     if cache is None:
         return _encode(text_encoder, prompts, options, options.length(prompts))
-    return cache.encode(text_encoder, list(prompts), options, identity=identity, checks=checks)
+    return cache.encode(text_encoder, list(prompts), options, identity=identity, checks=checks, weights=weights)
 
 
 __all__ = ["COMFYUI_TEXT", "TRIM_MULTIPLE", "DiskPromptCache", "PromptCache", "TextOptions", "default_prompt_cache",

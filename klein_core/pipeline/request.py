@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import numbers
 import os
 import re
 import stat
@@ -209,6 +210,16 @@ class Settings:
     seed: int = 0
     batch_size: int = 1
 
+    def __post_init__(self) -> None:
+        # numpy scalars (an np.arange sweep, rng.integers) as the Python numbers they are; every value
+        # is judged by resolve().
+        for name in ("width", "height", "steps", "seed", "batch_size"):
+            value = getattr(self, name)
+            if isinstance(value, numbers.Integral) and not isinstance(value, (bool, int)):
+                object.__setattr__(self, name, int(value))
+        if isinstance(self.guidance, numbers.Real) and not isinstance(self.guidance, (bool, int, float)):
+            object.__setattr__(self, "guidance", float(self.guidance))
+
 
 @dataclass(frozen=True)
 class Resolved:
@@ -304,6 +315,9 @@ class GenerationRequest:
     def __post_init__(self) -> None:
         if self.conditioning is not None and not isinstance(self.conditioning, Conditioning):
             raise TypeError(f"conditioning must be a Conditioning, got {type(self.conditioning).__name__}")
+        if not isinstance(self.settings, Settings):
+            raise TypeError(f"settings must be a Settings(width, height, steps, guidance, seed, batch_size), got "
+                            f"{type(self.settings).__name__}")
         prompts = self.prompts
         if not prompts:
             raise ValueError("prompt list is empty")

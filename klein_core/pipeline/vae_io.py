@@ -35,6 +35,12 @@ def decode_to_pixels(vae: Any, latents: torch.Tensor, *, tile: int | None = None
     return to_host(px)[0] if host else px
 
 
+#: How far outside [-1, 1] tensor pixels may reach (a resampling filter overshoots a little) before
+#: they are refused as given in another range (0..255 most often).
+PIXEL_BOUND = 2.0
+PIXEL_HINT = "8-bit values: x.float() / 127.5 - 1; a [0, 1] image: x * 2 - 1"
+
+
 def encode_references(
     vae: Any, images: Sequence[Image.Image | torch.Tensor], *, tile: int | None = None, first: int = 1,
     checks: Checks | None = None,
@@ -68,7 +74,11 @@ def encode_references(
             raise ValueError(f"reference {n}: a tensor reference needs height and width that are multiples of "
                              f"{down}, got {px.shape[-2]}x{px.shape[-1]} (H x W); crop it, or give the picture "
                              "as a PIL image (it is then cropped to fit)")
+        if not px.is_floating_point():
+            raise TypeError(f"reference {n}: a tensor reference holds float pixels in [-1, 1], got {px.dtype} "
+                            f"({PIXEL_HINT})")
         check.require_finite(px, f"reference {n}")
+        check.require_within(px, f"reference {n}", PIXEL_BOUND, f"a tensor reference holds pixels in [-1, 1] ({PIXEL_HINT})")
         latent = tiling.encode(vae, px, tile)
         check.check_output(latent, f"The VAE encoder (reference {n})", vae, overflow_cause(vae.dtype))
         out.append(latent)
