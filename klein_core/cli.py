@@ -25,6 +25,7 @@ from . import __version__
 from .accel.speed import DEFAULT_SPEED, SPEEDS, describe_speed
 from .accel.step_cache import DEFAULT_THRESHOLD, DEFAULT_WARMUP, StepCache, enable_step_cache
 from .errors import GenerationCancelled, WeightFormatError
+from .files.atomic import atomic_path, is_folder, unwritable
 from .files.gguf import is_gguf
 from .files.identify import matching_text_encoders, probe
 from .files.loaders import as_dtype
@@ -345,7 +346,7 @@ def check_out(out: str | Path) -> Path:
     if isinstance(out, str) and out.endswith(("/", os.sep)):
         raise CLIError(f"--out {out}: is a folder; give a file name such as {Path(out) / 'klein.png'}")
     out = Path(out)
-    if out.name in ("", ".", "..") or out.is_dir():
+    if out.name in ("", ".", "..") or is_folder(out):
         raise CLIError(f"--out {out}: is a folder; give a file name such as {out / 'klein.png'}")
     if not out.suffix:
         out = out.with_name(out.name + ".png")  # as batches have always done: PNG, which keeps the parameters
@@ -354,11 +355,8 @@ def check_out(out: str | Path) -> Path:
     if fmt is None or fmt not in Image.SAVE or not _writes_rgb(fmt):
         raise CLIError(f"--out {out}: PIL cannot write {out.suffix!r} files of RGB pictures; use .png (keeps the "
                        "parameters), .jpg or .webp")
-    parent = out.parent
-    while not parent.exists() and parent != parent.parent:  # the nearest folder that exists must be one
-        parent = parent.parent
-    if parent.exists() and not parent.is_dir():
-        raise CLIError(f"--out {out}: {parent} is a file, not a folder")
+    if (why := unwritable(out)) is not None:  # the nearest folder that exists must be one; a name it takes
+        raise CLIError(f"--out {out}: {why}")
     return out
 
 
@@ -373,19 +371,36 @@ def _writes_rgb(fmt: str) -> bool:
     return True
 
 
+def output_paths(out: Path, n: int) -> list[Path]:
+    """The files ``n`` images go to: ``out`` itself for one, else ``<stem>_00<suffix>``, ``_01``..."""
+    if n == 1:
+        return [out]
+    return [out.with_name(f"{out.stem}_{i:02d}{out.suffix or '.png'}") for i in range(n)]
+
+
+def check_out_names(out: Path, n: int) -> None:
+    """Before anything loads: each of the ``n`` files the images go to can be written (a name the file
+    system takes, not a folder), so a generation is not lost at the end."""
+    for p in output_paths(out, n):
+        if (why := unwritable(p)) is not None:
+            raise CLIError(f"--out {out}: the image{'' if n == 1 else 's'} would go to {p}: {why}")
+
+
 def _save_images(result: GenerationResult, out: Path, params: dict) -> list[Path]:
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise CLIError(f"--out {out}: cannot make the folder {out.parent} ({exc.strerror or exc})") from None
     paths = []
-    for i, img in enumerate(result.images or []):
-        p = out if len(result.images or []) == 1 else out.with_name(f"{out.stem}_{i:02d}{out.suffix or '.png'}")
+    images = result.images or []
+    for i, (img, p) in enumerate(zip(images, output_paths(out, len(images)), strict=True)):
         meta = PngInfo()
         meta.add_text("parameters", json.dumps({**params, "batch_index": i}))
         meta.add_text("Software", f"klein_core {__version__}")
         try:
-            img.save(p, pnginfo=meta)
+            # whole or not at all: a full disk or Ctrl+C midway keeps the picture that was there
+            with atomic_path(p) as tmp:
+                img.save(tmp, format=Image.registered_extensions()[p.suffix.lower()], pnginfo=meta)
         except OSError as exc:  # a folder or a read-only place met at the end: one line, naming the file
             raise CLIError(f"--out {p}: cannot write it ({exc.strerror or exc})"
                            + (f"; images written before it: {', '.join(map(str, paths))}" if paths else "")) from None
@@ -419,6 +434,7 @@ def _check_request(args: argparse.Namespace, refs: list[Image.Image]) -> None:
         raise CLIError(f"--guidance must be a finite number >= 0, got {args.guidance}")
     if args.batch < 1:
         raise CLIError(f"--batch must be at least 1, got {args.batch}")
+    check_out_names(args.out, args.batch)
     if not 0 <= args.seed <= MAX_SEED:
         raise CLIError(f"--seed must be from 0 to 2^64-1, got {args.seed}")
     if args.image is None:
@@ -573,7 +589,9 @@ def run_generate(args: argparse.Namespace) -> int:
     # Everything that changed the pixels, resolved, so the parameters can reproduce the image: the
     # weights' dtype and quantisation, the batch size, exact LoRA strengths and every inpaint option.
     params = {
-        "prompt": args.prompt, "negative_prompt": args.negative_prompt, "width": result.width,
+        # the negative prompt only where CFG ran (guidance as run > 1 on a base model): else it changed nothing
+        "prompt": args.prompt, "negative_prompt": args.negative_prompt if kind == "base" and result.guidance > 1 else "",
+        "width": result.width,
         "height": result.height, "steps": result.steps, "guidance": result.guidance, "seed": args.seed,
         "batch": args.batch, "model_kind": kind, "references": [str(r) for r in args.ref],
         "reference_sizes": [list(s) for s in result.reference_sizes],

@@ -260,6 +260,25 @@ def test_lora_strength_in_the_parameters_is_the_one_that_ran(tmp_path, demo_runn
     assert float(strength) == 0.123456789, text
 
 
+@pytest.mark.parametrize("kind", ["distilled", "base"])
+def test_batch_parameters_name_a_negative_prompt_only_where_cfg_ran(demo_runner, kind):
+    """Was a bug: a batch row with ``negative_prompt`` on a distilled model (no CFG: the engine says the
+    negative prompt is not used) recorded it in the PNG's parameters, a setting that changed no pixel
+    (the CLI had the same fault; tests/test_outputs_hunt.py). Now it is recorded where CFG ran only:
+    a base model with guidance above 1."""
+    engine = demo_runner.engine
+    runner = RowRunner(ModelSpec(demo=True), engine=engine)
+    row = parse_row({"id": "r", "prompt": "a fox", "negative_prompt": "blurry", "width": 64, "height": 64,
+                     "steps": 1, "guidance": 3})
+    old = engine.kind
+    engine.kind = kind
+    try:
+        params = runner.run(row, []).params
+    finally:
+        engine.kind = old
+    assert params["negative_prompt"] == ("blurry" if kind == "base" else ""), params
+
+
 def test_a_failing_row_is_entered_under_its_id_and_the_actors_other_rows_complete(tmp_path, demo_runner,
                                                                                    monkeypatch):
     """One ``map_batches`` call of three rows whose middle one fails inside the engine: three entries in

@@ -8,6 +8,7 @@ as results stream back, so the manifest has a single writer.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -72,7 +73,7 @@ def prepare_rows(config: BatchConfig, manifest: Manifest) -> tuple[list[RowSpec]
     model loads; a duplicate id is an error for every occurrence after the first."""
     todo: list[RowSpec] = []
     bad: list[Entry] = []
-    seen: dict[str, int] = {}
+    seen: dict[str, tuple[int, str]] = {}  # id, case folded -> (its first row, the id as written there)
     skipped = total = 0
     base = config.input.parent
     for number, raw in read_rows(config.input):
@@ -81,9 +82,13 @@ def prepare_rows(config: BatchConfig, manifest: Manifest) -> tuple[list[RowSpec]
             if isinstance(raw, RowError):
                 raise raw
             row = parse_row(raw, number)
-            if row.id in seen:
-                raise RowError(f"row {number}: id {row.id!r} was already used by row {seen[row.id]}")
-            seen[row.id] = number
+            # Ids that differ only in case name one PNG on macOS and Windows: one image would replace
+            # the other while the manifest lists both as done.
+            if (key := row.id.casefold()) in seen:
+                first, first_id = seen[key]
+                also = "" if first_id == row.id else f" (as {first_id!r}: ids are told apart ignoring case)"
+                raise RowError(f"row {number}: id {row.id!r} was already used by row {first}{also}")
+            seen[key] = (number, row.id)
             if manifest.done(row.id):
                 skipped += 1
                 continue
@@ -96,12 +101,12 @@ def prepare_rows(config: BatchConfig, manifest: Manifest) -> tuple[list[RowSpec]
             todo.append(row)
         except RowError as exc:
             if exc.row_id:
-                seen.setdefault(exc.row_id, number)
+                seen.setdefault(exc.row_id.casefold(), (number, exc.row_id))
             # The entry goes under the row's own id only if no other row owns it: "the last entry of an
             # id wins", so a failed duplicate recorded under its id marked the first row's finished image
             # failed (and that row was redone on the next run). Rows without an id of their own get a
             # name no valid id can have (it has a space), so they cannot clash with a real row "row-3".
-            own = exc.row_id is not None and seen.get(exc.row_id) == number
+            own = exc.row_id is not None and seen.get(exc.row_id.casefold(), (None,))[0] == number
             bad.append(Entry(exc.row_id if own else f"row {number}", None, None, 0.0, None, str(exc)))
     todo.sort(key=lambda r: (r.shape_key(), r.id))
     return todo, bad, skipped, total
@@ -150,11 +155,15 @@ def run_batch_job(config: BatchConfig, progress: Progress | None = None) -> Summ
     Bad rows are recorded, never raised; a missing Ray raises
     :class:`~klein_core.distributed.ray_support.RayMissing`; an output folder another job is writing
     to raises :class:`~klein_core.cli.CLIError`."""
-    try:
-        with OutputLock(config.out_dir):  # one job per folder: see OutputLock
-            return _run_locked(config, progress)
-    except OutputInUse as exc:
-        raise CLIError(str(exc)) from None
+    with contextlib.ExitStack() as held:
+        try:
+            held.enter_context(OutputLock(config.out_dir))  # one job per folder: see OutputLock
+        except OutputInUse as exc:
+            raise CLIError(str(exc)) from None
+        except OSError as exc:  # a file where the folder should be, a folder under a file, no permission
+            raise CLIError(f"--out {config.out_dir}: cannot use it as the output folder ({exc.strerror or exc})"
+                           ) from None
+        return _run_locked(config, progress)
 
 
 def _run_locked(config: BatchConfig, progress: Progress | None) -> Summary:

@@ -66,7 +66,8 @@ class RowRunner:
         finally:
             if handle is not None:
                 handle.remove()  # restores the exact weights for the next row
-        params = {"id": row.id, "prompt": row.prompt, "negative_prompt": row.negative_prompt,
+        cfg = self.engine.kind == "base" and result.guidance > 1  # else the negative prompt changed nothing
+        params = {"id": row.id, "prompt": row.prompt, "negative_prompt": row.negative_prompt if cfg else "",
                   "width": result.width, "height": result.height, "steps": result.steps,
                   "guidance": result.guidance, "seed": row.seed,
                   "references": list(row.references),

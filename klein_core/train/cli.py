@@ -220,7 +220,7 @@ def run_train(args: argparse.Namespace) -> int:
     first = not dist.is_initialized() or dist.get_rank() == 0  # says progress and results, once
     try:
         result = run_job(job, on_step=_progress if first else None)
-    except (DatasetError, ValueError, FileNotFoundError) as exc:  # bad input: the message says what to fix
+    except (DatasetError, ValueError, OSError) as exc:  # bad input or a file that cannot be read or written
         sys.stderr.write(f"error: {exc}\n")
         return 2
     except FloatingPointError as exc:  # the run diverged: said in one line, no traceback

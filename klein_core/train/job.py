@@ -17,13 +17,14 @@ import torch
 import torch.distributed as dist
 
 from ..accel.speed import DEFAULT_SPEED, apply_speed, check_speed
+from ..files.atomic import unwritable
 from ..files.loaders import load_text_encoder, load_transformer, load_vae, quantize_for
 from ..memory.placement import BlockOffloader
 from ..pipeline.prompts import encoder_identity
 from ..pipeline.tokenizer import tokenize_prompts
 from .adapters import LoRASet, preset, text_encoder_preset
 from .data import Encoders, build_samples, dataset_hash, require_base_model, scan_dataset
-from .save import FORMATS, save_lora
+from .save import FORMATS, check_format_names, save_lora
 from .trainer import StepReport, TrainConfig, Trainer, latest_checkpoint
 
 logger = logging.getLogger(__name__)
@@ -108,6 +109,8 @@ def _run(job: TrainJob, on_step: Callable[[StepReport], bool | None] | None,
     require_base_model(job.transformer)
     if job.fmt not in FORMATS:  # before training, not when the LoRA is saved at the end
         raise ValueError(f"fmt must be one of {', '.join(FORMATS)}, got {job.fmt!r}")
+    if (why := unwritable(job.output)) is not None:  # now, not when the trained LoRA is saved at the end
+        raise ValueError(f"output {job.output}: {why}")
     if int(job.resolution) < 16:  # the bucket area is resolution²: 0 or a negative side is not a size
         raise ValueError(f"resolution must be 16 or more (pixels; the bucket area is resolution²), got {job.resolution}")
     # The LoRA's targets are checked before anything is encoded (a bad rank or pattern fails now).
@@ -184,6 +187,7 @@ def _run(job: TrainJob, on_step: Callable[[StepReport], bool | None] | None,
     apply_speed(transformer=model, speed=job.speed)
     engine.transformer = model
     lora = LoRASet(model, adapter_config, seed=job.config.seed)
+    check_format_names(lora, job.fmt)  # a module the format cannot name: refused before training, not at the end
     if train_text:
         if streamed:
             text_streamer = BlockOffloader(te, device, prefetch=1).attach(hooks=False)

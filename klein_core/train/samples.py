@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from ..files.atomic import atomic_path
 from ..pipeline.engine import Engine
 from ..pipeline.request import Conditioning, GenerationRequest, Settings, resolve
 from .trainer import TrainConfig
@@ -78,8 +79,7 @@ class CheckpointSampler:
                                           callback=self._step)
             assert result.images is not None
             path = folder / f"sample-{i}.png"
-            tmp = folder / f".sample-{i}.png.tmp"
-            result.images[0].save(tmp, format="PNG")
-            tmp.replace(path)
+            with atomic_path(path) as tmp:
+                result.images[0].save(tmp, format="PNG")
             paths.append(path)
         return paths

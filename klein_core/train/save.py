@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from ..files.atomic import atomic_path
 from ..models.variants import encoder_name
 from .adapters import LoRALayer, LoRASet
 
@@ -47,6 +48,20 @@ def diffusers_names(core: str, parts: int) -> tuple[str, ...]:
         raise ValueError(f"{core}: {parts} LoRA parts, diffusers has {len(names)} modules for it")
     prefix = "transformer_blocks" if m.group(1) == "double" else "single_transformer_blocks"
     return tuple(f"{prefix}.{m.group(2)}.{n}" for n in names)
+
+
+def check_format_names(lora: LoRASet, fmt: str) -> None:
+    """Raise ValueError if ``fmt`` has no key names for a module ``lora`` adapts (diffusers' names
+    cover the double and single blocks' linears only): called before training, not when saving."""
+    if fmt != "diffusers":
+        return
+    for core, layer in lora.items():
+        try:
+            diffusers_names(core, layer.parts)
+        except ValueError as exc:
+            raise ValueError(f"{exc}: the diffusers naming holds the double and single blocks' linears only; save "
+                             f"in the kohya or comfyui naming (--format / fmt), or leave {core} out of the "
+                             "targets") from None
 
 
 # (dotted prefix, Kohya prefix) of each component's keys
@@ -186,8 +201,7 @@ def save_lora(path: str | os.PathLike, lora: LoRASet, *, fmt: str = "diffusers",
     for k, v in (metadata or {}).items():
         meta[f"klein.{k}"] = v if isinstance(v, str) else json.dumps(v)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    save_file(tensors, str(tmp), metadata=meta)
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:  # an interrupted or failed write keeps the file that was there
+        save_file(tensors, str(tmp), metadata=meta)
     logger.info("saved LoRA (%d tensors, %s names) to %s", len(tensors), fmt, path)
     return path

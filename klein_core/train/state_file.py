@@ -5,7 +5,6 @@ resume, whoever wrote the file."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +12,7 @@ import torch
 from safetensors.torch import save_file
 
 from ..errors import WeightFormatError
+from ..files.atomic import atomic_path
 from ..files.safetensors import open_safetensors
 
 _META_KEY = "klein.trainer_state"
@@ -52,9 +52,8 @@ def save_state(state: dict, path: str | Path) -> None:
     path = Path(path)
     tensors: dict[str, torch.Tensor] = {}
     tree = _encode(state, tensors)
-    tmp = path.with_name(f".{path.name}.tmp")
-    save_file(tensors, str(tmp), metadata={_META_KEY: json.dumps(tree)})
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:
+        save_file(tensors, str(tmp), metadata={_META_KEY: json.dumps(tree)})
 
 
 def load_state(path: str | Path) -> dict:
