@@ -530,18 +530,25 @@ def _native_vae_class() -> type:
                 raise AttributeError(name)  # no model yet; a use reads it
             self.__dict__["_klein_pending"] = None
             path, config = pending
-            sd = comfy.utils.load_torch_file(path)
-            if config == type(config)():  # the published FLUX.2 VAE: ComfyUI's own detection
-                comfy.sd.VAE.__init__(self, sd=sd)
-            else:  # another FLUX.2 shape (test files): the same model, its sizes from klein_core's config
-                ddconfig = _flux2_ddconfig(config)
-                sd = comfy.utils.state_dict_prefix_replace(sd, {"decoder.post_quant_conv.": "post_quant_conv.",
-                                                                "encoder.quant_conv.": "quant_conv."})
-                comfy.sd.VAE.__init__(self, sd=sd, config={"params": {
-                    "ddconfig": ddconfig, "embed_dim": config.z_channels}})
-                self.latent_channels = config.z_channels * 4
-                self.downscale_ratio = self.upscale_ratio = config.downscale
-            self.throw_exception_if_invalid()
+            try:
+                sd = comfy.utils.load_torch_file(path)
+                if config == type(config)():  # the published FLUX.2 VAE: ComfyUI's own detection
+                    comfy.sd.VAE.__init__(self, sd=sd)
+                else:  # another FLUX.2 shape (test files): the same model, its sizes from klein_core's config
+                    ddconfig = _flux2_ddconfig(config)
+                    sd = comfy.utils.state_dict_prefix_replace(sd, {"decoder.post_quant_conv.": "post_quant_conv.",
+                                                                    "encoder.quant_conv.": "quant_conv."})
+                    comfy.sd.VAE.__init__(self, sd=sd, config={"params": {
+                        "ddconfig": ddconfig, "embed_dim": config.z_channels}})
+                    self.latent_channels = config.z_channels * 4
+                    self.downscale_ratio = self.upscale_ratio = config.downscale
+                self.throw_exception_if_invalid()
+            except BaseException:
+                # A read that failed (an I/O error, an interrupt): the next use reads the file again,
+                # or this half-made VAE would fail every later run under a misleading message.
+                self.__dict__.clear()  # what __init__ set before it failed, too
+                self.__dict__["_klein_pending"] = pending
+                raise
             logger.info("Klein: %s loaded as ComfyUI's VAE", os.path.basename(path))
             return getattr(self, name)
 

@@ -186,10 +186,10 @@ def _rows(patch: LoRAPatch, total: int) -> slice:
     return slice(i * size, (i + 1) * size)
 
 
-def _merge_fp8(plan: _ModulePlan, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _merge_fp8(plan: _ModulePlan, q: torch.Tensor) -> None:
     """Merge into an FP8Linear: dequantise, add the deltas in float32, re-quantise with a new
-    absmax scale (per tensor, or per row when the layer has per-row scales). Returns the original
-    (weight, scale) on the CPU for an exact restore."""
+    absmax scale (per tensor, or per row when the layer has per-row scales). New tensors replace
+    the codes and the scale: the originals (the caller's backup) are never written."""
     module = plan.module
     scale = module.weight_scale
     fmax = float(torch.finfo(q.dtype).max)
@@ -209,7 +209,6 @@ def _merge_fp8(plan: _ModulePlan, q: torch.Tensor) -> tuple[torch.Tensor, torch.
         new_scale[kept] = scale[kept]
     module.weight.data = codes
     module.weight_scale = new_scale
-    return q.to("cpu"), scale.to("cpu")
 
 
 def _has_dora(plan: _ModulePlan) -> bool:
@@ -662,7 +661,10 @@ def _apply_plans(handle: AppliedLoRAs, plans: dict[tuple[str, str], _ModulePlan]
         if mode == "merge":
             original = weight.detach()
             if original.dtype in FLOAT8_DTYPES:
-                handle._backups.append((plan.module, _merge_fp8(plan, original)))
+                # The backup first: an interrupted copy (Ctrl+C, host memory short) then leaves this
+                # module as it was, and the modules done so far are restored.
+                handle._backups.append((plan.module, (original.to("cpu"), plan.module.weight_scale.to("cpu"))))
+                _merge_fp8(plan, original)
                 handle.modules.append(f"{comp}:{name}")
                 continue
             base = original.float()
@@ -671,9 +673,10 @@ def _apply_plans(handle: AppliedLoRAs, plans: dict[tuple[str, str], _ModulePlan]
             _check_delta(plan, original.dtype, original, delta, merged)
             # The merged weight is a new tensor: the original storage is never written, so it is
             # the exact backup (on the CPU: no copy at all) and any state dict the model was
-            # loaded from, which may share that storage, stays intact.
-            weight.data = merged
+            # loaded from, which may share that storage, stays intact. The backup is taken before
+            # the weight changes (see above).
             handle._backups.append((plan.module, original.to("cpu")))
+            weight.data = merged
         else:
             branch = LoRABranch(plan, weight)
             branch.attach(plan.module)

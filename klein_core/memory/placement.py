@@ -368,20 +368,27 @@ class BlockOffloader:
             return
         slots = self._slots[i]
         event = None
-        if self._stream is not None:
-            # The CPU runs ahead of the GPU: a released block's memory is only reusable once the
-            # GPU has run it. Wait for the oldest such block before allocating another, so the
-            # device never holds more than prefetch + 1 blocks however far ahead the CPU is.
-            while self._freeing and len(self._loaded) + len(self._freeing) > self.prefetch:
-                self._freeing.popleft().synchronize()
-            with torch.cuda.stream(self._stream):
+        try:
+            if self._stream is not None:
+                # The CPU runs ahead of the GPU: a released block's memory is only reusable once the
+                # GPU has run it. Wait for the oldest such block before allocating another, so the
+                # device never holds more than prefetch + 1 blocks however far ahead the CPU is.
+                while self._freeing and len(self._loaded) + len(self._freeing) > self.prefetch:
+                    self._freeing.popleft().synchronize()
+                with torch.cuda.stream(self._stream):
+                    for s in slots:
+                        _set(s, s.home.to(self.device, non_blocking=True, copy=True))
+                    event = torch.cuda.Event()
+                    event.record(self._stream)
+            else:
                 for s in slots:
-                    _set(s, s.home.to(self.device, non_blocking=True, copy=True))
-                event = torch.cuda.Event()
-                event.record(self._stream)
-        else:
+                    _set(s, s.home.to(self.device, copy=True))
+        except BaseException:
+            # A copy that failed midway (out of memory, an interrupt): the tensors copied so far go
+            # home, or they would stay on the device, unknown to detach(), which puts back loaded blocks.
             for s in slots:
-                _set(s, s.home.to(self.device, copy=True))
+                _set(s, s.home)
+            raise
         self._loaded[i] = event
         st = self.stats
         st.loads += 1
