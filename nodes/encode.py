@@ -116,7 +116,12 @@ class KleinTextEncode(io.ComfyNode):
         if options.truncate:
             for name, text in (("prompt", prompt), ("negative_prompt", negative_prompt)):
                 warn_if_cut(name, text, options.max_tokens)  # type: ignore[arg-type]
-        lora = text_encoder_lora(lora_name) if lora_strength != 0.0 else None
+        if lora_strength != 0.0:
+            lora = text_encoder_lora(lora_name)
+        else:  # off: not loaded, but a wrong name is still a wrong graph (0.3.75 does not check it at queue time)
+            lora = None
+            if lora_name not in (NO_LORA, None, "") and host.full_path("loras", lora_name) is None:
+                raise FileNotFoundError(f"{NODE}: lora_name '{lora_name}' was not found in models/loras.")
         device = host.text_encoder_device()
         dtype = encoder_dtype(device)
         # With a LoRA the embeddings depend on it: never read from (or written to) the prompt cache.

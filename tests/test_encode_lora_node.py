@@ -114,6 +114,15 @@ def test_a_missing_lora_is_named_under_lora_name_only(env):
     assert env.encode.text_encoder_lora("both.safetensors") is not None
 
 
+def test_a_missing_lora_at_strength_0_is_named_too(env):
+    """Was a bug: with lora_strength 0 the LoRA is not loaded, and a wrong lora_name ran silently on
+    ComfyUI 0.3.75 (which does not check V3 list inputs at queue time): the graph was wrong and nobody
+    said so. The name is checked, the file is not read."""
+    with pytest.raises(FileNotFoundError, match="lora_name 'gone.safetensors' was not found in models/loras"):
+        _encode(env, "x", lora_name="gone.safetensors", lora_strength=0.0)
+    assert _encode(env, "x", lora_name="none", lora_strength=0.0).positive.shape[0] == 1
+
+
 def test_speed_compile_compiles_the_encoders_layers(env, monkeypatch):
     """``speed = fast + compile`` puts the node's encoder on ``speed="compile"`` (its layers compiled;
     dynamo's eager backend here, so nothing is generated): the embeddings are the plain ones, and
