@@ -363,10 +363,11 @@ def test_an_inherited_size_over_4_megapixels_names_the_reference_it_came_from(ti
     with pytest.raises(ValueError, match="megapixels") as err:
         kc.generate(tr, None, vae, prompt_embeds=_emb(1), reference_latents=[big], steps=1, output="latent")
     assert "reference latent 1" in str(err.value), str(err.value)
-    # with the size given the same reference is fine (the reference itself has no 4 MP limit)
-    res = kc.generate(tr, None, vae, prompt_embeds=_emb(1), reference_latents=[big], width=64, height=64, steps=1,
-                      output="latent")
-    assert res.latents.shape == (1, 128, 4, 4)
+    # with the size given the same reference passes every check (the reference itself has no 4 MP
+    # limit); checked without running: a step over its 23,500 tokens took 8 s on the CPU
+    run = kc.Engine(tr, None, vae, prompt_cache=None).check_inputs(kc.Conditioning(_emb(1)), [big],
+                                                                   kc.Settings(64, 64, 1))
+    assert (run.width, run.height, run.steps) == (64, 64, 1)
 
 
 def test_an_oversized_output_with_one_side_given_is_named_as_the_output_size(tiny):
