@@ -236,4 +236,4 @@ def _read(queued: list[tuple[torch.Tensor, Callable[[bool], object]]]) -> list[b
 
 
 __all__ = ["DEFERRED_DEVICES", "Checks", "check_output", "is_finite", "non_finite_tensor", "non_finite_weight",
-           "require_finite"]
+           "require_finite", "require_within"]
