@@ -280,6 +280,14 @@ def test_an_in_memory_encoder_placed_anew_each_run_still_hits_the_prompt_cache(t
     assert engine.prompt_cache.misses == misses, "the second run missed the cache"
 
 
+def test_prompts_without_a_text_encoder_are_refused_naming_it(tiny):
+    """Review of the fix above: an engine without a text encoder, asked for prompts no cache holds,
+    says the stage needs a text encoder (the weights' token was first asked of None: an
+    AttributeError)."""
+    with pytest.raises(ValueError, match="needs a text encoder"):
+        kc.Engine(tiny[0], None, tiny[2]).encode_prompts(["a fox never encoded"])
+
+
 # ---------------------------------------------------------------------------------------------
 # Tensors the caller gives
 

@@ -317,7 +317,8 @@ class Engine:
                                                 **self._text_bytes()))
             # An encoder without a file identity is cached by its weights where they live, taken
             # before the stage (the placed copies are new every run: the cache would never hit).
-            home = weights_state(self.text_encoder) if cache is not None and identity is None else None
+            home = (weights_state(self.text_encoder) if cache is not None and identity is None
+                    and self.text_encoder is not None else None)  # (none: the stage says it is missing)
             with explain_oom("encoding the prompts", self.device, batch=sum(map(len, groups))):
                 with self._stage("text_encoder", plan) as te:
                     check = checks or Checks()

@@ -808,8 +808,8 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         'prompt-cache-token-taken-in-stage', 'klein_core/pipeline/engine.py',
-        '            home = weights_state(self.text_encoder) if cache is not None and identity is None else None',
-        '            home = None',
+        '            home = (weights_state(self.text_encoder) if cache is not None and identity is None',
+        '            home = (None if cache is not None and identity is None',
         ('tests/test_python_api_hunt.py::test_an_in_memory_encoder_placed_anew_each_run_still_hits_the_prompt_cache',),
         'an in-memory encoder placed on the device each run never hits the prompt cache',
     ),
