@@ -20,7 +20,7 @@ import pytest
 import torch
 from PIL import Image
 from safetensors.torch import save_file
-from test_serve_replica import _Replica  # KleinServer without @serve.batch, run in-process
+from test_serve_replica import _Replica, _Request  # KleinServer without @serve.batch, run in-process
 
 pytest.importorskip("starlette")  # Ray Serve's HTTP layer (the ray extra)
 
@@ -59,16 +59,6 @@ def _png_rgb(color=(200, 30, 40), size=(96, 80)) -> bytes:
     buf = io.BytesIO()
     Image.new("RGB", size, color).save(buf, format="PNG")
     return buf.getvalue()
-
-
-class _Request:
-    def __init__(self, path: str, method: str = "GET", body: bytes = b"") -> None:
-        self.url = type("URL", (), {"path": path})()
-        self.method = method
-        self._body = body
-
-    async def body(self) -> bytes:
-        return self._body
 
 
 def _post(server: KleinServer, body: dict | bytes):

@@ -37,13 +37,20 @@ _Replica.generate_batch.set_batch_wait_timeout_s = lambda s: None  # type: ignor
 
 
 class _Request:
-    def __init__(self, path: str, method: str = "GET", body: dict | None = None) -> None:
+    """What the replica reads of Starlette's Request: the path, the method, the headers and the body
+    as a stream of chunks."""
+
+    def __init__(self, path: str, method: str = "GET", body: dict | bytes | None = None) -> None:
         self.url = type("URL", (), {"path": path})()
         self.method = method
-        self._body = json.dumps(body or {}).encode()
+        self._body = body if isinstance(body, bytes) else json.dumps(body or {}).encode()
+        self.headers = {"content-length": str(len(self._body))}
 
     async def body(self) -> bytes:
         return self._body
+
+    async def stream(self):
+        yield self._body
 
 
 def _call(server: KleinServer, path: str, method: str = "GET", body: dict | None = None):
@@ -125,6 +132,7 @@ def test_an_abandoned_request_stops_within_a_step(replica, monkeypatch):
         task = asyncio.ensure_future(replica(_Request("/generate", "POST", {
             "prompt": "a long walk", "width": 64, "height": 64, "steps": 200, "seed": 1})))
         while not steps:
+            assert not task.done(), f"the request ended before its first step: {task.result()}"
             await asyncio.sleep(0.01)
         task.cancel()  # what Serve does when the HTTP client disconnects
         with pytest.raises(asyncio.CancelledError):

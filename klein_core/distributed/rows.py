@@ -157,6 +157,8 @@ def _int(raw: Mapping, key: str, where: str) -> int | None:
     v = raw.get(key)
     if v is None:
         return None
+    if isinstance(v, decimal.Decimal):  # a JSON number with a fraction or exponent (Serve reads them exactly)
+        v = str(v)
     if isinstance(v, str):
         try:  # exact: "96.0" (pandas writes optional integer columns so) is 96; "1.5", "1e-999" are not
             d = decimal.Decimal(v.strip())
@@ -183,7 +185,7 @@ def _float(raw: Mapping, key: str, where: str) -> float | None:
         if isinstance(v, bool):
             raise ValueError
         return float(v.strip() if isinstance(v, str) else v)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # OverflowError: a JSON integer of 400 digits
         raise RowError(f"{where}: {key} must be a number, got {v!r}") from None
 
 
@@ -203,7 +205,7 @@ def _list(raw: Mapping, key: str, where: str) -> list[str]:
         if text.startswith("["):
             try:
                 v = json.loads(text)
-            except ValueError:
+            except (ValueError, RecursionError):  # RecursionError: "[[[[..." nested past the decoder's depth
                 raise RowError(f"{where}: {key} is not a valid JSON list: {text[:80]!r}") from None
         else:
             v = [p.strip() for p in text.split("|") if p.strip()]
@@ -318,8 +320,9 @@ def check_row(spec: RowSpec, images: Sequence[Image.Image], *, kind: str, max_to
 
 
 def lora_path(lora_dir: Path, name: str) -> Path:
-    """The file of LoRA ``name`` (``.safetensors`` added when it has no suffix), inside ``lora_dir``."""
+    """The file of LoRA ``name`` (``.safetensors`` added unless it ends so: ``detail_v1.5`` is
+    ``detail_v1.5.safetensors``), inside ``lora_dir``."""
     p = Path(name)
     if p.is_absolute() or ".." in p.parts:
         return Path("/nonexistent") / p.name
-    return lora_dir / (name if p.suffix else f"{name}.safetensors")
+    return lora_dir / (name if name.lower().endswith(".safetensors") else f"{name}.safetensors")

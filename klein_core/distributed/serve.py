@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import decimal
 import json
 import logging
 import math
@@ -96,7 +97,9 @@ def parse_request(body: bytes, *, kind: str, max_tokens: int | None, lora_dir) -
     if len(body) > MAX_BODY_BYTES:
         raise RowError(f"request body is {len(body)} bytes; at most {MAX_BODY_BYTES}")
     try:
-        obj = json.loads(body)
+        # Fractions and exponents as Decimal: a seed 9007199254740993.0 is read exactly (or refused), not
+        # rounded by a binary float to another seed.
+        obj = json.loads(body, parse_float=decimal.Decimal)
     except ValueError as exc:
         raise RowError(f"request body is not JSON ({exc})") from None
     except RecursionError:  # json's decoder recurses per level: "[[[[..." would otherwise be a 500
@@ -106,13 +109,29 @@ def parse_request(body: bytes, *, kind: str, max_tokens: int | None, lora_dir) -
     response = obj.pop("response", "json")
     if response not in RESPONSES:
         raise RowError(f"response must be one of {RESPONSES}, got {response!r}")
-    where = f"request (id {obj['id']!r})" if "id" in obj else "request"
-    obj.setdefault("id", f"req-{uuid.uuid4().hex[:12]}")
+    where = f"request (id {obj['id']!r})" if obj.get("id") is not None else "request"
+    if obj.get("id") is None:  # absent or null, as every other field's null: the default
+        obj["id"] = f"req-{uuid.uuid4().hex[:12]}"
     row = parse_row(obj, where=where)
     images = [open_reference(r, i, base64_data=True) for i, r in enumerate(row.references, 1)]
     row = RowSpec(**{**row.__dict__, "references": tuple(f"<base64 {i}>" for i in range(1, len(images) + 1))})
     check_row(row, images, kind=kind, max_tokens=max_tokens, lora_dir=lora_dir)
     return Job(row, images, response)
+
+
+async def _read_body(request) -> bytes:
+    """The request's body, read up to :data:`MAX_BODY_BYTES`: a larger one (declared, or sent) is
+    refused before it is held in memory. Raises :class:`RowError` for the 413."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise RowError(f"request body is {int(declared)} bytes; at most {MAX_BODY_BYTES}")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise RowError(f"request body is over {MAX_BODY_BYTES} bytes; at most {MAX_BODY_BYTES}")
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def _json(status: int, payload: dict, headers: dict | None = None):
@@ -154,6 +173,8 @@ class KleinServer:
         route = request.url.path.rstrip("/").rsplit("/", 1)[-1]
         if request.method == "GET" and route == "health":
             return _json(200, {"status": "ok", "worker": self.worker})
+        if route in ("health", "ready") and request.method != "GET":
+            return _json(405, {"error": f"GET /{route}, not {request.method}"})
         if request.method == "GET" and route == "ready":
             if self.runner is not None:
                 return _json(200, {"status": "ready", "worker": self.worker})
@@ -166,7 +187,11 @@ class KleinServer:
         if self.runner is None:
             return _json(503, {"error": "the models are still loading"}, {"Retry-After": str(RETRY_AFTER_S)})
         try:
-            job = parse_request(await request.body(), kind=self.spec.kind, max_tokens=self.spec.max_tokens,
+            body = await _read_body(request)
+        except RowError as exc:
+            return _json(413, {"error": str(exc)})
+        try:
+            job = parse_request(body, kind=self.spec.kind, max_tokens=self.spec.max_tokens,
                                 lora_dir=self.spec.lora_dir)
         except RowError as exc:
             return _json(400, {"error": str(exc)})
