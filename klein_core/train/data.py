@@ -60,10 +60,12 @@ class DatasetScan:
 
 
 def _readable(path: Path) -> str | None:
-    """None when PIL can decode ``path``, else the reason."""
+    """None when PIL can decode ``path`` and its pixels can be read as training reads them (a float
+    picture with NaN pixels cannot), else the reason."""
     try:
         with Image.open(path) as im:
             im.load()
+            _upright_rgb(im)  # what load_pixels does: a failure here is found now, named, not mid-encoding
         return None
     except Exception as exc:  # noqa: BLE001 - any decode failure means: skip this file
         return f"unreadable image ({type(exc).__name__}: {exc})"
@@ -82,7 +84,13 @@ def _scan_folder(folder: Path) -> list[DataItem]:
     if not images:
         raise DatasetError(f"{folder}: the folder holds no images ({', '.join(IMAGE_EXTS)}); "
                            "put the training images and a .txt caption beside each there.")
-    missing = [p.name for p in images if not p.with_suffix(".txt").is_file()]
+    # Captions by stem, the extension in any case (IMG_1.TXT from a camera card or Windows); an exact
+    # ".txt" wins over another spelling of the same name.
+    caption_files: dict[str, Path] = {}
+    for p in entries:
+        if p.is_file() and p.suffix.lower() == ".txt" and (p.suffix == ".txt" or p.stem not in caption_files):
+            caption_files[p.stem] = p
+    missing = [p.name for p in images if p.stem not in caption_files]
     if missing:
         raise DatasetError(f"{folder}: {len(missing)} image(s) have no caption file: "
                            f"{', '.join(missing)}; add a .txt with the same name beside each.")
@@ -100,13 +108,13 @@ def _scan_folder(folder: Path) -> list[DataItem]:
     captions, bad = [], []
     for p in images:
         try:
-            captions.append(_read_caption(p.with_suffix(".txt")))
+            captions.append(_read_caption(caption_files[p.stem]))
         except UnicodeDecodeError as exc:
-            bad.append(f"{p.with_suffix('.txt').name} ({exc.reason} at byte {exc.start})")
+            bad.append(f"{caption_files[p.stem].name} ({exc.reason} at byte {exc.start})")
     if bad:
         raise DatasetError(f"{folder}: {len(bad)} caption file(s) are not UTF-8 text: {', '.join(bad)}; "
                            "save them as UTF-8.")
-    empty = [p.with_suffix(".txt").name for p, c in zip(images, captions) if not c]
+    empty = [caption_files[p.stem].name for p, c in zip(images, captions) if not c]
     if empty:
         logger.warning("%s: %d caption file(s) are empty; those images train with an empty caption: %s",
                        folder, len(empty), ", ".join(empty))
@@ -120,7 +128,9 @@ def _scan_jsonl(file: Path) -> list[DataItem]:
     except UnicodeDecodeError as exc:
         raise DatasetError(f"{file}: not UTF-8 text ({exc.reason} at byte {exc.start}); save it as UTF-8") from None
     unknown: dict[str, int] = {}
-    for n, line in enumerate(text.splitlines(), 1):
+    # "\n" only: splitlines() also splits at U+2028 / U+0085, which JSON strings may hold unescaped
+    # (json.dumps(ensure_ascii=False) writes them so). read_text made "\r\n" and "\r" "\n" already.
+    for n, line in enumerate(text.split("\n"), 1):
         if not line.strip():
             continue
         try:
@@ -130,6 +140,9 @@ def _scan_jsonl(file: Path) -> list[DataItem]:
         if not isinstance(row, dict) or not isinstance(row.get("image"), str):
             raise DatasetError(f"{file}:{n}: each row needs an \"image\" path")
         caption = row.get("caption", row.get("instruction"))
+        if "caption" in row and "instruction" in row:
+            logger.warning("%s:%d: both \"caption\" and \"instruction\"; the caption is used, the instruction "
+                           "is not", file, n)
         if not isinstance(caption, str) or not caption.strip():
             raise DatasetError(f"{file}:{n}: image {row['image']} has no \"caption\" (or \"instruction\")")
         refs = row.get("references", [])
@@ -156,12 +169,19 @@ def scan_dataset(source: str | os.PathLike) -> DatasetScan:
         raise DatasetError(f"dataset not found: {path}")
     items = _scan_folder(path) if path.is_dir() else _scan_jsonl(path)
     good, skipped = [], {}
+    reasons: dict[Path, str | None] = {}  # each file read once, however many items share it
+
+    def unreadable(p: Path) -> str | None:
+        if p not in reasons:
+            reasons[p] = _readable(p)
+        return reasons[p]
+
     for item in items:
-        bad = next(((str(p), r) for p in (item.image, *item.references) if (r := _readable(p)) is not None), None)
+        bad = next(((p, r) for p in (item.image, *item.references) if (r := unreadable(p)) is not None), None)
         if bad is None:
             good.append(item)
-        else:
-            skipped[bad[0]] = bad[1]
+        else:  # by the example dropped (a reference shared by several rows drops each of them)
+            skipped[str(item.image)] = bad[1] if bad[0] == item.image else f"reference {bad[0]}: {bad[1]}"
     for name, reason in skipped.items():
         logger.warning("skipped %s: %s", name, reason)
     if not good:
@@ -201,7 +221,11 @@ def _upright_rgb(im: Image.Image) -> Image.Image:
     EXIF orientation applied (phone photos store portraits sideways) and 16/32-bit and float pictures
     scaled to 8 bits by their white level (Pillow's convert("RGB") clips them: a 16-bit mid grey
     comes out white)."""
-    return high_bit_to_rgb8(ImageOps.exif_transpose(im)).convert("RGB")
+    try:
+        im = ImageOps.exif_transpose(im)
+    except (OSError, ValueError, SyntaxError, TypeError):  # unreadable EXIF: as stored, as _orientation says
+        pass
+    return high_bit_to_rgb8(im).convert("RGB")
 
 
 def pixels_rule(im: Image.Image) -> str | None:
