@@ -9,6 +9,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import stat
 import sys
 import time
@@ -34,7 +35,7 @@ from .memory.tiling import TILE_SIDES
 from .models.variants import check_text_width
 from .pipeline.engine import Engine, GenerationResult, generate
 from .pipeline.images import oriented_size, reference_size
-from .pipeline.inpaint import DEFAULT_STRENGTH_IMAGE_TO_IMAGE, DEFAULT_STRENGTH_INPAINT, outpaint
+from .pipeline.inpaint import DEFAULT_STRENGTH_IMAGE_TO_IMAGE, DEFAULT_STRENGTH_INPAINT, outpaint, steps_to_run
 from .pipeline.prompts import (
     TRIM_MULTIPLE,
     DiskPromptCache,
@@ -56,9 +57,31 @@ class CLIError(Exception):
     """A one-line, user-facing error."""
 
 
+_bar_open = False  # a progress bar ("\r...") left stderr mid-line: what is written next starts a line
+
+
 def write_line(stream, text: str) -> None:
+    """Write ``text`` to ``stream`` now. On stderr, text after an unfinished progress bar starts on a
+    line of its own (an error or warning was glued to the bar), and a bar (text starting with "\r")
+    leaves the line open."""
+    global _bar_open
+    if stream is sys.stderr:
+        if _bar_open and not text.startswith(("\r", "\n")):
+            stream.write("\n")
+        _bar_open = text.startswith("\r") and not text.endswith("\n")
     stream.write(text)
     stream.flush()
+
+
+def bar_text(prefix: str, step: int, total: int, suffix: str) -> str:
+    """``\r<prefix> [###---] <step>/<total>  <suffix>`` fitted to the terminal's width: the bar has
+    at most one cell per step and shrinks (to 10 cells at least) so the line never wraps, which would
+    print a new row per redraw."""
+    columns = shutil.get_terminal_size((80, 24)).columns
+    fixed = len(f"{prefix} [] {step}/{total}  {suffix}   ")
+    cells = max(1, min(total, max(10, columns - 1 - fixed)))
+    done = cells * step // total if total else cells
+    return f"\r{prefix} [{'#' * done}{'-' * (cells - done)}] {step}/{total}  {suffix}   "
 
 
 class _Formatter(argparse.HelpFormatter):
@@ -332,8 +355,7 @@ class _Progress:
             rate = f"{now - self.t0:.2f} s so far"
         else:
             rate = f"{(now - self.t_first) / (step - 1):.2f} s/step"
-        bar = "#" * step + "-" * (total - step)
-        write_line(sys.stderr, f"\rdenoising [{bar}] {step}/{total}  {rate}   ")
+        write_line(sys.stderr, bar_text("denoising", step, total, rate))
         if step == total:
             write_line(sys.stderr, "\n")
 
@@ -628,6 +650,8 @@ def _step_cache(args: argparse.Namespace, transformer: Any, kind: str) -> StepCa
     if args.step_cache is None:
         return None
     steps = args.steps or (50 if kind == "base" else 4)
+    if args.image is not None:  # image to image runs the last steps of the schedule only
+        steps = steps_to_run(steps, _resolved_strength(args))
     can_skip = max(0, steps - DEFAULT_WARMUP - 1)  # the first steps and the last always run
     if kind != "base" and not args.quiet:
         write_line(sys.stderr, f"--step-cache is meant for base models (20-50 steps): of these {steps} steps "
@@ -650,11 +674,22 @@ def _resolved_strength(args: argparse.Namespace) -> float:
     return DEFAULT_STRENGTH_INPAINT if masked else DEFAULT_STRENGTH_IMAGE_TO_IMAGE
 
 
+class _StderrHandler(logging.StreamHandler):
+    """A warning during a progress bar starts on a line of its own (see :func:`write_line`)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        global _bar_open
+        if _bar_open and self.stream is sys.stderr:
+            self.stream.write("\n")
+            _bar_open = False
+        super().emit(record)
+
+
 def log_to_stderr() -> None:
     """Show klein_core's warnings on stderr in the CLI process (library users configure their own)."""
     root = logging.getLogger("klein_core")
     if not any(getattr(h, "_klein_cli", False) for h in root.handlers):
-        handler = logging.StreamHandler(sys.stderr)
+        handler = _StderrHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("%(levelname)s: %(message)s"))
         handler.setLevel(logging.WARNING)  # the handler filters; the logger's own level is left alone
         handler._klein_cli = True  # type: ignore[attr-defined]

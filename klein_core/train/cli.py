@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ..accel.speed import DEFAULT_SPEED, SPEEDS
+from ..cli import write_line
 from .adapters import PRESETS
 from .data import DatasetError
 from .job import TRAIN_MEMORY, TrainJob, run_job
@@ -170,11 +171,11 @@ def _check_types(o: dict) -> None:
 
 def _progress(report: StepReport) -> None:
     eta = time.strftime("%H:%M:%S", time.gmtime(report.eta_s)) if report.eta_s < 8.64e6 else "?"
-    sys.stderr.write(f"\rstep {report.step}/{report.total}  loss {report.loss:.4f}  {report.it_per_s:.2f} it/s  "
-                     f"ETA {eta}   ")
+    # through the CLI's writer: an error or warning after this line starts a line of its own
+    write_line(sys.stderr, f"\rstep {report.step}/{report.total}  loss {report.loss:.4f}  {report.it_per_s:.2f} it/s  "
+                           f"ETA {eta}   ")
     if report.step == report.total:
-        sys.stderr.write("\n")
-    sys.stderr.flush()
+        write_line(sys.stderr, "\n")
 
 
 def torchrun_device(device: str | None) -> tuple[str | None, bool]:
@@ -221,10 +222,10 @@ def run_train(args: argparse.Namespace) -> int:
     try:
         result = run_job(job, on_step=_progress if first else None)
     except (DatasetError, ValueError, OSError) as exc:  # bad input or a file that cannot be read or written
-        sys.stderr.write(f"error: {exc}\n")
+        write_line(sys.stderr, f"error: {exc}\n")  # (on a line of its own after a step line)
         return 2
     except FloatingPointError as exc:  # the run diverged: said in one line, no traceback
-        sys.stderr.write(f"\nerror: {exc}\n")
+        write_line(sys.stderr, f"error: {exc}\n")
         return 1
     finally:
         if started:

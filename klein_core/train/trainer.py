@@ -338,7 +338,16 @@ class Trainer:
         ``checkpoint_every`` steps. Returns the losses of the steps run now."""
         end = self.config.steps if until is None else min(until, self.config.steps)
         start, t0 = self.step, time.perf_counter()
-        out = []
+        out: list[float] = []
+        if start == self.config.steps and until is None:
+            # Resumed at its last step (queued again, e.g. with other sample prompts): nothing to train.
+            # The final LoRA's sample images are made for the prompts given now, and the step is
+            # reported, so a progress bar shows N of N rather than nothing.
+            if self._sample_due(False):
+                self.sample_images()
+            if self.on_step is not None and self.losses:
+                self.on_step(StepReport(self.step, self.config.steps, self.losses[-1], 0.0, 0.0))
+            return out
         while self.step < end:
             out.append(self.train_step())
             every = self.config.checkpoint_every
