@@ -82,10 +82,4 @@ def unwritable(path: str | os.PathLike) -> str | None:
     return None
 
 
-def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> None:
-    """Write ``data`` to ``path`` whole or not at all (see :func:`atomic_path`)."""
-    with atomic_path(path) as tmp:
-        tmp.write_bytes(data)
-
-
-__all__ = ["atomic_path", "is_folder", "name_max", "unwritable", "write_bytes_atomic"]
+__all__ = ["atomic_path", "is_folder", "name_max", "unwritable"]
