@@ -35,7 +35,12 @@ from .memory.tiling import TILE_SIDES
 from .models.variants import check_text_width
 from .pipeline.engine import Engine, GenerationResult, generate
 from .pipeline.images import oriented_size, reference_size
-from .pipeline.inpaint import DEFAULT_STRENGTH_IMAGE_TO_IMAGE, DEFAULT_STRENGTH_INPAINT, outpaint, steps_to_run
+from .pipeline.inpaint import (
+    DEFAULT_STRENGTH_IMAGE_TO_IMAGE,
+    DEFAULT_STRENGTH_INPAINT,
+    outpaint,
+    steps_to_run,
+)
 from .pipeline.prompts import (
     TRIM_MULTIPLE,
     DiskPromptCache,
