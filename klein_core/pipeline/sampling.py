@@ -68,7 +68,8 @@ def make_noise(seed: int, batch: int, channels: int, height: int, width: int) ->
     """Starting noise ``[batch, channels, height, width]`` (latent grid), float32 on the CPU.
 
     Drawn in one call from a CPU generator seeded with ``seed``, exactly like ComfyUI's
-    ``RandomNoise``, so a seed gives the same image on any device and in either host.
+    ``RandomNoise``, so a seed gives the same image on any device and in either host. torch's CPU
+    generator uses the seed's low 32 bits: seeds 2^32 apart draw the same noise (in ComfyUI too).
     """
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise TypeError(f"seed must be an int, got {type(seed).__name__}")
