@@ -82,7 +82,10 @@ def bar_text(prefix: str, step: int, total: int, suffix: str) -> str:
     """``\r<prefix> [###---] <step>/<total>  <suffix>`` fitted to the terminal's width: the bar has
     at most one cell per step and shrinks (to 10 cells at least) so the line never wraps, which would
     print a new row per redraw."""
-    columns = shutil.get_terminal_size((80, 24)).columns
+    try:  # the bar is drawn on stderr: its terminal, also when stdout goes to a file
+        columns = os.get_terminal_size(sys.stderr.fileno()).columns
+    except (AttributeError, OSError, ValueError):
+        columns = shutil.get_terminal_size((80, 24)).columns
     fixed = len(f"{prefix} [] {step}/{total}  {suffix}   ")
     cells = max(1, min(total, max(10, columns - 1 - fixed)))
     done = cells * step // total if total else cells
@@ -724,6 +727,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         write_line(sys.stderr, "\ncancelled\n")
         return 130
+    except BaseException:  # a traceback starts on a line of its own too
+        if _bar_open:
+            write_line(sys.stderr, "\n")
+        raise
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import io
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -158,6 +159,27 @@ def test_an_out_name_over_the_limit_as_given_is_one_error_line(tmp_path, fake_ge
     err = capsys.readouterr().err.strip()
     assert rc == 2 and not fake_generate and len(err.splitlines()) == 1, (rc, err[-300:])
     assert "304 bytes, over the" in err
+
+
+def test_review_a_file_written_whole_keeps_its_mode_and_writes_through_a_link(tmp_path, monkeypatch):
+    """Review of the fixes above: ``atomic_path`` replaced a symbolic link at ``--out`` by a file (the
+    target kept the old picture) and reset the permission bits of the file it replaced. Now the
+    link's target is written and keeps its mode; an unlimited name length (-1) refuses nothing."""
+    import os
+    import stat
+
+    from klein_core.files import atomic
+
+    target, link = tmp_path / "target.png", tmp_path / "link.png"
+    target.write_bytes(b"old")
+    os.chmod(target, 0o640)
+    link.symlink_to(target)
+    with atomic.atomic_path(link) as tmp:
+        tmp.write_bytes(b"new")
+    assert link.is_symlink() and target.read_bytes() == b"new"
+    assert stat.S_IMODE(target.stat().st_mode) == 0o640
+    monkeypatch.setattr(atomic.os, "pathconf", lambda *a: -1)
+    assert atomic.unwritable(tmp_path / ("a" * 300 + ".png")) is None
 
 
 def test_a_failed_write_keeps_the_image_that_was_at_out(tmp_path, fake_generate, monkeypatch, capsys):
@@ -350,7 +372,7 @@ def _rows(path: Path, *rows: dict) -> Path:
     return path
 
 
-def test_two_rows_of_a_job_never_share_a_png(tmp_path):
+def test_two_rows_of_a_job_never_share_a_png(tmp_path, monkeypatch):
     """Was a bug: a batch file with rows ``{"id": "Fox", "prompt": "a red fox"}`` and ``{"id": "fox", "prompt":
     "a grey fox"}``. Seen: both are accepted and run, into ``images/Fox.png`` and ``images/fox.png``:
     on the case-insensitive file systems of macOS (APFS's default, a platform the README supports) and
@@ -359,14 +381,24 @@ def test_two_rows_of_a_job_never_share_a_png(tmp_path):
     Expected: no two rows of a job write the same PNG; the second is a bad row, as a duplicate id is
     ("id 'fox' was already used by row 1"). docs/ray.md: the id "names the PNG", and each row is one
     image. Cause: ``prepare_rows`` (distributed/batch.py) compares ids case-sensitively. Fix: key
-    ``seen`` on ``row.id.casefold()`` (or name the files so that they cannot collide)."""
+    ``seen`` on ``row.id.casefold()`` (or name the files so that they cannot collide). Review: only
+    where the output's file system does not tell case apart (a probe file says; stood in for here),
+    so case-distinct ids keep working on Linux, and a resumed Linux job with both done is unchanged."""
+    from klein_core.distributed import batch
+
     src = _rows(tmp_path / "rows.jsonl", {"id": "Fox", "prompt": "a red fox"},
                 {"id": "fox", "prompt": "a grey fox"})
     out = tmp_path / "out"
-    todo, _, _, total = prepare_rows(BatchConfig(src, out, ModelSpec(demo=True)), Manifest(out))
+    monkeypatch.setattr(batch, "folds_case", lambda folder: True)  # macOS / Windows
+    todo, bad, _, total = prepare_rows(BatchConfig(src, out, ModelSpec(demo=True)), Manifest(out))
     assert total == 2
     names = [image_path(out, r.id).name for r in todo]
     assert len({n.casefold() for n in names}) == len(names), f"rows writing one file: {names}"
+    assert "the file system of --out does not tell case apart" in bad[0].error
+    monkeypatch.setattr(batch, "folds_case", lambda folder: False)  # Linux: two files
+    todo, bad, _, _ = prepare_rows(BatchConfig(src, out, ModelSpec(demo=True)), Manifest(out))
+    assert [r.id for r in sorted(todo, key=lambda r: r.id)] == ["Fox", "fox"] and not bad
+    assert batch.folds_case(tmp_path) is (sys.platform in ("darwin", "win32"))  # the probe, on this machine
 
 
 @pytest.mark.parametrize("where", ["a file", "a folder under a file"])

@@ -324,6 +324,17 @@ def test_a_reference_tensor_in_0_to_255_is_not_encoded_silently(tiny):
     _assert_clear(exc, "reference 1")
 
 
+def test_review_comfyui_images_over_1_are_encoded_and_resolved_settings_are_a_request(tiny):
+    """Review of the fixes above: pixels a little past [-1, 1] (ComfyUI images over 1 from HDR loaders,
+    2.5 after ``* 2 - 1``) are encoded, as ComfyUI's own VAE Encode takes them; 0..255 is still refused.
+    ``GenerationRequest`` takes ``Resolved`` settings as before."""
+    engine = kc.Engine(*tiny, prompt_cache=None)
+    assert engine.encode_pixels(torch.full((1, 3, 64, 64), 2.5)).shape == (1, 128, 4, 4)
+    _assert_clear(_error_of(lambda: engine.encode_pixels(torch.full((1, 3, 64, 64), 200.0))), "pixels")
+    run = engine.check_inputs(engine.encode_prompts(["a fox"]), [], kc.Settings(64, 64, 1))
+    assert kc.GenerationRequest("a fox", settings=run).settings is run
+
+
 def test_a_uint8_reference_tensor_is_refused_naming_which_reference(tiny, picture):
     """Was a bug: ``references=[picture, uint8_tensor]`` is refused with "VAE encode expects float pixels in
     [-1, 1], got dtype torch.uint8." (models/vae.py:386), which does not say which reference;

@@ -241,8 +241,23 @@ def test_a_wrong_method_on_a_known_route_is_a_405(replica, method, path):
     other two routes do not: ``KleinServer.__call__`` (serve.py) checks ``health`` / ``ready`` only
     together with GET, and everything else that is not ``generate`` falls to the 404. Expected: 405
     for a known route and a wrong method (an ``Allow: GET`` header would help)."""
-    status, payload, _ = _answer(replica, b"", path=path, method=method)
+    status, payload, response = _answer(replica, b"", path=path, method=method)
     assert status == 405, payload
+    assert response.headers["allow"] == "GET"
+
+
+def test_review_the_exact_numbers_stay_plain_in_messages_and_other_suffixes_are_found(replica):
+    """Review of the fixes above: a fraction where a list goes is named as the number it is (not
+    ``Decimal('1.5')``); a 1e308 size is "far too large" as in a batch row; a LoRA file with another
+    suffix (``style.sft``, a safetensors file) is found by the name as given."""
+    status, payload, _ = _answer(replica, {**SMALL, "references": 1.5})
+    assert status == 400 and "Decimal" not in payload["error"], payload
+    status, payload, _ = _answer(replica, {**SMALL, "width": 1e308})
+    assert status == 400 and "far too large" in payload["error"], payload
+    lora_dir = replica.spec.lora_dir
+    (lora_dir / "style.sft").write_bytes((lora_dir / "style.safetensors").read_bytes())
+    status, payload, _ = _answer(replica, {**SMALL, "loras": ["style.sft:0.5"]})
+    assert status == 200, payload
 
 
 # -- pins ------------------------------------------------------------------------------------------------

@@ -205,6 +205,18 @@ def test_rows_dropped_for_an_unreadable_reference_are_named(tmp_path, caplog):
     assert not unnamed, f"dropped examples not named: {unnamed}; the user is told: {dict(scan.skipped)}"
 
 
+def test_review_a_caption_named_in_another_case_is_found_as_macos_and_windows_find_it(tmp_path):
+    """Review of the fix above: ``Photo.png`` with ``photo.txt`` trained on macOS and Windows (whose
+    file systems do not tell case apart) and must keep training; the exact name wins where both are."""
+    _png(tmp_path / "Photo.png")
+    (tmp_path / "photo.txt").write_text("a red square")
+    _png(tmp_path / "b.png")
+    (tmp_path / "b.txt").write_text("exact")
+    (tmp_path / "B.TXT").write_text("other case")
+    scan = scan_dataset(tmp_path)
+    assert {i.image.name: i.caption for i in scan.items} == {"Photo.png": "a red square", "b.png": "exact"}
+
+
 # ----- pinned: what is right and was not tested ----------------------------------------------------
 
 

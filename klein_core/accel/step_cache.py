@@ -175,10 +175,12 @@ class StepCache:
                 skip = accumulated < self.settings.threshold  # False for NaN
                 if skip:
                     state.accumulated = accumulated
-        elif self.settings.threshold > 0 and state.prev_t is not None and bool(t > state.prev_t):
+        elif (self._steps is None and self.settings.threshold > 0 and state.prev_t is not None
+              and bool(t > state.prev_t)):
             # The same safety net for a forward that may not skip (its pass in its warmup, or at its
             # cap of skips in a row): else the next forward would count as the old run's. One sync,
-            # only on such forwards, and never with threshold 0 (nothing skips then).
+            # only on such forwards of callers without start_run (a run begun with it cannot rise),
+            # and never with threshold 0 (nothing skips then).
             logger.debug("step cache: timestep rose; the pass starts afresh")
             state = self._passes[key] = _Pass()
         state.prev_first, state.prev_t = first, t

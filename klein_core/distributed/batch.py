@@ -20,7 +20,7 @@ from pathlib import Path
 
 from ..cli import CLIError
 from ..errors import GenerationCancelled, KleinOutOfMemory, WeightFormatError
-from .manifest import Entry, Manifest, OutputInUse, OutputLock, image_path, png_bytes, write_atomic
+from .manifest import Entry, Manifest, OutputInUse, OutputLock, folds_case, image_path, png_bytes, write_atomic
 from .models import ModelSpec
 from .ray_support import init_ray, require_ray
 from .rows import RowError, RowSpec, check_row, open_reference, parse_row, read_rows
@@ -73,7 +73,8 @@ def prepare_rows(config: BatchConfig, manifest: Manifest) -> tuple[list[RowSpec]
     model loads; a duplicate id is an error for every occurrence after the first."""
     todo: list[RowSpec] = []
     bad: list[Entry] = []
-    seen: dict[str, tuple[int, str]] = {}  # id, case folded -> (its first row, the id as written there)
+    seen: dict[str, tuple[int, str]] = {}  # id (case folded where names are) -> (its first row, the id there)
+    folds = folds_case(config.out_dir)
     skipped = total = 0
     base = config.input.parent
     for number, raw in read_rows(config.input):
@@ -82,11 +83,13 @@ def prepare_rows(config: BatchConfig, manifest: Manifest) -> tuple[list[RowSpec]
             if isinstance(raw, RowError):
                 raise raw
             row = parse_row(raw, number)
-            # Ids that differ only in case name one PNG on macOS and Windows: one image would replace
-            # the other while the manifest lists both as done.
-            if (key := row.id.casefold()) in seen:
+            # Where the output's file system does not tell case apart (macOS, Windows), ids that differ
+            # only in case name one PNG: one image would replace the other while the manifest lists
+            # both as done.
+            if (key := row.id.casefold() if folds else row.id) in seen:
                 first, first_id = seen[key]
-                also = "" if first_id == row.id else f" (as {first_id!r}: ids are told apart ignoring case)"
+                also = "" if first_id == row.id else (f" (as {first_id!r}: the file system of --out does not tell "
+                                                      "case apart)")
                 raise RowError(f"row {number}: id {row.id!r} was already used by row {first}{also}")
             seen[key] = (number, row.id)
             if manifest.done(row.id):
@@ -101,12 +104,13 @@ def prepare_rows(config: BatchConfig, manifest: Manifest) -> tuple[list[RowSpec]
             todo.append(row)
         except RowError as exc:
             if exc.row_id:
-                seen.setdefault(exc.row_id.casefold(), (number, exc.row_id))
+                seen.setdefault(exc.row_id.casefold() if folds else exc.row_id, (number, exc.row_id))
             # The entry goes under the row's own id only if no other row owns it: "the last entry of an
             # id wins", so a failed duplicate recorded under its id marked the first row's finished image
             # failed (and that row was redone on the next run). Rows without an id of their own get a
             # name no valid id can have (it has a space), so they cannot clash with a real row "row-3".
-            own = exc.row_id is not None and seen.get(exc.row_id.casefold(), (None,))[0] == number
+            own = exc.row_id is not None and seen.get(exc.row_id.casefold() if folds else exc.row_id,
+                                                      (None,))[0] == number
             bad.append(Entry(exc.row_id if own else f"row {number}", None, None, 0.0, None, str(exc)))
     todo.sort(key=lambda r: (r.shape_key(), r.id))
     return todo, bad, skipped, total

@@ -12,6 +12,7 @@ import io
 import json
 import logging
 import os
+import sys
 import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -74,6 +75,21 @@ def write_atomic(path: Path, data: bytes) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def folds_case(folder: Path) -> bool:
+    """Whether the file system of ``folder`` (or of its nearest existing parent) takes names that
+    differ only in case for one file (macOS and Windows by default), asked with a probe file."""
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    probe = folder / f".klein-case-{uuid.uuid4().hex[:12]}a"
+    try:
+        probe.touch(exist_ok=False)
+        return probe.with_name(probe.name[:-1] + "A").exists()
+    except OSError:  # a folder that cannot be written: the job fails on it later; guess by platform
+        return sys.platform in ("darwin", "win32")
+    finally:
+        probe.unlink(missing_ok=True)
 
 
 class OutputInUse(RuntimeError):

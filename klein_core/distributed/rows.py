@@ -168,7 +168,8 @@ def _int(raw: Mapping, key: str, where: str) -> int | None:
         except (decimal.InvalidOperation, ValueError):
             ok = False
         if not ok:
-            raise RowError(f"{where}: {key} must be an integer, got {raw[key]!r}")
+            shown = str(raw[key]) if isinstance(raw[key], decimal.Decimal) else repr(raw[key])
+            raise RowError(f"{where}: {key} must be an integer, got {shown}")
         v = int(d)
     if isinstance(v, float) and v.is_integer():
         v = int(v)
@@ -320,9 +321,12 @@ def check_row(spec: RowSpec, images: Sequence[Image.Image], *, kind: str, max_to
 
 
 def lora_path(lora_dir: Path, name: str) -> Path:
-    """The file of LoRA ``name`` (``.safetensors`` added unless it ends so: ``detail_v1.5`` is
-    ``detail_v1.5.safetensors``), inside ``lora_dir``."""
+    """The file of LoRA ``name`` inside ``lora_dir``: the name as given if such a file is there
+    (``style.sft``), else with ``.safetensors`` added unless it ends so (``detail_v1.5`` is
+    ``detail_v1.5.safetensors``)."""
     p = Path(name)
     if p.is_absolute() or ".." in p.parts:
         return Path("/nonexistent") / p.name
-    return lora_dir / (name if name.lower().endswith(".safetensors") else f"{name}.safetensors")
+    if name.lower().endswith(".safetensors") or (lora_dir / name).is_file():
+        return lora_dir / name
+    return lora_dir / f"{name}.safetensors"

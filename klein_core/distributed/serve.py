@@ -106,6 +106,7 @@ def parse_request(body: bytes, *, kind: str, max_tokens: int | None, lora_dir) -
         raise RowError("request body is JSON nested too deeply") from None
     if not isinstance(obj, dict):
         raise RowError(f"request body must be a JSON object, got {type(obj).__name__}")
+    obj = {k: _number(k, v) for k, v in obj.items()}
     response = obj.pop("response", "json")
     if response not in RESPONSES:
         raise RowError(f"response must be one of {RESPONSES}, got {response!r}")
@@ -132,6 +133,24 @@ async def _read_body(request) -> bytes:
             raise RowError(f"request body is over {MAX_BODY_BYTES} bytes; at most {MAX_BODY_BYTES}")
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+_WHOLE_FIELDS = ("seed", "width", "height", "steps")
+
+
+def _number(key: str, value: Any) -> Any:
+    """A field as parsed with ``parse_float=Decimal``, made plain: a whole-number field keeps its
+    exact Decimal (the row reads it exactly, or refuses a fraction) unless it is an astronomically
+    large whole number, which goes on as a float (refused as far too large, as a batch row's is);
+    every other number is a float again, also inside lists."""
+    if isinstance(value, list):
+        return [_number("", v) for v in value]
+    if not isinstance(value, decimal.Decimal):
+        return value
+    if key in _WHOLE_FIELDS and not (value.is_finite() and value == value.to_integral_value()
+                                     and value.adjusted() > 25):
+        return value
+    return float(value)
 
 
 def _json(status: int, payload: dict, headers: dict | None = None):
@@ -174,7 +193,7 @@ class KleinServer:
         if request.method == "GET" and route == "health":
             return _json(200, {"status": "ok", "worker": self.worker})
         if route in ("health", "ready") and request.method != "GET":
-            return _json(405, {"error": f"GET /{route}, not {request.method}"})
+            return _json(405, {"error": f"GET /{route}, not {request.method}"}, {"Allow": "GET"})
         if request.method == "GET" and route == "ready":
             if self.runner is not None:
                 return _json(200, {"status": "ready", "worker": self.worker})
@@ -183,7 +202,7 @@ class KleinServer:
         if route != "generate":
             return _json(404, {"error": f"no route {request.url.path!r}; POST /generate, GET /health, GET /ready"})
         if request.method != "POST":
-            return _json(405, {"error": "POST a JSON request to /generate"})
+            return _json(405, {"error": "POST a JSON request to /generate"}, {"Allow": "POST"})
         if self.runner is None:
             return _json(503, {"error": "the models are still loading"}, {"Retry-After": str(RETRY_AFTER_S)})
         try:

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import stat
+import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,8 +21,12 @@ from pathlib import Path
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """A temporary path beside ``path`` for the caller to write the whole file to. When the block
     ends normally the file is flushed to disk and renamed over ``path``; when it raises (an interrupt
-    included) the temporary file is removed and ``path`` is untouched. The parent folder must exist."""
+    included) the temporary file is removed and ``path`` is untouched. The parent folder must exist.
+    A symbolic link at ``path`` is written through (its target is replaced, as ``open`` would write
+    it), and a file replaced keeps its permission bits; hard links to it keep the old content."""
     path = Path(path)
+    if path.is_symlink():
+        path = Path(os.path.realpath(path))
     tmp = path.with_name(f".klein-{uuid.uuid4().hex[:16]}.tmp")
     try:
         yield tmp
@@ -29,6 +35,8 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
             os.fsync(fd)  # the bytes on disk before the name points at them
         finally:
             os.close(fd)
+        with contextlib.suppress(OSError):  # none there yet, or a mode this system cannot set
+            shutil.copymode(path, tmp)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -61,9 +69,18 @@ def name_max(folder: str | os.PathLike) -> int:
     parent) takes; 255 where it cannot be asked (Windows)."""
     folder = _nearest_existing(Path(folder))
     try:
-        return int(os.pathconf(folder, "PC_NAME_MAX"))
+        limit = int(os.pathconf(folder, "PC_NAME_MAX"))
     except (AttributeError, OSError, ValueError):
         return 255
+    return limit if limit > 0 else 1 << 30  # -1: no limit
+
+
+def _name_length(name: str) -> int:
+    """A name's length as the file system counts it: UTF-16 units on Windows and macOS (NTFS, HFS+;
+    counting them there never refuses a name APFS takes), bytes elsewhere."""
+    if sys.platform in ("win32", "darwin"):
+        return len(name.encode("utf-16-le", "surrogatepass")) // 2
+    return len(os.fsencode(name))
 
 
 def unwritable(path: str | os.PathLike) -> str | None:
@@ -72,13 +89,18 @@ def unwritable(path: str | os.PathLike) -> str | None:
     the file system takes. None if nothing stands in the way that can be seen now."""
     path = Path(path)
     parent = _nearest_existing(path.parent)
+    if _mode(parent) is None:
+        return f"{path.parent} does not exist (nor any folder above it)"
     if not is_folder(parent):
         return f"{parent} is a file, not a folder"
-    size, limit = len(os.fsencode(path.name)), name_max(parent)
+    size, limit = _name_length(path.name), name_max(parent)
     if size > limit:
-        return f"the file name is {size} bytes, over the {limit} this file system takes; give a shorter name"
+        unit = "characters" if sys.platform in ("win32", "darwin") else "bytes"
+        return f"the file name is {size} {unit}, over the {limit} this file system takes; give a shorter name"
     if is_folder(path):
         return f"{path} is a folder; give a file name in it"
+    if not os.access(parent, os.W_OK | os.X_OK) or (_mode(path) is not None and not os.access(path, os.W_OK)):
+        return f"{path if _mode(path) is not None else parent} cannot be written (permissions)"
     return None
 
 

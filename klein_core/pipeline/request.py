@@ -315,7 +315,7 @@ class GenerationRequest:
     def __post_init__(self) -> None:
         if self.conditioning is not None and not isinstance(self.conditioning, Conditioning):
             raise TypeError(f"conditioning must be a Conditioning, got {type(self.conditioning).__name__}")
-        if not isinstance(self.settings, Settings):
+        if not isinstance(self.settings, (Settings, Resolved)):
             raise TypeError(f"settings must be a Settings(width, height, steps, guidance, seed, batch_size), got "
                             f"{type(self.settings).__name__}")
         prompts = self.prompts

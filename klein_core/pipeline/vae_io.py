@@ -35,9 +35,10 @@ def decode_to_pixels(vae: Any, latents: torch.Tensor, *, tile: int | None = None
     return to_host(px)[0] if host else px
 
 
-#: How far outside [-1, 1] tensor pixels may reach (a resampling filter overshoots a little) before
-#: they are refused as given in another range (0..255 most often).
-PIXEL_BOUND = 2.0
+#: How far outside [-1, 1] tensor pixels may reach before they are refused as given in another range
+#: (0..255 most often): far enough for a resampling filter's overshoot and for ComfyUI images over 1
+#: (HDR loaders, unclamped maths), which ComfyUI's own VAE Encode takes.
+PIXEL_BOUND = 16.0
 PIXEL_HINT = "8-bit values: x.float() / 127.5 - 1; a [0, 1] image: x * 2 - 1"
 
 

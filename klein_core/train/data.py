@@ -65,7 +65,8 @@ def _readable(path: Path) -> str | None:
     try:
         with Image.open(path) as im:
             im.load()
-            _upright_rgb(im)  # what load_pixels does: a failure here is found now, named, not mid-encoding
+            if levels_mode(im):  # what load_pixels does that can fail (NaN in a float picture): found now, named
+                _upright_rgb(im)
         return None
     except Exception as exc:  # noqa: BLE001 - any decode failure means: skip this file
         return f"unreadable image ({type(exc).__name__}: {exc})"
@@ -86,18 +87,22 @@ def _scan_folder(folder: Path) -> list[DataItem]:
                            "put the training images and a .txt caption beside each there.")
     # Captions by stem, the extension in any case (IMG_1.TXT from a camera card or Windows); an exact
     # ".txt" wins over another spelling of the same name.
-    caption_files: dict[str, Path] = {}
+    exact: dict[str, Path] = {}
     for p in entries:
-        if p.is_file() and p.suffix.lower() == ".txt" and (p.suffix == ".txt" or p.stem not in caption_files):
-            caption_files[p.stem] = p
+        if p.is_file() and p.suffix.lower() == ".txt" and (p.suffix == ".txt" or p.stem not in exact):
+            exact[p.stem] = p
+    # A stem in another case (Photo.png, photo.txt) as the case-insensitive file systems of macOS and
+    # Windows find it: the same folder trains the same everywhere.
+    folded = {stem.casefold(): p for stem, p in reversed(list(exact.items()))}
+    caption_files = {p.stem: c for p in images if (c := exact.get(p.stem) or folded.get(p.stem.casefold()))}
     missing = [p.name for p in images if p.stem not in caption_files]
     if missing:
         raise DatasetError(f"{folder}: {len(missing)} image(s) have no caption file: "
                            f"{', '.join(missing)}; add a .txt with the same name beside each.")
     # What is not trained on is said, not silently dropped: captions whose image is missing or in an
     # unsupported format, and subfolders (only the folder's own files are read).
-    stems = {p.stem for p in images}
-    orphans = [p.name for p in entries if p.is_file() and p.suffix.lower() == ".txt" and p.stem not in stems]
+    used = set(caption_files.values())
+    orphans = [p.name for p in entries if p.is_file() and p.suffix.lower() == ".txt" and p not in used]
     if orphans:
         logger.warning("%s: %d caption(s) have no image beside them (%s) and are not used: %s", folder,
                        len(orphans), ", ".join(IMAGE_EXTS), ", ".join(orphans))
@@ -181,7 +186,9 @@ def scan_dataset(source: str | os.PathLike) -> DatasetScan:
         if bad is None:
             good.append(item)
         else:  # by the example dropped (a reference shared by several rows drops each of them)
-            skipped[str(item.image)] = bad[1] if bad[0] == item.image else f"reference {bad[0]}: {bad[1]}"
+            reason = bad[1] if bad[0] == item.image else f"reference {bad[0]}: {bad[1]}"
+            key = str(item.image)  # rows sharing a target: every reason kept
+            skipped[key] = f"{skipped[key]}; {reason}" if key in skipped and reason not in skipped[key] else reason
     for name, reason in skipped.items():
         logger.warning("skipped %s: %s", name, reason)
     if not good:
