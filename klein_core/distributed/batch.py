@@ -20,7 +20,16 @@ from pathlib import Path
 
 from ..cli import CLIError
 from ..errors import GenerationCancelled, KleinOutOfMemory, WeightFormatError
-from .manifest import Entry, Manifest, OutputInUse, OutputLock, folds_case, image_path, png_bytes, write_atomic
+from .manifest import (
+    Entry,
+    Manifest,
+    OutputInUse,
+    OutputLock,
+    folds_case,
+    image_path,
+    png_bytes,
+    write_atomic,
+)
 from .models import ModelSpec
 from .ray_support import init_ray, require_ray
 from .rows import RowError, RowSpec, check_row, open_reference, parse_row, read_rows
