@@ -375,7 +375,7 @@ def check_out(out: str | Path) -> Path:
     made. Returns the path images are written to."""
     if isinstance(out, str) and out.endswith(("/", os.sep)):
         raise CLIError(f"--out {out}: is a folder; give a file name such as {Path(out) / 'klein.png'}")
-    out = Path(out)
+    out = Path(out).expanduser()  # "~/renders/x.png" quoted (no shell expanded it): the home folder, not "./~"
     if out.name in ("", ".", "..") or is_folder(out):
         raise CLIError(f"--out {out}: is a folder; give a file name such as {out / 'klein.png'}")
     if not out.suffix:

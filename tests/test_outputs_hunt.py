@@ -182,6 +182,15 @@ def test_review_a_file_written_whole_keeps_its_mode_and_writes_through_a_link(tm
     assert atomic.unwritable(tmp_path / ("a" * 300 + ".png")) is None
 
 
+def test_out_starting_with_a_tilde_is_the_home_folder(tmp_path, fake_generate, monkeypatch):
+    """Was left last review: ``--out "~/renders/x.png"`` quoted (no shell expands it) wrote into a
+    folder named ``~`` in the working folder. It is the home folder, as the prompt cache's folder is."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    assert kcli.main([*SMALL, "--prompt", "a fox", "--out", "~/renders/x.png"]) == 0
+    assert (tmp_path / "home" / "renders" / "x.png").is_file() and not (tmp_path / "~").exists()
+
+
 def test_a_failed_write_keeps_the_image_that_was_at_out(tmp_path, fake_generate, monkeypatch, capsys):
     """Was a bug: ``klein-generate --demo --out fox.png`` over an existing good ``fox.png`` (a rerun), when
     the write fails half-way (simulated: PIL's PNG writer writes part of the file, then the disk is

@@ -202,6 +202,15 @@ def test_numpy_scalars_work_or_are_refused_saying_so(tiny, name):
 # Prompt caches
 
 
+def test_a_numpy_strength_is_taken_as_the_float_it_is(tiny):
+    """Was left last review: ``generate(image=..., strength=np.float32(0.5))`` was refused ("must be a
+    number") while every other setting takes numpy numbers; now it runs as ``strength=0.5``."""
+    image = Image.fromarray(np.random.default_rng(1).integers(0, 256, (64, 64, 3), dtype=np.uint8))
+    kw = {**SMALL, "prompt": "a fox", "steps": 4, "image": image}
+    want = kc.generate(*tiny, strength=0.5, **kw).latents
+    assert torch.equal(kc.generate(*tiny, strength=np.float32(0.5), **kw).latents, want)
+
+
 def test_a_disk_prompt_cache_given_as_cache_works_or_is_refused_by_name(tiny, tmp_path):
     """Was a bug: ``kc.generate(tr, te, vae, prompt="a fox", cache=kc.DiskPromptCache(folder))`` (the docs
     show ``DiskPromptCache`` beside ``cache=``) fails with ``AttributeError: 'DiskPromptCache' object

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
 from dataclasses import dataclass
 
 import numpy as np
@@ -50,7 +51,8 @@ def steps_to_run(steps: int, strength: float) -> int:
 
 
 def check_strength(strength: float) -> float:
-    if isinstance(strength, bool) or not isinstance(strength, (int, float)) or not math.isfinite(strength) \
+    """``strength`` as a float in (0, 1] (numpy numbers too), or a ValueError naming it."""
+    if isinstance(strength, bool) or not isinstance(strength, numbers.Real) or not math.isfinite(strength) \
             or not 0 < strength <= 1:
         raise ValueError(f"strength (denoise) must be a number in (0, 1], got {strength!r}")
     return float(strength)
@@ -227,8 +229,8 @@ class InitImage:
     def __post_init__(self) -> None:
         if not isinstance(self.image, Image.Image):
             raise TypeError(f"image must be a PIL.Image, got {type(self.image).__name__}")
-        if self.strength is not None:
-            check_strength(self.strength)
+        if self.strength is not None:  # kept as the float it is (a numpy number too)
+            object.__setattr__(self, "strength", check_strength(self.strength))
         if isinstance(self.feather, bool) or not isinstance(self.feather, int) or self.feather < 0:
             raise ValueError(f"feather must be a whole number of pixels >= 0, got {self.feather!r}")
         if self.mask is not None and not isinstance(self.mask, Image.Image):

@@ -1051,4 +1051,18 @@ MUTANTS: tuple[Mutant, ...] = (
         ('tests/test_progress_hunt.py::test_trainer_queued_again_after_its_last_checkpoint_draws_the_new_sample_prompts',),
         'a finished run queued again draws none of the new sample prompts',
     ),
+    Mutant(
+        'cli-out-tilde-literal', 'klein_core/cli.py',
+        '    out = Path(out).expanduser()  #',
+        '    out = Path(out)  #',
+        ('tests/test_outputs_hunt.py::test_out_starting_with_a_tilde_is_the_home_folder',),
+        "--out '~/x.png' writes into a folder named '~'",
+    ),
+    Mutant(
+        'strength-numpy-refused', 'klein_core/pipeline/inpaint.py',
+        'not isinstance(strength, numbers.Real)',
+        'not isinstance(strength, (int, float))',
+        ('tests/test_python_api_hunt.py::test_a_numpy_strength_is_taken_as_the_float_it_is',),
+        'strength=np.float32(0.5) is refused',
+    ),
 )
