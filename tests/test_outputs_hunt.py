@@ -237,7 +237,7 @@ def test_parameters_do_not_claim_a_negative_prompt_that_did_not_run(tmp_path, fa
     assert kcli.main(argv) == 0
     params = _params(out)
     assert params["guidance"] == 1.0  # no CFG ran
-    assert params.get("negative_prompt") in ("", None), params.get("negative_prompt")
+    assert params.get("negative_prompt") == "", params.get("negative_prompt")
 
 
 def test_pinned_parameters_keep_odd_prompts_paths_and_the_largest_seed_exactly(tmp_path, fake_generate):
@@ -310,6 +310,9 @@ def test_custom_targets_the_default_naming_cannot_write_are_refused_before_train
         f"exit {rc}: a step trained, then no LoRA was written: {err.strip().splitlines()[-1:]}")
     if written:
         assert not load_lora(output).skipped
+    # The fix chose refusal before training, naming the module and the namings that hold it.
+    assert rc == 2 and not trained and not written
+    assert "txt_in" in err and "kohya or comfyui" in err, err
 
 
 def test_a_lora_name_near_the_length_limit_is_saved(tmp_path, tiny_models):
