@@ -21,6 +21,7 @@ from PIL import Image
 from PIL.PngImagePlugin import PngInfo
 
 from .. import __version__
+from ..files.atomic import nearest_existing
 
 logger = logging.getLogger(__name__)
 
@@ -80,9 +81,7 @@ def write_atomic(path: Path, data: bytes) -> None:
 def folds_case(folder: Path) -> bool:
     """Whether the file system of ``folder`` (or of its nearest existing parent) takes names that
     differ only in case for one file (macOS and Windows by default), asked with a probe file."""
-    while not folder.exists() and folder != folder.parent:
-        folder = folder.parent
-    probe = folder / f".klein-case-{uuid.uuid4().hex[:12]}a"
+    probe = nearest_existing(folder) / f".klein-case-{uuid.uuid4().hex[:12]}a"
     try:
         probe.touch(exist_ok=False)
         return probe.with_name(probe.name[:-1] + "A").exists()

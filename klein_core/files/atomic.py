@@ -58,7 +58,9 @@ def is_folder(path: str | os.PathLike) -> bool:
     return mode is not None and stat.S_ISDIR(mode)
 
 
-def _nearest_existing(path: Path) -> Path:
+def nearest_existing(path: str | os.PathLike) -> Path:
+    """``path`` if it exists, else its nearest existing parent (the root at last)."""
+    path = Path(path)
     while _mode(path) is None and path != path.parent:
         path = path.parent
     return path
@@ -67,7 +69,7 @@ def _nearest_existing(path: Path) -> Path:
 def name_max(folder: str | os.PathLike) -> int:
     """The longest file name, in bytes, that the file system of ``folder`` (or of its nearest existing
     parent) takes; 255 where it cannot be asked (Windows)."""
-    folder = _nearest_existing(Path(folder))
+    folder = nearest_existing(Path(folder))
     try:
         limit = int(os.pathconf(folder, "PC_NAME_MAX"))
     except (AttributeError, OSError, ValueError):
@@ -88,7 +90,7 @@ def unwritable(path: str | os.PathLike) -> str | None:
     there): it is a folder, the nearest existing parent is not a folder, or the name is longer than
     the file system takes. None if nothing stands in the way that can be seen now."""
     path = Path(path)
-    parent = _nearest_existing(path.parent)
+    parent = nearest_existing(path.parent)
     if _mode(parent) is None:
         return f"{path.parent} does not exist (nor any folder above it)"
     if not is_folder(parent):
@@ -104,4 +106,4 @@ def unwritable(path: str | os.PathLike) -> str | None:
     return None
 
 
-__all__ = ["atomic_path", "is_folder", "name_max", "unwritable"]
+__all__ = ["atomic_path", "is_folder", "name_max", "nearest_existing", "unwritable"]
