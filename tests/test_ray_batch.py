@@ -193,3 +193,19 @@ def test_vae_tile_reaches_the_workers_engine(tmp_path):
         spec = dcli.spec_from_args(_args(str(tmp_path / "rows.jsonl"), "--out", str(tmp_path / "o"), "--demo", *flag))
         assert spec.vae_tile == tile and spec.png_params()["vae_tile"] == recorded
     assert open_engine(spec).vae_tile == 32
+
+
+def test_speed_is_fast_by_default_as_in_klein_generate(tmp_path):
+    """Was a bug: batch and serve ran the models "as loaded" (the plain path on a GPU) while
+    ``klein-generate`` runs ``fast``. The job's spec, its workers' models and the PNGs' parameters now
+    say ``fast`` unless ``--speed`` says otherwise."""
+    from klein_core.accel.speed import speed_of
+    from klein_core.distributed.models import ModelSpec, open_engine
+
+    assert ModelSpec(demo=True).speed == "fast"
+    for flag, speed in (([], "fast"), (["--speed", "plain"], "plain"), (["--speed", "compile"], "compile")):
+        spec = dcli.spec_from_args(_args(str(tmp_path / "rows.jsonl"), "--out", str(tmp_path / "o"), "--demo", *flag))
+        assert spec.speed == speed and spec.png_params()["speed"] == speed
+    engine = open_engine(dcli.spec_from_args(_args(str(tmp_path / "rows.jsonl"), "--out", str(tmp_path / "o"),
+                                                   "--demo")))
+    assert {speed_of(m) for m in (engine.transformer, engine.vae, engine.text_encoder)} == {"fast"}

@@ -310,7 +310,7 @@ def test_pinned_a_request_equals_klein_generate_and_says_what_ran(replica, tmp_p
     """Pinned: the same settings as ``klein-generate`` (a reference sent base64 vs ``--ref`` a file, a
     distilled model given guidance 3, a size from the reference) give the same pixels; the answer says
     what ran (size from the reference, guidance 1 as the engine ran it, the seed); the PNG carries the
-    CLI's parameters with equal values for every setting (the replica's ``speed`` is "as loaded")."""
+    CLI's parameters with equal values for every setting (``speed`` included: both run ``fast``)."""
     ref = tmp_path / "ref.png"
     ref.write_bytes(_png((100, 70)))
     out = tmp_path / "cli.png"
@@ -326,7 +326,8 @@ def test_pinned_a_request_equals_klein_generate_and_says_what_ran(replica, tmp_p
     assert np.array_equal(np.asarray(served), np.asarray(cli))
     sp, cp = json.loads(served.text["parameters"]), json.loads(cli.text["parameters"])
     for key in ("prompt", "negative_prompt", "width", "height", "steps", "guidance", "seed", "reference_sizes",
-                "loras", "model_kind", "dtype", "quantize", "max_tokens", "ref_mode", "vae_tile", "decode_tiles"):
+                "loras", "model_kind", "dtype", "quantize", "max_tokens", "ref_mode", "vae_tile", "decode_tiles",
+                "speed"):
         assert sp[key] == cp[key], key
     assert served.text["Software"] == cli.text["Software"]
 

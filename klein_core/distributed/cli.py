@@ -9,7 +9,7 @@ import logging
 import sys
 from pathlib import Path
 
-from ..accel.speed import SPEEDS
+from ..accel.speed import DEFAULT_SPEED, SPEEDS
 from ..cli import DTYPES, CLIError, log_to_stderr, resolve_files, vae_tile_arg, write_line
 from ..memory.planner import MODES
 from ..pipeline.prompts import TRIM_MULTIPLE
@@ -37,7 +37,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     run.add_argument("--device", default=None, help="cuda or cpu (default: the worker's GPU if it has one)")
     run.add_argument("--dtype", choices=DTYPES, default=None, help="weights dtype (default: bf16 on GPU, fp32 on CPU)")
     run.add_argument("--quantize", choices=("fp8", "q8", "q4"), default=None, help="as klein-generate --quantize")
-    run.add_argument("--speed", choices=SPEEDS, default=None, help="as klein-generate --speed (default: as loaded)")
+    run.add_argument("--speed", choices=SPEEDS, default=DEFAULT_SPEED,
+                     help=f"as klein-generate --speed (default: {DEFAULT_SPEED}; the plain path on a CPU worker)")
     run.add_argument("--memory", choices=MODES, default="auto", help="memory mode, planned per worker for its device")
     run.add_argument("--vae-tile", type=vae_tile_arg, default="auto", metavar="{auto,none,64,32,16}",
                      help="as klein-generate --vae-tile")

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from ..accel.speed import DEFAULT_SPEED
 from ..cli import vae_tile_text
 from ..pipeline.engine import Engine
 from ..pipeline.prompts import TextOptions
@@ -26,6 +27,8 @@ class ModelSpec:
     ``max_tokens``: 512 or None (whole prompts); ``text_precision``: "model" or "fp32"; ``trim``:
     :attr:`~klein_core.pipeline.prompts.TextOptions.trim` (None: padded to 512).
     ``vae_tile``: :class:`~klein_core.pipeline.engine.Engine`'s (``"auto"``, None or a tile side).
+    ``speed``: as ``klein-generate --speed`` ("fast" by default: the plain path on a CPU worker; None
+    runs the models as loaded).
     ``lora_dir``: where row LoRA names are looked up.
     """
 
@@ -37,7 +40,7 @@ class ModelSpec:
     device: str | None = None
     dtype: str | None = None
     quantize: str | None = None
-    speed: str | None = None
+    speed: str | None = DEFAULT_SPEED
     memory: str = "auto"
     vae_tile: int | str | None = "auto"
     max_tokens: int | None = 512

@@ -1065,4 +1065,11 @@ MUTANTS: tuple[Mutant, ...] = (
         ('tests/test_python_api_hunt.py::test_a_numpy_strength_is_taken_as_the_float_it_is',),
         'strength=np.float32(0.5) is refused',
     ),
+    Mutant(
+        'ray-speed-as-loaded', 'klein_core/distributed/models.py',
+        '    speed: str | None = DEFAULT_SPEED\n',
+        '    speed: str | None = None\n',
+        ('tests/test_ray_batch.py::test_speed_is_fast_by_default_as_in_klein_generate',),
+        'batch and serve run the plain path on a GPU while klein-generate runs fast',
+    ),
 )
