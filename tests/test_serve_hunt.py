@@ -13,6 +13,7 @@ import asyncio
 import base64
 import io
 import json
+import threading
 import time
 
 import numpy as np
@@ -404,3 +405,57 @@ def test_pinned_a_request_abandoned_mid_run_takes_its_lora_with_it(replica):
     assert _same_weights(before, _weights(replica))
     (after,) = replica._run_jobs([_job(replica, plain_body)])
     assert np.array_equal(_pixels(after["png"]), _pixels(first["png"]))
+
+
+# -- left alone last session, now mended ---------------------------------------------------------------
+
+def test_a_reference_in_line_wrapped_base64_is_read_as_the_same_image(replica):
+    """Was a bug: a reference encoded as ``base64 ref.png`` writes it (76 columns, ``\\n``) or as MIME
+    writes it (``\\r\\n``) was a 400 "not valid base64". The line breaks are layout: the request now
+    answers with the same pixels as the unwrapped one; a character outside the alphabet is still a
+    400 naming the reference."""
+    ref = base64.b64encode(_png((80, 64))).decode()
+    wrapped = "\n".join(ref[i:i + 76] for i in range(0, len(ref), 76)) + "\n"
+    mime = "\r\n".join(ref[i:i + 76] for i in range(0, len(ref), 76))
+    answers = [_answer(replica, {**SMALL, "references": [r], "response": "json"}) for r in (ref, wrapped, mime)]
+    assert [a[0] for a in answers] == [200, 200, 200], [a[1] for a in answers]
+    first = _pixels(base64.b64decode(answers[0][1]["image_base64"]))
+    for _, payload, _ in answers[1:]:
+        assert np.array_equal(_pixels(base64.b64decode(payload["image_base64"])), first)
+    status, payload, _ = _answer(replica, {**SMALL, "references": [ref[:40] + "*" + ref[40:]]})
+    assert status == 400 and payload["error"].endswith("references[1]: not valid base64 (send the image file's "
+                                                       "bytes base64-encoded)"), payload
+
+
+def test_a_request_with_more_loras_than_a_replica_keeps_loaded_is_a_400(replica):
+    """Was a bug: a request could list any number of LoRAs (each read from disk and applied for that
+    request; a replica keeps 8 loaded), so one small body could make a replica read files thousands
+    of times. Nine are now a 400 saying at most 8; eight are taken."""
+    status, payload, _ = _answer(replica, {**SMALL, "loras": ["style:0.1"] * 9})
+    assert status == 400 and payload["error"] == "request: 9 LoRAs; at most 8", payload
+    status, payload, _ = _answer(replica, {**SMALL, "loras": ["style:0.1"] * 8})
+    assert status == 200, payload
+
+
+def test_a_request_is_parsed_off_the_event_loop(replica, monkeypatch):
+    """Was a bug: ``parse_request`` (which decodes up to 64 MiB of base64 references) ran on the
+    replica's event loop, so while it ran, ``/health`` and every other request of the replica
+    waited. It now runs in a worker thread, and the request is answered as before."""
+    from klein_core.distributed import serve
+
+    threads = []
+
+    def recording(*args, **kwargs):
+        threads.append(threading.current_thread())
+        return parse_request(*args, **kwargs)
+
+    monkeypatch.setattr(serve, "parse_request", recording)
+
+    async def call():
+        loop_thread = threading.current_thread()
+        body = json.dumps(SMALL).encode()
+        return loop_thread, await replica(_request("/generate", "POST", body))
+
+    loop_thread, response = asyncio.run(call())
+    assert response.status_code == 200
+    assert len(threads) == 1 and threads[0] is not loop_thread

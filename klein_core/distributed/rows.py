@@ -261,6 +261,9 @@ def parse_row(raw: Mapping, number: int | None = None, *, where: str | None = No
 
 # -- what needs files or the tokenizer ----------------------------------------------------------------
 
+_BASE64_LAYOUT = dict.fromkeys(map(ord, " \t\r\n"))
+
+
 def open_reference(ref: str, index: int, *, base64_data: bool = False, base_dir: Path | None = None) -> Image.Image:
     """Reference ``index`` (from 1) as a fully read PIL image: a path (relative to ``base_dir``) or,
     with ``base64_data``, a base64 image. Raises :class:`RowError` with the CLI's message."""
@@ -274,7 +277,10 @@ def open_reference(ref: str, index: int, *, base64_data: bool = False, base_dir:
         except CLIError as exc:
             raise RowError(str(exc)) from None
     try:
-        data = base64.b64decode(ref.partition(",")[2] if ref.startswith("data:") else ref, validate=True)
+        text = ref.partition(",")[2] if ref.startswith("data:") else ref
+        # Line breaks as `base64` (76 columns) and MIME (CRLF) write them are not data; anything else
+        # outside the alphabet is still refused rather than skipped.
+        data = base64.b64decode(text.translate(_BASE64_LAYOUT), validate=True)
     except (binascii.Error, ValueError):
         raise RowError(f"{label}: not valid base64 (send the image file's bytes base64-encoded)") from None
     try:

@@ -30,11 +30,13 @@ from .manifest import png_bytes
 from .models import ModelSpec
 from .ray_support import require_ray
 from .rows import RowError, RowSpec, check_row, open_reference, parse_row
+from .runner import MAX_CACHED_LORAS
 
 logger = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 64 << 20
 RETRY_AFTER_S = 5
+MAX_REQUEST_LORAS = MAX_CACHED_LORAS  # as many as a replica keeps loaded
 RESPONSES = ("json", "png")
 
 
@@ -114,6 +116,8 @@ def parse_request(body: bytes, *, kind: str, max_tokens: int | None, lora_dir) -
     if obj.get("id") is None:  # absent or null, as every other field's null: the default
         obj["id"] = f"req-{uuid.uuid4().hex[:12]}"
     row = parse_row(obj, where=where)
+    if len(row.loras) > MAX_REQUEST_LORAS:  # each is read and applied per request: a long list is a cheap DoS
+        raise RowError(f"{where}: {len(row.loras)} LoRAs; at most {MAX_REQUEST_LORAS}")
     images = [open_reference(r, i, base64_data=True) for i, r in enumerate(row.references, 1)]
     row = RowSpec(**{**row.__dict__, "references": tuple(f"<base64 {i}>" for i in range(1, len(images) + 1))})
     check_row(row, images, kind=kind, max_tokens=max_tokens, lora_dir=lora_dir)
@@ -210,8 +214,10 @@ class KleinServer:
         except RowError as exc:
             return _json(413, {"error": str(exc)})
         try:
-            job = parse_request(body, kind=self.spec.kind, max_tokens=self.spec.max_tokens,
-                                lora_dir=self.spec.lora_dir)
+            # In a thread: decoding references (up to 64 MiB of base64) would stall the event loop,
+            # and with it /health and every other request of this replica.
+            job = await asyncio.to_thread(parse_request, body, kind=self.spec.kind,
+                                          max_tokens=self.spec.max_tokens, lora_dir=self.spec.lora_dir)
         except RowError as exc:
             return _json(400, {"error": str(exc)})
         try:

@@ -1072,4 +1072,25 @@ MUTANTS: tuple[Mutant, ...] = (
         ('tests/test_ray_batch.py::test_speed_is_fast_by_default_as_in_klein_generate',),
         'batch and serve run the plain path on a GPU while klein-generate runs fast',
     ),
+    Mutant(
+        'serve-base64-wrapped-refused', 'klein_core/distributed/rows.py',
+        'text.translate(_BASE64_LAYOUT)',
+        'text',
+        ('tests/test_serve_hunt.py::test_a_reference_in_line_wrapped_base64_is_read_as_the_same_image',),
+        'a base64 reference wrapped at 76 columns is a 400',
+    ),
+    Mutant(
+        'serve-lora-count-uncapped', 'klein_core/distributed/serve.py',
+        '    if len(row.loras) > MAX_REQUEST_LORAS:',
+        '    if False:',
+        ('tests/test_serve_hunt.py::test_a_request_with_more_loras_than_a_replica_keeps_loaded_is_a_400',),
+        'one request can list thousands of LoRAs',
+    ),
+    Mutant(
+        'serve-parse-on-event-loop', 'klein_core/distributed/serve.py',
+        '            job = await asyncio.to_thread(parse_request, body,',
+        '            job = (lambda f, *a, **k: f(*a, **k))(parse_request, body,',
+        ('tests/test_serve_hunt.py::test_a_request_is_parsed_off_the_event_loop',),
+        'decoding 64 MiB of references stalls /health',
+    ),
 )
