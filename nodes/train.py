@@ -359,9 +359,16 @@ class KleinLoraTrainer(io.ComfyNode):
             # BFL / ComfyUI key names: ComfyUI's own LoRA loaders read them, and so do this pack and diffusers
             fmt="comfyui", cache_dir=host.temp_path("klein_train_cache"), checkpoint_dir=checkpoints, resume=resume)
         bar = host.progress_bar(int(steps))
+        encoding: list = []  # the dataset's bar (items, not steps), made once its size is known
+
+        def encoded(done: int, total: int) -> None:
+            if not encoding:
+                encoding.append(host.progress_bar(total))
+            encoding[0].update_absolute(done, total)
+
         try:
             result = run_job(job, on_step=lambda r: bar.update_absolute(r.step, r.total),
-                             check_cancel=host.check_interrupt)
+                             check_cancel=host.check_interrupt, on_encode=encoded)
         except DatasetError as exc:
             raise ValueError(f"{NODE}: {exc}") from exc
         finally:

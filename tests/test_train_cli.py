@@ -4,6 +4,7 @@ distilled base refused with exit code 2 before anything loads."""
 from __future__ import annotations
 
 import argparse
+import re
 
 import torch
 from PIL import Image
@@ -27,6 +28,9 @@ def test_train_cli_tiny(tmp_path, capsys):
     assert run_train(_args(*common, "--transformer", str(paths["klein_4b"]))) == 2
     assert "distilled Klein model" in capsys.readouterr().err
     assert run_train(_args(*common, "--transformer", str(paths["klein_base_4b"]))) == 0
+    err = capsys.readouterr().err
+    n = err.count("\rencoding dataset [")  # a bar while the dataset is encoded, ended before the steps
+    assert n >= 1 and re.search(rf" {n}/{n} +\n\rstep 1/2 ", err), err
     lora = load_lora(tmp_path / "out" / "l.safetensors")
     assert lora.metadata["klein.steps"] == "2" and len(lora.metadata["klein.dataset_hash"]) == 64
     assert set(lora.ranks.values()) == {2} and not lora.skipped

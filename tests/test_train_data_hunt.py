@@ -363,3 +363,59 @@ def test_pinned_buckets_within_the_area_for_any_size_and_resolution():
                     or bucket_size(h, w, area) != (bh, bw) or bucket_size(2 * w, 2 * h, area) != (bw, bh)):
                 bad.append((res, w, h, bw, bh))
     assert not bad, bad[:5]
+
+
+# ----- left alone last session, now said ---------------------------------------------------------------
+
+
+def test_files_that_are_not_supported_images_and_captions_shared_by_two_images_are_warned(tmp_path, caplog):
+    """Was a bug: a ``.heic`` or ``.gif`` without a caption vanished from the run unsaid, and ``a.jpg`` and
+    ``a.png`` both trained with ``a.txt`` unsaid. Both are now warned, naming the files; Windows'
+    ``Thumbs.db`` is not. What trains is unchanged."""
+    Image.new("RGB", (32, 32), (200, 0, 0)).save(tmp_path / "a.jpg", "JPEG")
+    _png(tmp_path / "a.png")
+    _png(tmp_path / "b.png")
+    (tmp_path / "a.txt").write_text("a shared caption")
+    (tmp_path / "b.txt").write_text("b")
+    (tmp_path / "holiday.heic").write_bytes(b"\x00\x00\x00\x18ftypheic")
+    (tmp_path / "notes.md").write_text("# shoot notes")
+    (tmp_path / "Thumbs.db").write_bytes(b"\xd0\xcf\x11\xe0")
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        scan = scan_dataset(tmp_path)
+    assert [(i.image.name, i.caption) for i in scan.items] == [("a.jpg", "a shared caption"),
+                                                               ("a.png", "a shared caption"), ("b.png", "b")]
+    assert "2 file(s) are not images of a supported format" in caplog.text
+    assert caplog.text.count("holiday.heic, notes.md") == 1 and "Thumbs.db" not in caplog.text
+    assert "1 caption file(s) are used by more than one image: a.txt (a.jpg, a.png)" in caplog.text
+
+
+def test_repeated_jsonl_rows_are_warned_with_their_lines_and_still_train(tmp_path, caplog):
+    """Was a bug: a JSONL row pasted twice trained twice as often, unsaid. It still trains (repeating a
+    row is a way to weight it) but each repeat is warned with its line and the line it repeats; the
+    same image with another caption is not a repeat."""
+    _png(tmp_path / "x.png")
+    rows = [{"image": "x.png", "caption": "one"}, {"image": "x.png", "caption": "two"},
+            {"image": "x.png", "caption": "one"}, {"image": "x.png", "caption": "one"}]
+    (tmp_path / "d.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        scan = scan_dataset(tmp_path / "d.jsonl")
+    assert [i.caption for i in scan.items] == ["one", "two", "one", "one"]
+    assert "2 row(s) repeat an earlier row" in caplog.text
+    assert "line 3 (as line 1), line 4 (as line 1)" in caplog.text
+
+
+def test_encoding_the_dataset_reports_its_progress_cached_or_not(tmp_path):
+    """Was a bug: encoding the dataset (minutes for a large one, before the first step) showed no
+    progress. ``build_samples(on_encode=)`` is called after each item, also when it comes from the
+    caches."""
+    for n in range(3):
+        _png(tmp_path / f"{n}.png", color=(40 * n, 0, 0))
+        (tmp_path / f"{n}.txt").write_text(f"c{n}")
+    scan = scan_dataset(tmp_path)
+    seen: list = []
+    for built in (6, 0):  # built (3 latents, 3 prompts), then all read from the caches
+        seen.clear()
+        calls: list = []
+        build_samples(scan, _encoders(calls), tmp_path / "cache", area=32 * 32,
+                      on_encode=lambda d, t: seen.append((d, t)))
+        assert seen == [(1, 3), (2, 3), (3, 3)] and len(calls) == built

@@ -110,7 +110,8 @@ def test_trains_and_writes_a_lora_the_loader_reads(env, trained):
     name = out.args[0]
     assert name == "tiny_style.safetensors"
     assert sorted(os.listdir(env.loras)) == ["tiny_style.safetensors"]  # nothing else in models/loras
-    assert calls == [(i, STEPS) for i in range(1, STEPS + 1)]
+    # the dataset's 3 readable images, then the steps (one bar after the other)
+    assert calls == [(i, 3) for i in range(1, 4)] + [(i, STEPS) for i in range(1, STEPS + 1)]
     # the unreadable image is skipped and the user is told, by file name only
     (warning,) = out.ui["warnings"]
     assert warning.startswith("skipped broken.png: unreadable image"), warning
@@ -190,7 +191,7 @@ def test_cancel_stops_and_leaves_no_lora(env, monkeypatch):
                         lambda value, total, preview, node_id=None: steps.append((value, total)))
     with pytest.raises(env.mm.InterruptProcessingException):
         _run(env, lora_name="cancelled")
-    assert steps == [(1, STEPS), (2, STEPS)]
+    assert steps == [(1, 3), (2, 3), (3, 3), (1, STEPS), (2, STEPS)]  # the dataset's 3 images, then the steps
     assert not [p for p in os.listdir(env.loras) if "cancelled" in p]  # no LoRA, no temporary file
     assert "cancelled.safetensors" not in env.folder_paths.get_filename_list("loras")
 
@@ -415,8 +416,8 @@ def test_a_stopped_run_continues_from_its_last_checkpoint(env, monkeypatch):
 
     jobs = _spy_jobs(env, monkeypatch)
     monkeypatch.setattr(host, "check_interrupt", cancel_after_3)
-    monkeypatch.setattr(env.utils, "PROGRESS_BAR_HOOK",
-                        lambda value, total, preview, node_id=None: steps_seen.append(value))
+    monkeypatch.setattr(env.utils, "PROGRESS_BAR_HOOK",  # the steps' bar (the dataset's has 3 items)
+                        lambda value, total, preview, node_id=None: steps_seen.append(value) if total == STEPS else None)
     with pytest.raises(env.mm.InterruptProcessingException):
         _run(env, lora_name="tiny_resumed", checkpoint_every=1)
     assert not (env.loras / "tiny_resumed.safetensors").exists()

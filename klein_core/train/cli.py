@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ..accel.speed import DEFAULT_SPEED, SPEEDS
-from ..cli import write_line
+from ..cli import bar_text, write_line
 from .adapters import PRESETS
 from .data import DatasetError
 from .job import TRAIN_MEMORY, TrainJob, run_job
@@ -178,6 +178,12 @@ def _progress(report: StepReport) -> None:
         write_line(sys.stderr, "\n")
 
 
+def _encode_progress(done: int, total: int) -> None:
+    write_line(sys.stderr, bar_text("encoding dataset", done, total, ""))
+    if done == total:
+        write_line(sys.stderr, "\n")
+
+
 def torchrun_device(device: str | None) -> tuple[str | None, bool]:
     """Under torchrun (``WORLD_SIZE`` above 1 in the environment, no process group yet): start the
     process group from torchrun's variables (NCCL on CUDA, gloo on the CPU) and give each process its
@@ -220,7 +226,7 @@ def run_train(args: argparse.Namespace) -> int:
     job = dataclasses.replace(job, device=device)
     first = not dist.is_initialized() or dist.get_rank() == 0  # says progress and results, once
     try:
-        result = run_job(job, on_step=_progress if first else None)
+        result = run_job(job, on_step=_progress if first else None, on_encode=_encode_progress if first else None)
     except (DatasetError, ValueError, OSError) as exc:  # bad input or a file that cannot be read or written
         write_line(sys.stderr, f"error: {exc}\n")  # (on a line of its own after a step line)
         return 2

@@ -59,6 +59,10 @@ class DatasetScan:
     skipped: dict[str, str] = field(default_factory=dict)
 
 
+# What Windows writes into picture folders: never training data, not worth a warning.
+_SYSTEM_FILES = frozenset({"thumbs.db", "desktop.ini"})
+
+
 def _readable(path: Path) -> str | None:
     """None when PIL can decode ``path`` and its pixels can be read as training reads them (a float
     picture with NaN pixels cannot), else the reason."""
@@ -110,6 +114,18 @@ def _scan_folder(folder: Path) -> list[DataItem]:
     if subfolders:
         logger.warning("%s: subfolders are not read (only the folder's own images): %s", folder,
                        ", ".join(subfolders))
+    others = [p.name for p in entries if p.is_file() and p.suffix.lower() not in (*IMAGE_EXTS, ".txt")
+              and p.name.lower() not in _SYSTEM_FILES]
+    if others:  # a .heic or .gif without a caption would otherwise vanish from the run unsaid
+        logger.warning("%s: %d file(s) are not images of a supported format (%s) and are not used: %s", folder,
+                       len(others), ", ".join(IMAGE_EXTS), ", ".join(others))
+    sharing: dict[Path, list[str]] = {}
+    for p in images:
+        sharing.setdefault(caption_files[p.stem], []).append(p.name)
+    shared = [f"{c.name} ({', '.join(names)})" for c, names in sharing.items() if len(names) > 1]
+    if shared:  # a.jpg and a.png both train with a.txt: said, as it is rarely meant
+        logger.warning("%s: %d caption file(s) are used by more than one image: %s", folder, len(shared),
+                       "; ".join(shared))
     captions, bad = [], []
     for p in images:
         try:
@@ -133,6 +149,8 @@ def _scan_jsonl(file: Path) -> list[DataItem]:
     except UnicodeDecodeError as exc:
         raise DatasetError(f"{file}: not UTF-8 text ({exc.reason} at byte {exc.start}); save it as UTF-8") from None
     unknown: dict[str, int] = {}
+    seen: dict[tuple, int] = {}
+    repeated: list[str] = []
     # "\n" only: splitlines() also splits at U+2028 / U+0085, which JSON strings may hold unescaped
     # (json.dumps(ensure_ascii=False) writes them so). read_text made "\r\n" and "\r" "\n" already.
     for n, line in enumerate(text.split("\n"), 1):
@@ -155,11 +173,19 @@ def _scan_jsonl(file: Path) -> list[DataItem]:
             raise DatasetError(f"{file}:{n}: \"references\" must be a list of image paths")
         for key in row.keys() - JSONL_FIELDS:
             unknown.setdefault(key, n)
-        items.append(DataItem(file.parent / row["image"], caption.strip(), tuple(file.parent / r for r in refs)))
+        item = DataItem(file.parent / row["image"], caption.strip(), tuple(file.parent / r for r in refs))
+        key = (item.image, item.caption, item.references)
+        if key in seen:
+            repeated.append(f"line {n} (as line {seen[key]})")
+        seen.setdefault(key, n)
+        items.append(item)
     if unknown:  # a misspelt field (e.g. "reference") would otherwise silently train without it
         logger.warning("%s: unknown field(s) not used: %s; a row's fields are %s", file,
                        ", ".join(f"{k!r} (first on line {n})" for k, n in sorted(unknown.items(), key=lambda kv: kv[1])),
                        ", ".join(sorted(JSONL_FIELDS)))
+    if repeated:  # kept (repeating a row is a way to weight it), but said: a pasted-twice file is common
+        logger.warning("%s: %d row(s) repeat an earlier row (same image, caption and references) and train it "
+                       "again: %s", file, len(repeated), ", ".join(repeated))
     if not items:
         raise DatasetError(f"{file}: the JSONL file holds no rows")
     return items
@@ -360,7 +386,8 @@ class Encoders:
 def build_samples(scan: DatasetScan, encoders: Encoders, cache_dir: str | os.PathLike, *,
                   area: int = 1024 * 1024, reference_area: int | None = None, text_tokens: int = 512,
                   token_limit: int = MAX_SEQUENCE_TOKENS, shard: tuple[int, int] = (0, 1),
-                  gather: Callable[[str | None], Sequence[str | None]] | None = None) -> list[TrainSample]:
+                  gather: Callable[[str | None], Sequence[str | None]] | None = None,
+                  on_encode: Callable[[int, int], None] | None = None) -> list[TrainSample]:
     """Encode every item (through the caches) into :class:`TrainSample` s. The token budget of every
     item is checked first, before anything is encoded.
 
@@ -370,6 +397,9 @@ def build_samples(scan: DatasetScan, encoders: Encoders, cache_dir: str | os.Pat
     says how the others did; after it, the other items are read from the caches (a process that
     cannot see the others' files encodes them itself). A process that failed raises its error; the
     others raise a :class:`DatasetError` naming it, rather than waiting for it forever.
+
+    ``on_encode(done, total)`` is called after each item is encoded or read from the caches (its own
+    share first, in a shard), for progress.
     """
     plans = []
     rules: dict[Path, str | None] = {}
@@ -395,13 +425,21 @@ def build_samples(scan: DatasetScan, encoders: Encoders, cache_dir: str | os.Pat
         parts = sz if rules[path] is None else (*sz, rules[path])  # unchanged keys for plain images
         return latents.get(content_hash(path), parts, lambda: encoders.image(load_pixels(path, sz)))
 
+    done = 0
+
     def sample(item: DataItem, size: tuple[int, int], ref_sizes: list[tuple[int, int]]) -> TrainSample:
+        nonlocal done
         lat = enc(item.image, size)
         refs = tuple(enc(r, s) for r, s in zip(item.references, ref_sizes))
         if encoders.tokens is not None:  # tokenizing is cheap: not cached
-            return TrainSample(lat, None, refs, tokens=encoders.tokens(item.caption))
-        txt = texts.get(item.caption, (), lambda c=item.caption, f=encoders.text: f(c))  # type: ignore[misc]
-        return TrainSample(lat, txt, refs)
+            out = TrainSample(lat, None, refs, tokens=encoders.tokens(item.caption))
+        else:
+            txt = texts.get(item.caption, (), lambda c=item.caption, f=encoders.text: f(c))  # type: ignore[misc]
+            out = TrainSample(lat, txt, refs)
+        done += 1
+        if on_encode is not None:
+            on_encode(done, len(plans))
+        return out
 
     rank, world = shard
     own: dict[int, TrainSample] = {}

@@ -93,19 +93,21 @@ class TrainResult:
 
 
 def run_job(job: TrainJob, *, on_step: Callable[[StepReport], bool | None] | None = None,
-            check_cancel: Callable[[], None] | None = None) -> TrainResult:
+            check_cancel: Callable[[], None] | None = None,
+            on_encode: Callable[[int, int], None] | None = None) -> TrainResult:
     """Run ``job``. ``check_cancel()`` runs before each encoding and (with ``on_step``) after each
-    step; it cancels by raising. Bad input raises :class:`~klein_core.train.data.DatasetError`
+    step; it cancels by raising. ``on_encode(done, total)``: progress while the dataset is encoded
+    (before the first step; cached items count too). Bad input raises :class:`~klein_core.train.data.DatasetError`
     before any model is loaded (a distilled base, an empty folder, images without captions).
     Runs with autograd on even when called under ``torch.inference_mode()`` (as ComfyUI runs nodes).
     In a process group (data-parallel, e.g. the CLI under torchrun) every process runs it with its
     own ``device``; process 0 writes the LoRA and the others return once it is written."""
     with torch.inference_mode(False), torch.enable_grad():
-        return _run(job, on_step, check_cancel)
+        return _run(job, on_step, check_cancel, on_encode)
 
 
 def _run(job: TrainJob, on_step: Callable[[StepReport], bool | None] | None,
-         check_cancel: Callable[[], None] | None) -> TrainResult:
+         check_cancel: Callable[[], None] | None, on_encode: Callable[[int, int], None] | None) -> TrainResult:
     require_base_model(job.transformer)
     if job.fmt not in FORMATS:  # before training, not when the LoRA is saved at the end
         raise ValueError(f"fmt must be one of {', '.join(FORMATS)}, got {job.fmt!r}")
@@ -162,7 +164,8 @@ def _run(job: TrainJob, on_step: Callable[[StepReport], bool | None] | None,
     shard, gather = (0, 1), None
     if dist.is_initialized() and dist.get_world_size() > 1:  # each process encodes its share of the items
         shard, gather = (dist.get_rank(), dist.get_world_size()), _all_gather
-    samples = build_samples(scan, encoders, cache, area=int(job.resolution) ** 2, shard=shard, gather=gather)
+    samples = build_samples(scan, encoders, cache, area=int(job.resolution) ** 2, shard=shard, gather=gather,
+                            on_encode=on_encode)
     sampler = None
     if job.config.sample_prompts:
         from .samples import CheckpointSampler

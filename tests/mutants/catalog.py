@@ -1093,4 +1093,32 @@ MUTANTS: tuple[Mutant, ...] = (
         ('tests/test_serve_hunt.py::test_a_request_is_parsed_off_the_event_loop',),
         'decoding 64 MiB of references stalls /health',
     ),
+    Mutant(
+        'train-data-other-files-unsaid', 'klein_core/train/data.py',
+        '    if others:  # a .heic',
+        '    if False:  # a .heic',
+        ('tests/test_train_data_hunt.py::test_files_that_are_not_supported_images_and_captions_shared_by_two_images_are_warned',),
+        'a .heic without a caption vanishes from the run unsaid',
+    ),
+    Mutant(
+        'train-data-shared-caption-unsaid', 'klein_core/train/data.py',
+        '    if shared:  # a.jpg',
+        '    if False:  # a.jpg',
+        ('tests/test_train_data_hunt.py::test_files_that_are_not_supported_images_and_captions_shared_by_two_images_are_warned',),
+        'a.jpg and a.png train with a.txt unsaid',
+    ),
+    Mutant(
+        'train-data-repeated-rows-unsaid', 'klein_core/train/data.py',
+        '    if repeated:  # kept',
+        '    if False:  # kept',
+        ('tests/test_train_data_hunt.py::test_repeated_jsonl_rows_are_warned_with_their_lines_and_still_train',),
+        'a JSONL pasted twice trains every row twice unsaid',
+    ),
+    Mutant(
+        'train-encode-progress-silent', 'klein_core/train/data.py',
+        '        if on_encode is not None:\n            on_encode(done, len(plans))',
+        '        if False:\n            on_encode(done, len(plans))',
+        ('tests/test_train_data_hunt.py::test_encoding_the_dataset_reports_its_progress_cached_or_not',),
+        'no progress while the dataset is encoded',
+    ),
 )
