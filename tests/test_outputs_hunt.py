@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import io
 import json
+import logging
 import sys
 from pathlib import Path
 
@@ -461,3 +462,17 @@ def test_pinned_a_done_row_whose_png_was_deleted_is_redone_and_a_failed_write_ke
         write_atomic(image_path(out, "a"), b"a new image")
     assert image_path(out, "a").read_bytes() == b"png a"
     assert sorted(p.name for p in (out / "images").iterdir()) == ["a.png"]
+
+
+def test_a_training_run_says_before_its_first_step_that_it_replaces_an_existing_lora(tmp_path, train_inputs, caplog):
+    """Was a bug: ``train --output l.safetensors`` over a LoRA trained earlier replaced it at the end of
+    the run without a word; the user found out only afterwards. The run now warns at its start (while
+    stopping costs nothing), and only when the file exists."""
+    out = tmp_path / "l.safetensors"
+    with caplog.at_level(logging.WARNING, logger="klein_core.train.job"):
+        assert _train(train_inputs, out)[0] == 0
+        assert "exists" not in caplog.text
+        assert _train(train_inputs, out)[0] == 0
+    assert f"output {out} exists; this run replaces it when it ends" in caplog.text
+    (said,) = [r for r in caplog.records if "exists" in r.getMessage()]
+    assert said.created < out.stat().st_mtime  # said before the new file was written

@@ -113,6 +113,8 @@ def _run(job: TrainJob, on_step: Callable[[StepReport], bool | None] | None,
         raise ValueError(f"fmt must be one of {', '.join(FORMATS)}, got {job.fmt!r}")
     if (why := unwritable(job.output)) is not None:  # now, not when the trained LoRA is saved at the end
         raise ValueError(f"output {job.output}: {why}")
+    if Path(job.output).is_file():  # said now, while stopping costs nothing, not found out after the run
+        logger.warning("output %s exists; this run replaces it when it ends", job.output)
     if int(job.resolution) < 16:  # the bucket area is resolution²: 0 or a negative side is not a size
         raise ValueError(f"resolution must be 16 or more (pixels; the bucket area is resolution²), got {job.resolution}")
     # The LoRA's targets are checked before anything is encoded (a bad rank or pattern fails now).

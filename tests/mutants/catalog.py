@@ -1121,4 +1121,11 @@ MUTANTS: tuple[Mutant, ...] = (
         ('tests/test_train_data_hunt.py::test_encoding_the_dataset_reports_its_progress_cached_or_not',),
         'no progress while the dataset is encoded',
     ),
+    Mutant(
+        'train-output-replaced-unsaid', 'klein_core/train/job.py',
+        '    if Path(job.output).is_file():  # said now',
+        '    if False:  # said now',
+        ('tests/test_outputs_hunt.py::test_a_training_run_says_before_its_first_step_that_it_replaces_an_existing_lora',),
+        'a run replaces an earlier LoRA at its end without a word',
+    ),
 )
