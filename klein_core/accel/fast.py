@@ -784,13 +784,17 @@ def enable_fast_paths(
     model.ops = ops
     if compile:
         timer = _CompileTimer()
+        # Weak: LoRA copies of the blocks (with_loras) share this group; a strong reference would
+        # keep the whole original model alive for as long as any copy lives.
+        model_ref = weakref.ref(model)
 
         def eager_fast() -> None:  # the fast path's own kernels, which compilation left to Inductor
             ops.compile_failed()
             timer.off = True
-            if model.ops is ops:  # the timer's hooks, unless the model was switched since
-                _remove_hooks(model, getattr(model, "_fast_hooks", ()))
-                model._fast_hooks = []  # type: ignore[assignment]
+            owner = model_ref()
+            if owner is not None and owner.ops is ops:  # the timer's hooks, unless the model was switched since
+                _remove_hooks(owner, getattr(owner, "_fast_hooks", ()))
+                owner._fast_hooks = []  # type: ignore[assignment]
 
         _compile_group(_blocks(model), "transformer blocks", eager_fast, mode=compile_mode,
                        dynamic=compile_dynamic, backend=compile_backend)

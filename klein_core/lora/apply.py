@@ -563,8 +563,15 @@ class AppliedLoRAs:
         self._backups: list[tuple[nn.Module, torch.Tensor | tuple[torch.Tensor, torch.Tensor]]] = []
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         self._branches: list[tuple[nn.Module, LoRABranch]] = []
-        self._models: list[nn.Module] = []
+        # Weak: the handle sits in _MERGED under each model, and a strong reference from the value to
+        # its own key would keep the model (and its backups) alive after its owner let both go.
+        self._model_refs: list[weakref.ref[nn.Module]] = []
         self.active = True
+
+    @property
+    def _models(self) -> list[nn.Module]:
+        """The models the LoRAs were applied to that are still alive."""
+        return [m for ref in self._model_refs if (m := ref()) is not None]
 
     def __enter__(self) -> Self:
         return self
@@ -637,7 +644,7 @@ def apply_loras(
     items = _normalise(loras)
     plans, skipped = _plan(components, items)
     handle = AppliedLoRAs(mode, items, skipped)
-    handle._models = list(components.values())
+    handle._model_refs = [weakref.ref(m) for m in components.values()]
     try:
         _apply_plans(handle, plans, mode)
     except BaseException:

@@ -324,7 +324,10 @@ class TensorCache:
                     meta = f.metadata() or {}
                     if meta.get("identity") == self.identity and meta.get("source") == source:
                         self.hits += 1
-                        return f.get_tensor("value")
+                        # An owned copy: the tensor safetensors returns maps the file, which would
+                        # then stay mapped for the whole run (a rewritten entry changing it under the
+                        # run, one cut short a SIGBUS; on Windows it could not be replaced).
+                        return f.get_tensor("value").clone()
                 logger.info("cache entry %s is stale; rebuilding", path.name)
             except Exception as exc:  # noqa: BLE001 - a corrupt entry is rebuilt
                 logger.warning("cache entry %s cannot be read (%s); rebuilding", path.name, exc)

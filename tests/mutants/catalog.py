@@ -1128,4 +1128,25 @@ MUTANTS: tuple[Mutant, ...] = (
         ('tests/test_outputs_hunt.py::test_a_training_run_says_before_its_first_step_that_it_replaces_an_existing_lora',),
         'a run replaces an earlier LoRA at its end without a word',
     ),
+    Mutant(
+        'lora-merge-handle-pins-model', 'klein_core/lora/apply.py',
+        '    handle._model_refs = [weakref.ref(m) for m in components.values()]',
+        '    handle._model_refs = [(lambda m=m: m) for m in components.values()]',
+        ('tests/test_leaks_hunt.py::test_a_model_with_merged_loras_is_freed_when_its_owner_lets_it_go',),
+        'a model that ever had a LoRA merged is never freed',
+    ),
+    Mutant(
+        'compile-fallback-pins-model', 'klein_core/accel/fast.py',
+        '        model_ref = weakref.ref(model)\n',
+        '        model_ref = lambda: model  # noqa: E731\n',
+        ('tests/test_leaks_hunt.py::test_the_lora_loaders_copy_of_a_compiled_model_does_not_pin_it',),
+        'a LoRA copy of a compiled model keeps the released base model in memory',
+    ),
+    Mutant(
+        'train-cache-hit-mapped', 'klein_core/train/data.py',
+        '                        return f.get_tensor("value").clone()',
+        '                        return f.get_tensor("value")',
+        ('tests/test_leaks_hunt.py::test_a_training_cache_hit_does_not_keep_the_entry_file_mapped',),
+        'training data read from the cache stays mapped to its file',
+    ),
 )
