@@ -594,14 +594,12 @@ def run_generate(args: argparse.Namespace) -> int:
         names = {"transformer": tr_path.name, "text_encoder": te_path.name, "vae": vae_path.name}
     if args.lora:
         from .lora import apply_loras, load_lora
-        from .quant.ggml import ggml_layers
-        from .quant.nvfp4 import nvfp4_layers
+        from .lora.apply import exact_mode
 
-        # Packed blocks (GGUF, NVFP4) in either model cannot take a merged LoRA exactly: branches then
-        # (a small cost per step). The text encoder is None when the prompt came from the cache.
-        packed = any(m is not None and (ggml_layers(m) or nvfp4_layers(m)) for m in (transformer, text_encoder))
-        mode = "branch" if packed else "merge"
-        apply_loras((transformer, text_encoder), [(load_lora(p), s) for p, s in args.lora], mode=mode)
+        # Packed blocks (GGUF, NVFP4) in either model take branches. The text encoder is None when
+        # the prompt came from the cache.
+        apply_loras((transformer, text_encoder), [(load_lora(p), s) for p, s in args.lora],
+                    mode=exact_mode(transformer, text_encoder))
     step_cache = _step_cache(args, transformer, kind)
     t_load = time.perf_counter() - t_load
     t0 = time.perf_counter()

@@ -77,19 +77,31 @@ def spec_dtype(spec: ModelSpec, device: torch.device) -> torch.dtype:
 def open_engine(spec: ModelSpec) -> Engine:
     """Load the three models of ``spec`` on this worker's device and return their :class:`Engine`
     (memory planned per call for this device's free memory when ``spec.memory`` is "auto")."""
-    from ..files.loaders import load_text_encoder, load_transformer, load_vae
+    from ..files.loaders import load_text_encoder, load_transformer, load_vae, meta_model, quantize_for
+    from ..memory.planner import weights_home
     from ..pipeline.request import as_device
 
     device = as_device(spec.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = spec_dtype(spec, device)
+    # Each model lives where the memory mode wants it between runs, as the loader node decides: on
+    # the GPU, or in CPU memory for the engine to copy or stream in (loaded onto the GPU, a model is
+    # run there as it is, and one larger than the card fails to load).
+    components = ("transformer", "text_encoder", "vae")
     if spec.demo:
         from ..testing.tiny import build_tiny_components
 
-        models = [m.to(device=device, dtype=dtype) for m in build_tiny_components()]
+        built = [m.to(dtype=dtype) for m in build_tiny_components()]
+        models = [m.to(weights_home(m, device, mode=spec.memory, component=c)) for m, c in zip(built, components)]
     else:
-        models = [load_transformer(spec.transformer, device=device, dtype=dtype, quantize=spec.quantize),
-                  load_text_encoder(spec.text_encoder, device=device, dtype=dtype),
-                  load_vae(spec.vae, device=device, dtype=dtype)]
-    logger.info("models loaded on %s (%s)", device, dtype)
+        quantize = quantize_for(spec.transformer, "transformer", device, spec.quantize, dtype=dtype)
+        homes = [weights_home(meta_model(path, c, dtype=dtype, quantize=q), device, mode=spec.memory, component=c)
+                 for path, c, q in zip((spec.transformer, spec.text_encoder, spec.vae), components,
+                                       (quantize, None, None))]
+        models = [load_transformer(spec.transformer, device=homes[0], dtype=dtype, quantize=quantize),
+                  load_text_encoder(spec.text_encoder, device=homes[1], dtype=dtype),
+                  load_vae(spec.vae, device=homes[2], dtype=dtype)]
+    logger.info("models loaded for %s (%s): %s", device, dtype,
+                ", ".join(f"{c} in {'CPU memory' if next(m.parameters()).device.type == 'cpu' else 'device memory'}"
+                          for c, m in zip(components, models)))
     return Engine(*models, kind=spec.kind, device=device, memory=spec.memory, vae_tile=spec.vae_tile, text=spec.text,
                   ref_mode=spec.ref_mode, speed=spec.speed)

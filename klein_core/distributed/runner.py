@@ -80,13 +80,12 @@ class RowRunner:
 
     def _apply_loras(self, row: RowSpec):
         from ..lora import apply_loras, load_lora
-        from ..quant.ggml import ggml_layers
+        from ..lora.apply import exact_mode
 
         pairs = [(self._lora(load_lora, lora_path(self.spec.lora_dir, name)), strength)
                  for name, strength in row.loras]
-        engine = self.engine
-        mode = "branch" if ggml_layers(engine.transformer) else "merge"
-        return apply_loras((engine.transformer, engine.text_encoder), pairs, mode=mode)
+        models = (self.engine.transformer, self.engine.text_encoder)
+        return apply_loras(models, pairs, mode=exact_mode(*models))  # branches on GGUF / NVFP4 blocks
 
     def _lora(self, load_lora, path):
         """The LoRA at ``path``, from the cache while the file is unchanged (same inode, size and

@@ -692,6 +692,14 @@ def _apply_plans(handle: AppliedLoRAs, plans: dict[tuple[str, str], _ModulePlan]
         handle.modules.append(f"{comp}:{name}")
 
 
+def exact_mode(*models: nn.Module | None) -> str:
+    """The mode :func:`apply_loras` can apply exactly to ``models`` (None entries ignored): ``"merge"``,
+    or ``"branch"`` when any holds packed blocks (GGUF, NVFP4), which a merged LoRA cannot be written
+    into exactly (a small cost per step instead)."""
+    packed = any(isinstance(m, _PACKED) for model in models if model is not None for m in model.modules())
+    return "branch" if packed else "merge"
+
+
 def has_loras(model: nn.Module) -> bool:
     """Whether ``model`` computes with LoRAs now: merged into its weights, or as branch hooks
     (:func:`apply_loras` in either mode, or a :func:`with_loras` copy). Caches of its outputs

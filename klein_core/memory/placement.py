@@ -46,6 +46,10 @@ class _Slot:
     is_param: bool
     home: torch.Tensor
     also: list[tuple[nn.Module, str]] = field(default_factory=list)
+    # The Parameter the module had: put back (not a new one over the same home) when the home is
+    # unchanged, so its version counter, which caches key weights on (``weights_state``), survives:
+    # a new Parameter starts at 0 and would match a key made before an in-place load_state_dict.
+    param: nn.Parameter | None = None
 
 
 def _slots(module: nn.Module) -> list[_Slot]:
@@ -61,7 +65,8 @@ def _slots(module: nn.Module) -> list[_Slot]:
                 if id(t) in seen:
                     seen[id(t)].also.append((owner, name))
                     continue
-                seen[id(t)] = slot = _Slot(owner, name, is_param, t.data if is_param else t)
+                seen[id(t)] = slot = _Slot(owner, name, is_param, t.data if is_param else t,
+                                           param=t if is_param else None)
                 out.append(slot)
     return out
 
@@ -76,7 +81,11 @@ def _set(slot: _Slot, t: torch.Tensor) -> None:
         # A new Parameter rather than ``.data =``: that refuses some device pairs (e.g. meta).
         old = slot.owner._parameters[slot.name]
         grad = bool(old is not None and old.requires_grad)
-        param = nn.Parameter(t, requires_grad=grad)
+        keep = slot.param
+        if keep is not None and t is slot.home and keep.data_ptr() == t.data_ptr() and keep.device == t.device:
+            param = keep.requires_grad_(grad)
+        else:
+            param = nn.Parameter(t, requires_grad=grad)
         for owner, name in places:
             owner._parameters[name] = param
     else:
@@ -266,7 +275,7 @@ class BlockOffloader:
             outside = [(o, n) for o, n in _places(slot) if (id(o), n) not in in_blocks]
             if outside:
                 (owner, name), *also = outside
-                self._resident.append(_Slot(owner, name, slot.is_param, slot.home, also))
+                self._resident.append(_Slot(owner, name, slot.is_param, slot.home, also, slot.param))
         for slot in self._resident:
             if not _same_device(slot.home.device, self.device):
                 _set(slot, slot.home.to(self.device, copy=True))

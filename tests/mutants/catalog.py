@@ -1149,4 +1149,25 @@ MUTANTS: tuple[Mutant, ...] = (
         ('tests/test_leaks_hunt.py::test_a_training_cache_hit_does_not_keep_the_entry_file_mapped',),
         'training data read from the cache stays mapped to its file',
     ),
+    Mutant(
+        'placement-new-parameter-resets-version', 'klein_core/memory/placement.py',
+        '        if keep is not None and t is slot.home and keep.data_ptr()',
+        '        if False and keep is not None and t is slot.home and keep.data_ptr()',
+        ('tests/test_combinations_hunt.py::test_kv_cache_is_not_served_stale_keys_after_load_state_dict_and_a_streamed_run',),
+        'a streamed run makes the KV cache serve keys of the weights before load_state_dict',
+    ),
+    Mutant(
+        'ray-row-lora-merge-on-nvfp4', 'klein_core/distributed/runner.py',
+        'pairs, mode=exact_mode(*models))',
+        'pairs, mode="merge")',
+        ('tests/test_combinations_hunt.py::test_ray_row_lora_on_an_nvfp4_transformer_runs',),
+        "a row's LoRA on an NVFP4 transformer fails",
+    ),
+    Mutant(
+        'ray-models-loaded-on-gpu', 'klein_core/distributed/models.py',
+        '        models = [load_transformer(spec.transformer, device=homes[0],',
+        '        models = [load_transformer(spec.transformer, device=device,',
+        ('tests/test_combinations_hunt.py::test_ray_worker_memory_mode_keeps_streamed_weights_in_cpu_memory',),
+        'batch --memory blocks loads the transformer onto the GPU, where it cannot stream',
+    ),
 )
