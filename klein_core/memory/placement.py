@@ -81,10 +81,13 @@ def _set(slot: _Slot, t: torch.Tensor) -> None:
         # A new Parameter rather than ``.data =``: that refuses some device pairs (e.g. meta).
         old = slot.owner._parameters[slot.name]
         grad = bool(old is not None and old.requires_grad)
-        keep = slot.param
-        if keep is not None and t is slot.home and keep.data_ptr() == t.data_ptr() and keep.device == t.device:
-            param = keep.requires_grad_(grad)
-        else:
+        param = None
+        if slot.param is not None and t is slot.home:
+            if slot.param.data_ptr() == t.data_ptr() and slot.param.device == t.device:
+                param = slot.param.requires_grad_(grad)
+            else:  # the home was replaced (page-locked, moved): the old Parameter would only hold its memory
+                slot.param = None
+        if param is None:
             param = nn.Parameter(t, requires_grad=grad)
         for owner, name in places:
             owner._parameters[name] = param

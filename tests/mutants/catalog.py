@@ -1151,8 +1151,8 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         'placement-new-parameter-resets-version', 'klein_core/memory/placement.py',
-        '        if keep is not None and t is slot.home and keep.data_ptr()',
-        '        if False and keep is not None and t is slot.home and keep.data_ptr()',
+        '            if slot.param.data_ptr() == t.data_ptr() and slot.param.device == t.device:',
+        '            if False:',
         ('tests/test_combinations_hunt.py::test_kv_cache_is_not_served_stale_keys_after_load_state_dict_and_a_streamed_run',),
         'a streamed run makes the KV cache serve keys of the weights before load_state_dict',
     ),
@@ -1169,5 +1169,12 @@ MUTANTS: tuple[Mutant, ...] = (
         '        models = [load_transformer(spec.transformer, device=device,',
         ('tests/test_combinations_hunt.py::test_ray_worker_memory_mode_keeps_streamed_weights_in_cpu_memory',),
         'batch --memory blocks loads the transformer onto the GPU, where it cannot stream',
+    ),
+    Mutant(
+        'placement-replaced-home-kept-alive', 'klein_core/memory/placement.py',
+        '                slot.param = None\n',
+        '                pass\n',
+        ('tests/test_pinned.py::test_each_original_is_freed_before_the_next_chunk_is_made',),
+        'page-locking blocks keeps every original weight alive: twice the RAM',
     ),
 )
