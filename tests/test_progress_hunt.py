@@ -298,7 +298,8 @@ def test_trainer_queued_again_after_its_last_checkpoint_draws_the_new_sample_pro
     nothing samples. Fix: in ``run_job`` (klein_core/train/job.py:218-220), when the resumed state is at
     ``config.steps`` and sample prompts are given, call ``trainer.sample_images()`` (and report the
     step once, so the bar shows N of N)."""
-    assert finished_training == [(1, 1)]  # the first run: one tick, its total reached
+    # the first run: the dataset's 3 images encoded, then one step tick, its total reached
+    assert finished_training == [(1, 3), (2, 3), (3, 3), (1, 1)]
     calls = []
     before = env.utils.PROGRESS_BAR_HOOK
     env.utils.PROGRESS_BAR_HOOK = lambda value, total, preview, node_id=None: calls.append((value, total))
