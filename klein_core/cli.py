@@ -34,7 +34,7 @@ from .files.safetensors import open_safetensors
 from .memory.tiling import TILE_SIDES
 from .models.variants import check_text_width
 from .pipeline.engine import Engine, GenerationResult, generate
-from .pipeline.images import oriented_size, reference_size
+from .pipeline.images import oriented_size, reference_size, refuse_bomb
 from .pipeline.inpaint import (
     DEFAULT_STRENGTH_IMAGE_TO_IMAGE,
     DEFAULT_STRENGTH_INPAINT,
@@ -509,10 +509,9 @@ def open_image(flag: str, path: Path) -> Image.Image:
         raise CLIError(f"{flag} {path}: not a regular file")
     img = None
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)  # PIL only warns up to twice the limit
-            img = Image.open(path)
-            img.load()
+        img = Image.open(path)
+        refuse_bomb(img)  # PIL only warns up to twice the limit
+        img.load()
         return img
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
         msg = f"{flag} {path}: too large to read safely ({exc})"
@@ -692,7 +691,10 @@ class _StderrHandler(logging.StreamHandler):
 
 
 def log_to_stderr() -> None:
-    """Show klein_core's warnings on stderr in the CLI process (library users configure their own)."""
+    """Show klein_core's warnings on stderr in the CLI process (library users configure their own).
+    PIL's DecompressionBombWarning is silenced there: :func:`~klein_core.pipeline.images.refuse_bomb`
+    refuses such a picture with a message of its own."""
+    warnings.filterwarnings("ignore", category=Image.DecompressionBombWarning)
     root = logging.getLogger("klein_core")
     if not any(getattr(h, "_klein_cli", False) for h in root.handlers):
         handler = _StderrHandler(sys.stderr)

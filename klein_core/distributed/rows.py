@@ -17,7 +17,6 @@ import io
 import json
 import logging
 import re
-import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -25,7 +24,7 @@ from pathlib import Path
 from PIL import Image
 
 from ..cli import CLIError, lora_arg, open_image
-from ..pipeline.images import oriented_size, reference_size
+from ..pipeline.images import oriented_size, reference_size, refuse_bomb
 from ..pipeline.request import MAX_STEPS, Resolved, Settings, resolve
 from ..pipeline.sampling import MAX_SEED
 from ..pipeline.tokenizer import count_tokens
@@ -284,10 +283,9 @@ def open_reference(ref: str, index: int, *, base64_data: bool = False, base_dir:
     except (binascii.Error, ValueError):
         raise RowError(f"{label}: not valid base64 (send the image file's bytes base64-encoded)") from None
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
-            img = Image.open(io.BytesIO(data))
-            img.load()
+        img = Image.open(io.BytesIO(data))
+        refuse_bomb(img)
+        img.load()
         return img
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
         raise RowError(f"{label}: too large to read safely ({exc})") from None

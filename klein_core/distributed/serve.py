@@ -20,6 +20,7 @@ import math
 import threading
 import time
 import uuid
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -174,6 +175,13 @@ class KleinServer:
         self.runner = None
         self.load_error: str | None = None
         self.worker = worker_name()
+        # One generation at a time on the replica's one engine: @serve.batch runs the sub-batches of
+        # different multiplexed model ids (a header any client may send) concurrently, and a LoRA
+        # merged for one request would otherwise be in another's weights.
+        self._run_lock = threading.Lock()
+        # This process is the replica's: PIL's bomb warning goes, refuse_bomb answers such a reference
+        # with a 400 (set here, before any request thread runs: warnings filters are process-wide).
+        warnings.filterwarnings("ignore", category=Image.DecompressionBombWarning)
         self.generate_batch.set_max_batch_size(options.max_batch)
         self.generate_batch.set_batch_wait_timeout_s(options.batch_wait_s)
         threading.Thread(target=self._load, name="klein-load", daemon=True).start()
@@ -245,6 +253,10 @@ class KleinServer:
         return await asyncio.to_thread(self._run_jobs, jobs)
 
     def _run_jobs(self, jobs: list[Job]) -> list[dict]:
+        with self._run_lock:
+            return self._run_jobs_locked(jobs)
+
+    def _run_jobs_locked(self, jobs: list[Job]) -> list[dict]:
         batch_id = uuid.uuid4().hex[:8]
         order = sorted(range(len(jobs)), key=lambda i: jobs[i].row.shape_key())
         outcomes: list[dict] = [{}] * len(jobs)

@@ -48,6 +48,11 @@ class BoundedCache(Generic[V]):
             self._orphans.clear()
 
     def nbytes(self) -> int:
+        """The bytes of every entry (taken under the lock: another thread may be storing one)."""
+        with self._lock:
+            return self._nbytes()
+
+    def _nbytes(self) -> int:
         return sum(self._size(v) for _, v in self._data.values())
 
     def _owner_freed(self, key: Hashable, ref: weakref.ref) -> None:
@@ -86,7 +91,7 @@ class BoundedCache(Generic[V]):
             ref = weakref.ref(owner, lambda r, key=key: (c := cache()) is not None and c._owner_freed(key, r))
         self._data.pop(key, None)  # re-stored: newest, not left at its old place in the order
         self._data[key] = (ref, value)
-        total = self.nbytes()
+        total = self._nbytes()
         while self._data and (len(self._data) > self.max_entries or total > self.max_bytes):
             _, (_, old) = self._data.popitem(last=False)
             total -= self._size(old)

@@ -17,7 +17,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -204,7 +206,7 @@ class Engine:
         self.kv_cache = kv_cache
         self.make_room = make_room
         self.check_cancel = check_cancel
-        self._placed: dict[str, Any] = {}  # components placed by an enclosing stage (_stage)
+        self._local = threading.local()  # per thread: the components its enclosing stages placed (_stage)
         if speed is not None:  # after every check: bad arguments leave the models untouched
             apply_speed(transformer, vae, speed, text_encoder)
 
@@ -223,6 +225,14 @@ class Engine:
             raise KleinOutOfMemory(f"This request does not fit the GPU memory, refused before running: {plan.reason}.")
         return plan
 
+    @property
+    def _placed(self) -> dict[str, Any]:
+        """The components this thread's enclosing stages placed (another thread's are not its own)."""
+        placed = getattr(self._local, "placed", None)
+        if placed is None:
+            placed = self._local.placed = {}
+        return placed
+
     @contextlib.contextmanager
     def _stage(self, component: str, plan: MemoryPlan) -> Iterator[Any]:
         if component in self._placed:  # inside a stage that placed it already (one VAE copy for two steps)
@@ -237,7 +247,7 @@ class Engine:
         # the plan does not count their memory, and its weights leave again after the stage.
         staged = graphs is not None and not placer.in_place(component)
         suspend = graphs.suspended() if staged else contextlib.nullcontext()  # type: ignore[union-attr]
-        with suspend, placer.stage(component) as placed:
+        with _stage_lock(module), suspend, placer.stage(component) as placed:
             self._placed[component] = placed
             try:
                 yield placed
@@ -705,6 +715,22 @@ class Engine:
                     result.width, result.height = result.images[0].size
         result.timings = clock.read()
         return result
+
+
+# One stage at a time per model, across threads and engines: placing a model for a stage moves its
+# tensors (copied in, streamed), so a second thread staging it meanwhile would compute with weights the
+# first one takes away. Weakly keyed: nothing is kept alive. Held only around one component's stage,
+# and stages of different components never nest, so two threads cannot wait on each other.
+_stage_locks: weakref.WeakKeyDictionary[Any, threading.RLock] = weakref.WeakKeyDictionary()
+_stage_locks_guard = threading.Lock()
+
+
+def _stage_lock(module: Any) -> threading.RLock:
+    with _stage_locks_guard:
+        lock = _stage_locks.get(module)
+        if lock is None:
+            lock = _stage_locks[module] = threading.RLock()
+        return lock
 
 
 class StageClock:

@@ -20,6 +20,20 @@ MAX_ASPECT_RATIO = 8
 PUBLISHED_REFERENCE_LIMIT = 4  # BFL: Klein 4B/9B support up to 4 references
 
 
+def refuse_bomb(image: Image.Image) -> None:
+    """Raise :class:`PIL.Image.DecompressionBombError` when ``image`` (opened, not yet loaded) is over
+    PIL's limit, ``Image.MAX_IMAGE_PIXELS``, where PIL itself only warns up to twice the limit.
+
+    Checked on the size rather than by turning the warning into an error: a warnings filter is
+    process-wide, so one set in one thread (a Serve replica parses requests in several) would be
+    lost, or left in place, by another's."""
+    limit = Image.MAX_IMAGE_PIXELS
+    pixels = image.width * image.height
+    if limit is not None and pixels > limit:
+        raise Image.DecompressionBombError(f"Image size ({pixels} pixels) exceeds limit of {limit} pixels, "
+                                           "could be decompression bomb DOS attack.")
+
+
 def reference_size(width: int, height: int, multiple: int = 16) -> tuple[int, int]:
     """The (width, height) a ``width x height`` reference becomes: scaled to at most 1 MP, then
     cropped down to multiples of ``multiple``."""

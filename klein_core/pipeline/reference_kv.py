@@ -134,7 +134,7 @@ class ReferenceKVCache(BoundedCache[ReferenceKV]):
         """Drop the oldest entries until one more of ``nbytes`` fits the bounds (all of them when it
         cannot fit at all, as storing it would); under the lock."""
         self._drop_orphans()
-        total = self.nbytes()
+        total = self._nbytes()
         dropped = 0
         while self._data and (len(self._data) >= self.max_entries or total + nbytes > self.max_bytes):
             _, (_, old) = self._data.popitem(last=False)
