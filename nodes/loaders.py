@@ -105,7 +105,7 @@ class KleinModelLoader(io.ComfyNode):
                     "Sets the sampler defaults: distilled = 4 steps without CFG, base = 50 steps with CFG 4, "
                     "kv = Klein 9B-KV (distilled; references' keys/values computed once per edit). auto = "
                     "from the file name: 'base' -> base, '-kv' -> kv, else distilled (weights cannot tell).")),
-                io.Combo.Input("memory_mode", options=list(MEMORY_MODES), default="auto", tooltip=(
+                io.Combo.Input("memory_mode", options=list(MEMORY_MODES), default="auto", optional=True, tooltip=(
                     "GPU memory plan. auto = the fastest plan that fits the free memory (logged by the "
                     "sampler with its estimate); resident = everything stays on the GPU; swap = text "
                     "encoder and transformer take turns; blocks = transformer blocks stream from CPU "

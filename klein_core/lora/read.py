@@ -107,6 +107,26 @@ def _peft_configs(name: str, metadata: Mapping[str, str]) -> dict[str | None, di
     return out
 
 
+def _klein_text_encoder_config(name: str, metadata: Mapping[str, str]) -> dict[str, Any] | None:
+    """The text encoder's rank and alpha, as a PEFT config, for a LoRA this pack's trainer saved with
+    diffusers names before it wrote them into ``lora_adapter_metadata`` (a text-encoder alpha other
+    than the rank then read back at scale 1): from ``klein.text_encoder_targets``, which those files
+    hold (``{group: {"pattern", "rank", "alpha"}}``). None for any other file."""
+    if not str(metadata.get("klein.format", "")).endswith("(diffusers names)"):
+        return None
+    try:
+        groups = json.loads(metadata.get("klein.text_encoder_targets") or "null")
+        specs = [(str(g["pattern"]), int(g["rank"]), float(g["alpha"])) for g in groups.values()]
+    except (ValueError, TypeError, KeyError, AttributeError):
+        logger.warning("%s: its 'klein.text_encoder_targets' cannot be read; the text-encoder part applies at "
+                       "scale 1", name)
+        return None
+    if not specs:
+        return None
+    return {"r": specs[0][1], "lora_alpha": specs[0][2], "rank_pattern": {p: r for p, r, _ in specs},
+            "alpha_pattern": {p: a for p, _, a in specs}}
+
+
 def _pattern_value(patterns: Mapping[str, Any] | None, module: str, default: Any) -> Any:
     # PEFT's get_pattern_key: a pattern matches a module name suffix at a dot boundary.
     for pat, value in (patterns or {}).items():
@@ -271,6 +291,8 @@ def load_lora(
     """
     name, tensors, meta = _read_source(source, metadata)
     peft = _peft_configs(name, meta)
+    if TEXT_ENCODER not in peft and None not in peft and (old := _klein_text_encoder_config(name, meta)):
+        peft[TEXT_ENCODER] = old
     skipped: dict[str, str] = {}
     groups: dict[str, dict[str, tuple[str, torch.Tensor]]] = {}
     for key, value in tensors.items():

@@ -35,6 +35,7 @@ logger = logging.getLogger(__name__)
 
 OPTIMIZERS: tuple[str, ...] = ("adamw", "adamw8bit")
 CHECKPOINT_FILE = "trainer_state.safetensors"
+OLD_CHECKPOINT_FILE = "trainer_state.pt"  # what versions before the safetensors state wrote (a pickle)
 
 
 @dataclass(frozen=True)
@@ -450,14 +451,16 @@ class Trainer:
         if fit is not None:  # before the settings: a rank or target change is said in these words
             raise ValueError(f"{file}: this checkpoint's LoRA does not fit this run ({fit}); resume with the "
                              "preset, rank, targets and text-encoder rank it was trained with")
-        if "run_identity" in state:  # (checkpoints written before it was recorded are not checked)
+        if "run_identity" in state:
             saved = json.loads(state["run_identity"])
             changed = [f"{k} {saved[k]!r} -> {self.run_identity[k]!r}" for k in saved
                        if k in self.run_identity and saved[k] != self.run_identity[k]]
-            if changed:
-                raise ValueError(f"{file}: this checkpoint was trained with other settings than this run ("
-                                 f"{'; '.join(changed)}); resuming would mix two runs. Resume with the settings it "
-                                 "was trained with, or start a new run (another output, or without resuming)")
+        else:  # written before it was recorded: what its optimizer recorded, which loading it would impose
+            changed = _optimizer_changes(state.get("optimizer"), self.optimizer)
+        if changed:
+            raise ValueError(f"{file}: this checkpoint was trained with other settings than this run ("
+                             f"{'; '.join(changed)}); resuming would mix two runs. Resume with the settings it "
+                             "was trained with, or start a new run (another output, or without resuming)")
         if int(state["step"]) > self.config.steps:
             raise ValueError(f"{file}: this checkpoint is at step {int(state['step'])}, past this run's "
                              f"{self.config.steps} steps; resume with steps {int(state['step'])} or more, or from "
@@ -474,6 +477,26 @@ class Trainer:
         self.step, self.losses = int(state["step"]), list(state["losses"])
         torch.set_rng_state(state["torch_rng"])
         logger.info("resumed from %s at step %d", file, self.step)
+
+
+_GROUP_SETTINGS = {"lr": "learning_rate", "betas": "betas", "eps": "eps", "weight_decay": "weight_decay"}
+
+
+def _optimizer_changes(saved: object, optimizer: torch.optim.Optimizer) -> list[str]:
+    """The settings (learning rate, betas, eps, weight decay) in which a checkpoint's optimizer state
+    differs from ``optimizer``'s, as ``"name old -> new"``; loading the state would replace this run's."""
+    groups = saved.get("param_groups") if isinstance(saved, dict) else None
+    if not isinstance(groups, list):
+        return []
+    changed = []
+    for i, (old, new) in enumerate(zip(groups, optimizer.param_groups)):
+        for key, name in _GROUP_SETTINGS.items():
+            if i == 1 and key == "lr":
+                name = "text_encoder_lr"
+            a, b = json.loads(json.dumps(old.get(key))), json.loads(json.dumps(new.get(key)))
+            if key in old and a != b:
+                changed.append(f"{name} {a!r} -> {b!r}")
+    return changed
 
 
 def _lora_mismatch(state: dict, lora: LoRASet, text_lora: LoRASet | None) -> str | None:
@@ -508,7 +531,21 @@ def latest_checkpoint(folder: str | Path, steps: int | None = None) -> Path | No
     """The ``checkpoint-<n>`` folder of ``folder`` with the highest ``n`` (at most ``steps``) that holds
     a training state, or None."""
     found = [path for n, path in checkpoints(folder) if steps is None or n <= steps]
+    if not found and (old := _old_checkpoints(folder)):
+        # Said, not passed over: a run starting at step 0 here would write its checkpoints beside them.
+        raise ValueError(f"{old[-1]} holds a training state written by an earlier version ({OLD_CHECKPOINT_FILE}), "
+                         "which this version cannot resume; finish that run with the version that started it, "
+                         f"or move {Path(folder)} away to start afresh")
     return found[-1] if found else None
+
+
+def _old_checkpoints(folder: str | Path) -> list[Path]:
+    try:
+        entries = sorted(Path(folder).iterdir())
+    except OSError:
+        return []
+    return [e / OLD_CHECKPOINT_FILE for e in entries if re.fullmatch(r"checkpoint-\d+", e.name)
+            and (e / OLD_CHECKPOINT_FILE).is_file() and not (e / CHECKPOINT_FILE).is_file()]
 
 
 def config_dict(cfg: TrainConfig) -> dict:

@@ -1213,4 +1213,32 @@ MUTANTS: tuple[Mutant, ...] = (
         ('tests/test_threads_hunt.py::test_the_prompt_caches_size_can_be_read_while_another_thread_stores_an_embedding',),
         "reading a cache's size while another thread stores fails",
     ),
+    Mutant(
+        'lora-old-text-encoder-alpha-ignored', 'klein_core/lora/read.py',
+        '    if TEXT_ENCODER not in peft and None not in peft and (old :=',
+        '    if False and (old :=',
+        ('tests/test_compat_hunt.py::test_old_diffusers_lora_keeps_its_text_encoder_alpha',),
+        "an old diffusers-named LoRA's text-encoder part applies at scale 1",
+    ),
+    Mutant(
+        'train-old-pickled-checkpoint-passed-over', 'klein_core/train/trainer.py',
+        '    if not found and (old := _old_checkpoints(folder)):',
+        '    if False and (old := _old_checkpoints(folder)):',
+        ('tests/test_compat_hunt.py::test_resume_auto_does_not_pass_over_an_old_pickled_checkpoint',),
+        'resume auto restarts at step 0 beside old checkpoints',
+    ),
+    Mutant(
+        'train-pre-identity-checkpoint-unchecked', 'klein_core/train/trainer.py',
+        '            changed = _optimizer_changes(state.get("optimizer"), self.optimizer)',
+        '            changed = []',
+        ('tests/test_compat_hunt.py::test_resume_of_a_checkpoint_without_run_identity_keeps_this_runs_learning_rate',),
+        'an old checkpoint imposes its learning rate on the resumed run',
+    ),
+    Mutant(
+        'loader-memory-mode-required', 'nodes/loaders.py',
+        'io.Combo.Input("memory_mode", options=list(MEMORY_MODES), default="auto", optional=True,',
+        'io.Combo.Input("memory_mode", options=list(MEMORY_MODES), default="auto",',
+        ('tests/test_compat_hunt.py::test_an_api_workflow_saved_before_memory_mode_still_validates',),
+        'API workflows saved before memory_mode are refused',
+    ),
 )
