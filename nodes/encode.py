@@ -140,7 +140,14 @@ class KleinTextEncode(io.ComfyNode):
             engine = open_engine(NODE, {"text_encoder": ("text_encoder", ref)}, device=device, prompt_cache=prompts,
                                  text=options, speed=SPEEDS[speed])
             with notices.ignoring("klein_core.pipeline.tokenizer"):  # cut prompts were reported above, by input name
-                embeds = engine.encode_prompts([prompt], negative_prompt)
+                try:
+                    embeds = engine.encode_prompts([prompt], negative_prompt)
+                except FloatingPointError as exc:
+                    if dtype != torch.float16 or options.activations is not None:
+                        raise
+                    # The node chose fp16 (a GPU without bf16): the remedy is its own precision input.
+                    raise FloatingPointError(f"{NODE}: the text encoder overflowed float16, the dtype it runs in on "
+                                             "this GPU (it has no bf16); set precision to 'fp32 activations'.") from exc
         else:
             logger.info("%s: prompt embeddings from the cache; %s not loaded", NODE, text_encoder)
         text_dim = embeds.positive.shape[-1]

@@ -80,7 +80,7 @@ def _axis_weights(starts: list[int], tile: int, size: int, scale: int) -> list[t
     out = []
     for k, (a, b) in enumerate(spans):
         x = torch.arange(a, b, dtype=torch.float32) + 0.5
-        w = torch.ones(b - a)
+        w = torch.ones(b - a, dtype=torch.float32)  # float32 whatever the default dtype (as every tensor here)
         if k > 0 and spans[k - 1][1] > a:
             w = torch.minimum(w, ((x - a) / (spans[k - 1][1] - a)).clamp(0, 1))
         if k + 1 < len(spans) and spans[k + 1][0] < b:
@@ -109,13 +109,14 @@ def _tiled(
     wy = _axis_weights(ys, tile, h, scale)
     wx = _axis_weights(xs, tile, w, scale)
     acc: torch.Tensor | None = None
-    norm = torch.zeros(h * scale, w * scale)
+    norm = torch.zeros(h * scale, w * scale, dtype=torch.float32)
     for i, y0 in enumerate(ys):
         for j, x0 in enumerate(xs):
             th, tw = min(tile, h - y0), min(tile, w - x0)
             part = fn(y0, x0, th, tw)
             if acc is None:
-                acc = torch.zeros(part.shape[0], part.shape[1], h * scale, w * scale, device=part.device)
+                acc = torch.zeros(part.shape[0], part.shape[1], h * scale, w * scale, device=part.device,
+                                  dtype=torch.float32)
                 norm = norm.to(part.device)
                 out_dtype = part.dtype
             weight = (wy[i][:, None] * wx[j][None, :]).to(part.device)

@@ -286,6 +286,15 @@ class _LatentBatchNorm(nn.Module):
         self.register_buffer("running_mean", torch.zeros(channels, dtype=torch.float32))
         self.register_buffer("running_var", torch.ones(channels, dtype=torch.float32))
 
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> _LatentBatchNorm:
+        # vae.to(bfloat16) would round the statistics for good (the loaders keep them float32): they
+        # follow the device and stay float32, so a converted VAE decodes as a VAE loaded in that dtype.
+        def keep_float32(t: torch.Tensor) -> torch.Tensor:
+            out = fn(t)
+            return out if out.dtype == t.dtype else t.to(device=out.device)
+
+        return super()._apply(keep_float32, recurse)
+
 
 # ---------------------------------------------------------------------------------------------
 # Patchify and the model

@@ -77,6 +77,7 @@ from .vae_io import (
     overflow_cause,
     reference_pixel_sizes,
     size_source,
+    text_overflow_cause,
 )
 
 logger = logging.getLogger(__name__)
@@ -337,7 +338,7 @@ class Engine:
                                              weights=home)
                               for e, g in zip(embeds, groups)]
                     for emb in embeds:
-                        check.check_output(emb, "The text encoder", te, overflow_cause(emb.dtype))
+                        check.check_output(emb, "The text encoder", te, text_overflow_cause(emb.dtype))
         return self._conditioning([to_device(e, self.device) for e in embeds], n, negative_prompt is not None)  # type: ignore[union-attr]
 
     def encode_references(self, images: Sequence[Image.Image | torch.Tensor], *,

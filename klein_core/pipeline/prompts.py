@@ -31,7 +31,7 @@ import torch
 
 from ..checks import Checks, is_finite
 from ..errors import WeightFormatError
-from ..files.loaders import source_stamp
+from ..files.loaders import as_dtype, source_stamp
 from ..files.safetensors import open_safetensors
 from ..lora.apply import has_loras
 from ..transfer import to_device
@@ -114,8 +114,9 @@ def encoder_identity(source: str | os.PathLike, dtype: torch.dtype, device: torc
     ``text_encoder/`` as the loader picks it; see :func:`~klein_core.files.loaders.source_stamp`), the
     dtype it is loaded in, how it is quantised and the device type it runs on. ``component="vae"``
     names a VAE the same way (the trainer's latent cache). None when ``source`` is not a file (an
-    in-memory model)."""
-    return _identity(source_stamp(source, component), dtype, device, quantize)
+    in-memory model). ``dtype`` may be named as the loaders take it (``"bf16"``): the identity is the
+    same as for the dtype itself, so a prompt cached by a loaded encoder is found."""
+    return _identity(source_stamp(source, component), as_dtype(dtype, "encoder_identity"), device, quantize)
 
 
 def loaded_encoder_identity(encoder: Any, device: torch.device | str | None = None) -> str | None:

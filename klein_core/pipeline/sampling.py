@@ -61,7 +61,7 @@ def get_schedule(num_steps: int, image_seq_len: int) -> torch.Tensor:
     # multiply, which is 1 ulp off the reference's true division for some sigmas.
     e = torch.full_like(sigmas, math.exp(mu))
     shifted = e / (e + (torch.ones_like(sigmas) / sigmas - 1))
-    return torch.cat([shifted, torch.zeros(1)])
+    return torch.cat([shifted, torch.zeros(1, dtype=torch.float32)])  # float32 whatever the default dtype
 
 
 def make_noise(seed: int, batch: int, channels: int, height: int, width: int) -> torch.Tensor:

@@ -21,6 +21,15 @@ def overflow_cause(dtype: torch.dtype) -> str:
             else "an extreme guidance value, or weights that overflow in this dtype")
 
 
+def text_overflow_cause(dtype: torch.dtype) -> str:
+    """:func:`overflow_cause` for the text encoder's output ``dtype`` (its activations' when
+    ``TextOptions.activations`` is set): fp32 activations cure an fp16 overflow without loading it again."""
+    if dtype == torch.float16:
+        return ("fp16 overflow in the text encoder's activations: compute them in fp32 "
+                "(TextOptions(activations=torch.float32)), or in a bf16 or fp32 model's own dtype")
+    return overflow_cause(dtype)
+
+
 def decode_to_pixels(vae: Any, latents: torch.Tensor, *, tile: int | None = None, clamp: bool = True,
                      host: bool = True) -> torch.Tensor:
     """Decode normalised latents ``[B, 128, h, w]`` to pixels ``[B, 3, 16h, 16w]`` in [0, 1] (fp32).
@@ -110,4 +119,5 @@ def size_source(what: str, image: Image.Image | torch.Tensor, downscale: int = 1
     return f"{what} ({w}x{h} px)"
 
 
-__all__ = ["decode_to_pixels", "encode_references", "overflow_cause", "reference_pixel_sizes", "size_source"]
+__all__ = ["decode_to_pixels", "encode_references", "overflow_cause", "reference_pixel_sizes", "size_source",
+           "text_overflow_cause"]

@@ -131,7 +131,7 @@ class LoRALayer(nn.Module):
             raise ValueError(f"{out_features} rows cannot be split in {parts} parts")
         self.parts, self.rank, self.scale = parts, rank, float(scale)
         bound = 1 / math.sqrt(in_features)  # kaiming_uniform_(a=sqrt(5)) on [r, in]
-        down = (torch.rand(parts, rank, in_features, generator=generator) * 2 - 1) * bound
+        down = (torch.rand(parts, rank, in_features, generator=generator, dtype=torch.float32) * 2 - 1) * bound
         self.down = nn.Parameter(down.to(device=device, dtype=dtype))
         self.up = nn.Parameter(torch.zeros(parts, out_features // parts, rank, device=device, dtype=dtype))
 

@@ -42,9 +42,10 @@ class ObjectiveConfig:
 def sample_density(cfg: ObjectiveConfig, batch: int, generator: torch.Generator | None = None) -> torch.Tensor:
     """``u`` ``[batch]`` float32 in [0, 1) from the weighting scheme's density (CPU)."""
     if cfg.weighting_scheme == "logit_normal":
-        u = torch.normal(mean=cfg.logit_mean, std=cfg.logit_std, size=(batch,), generator=generator)
+        u = torch.normal(mean=cfg.logit_mean, std=cfg.logit_std, size=(batch,), generator=generator,
+                         dtype=torch.float32)  # the draws do not follow a script's default dtype
         return torch.sigmoid(u)
-    u = torch.rand(size=(batch,), generator=generator)
+    u = torch.rand(size=(batch,), generator=generator, dtype=torch.float32)
     if cfg.weighting_scheme == "mode":
         u = 1 - u - cfg.mode_scale * (torch.cos(math.pi * u / 2) ** 2 - 1 + u)
     return u

@@ -271,11 +271,12 @@ class Trainer:
         if not mine:
             return None
         drop = cfg.reference_dropout > 0 and bool(
-            torch.rand(1, generator=torch.Generator().manual_seed(_seed(cfg.seed, step, 0xD))) < cfg.reference_dropout)
+            torch.rand(1, generator=torch.Generator().manual_seed(_seed(cfg.seed, step, 0xD)), dtype=torch.float32)
+            < cfg.reference_dropout)
         noise, u = [], []
         for j in mine:
             g = torch.Generator().manual_seed(_seed(cfg.seed, step, j))
-            noise.append(torch.randn(self.samples[idx[j]].latents.shape, generator=g))
+            noise.append(torch.randn(self.samples[idx[j]].latents.shape, generator=g, dtype=torch.float32))
             u.append(sample_density(cfg.objective, 1, g))
         pick = [self.samples[idx[j]] for j in mine]
         refs = () if drop else tuple(torch.cat([s.references[r] for s in pick]) for r in range(len(pick[0].references)))
