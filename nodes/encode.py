@@ -143,8 +143,8 @@ class KleinTextEncode(io.ComfyNode):
                 try:
                     embeds = engine.encode_prompts([prompt], negative_prompt)
                 except FloatingPointError as exc:
-                    if dtype != torch.float16 or options.activations is not None:
-                        raise
+                    if isinstance(exc, kc.NonFiniteWeights) or dtype != torch.float16 or options.activations is not None:
+                        raise  # (corrupt weights are said as such)
                     # The node chose fp16 (a GPU without bf16): the remedy is its own precision input.
                     raise FloatingPointError(f"{NODE}: the text encoder overflowed float16, the dtype it runs in on "
                                              "this GPU (it has no bf16); set precision to 'fp32 activations'.") from exc

@@ -201,6 +201,7 @@ def test_resume_auto_does_not_pass_over_an_old_pickled_checkpoint(tmp_path):
     assert str(checkpoints / "checkpoint-1" / "trainer_state.pt") in str(info.value)
     assert "earlier version" in str(info.value) and "to start afresh" in str(info.value)
     assert steps == [] and not (checkpoints / "checkpoint-1" / "trainer_state.safetensors").exists()
+    assert not (tmp_path / "cache").exists()  # refused before anything was encoded
 
 
 def test_resume_of_a_checkpoint_without_run_identity_keeps_this_runs_learning_rate(tmp_path):
@@ -295,3 +296,22 @@ def test_pinned_old_ui_widgets_values_map_to_the_same_inputs(pack_nodes):
                     if opts.get("control_after_generate"):
                         order.append("control_after_generate")
         assert order[:len(values)] == meant, (node, order)
+
+
+def test_review_a_transformer_only_diffusers_lora_of_this_trainer_loads_without_a_warning(tmp_path, caplog):
+    """Was a bug (in the mend above, found in review): every LoRA this trainer saves with diffusers
+    names and no text-encoder part (the CLI's default) warned, when loaded, that its
+    'klein.text_encoder_targets' could not be read: it has none to read. No warning now."""
+    import logging
+
+    tr = tiny_transformer()
+    lora = LoRASet(tr, preset("style", rank=2), seed=1)
+    _random_up(lora)
+    path = tmp_path / "style.safetensors"
+    from klein_core.train.save import save_lora
+
+    save_lora(path, lora, fmt="diffusers")
+    with caplog.at_level(logging.WARNING, logger="klein_core"):
+        loaded = load_lora(path)
+    assert loaded.patches and not loaded.skipped
+    assert "text_encoder_targets" not in caplog.text, caplog.text

@@ -283,3 +283,27 @@ def test_encoder_node_fp16_overflow_names_a_choice_the_node_has(comfy, monkeypat
     msg = str(err.value)
     assert "load the model in bf16 or fp32" not in msg, f"advice the node cannot follow: {msg}"
     assert "fp32 activations" in msg or "precision" in msg, f"the node's own remedy is not named: {msg}"
+
+
+def test_review_the_encoder_node_in_fp16_still_says_weights_are_corrupt(comfy, monkeypatch):  # noqa: F811
+    """Was a bug (in the mend above, found in review): on a GPU without bf16, a text-encoder file holding
+    NaN was reported with the fp16 advice ("set precision to 'fp32 activations'"), hiding the
+    engine's message naming the corrupt tensor and file. Corrupt weights are said as such."""
+    weights = {"model." + k: v.to(torch.bfloat16).contiguous() for k, v in _hot_text_encoder().state_dict().items()}
+    bad = next(k for k in weights if k.endswith("layers.0.self_attn.q_proj.weight"))
+    weights[bad][0, 0] = float("nan")
+    name = "qwen_3_4b_nan.safetensors"
+    path = comfy.models / "text_encoders" / name
+    save_file(weights, str(path))
+    comfy.folder_paths.filename_list_cache.clear()
+    monkeypatch.setattr(comfy.host, "bf16_supported", lambda device: False)  # a GPU before Ampere
+    try:
+        with torch.inference_mode(), pytest.raises(FloatingPointError) as err:
+            comfy.pack.KleinTextEncode.execute(name, "a red fox", "", "model dtype")
+    finally:
+        comfy.cache.release_all("dtype hunt done")
+        path.unlink()
+        comfy.folder_paths.filename_list_cache.clear()
+    msg = str(err.value)
+    assert isinstance(err.value, kc.NonFiniteWeights) and "fp32 activations" not in msg, msg
+    assert "layers.0.self_attn.q_proj.weight" in msg, msg

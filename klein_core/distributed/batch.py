@@ -13,10 +13,13 @@ import json
 import logging
 import math
 import time
+import warnings
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from PIL import Image
 
 from ..cli import CLIError
 from ..errors import GenerationCancelled, KleinOutOfMemory, WeightFormatError
@@ -136,6 +139,8 @@ class RowsActor:
 
         if threads > 0 and not torch.cuda.is_available():
             torch.set_num_threads(threads)
+        # The worker process is the job's: PIL's bomb warning goes (refuse_bomb names such a reference).
+        warnings.filterwarnings("ignore", category=Image.DecompressionBombWarning)
         self.out_dir = Path(out_dir)
         self.base_dir = Path(base_dir)
         self.runner = RowRunner(spec)

@@ -66,6 +66,25 @@ class ModelSpec:
                 "vae_tile": vae_tile_text(self.vae_tile), "quantize": self.quantize}
 
 
+def _homes(spec: ModelSpec, device: torch.device, models: list[torch.nn.Module]) -> list[torch.device]:
+    """Where each of the three models (loaded or meta) lives between runs on ``device``: on it where
+    the memory plan for a typical request (1024², all stages) keeps it resident, else in CPU memory,
+    for the engine to copy or stream in (a model loaded onto the GPU runs there as it is, and one
+    that does not fit fails to load). The three are planned together: each fitting alone is not
+    all three fitting."""
+    if device.type != "cuda":
+        return [device] * 3
+    from ..memory.planner import MemoryRequest, ModelSizes, choose_plan, estimate, plan_for
+
+    request = MemoryRequest(cfg=spec.kind == "base")
+    if spec.memory == "auto":  # for this device's free memory
+        plan = plan_for(request, *models, device=device)
+    else:  # the mode's own placement
+        plan = choose_plan(estimate(request, ModelSizes.from_modules(*models)), 1 << 62, mode=spec.memory)
+    return [device if plan.placements.get(c, "resident") == "resident" else torch.device("cpu")
+            for c in ("transformer", "text_encoder", "vae")]
+
+
 def spec_dtype(spec: ModelSpec, device: torch.device) -> torch.dtype:
     """The dtype the models of ``spec`` load in on ``device``: the one asked, else bf16 on a GPU, fp32
     on the CPU (the CLI's rule)."""
@@ -78,25 +97,21 @@ def open_engine(spec: ModelSpec) -> Engine:
     """Load the three models of ``spec`` on this worker's device and return their :class:`Engine`
     (memory planned per call for this device's free memory when ``spec.memory`` is "auto")."""
     from ..files.loaders import load_text_encoder, load_transformer, load_vae, meta_model, quantize_for
-    from ..memory.planner import weights_home
     from ..pipeline.request import as_device
 
     device = as_device(spec.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = spec_dtype(spec, device)
-    # Each model lives where the memory mode wants it between runs, as the loader node decides: on
-    # the GPU, or in CPU memory for the engine to copy or stream in (loaded onto the GPU, a model is
-    # run there as it is, and one larger than the card fails to load).
     components = ("transformer", "text_encoder", "vae")
     if spec.demo:
         from ..testing.tiny import build_tiny_components
 
         built = [m.to(dtype=dtype) for m in build_tiny_components()]
-        models = [m.to(weights_home(m, device, mode=spec.memory, component=c)) for m, c in zip(built, components)]
+        homes = _homes(spec, device, built)
+        models = [m.to(home) for m, home in zip(built, homes)]
     else:
         quantize = quantize_for(spec.transformer, "transformer", device, spec.quantize, dtype=dtype)
-        homes = [weights_home(meta_model(path, c, dtype=dtype, quantize=q), device, mode=spec.memory, component=c)
-                 for path, c, q in zip((spec.transformer, spec.text_encoder, spec.vae), components,
-                                       (quantize, None, None))]
+        homes = _homes(spec, device, [meta_model(path, c, dtype=dtype, quantize=q) for path, c, q in zip(
+            (spec.transformer, spec.text_encoder, spec.vae), components, (quantize, None, None))])
         models = [load_transformer(spec.transformer, device=homes[0], dtype=dtype, quantize=quantize),
                   load_text_encoder(spec.text_encoder, device=homes[1], dtype=dtype),
                   load_vae(spec.vae, device=homes[2], dtype=dtype)]

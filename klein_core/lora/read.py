@@ -112,10 +112,11 @@ def _klein_text_encoder_config(name: str, metadata: Mapping[str, str]) -> dict[s
     diffusers names before it wrote them into ``lora_adapter_metadata`` (a text-encoder alpha other
     than the rank then read back at scale 1): from ``klein.text_encoder_targets``, which those files
     hold (``{group: {"pattern", "rank", "alpha"}}``). None for any other file."""
-    if not str(metadata.get("klein.format", "")).endswith("(diffusers names)"):
-        return None
+    raw = metadata.get("klein.text_encoder_targets")
+    if not raw or not str(metadata.get("klein.format", "")).endswith("(diffusers names)"):
+        return None  # (no text-encoder part trained: nothing to read)
     try:
-        groups = json.loads(metadata.get("klein.text_encoder_targets") or "null")
+        groups = json.loads(raw)
         specs = [(str(g["pattern"]), int(g["rank"]), float(g["alpha"])) for g in groups.values()]
     except (ValueError, TypeError, KeyError, AttributeError):
         logger.warning("%s: its 'klein.text_encoder_targets' cannot be read; the text-encoder part applies at "

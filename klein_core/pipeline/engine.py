@@ -243,17 +243,18 @@ class Engine:
         if module is None:
             raise ValueError(f"this stage needs a {component.replace('_', ' ')}; none was given")
         placer = StagePlacer(self.device, {component: module}, dict(plan.placements), prefetch=plan.prefetch)
-        graphs = graphed_forward(module)
-        # A text encoder copied in (or streamed) for this stage only runs without its CUDA graphs:
-        # the plan does not count their memory, and its weights leave again after the stage.
-        staged = graphs is not None and not placer.in_place(component)
-        suspend = graphs.suspended() if staged else contextlib.nullcontext()  # type: ignore[union-attr]
-        with _stage_lock(module), suspend, placer.stage(component) as placed:
-            self._placed[component] = placed
-            try:
-                yield placed
-            finally:
-                del self._placed[component]
+        with _stage_lock(module):  # where the model is can be asked only once no other stage has it placed
+            graphs = graphed_forward(module)
+            # A text encoder copied in (or streamed) for this stage only runs without its CUDA graphs:
+            # the plan does not count their memory, and its weights leave again after the stage.
+            staged = graphs is not None and not placer.in_place(component)
+            suspend = graphs.suspended() if staged else contextlib.nullcontext()  # type: ignore[union-attr]
+            with suspend, placer.stage(component) as placed:
+                self._placed[component] = placed
+                try:
+                    yield placed
+                finally:
+                    del self._placed[component]
 
     def _text_bytes(self) -> dict[str, int]:
         """The planner's ``text_activation_bytes`` when the text encoder computes in a dtype of its own

@@ -124,6 +124,13 @@ def _run(job: TrainJob, on_step: Callable[[StepReport], bool | None] | None,
     dtype = job.dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     out = Path(job.output)
     cancel = check_cancel or (lambda: None)
+    # Found (or refused: a checkpoint of an earlier version) before anything is encoded or loaded.
+    checkpoints = Path(job.checkpoint_dir) if job.checkpoint_dir is not None else \
+        out.parent / (out.stem + "-checkpoints")
+    resume = job.resume
+    if resume is not None and str(resume) == "auto":  # the latest checkpoint of this output, if any
+        resume = latest_checkpoint(checkpoints, job.config.steps)
+        logger.info("resume auto: %s", resume or f"no checkpoint in {checkpoints}; starting at step 0")
 
     from ..pipeline.engine import Engine
 
@@ -204,12 +211,6 @@ def _run(job: TrainJob, on_step: Callable[[StepReport], bool | None] | None,
         cancel()
         return on_step(report) if on_step is not None else None
 
-    checkpoints = Path(job.checkpoint_dir) if job.checkpoint_dir is not None else \
-        out.parent / (out.stem + "-checkpoints")
-    resume = job.resume
-    if resume is not None and str(resume) == "auto":  # the latest checkpoint of this output, if any
-        resume = latest_checkpoint(checkpoints, job.config.steps)
-        logger.info("resume auto: %s", resume or f"no checkpoint in {checkpoints}; starting at step 0")
     data_hash = dataset_hash(scan.items)
     # What a checkpoint must share with a run resuming it, besides the trainer's own settings
     # (Trainer.resume refuses a checkpoint of other data, models or resolution, naming the change).

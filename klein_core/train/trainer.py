@@ -545,8 +545,10 @@ def _old_checkpoints(folder: str | Path) -> list[Path]:
         entries = sorted(Path(folder).iterdir())
     except OSError:
         return []
-    return [e / OLD_CHECKPOINT_FILE for e in entries if re.fullmatch(r"checkpoint-\d+", e.name)
-            and (e / OLD_CHECKPOINT_FILE).is_file() and not (e / CHECKPOINT_FILE).is_file()]
+    found = [(int(m.group(1)), e / OLD_CHECKPOINT_FILE) for e in entries
+             if (m := re.fullmatch(r"checkpoint-(\d+)", e.name))
+             and (e / OLD_CHECKPOINT_FILE).is_file() and not (e / CHECKPOINT_FILE).is_file()]
+    return [path for _, path in sorted(found)]
 
 
 def config_dict(cfg: TrainConfig) -> dict:

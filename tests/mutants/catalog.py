@@ -1201,8 +1201,8 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         'engine-stage-without-lock', 'klein_core/pipeline/engine.py',
-        'with _stage_lock(module), suspend,',
-        'with contextlib.nullcontext(), suspend,',
+        '        with _stage_lock(module):  # where the model is',
+        '        with contextlib.nullcontext():  # where the model is',
         ('tests/test_threads_hunt.py::test_two_threads_never_have_one_model_placed_at_once',),
         'two threads have one model placed at once',
     ),
@@ -1289,5 +1289,19 @@ MUTANTS: tuple[Mutant, ...] = (
         '                    if True:\n                        raise',
         ('tests/test_dtype_hunt.py::test_encoder_node_fp16_overflow_names_a_choice_the_node_has',),
         "the node's fp16 overflow names a choice it does not have",
+    ),
+    Mutant(
+        'lora-old-te-config-warns-on-new-files', 'klein_core/lora/read.py',
+        '    if not raw or not str(metadata.get("klein.format", "")).endswith("(diffusers names)"):',
+        '    if not str(metadata.get("klein.format", "")).endswith("(diffusers names)"):',
+        ('tests/test_compat_hunt.py::test_review_a_transformer_only_diffusers_lora_of_this_trainer_loads_without_a_warning',),
+        'every transformer-only diffusers LoRA warns on load',
+    ),
+    Mutant(
+        'encoder-node-fp16-hides-corrupt-weights', 'nodes/encode.py',
+        'if isinstance(exc, kc.NonFiniteWeights) or dtype != torch.float16',
+        'if dtype != torch.float16',
+        ('tests/test_dtype_hunt.py::test_review_the_encoder_node_in_fp16_still_says_weights_are_corrupt',),
+        'corrupt encoder weights reported as an fp16 overflow',
     ),
 )
