@@ -282,7 +282,7 @@ def test_encoder_node_fp16_overflow_names_a_choice_the_node_has(comfy, monkeypat
         comfy.folder_paths.filename_list_cache.clear()
     msg = str(err.value)
     assert "load the model in bf16 or fp32" not in msg, f"advice the node cannot follow: {msg}"
-    assert "fp32 activations" in msg or "precision" in msg, f"the node's own remedy is not named: {msg}"
+    assert "set precision to 'fp32 activations'" in msg, f"the node's own remedy is not named: {msg}"
 
 
 def test_review_the_encoder_node_in_fp16_still_says_weights_are_corrupt(comfy, monkeypatch):  # noqa: F811
