@@ -411,9 +411,15 @@ def output_paths(out: Path, n: int) -> list[Path]:
 def check_out_names(out: Path, n: int) -> None:
     """Before anything loads: each of the ``n`` files the images go to can be written (a name the file
     system takes, not a folder), so a generation is not lost at the end."""
-    for p in output_paths(out, n):
+    paths = output_paths(out, n)
+    for p in paths:
         if (why := unwritable(p)) is not None:
             raise CLIError(f"--out {out}: the image{'' if n == 1 else 's'} would go to {p}: {why}")
+    # said at the start, as a training run does: a second run with the default --out would otherwise
+    # replace the first run's picture without a word
+    if replaced := [str(p) for p in paths if p.exists()]:
+        logger.warning("--out: %s exist%s; this run replaces %s when it ends", ", ".join(replaced),
+                       "s" if len(replaced) == 1 else "", "it" if len(replaced) == 1 else "them")
 
 
 def _save_images(result: GenerationResult, out: Path, params: dict) -> list[Path]:

@@ -143,6 +143,22 @@ def test_odd_size_warned_once_and_demo_noted_once(tmp_path, capsys, caplog):
     assert captured.err.count("will be noise") == 1 and "--demo" not in captured.out
 
 
+def test_an_existing_output_is_named_before_it_is_replaced(tmp_path, caplog):
+    """Was a bug: ``--out`` (default ``klein.png``) replaced an existing picture without a word, so a
+    second run with the default name lost the first one's image silently. It is named at the start."""
+    out = tmp_path / "same.png"
+    args = ["generate", "--demo", "--width", "64", "--height", "64", "--steps", "1", "--out", str(out), "-q"]
+    with caplog.at_level(logging.WARNING, logger="klein_core"):
+        assert cli.main(args) == 0
+    assert not [r for r in caplog.records if "replaces" in r.getMessage()]  # nothing was there
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="klein_core"):
+        assert cli.main([*args, "--seed", "1"]) == 0
+    assert [r.getMessage() for r in caplog.records if "replaces" in r.getMessage()] == [
+        f"--out: {out} exists; this run replaces it when it ends"]
+    assert json.loads(Image.open(out).text["parameters"])["seed"] == 1  # replaced, as said
+
+
 def test_a_picture_given_as_a_model_says_so(models, tmp_path, capsys):
     """Not "download it again": what the file is, and what is expected, before any model loads."""
     _, p = models

@@ -215,6 +215,8 @@ def test_fp16_activation_overflow_advice_names_the_activations_not_the_model():
     msg = str(err.value)
     assert "load the model in bf16" not in msg, f"advice the bf16 model already follows: {msg}"
     assert "activations" in msg, f"the option that overflowed is not named: {msg}"
+    # Was a bug too: only the Python option was named; CLI, batch and serve users set a flag
+    assert "--text-precision fp32" in msg, f"the command-line remedy is not named: {msg}"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -26,7 +26,9 @@ def text_overflow_cause(dtype: torch.dtype) -> str:
     ``TextOptions.activations`` is set): fp32 activations cure an fp16 overflow without loading it again."""
     if dtype == torch.float16:
         return ("fp16 overflow in the text encoder's activations: compute them in fp32 "
-                "(TextOptions(activations=torch.float32)), or in a bf16 or fp32 model's own dtype")
+                "(TextOptions(activations=torch.float32) in Python, --text-precision fp32 for klein-generate "
+                "and python -m klein_core batch/serve, precision 'fp32 activations' on the encoder node), "
+                "or in a bf16 or fp32 model's own dtype")
     return overflow_cause(dtype)
 
 
