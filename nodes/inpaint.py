@@ -61,6 +61,8 @@ def _feather(mask: torch.Tensor, radius: int) -> torch.Tensor:
 
 
 def _one_mask(mask: torch.Tensor, image: torch.Tensor, node: str) -> torch.Tensor:
+    if mask.ndim == 3 and mask.shape[0] == 0:
+        raise ValueError(f"{node}: the mask holds no frame (an empty batch); connect a mask of the image's size.")
     m = mask if mask.ndim == 2 else mask[0]
     if mask.ndim == 3 and mask.shape[0] > 1:
         logger.warning("%s: the mask has %d frames; the first is used", node, mask.shape[0])
@@ -116,9 +118,9 @@ class KleinInpaintCrop(io.ComfyNode):
         if image.ndim != 4:
             raise ValueError(f"{CROP_NODE}: image must be an IMAGE [batch, height, width, channels], got "
                              f"{list(image.shape)}.")
-        if image.shape[0] > 1:
+        if image.shape[0] != 1:
             raise ValueError(f"{CROP_NODE}: the image has {image.shape[0]} frames; crop-and-stitch takes one "
-                             f"(split the batch first).")
+                             + ("(split the batch first)." if image.shape[0] else "(an empty batch: connect an image)."))
         m = _one_mask(mask, image, CROP_NODE)
         try:
             box = crop_region(m, image.shape[2], image.shape[1], int(padding))

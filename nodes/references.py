@@ -100,6 +100,9 @@ class KleinReferenceStacker(io.ComfyNode):
                 references: KleinReferences | None = None) -> io.NodeOutput:
         items = list(references.items) if references is not None else []
         frames = frames_to_pil(image)
+        if not frames:  # the edit would otherwise run without the reference connected, and say nothing
+            raise ValueError(f"{NODE}: image holds no frame (an empty batch, {list(image.shape)}); connect an "
+                             "image of at least one frame.")
         if is_native(vae, NODE):
             items += encode_frames_native(vae, frames, len(items) + 1)
         else:

@@ -200,6 +200,11 @@ def check_batches(init: InitLatents | None, batch_size: int) -> None:
     if init is None:
         return
     b = init.latents.shape[0]
+    if b == 0:  # an empty batch from upstream: no batch_size fits it (the widget's minimum is 1)
+        raise ValueError(f"{NODE}: latent holds no image (an empty batch, {list(init.latents.shape)}); give a "
+                         "latent of at least one image.")
+    if init.mask is not None and init.mask.shape[0] == 0:
+        raise ValueError(f"{NODE}: mask holds no mask (an empty batch); give one mask for all images, or none.")
     if b not in (1, batch_size):
         raise ValueError(f"{NODE}: latent holds {b} images but batch_size is {batch_size}: set batch_size to {b} "
                          f"(one output image from each), or give a latent of one image.")
@@ -320,13 +325,15 @@ class KleinSampler(io.ComfyNode):
         try:
             run = resolve(settings(width, height, steps, guidance, seed, batch_size), model.kind,
                           (size_from.shape[-1] * 16, size_from.shape[-2] * 16)
-                          if size_from is not None else None, size_from=source)
+                          if size_from is not None else None, size_from=source, size_fixed=init is not None)
         except ValueError as exc:
             if width or height:
                 raise ValueError(f"{NODE}: width/height: {exc} Set both to 0 to use the first reference's size "
                                  f"(1024x1024 without references).") from exc
             # Both 0: the size came from an image, which the message names with the fix.
-            raise ValueError(f"{NODE}: width/height: {exc}") from exc
+            hint = (" (Flux2 VAE Encode's size 'fit 1 megapixel' scales the picture it encodes)"
+                    if init is not None else "")
+            raise ValueError(f"{NODE}: width/height: {exc}{hint}") from exc
         if run.cfg and not has_negative:
             raise ValueError(f"{NODE}: guidance {run.guidance:g} on a base model needs a negative: connect "
                              f"negative ({ENCODER_NODE}'s negative output, or CLIPTextEncode with an empty "

@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import numpy as np
 import torch
 from PIL import Image
 
@@ -39,7 +40,7 @@ from ..models.qwen3 import Qwen3TextEncoder
 from ..models.transformer import Flux2Transformer
 from ..models.vae import Flux2VAE
 from ..transfer import HostCopies, to_device
-from .images import PUBLISHED_REFERENCE_LIMIT, pil_images, queue_to_host
+from .images import PUBLISHED_REFERENCE_LIMIT, _to_rgb_array, pil_images, queue_to_host
 from .inpaint import InitImage, InpaintInputs, prepare_inpaint, resize_mask_to_latents, steps_to_run, stitch
 from .inputs import InitLatents, check_compatible, check_denoise_inputs, with_init_reference
 from .oom import explain_oom, is_out_of_memory, release_failed_attempt
@@ -89,7 +90,9 @@ class GenerationResult:
 
     latents: torch.Tensor
     images: list[Image.Image] | None
-    pixels: torch.Tensor | None  # [B, 3, H, W] in [0, 1] (float32, CPU) when decoded
+    # [B, 3, H, W] in [0, 1] (float32, CPU) when decoded; an inpaint stitched back into its picture: that
+    # of the returned images (their 8-bit levels, at the original size)
+    pixels: torch.Tensor | None
     width: int
     height: int
     steps: int
@@ -369,8 +372,8 @@ class Engine:
             raise TypeError("the pixels to encode must be a [B, 3, H, W] tensor in [-1, 1], got a PIL image: "
                             "encode pictures with encode_references")
         check_tensor(pixels, "the pixels to encode", 4)
-        if pixels.shape[0] == 0:
-            raise ValueError(f"the pixels to encode must be [B, 3, H, W] with B >= 1, got {list(pixels.shape)}")
+        if 0 in pixels.shape:  # an empty batch, or an image with a side of 0 (torch's own error names nothing)
+            raise ValueError(f"the pixels to encode must be [B, 3, H, W] with B, H, W >= 1, got {list(pixels.shape)}")
         h, w = pixels.shape[-2:]
         if plan is None:
             plan = self.plan(memory_request(1024, 1024, encoded=[(w, h)], encode_text=False, denoise=False,
@@ -426,11 +429,11 @@ class Engine:
             check_tensor(init.latents, "the init image latents", 4, tr.config.in_channels)
             size = (init.latents.shape[-1] * self.downscale, init.latents.shape[-2] * self.downscale)
             run = resolve(settings, self.kind, size, multiple=self.downscale,
-                          size_from=f"the init image latents ({size[0]}x{size[1]} px)")
+                          size_from=f"the init image latents ({size[0]}x{size[1]} px)", size_fixed=True)
         elif noise is not None and noise.ndim == 4:  # the noise's grid sets the size, as an init image's does
             size = (noise.shape[-1] * self.downscale, noise.shape[-2] * self.downscale)
             run = resolve(settings, self.kind, size, multiple=self.downscale,
-                          size_from=f"the given noise ({size[0]}x{size[1]} px)")
+                          size_from=f"the given noise ({size[0]}x{size[1]} px)", size_fixed=True)
         else:
             first = reference_pixel_sizes((), references[:1], self.downscale)[0] if references else None
             run = resolve(settings, self.kind, first, multiple=self.downscale,
@@ -556,8 +559,9 @@ class Engine:
         queued as it is decoded and the host waits once, after the last: the GPU decodes the next
         image of a batch while the host would otherwise wait for the copy of the one before."""
         check_tensor(latents, "the latents to decode", 4)
-        if latents.shape[0] == 0:
-            raise ValueError(f"the latents to decode must be [B, 128, h, w] with B >= 1, got {list(latents.shape)}")
+        if 0 in latents.shape:  # an empty batch, or a side of 0 (torch's own error names nothing)
+            raise ValueError(f"the latents to decode must be [B, 128, h, w] with B, h, w >= 1, got "
+                             f"{list(latents.shape)}")
         down = self.downscale
         width, height = latents.shape[-1] * down, latents.shape[-2] * down
         if plan is None:
@@ -614,19 +618,20 @@ class Engine:
         (``init``: its init image, prepared)."""
         sizes = reference_pixel_sizes(request.references, request.reference_latents, self.downscale)
         first = sizes[0] if sizes else None
-        size_from = None
+        size_from, size_fixed = None, False
         if request.reference_latents:
             size_from = size_source("reference latent 1", request.reference_latents[0], self.downscale)
         elif request.references:
             size_from = size_source("reference 1", request.references[0])
         if init is None and request.noise is not None and request.noise.ndim == 4:  # its grid sets the size
             first = (request.noise.shape[-1] * self.downscale, request.noise.shape[-2] * self.downscale)
-            size_from = f"the given noise ({first[0]}x{first[1]} px)"
+            size_from, size_fixed = f"the given noise ({first[0]}x{first[1]} px)", True
         if init is not None:  # the image sets the size, and (as a reference) joins the sequence
             first = init.size
-            size_from = size_source("the init image", init.original)
+            size_from, size_fixed = size_source("the init image", init.original), True
             sizes = ([init.size] if request.init.as_reference else []) + sizes  # type: ignore[union-attr]
-        run = resolve(request.settings, self.kind, first, multiple=self.downscale, warn=False, size_from=size_from)
+        run = resolve(request.settings, self.kind, first, multiple=self.downscale, warn=False, size_from=size_from,
+                      size_fixed=size_fixed)
         cond = request.conditioning
         if cond is not None:
             text_length = max(e.shape[1] for e in (cond.positive, cond.negative) if e is not None)
@@ -715,6 +720,10 @@ class Engine:
                                             feather=init.feather, keep_unmasked=init.composite, fitted=True)
                                      for img in result.images]
                     result.width, result.height = result.images[0].size
+                    # the float form of what is returned (as everywhere else): the stitched pictures at the
+                    # original size, 8-bit levels, not the generation at its processing size
+                    result.pixels = torch.from_numpy(
+                        np.stack([_to_rgb_array(img) for img in result.images])).permute(0, 3, 1, 2).contiguous()
         result.timings = clock.read()
         return result
 

@@ -159,7 +159,7 @@ def check_size(width: int, height: int, *, multiple: int = 16, warn: bool = True
 
 def resolve_size(
     width: int | None, height: int | None, first_reference: tuple[int, int] | None, multiple: int = 16,
-    *, warn: bool = True, size_from: str | None = None,
+    *, warn: bool = True, size_from: str | None = None, size_fixed: bool = False,
 ) -> tuple[int, int]:
     """Output (width, height): given values, else the first reference's size, else 1024x1024.
 
@@ -167,26 +167,30 @@ def resolve_size(
     64 px a side or above 4 megapixels are refused. ``size_from`` names the image ``first_reference``
     is the size of, with its own size (``"reference 1 (1x1 px)"``, ``"the init image (64x20000
     px)"``): a side taken from it that is refused names that image, not "Output size".
+    ``size_fixed``: the output must keep that image's size (an init image, given noise), so the
+    refusal does not offer width and height as the fix.
     """
     default_w, default_h = first_reference or (DEFAULT_SIZE, DEFAULT_SIZE)
     w, h = default_w if width is None else width, default_h if height is None else height
     if size_from is not None and first_reference is not None:
-        _check_inherited(w if width is None else None, h if height is None else None, w, h, size_from, multiple)
+        _check_inherited(w if width is None else None, h if height is None else None, w, h, size_from, multiple,
+                         size_fixed)
     return check_size(w, h, multiple=multiple, warn=warn)
 
 
 def _check_inherited(width: int | None, height: int | None, w: object, h: object, size_from: str,
-                     multiple: int) -> None:
+                     multiple: int, fixed: bool = False) -> None:
     """Refuse, naming ``size_from``, a side taken from an image (``width`` / ``height``, None where
     given explicitly) that is too small once rounded down to ``multiple``, or an output over 4
-    megapixels that such a side makes."""
+    megapixels that such a side makes. ``fixed``: the output must keep that image's size (an init
+    image, given noise, a sampler's latent), so width and height are not offered as the fix."""
     small = [name for name, v in (("width", width), ("height", height))
              if isinstance(v, int) and v // multiple * multiple < MIN_SIDE]
     if small:
         sides = " and ".join(small)
         raise ValueError(
             f"{size_from} is too small to set the output size: it gives an output {sides} under {MIN_SIDE} px "
-            f"({w}x{h}). Use a larger image, or give width and height explicitly.")
+            f"({w}x{h}). Use a larger image{'' if fixed else ', or give width and height explicitly'}.")
     inherited = [name for name, v in (("width", width), ("height", height)) if v is not None]
     # Both sides from the image: one side given may be the cause itself (check_size names the output).
     if len(inherited) == 2 and all(isinstance(v, int) and not isinstance(v, bool) for v in (w, h)):
@@ -194,8 +198,9 @@ def _check_inherited(width: int | None, height: int | None, w: object, h: object
         if area > MAX_PIXELS:
             raise ValueError(
                 f"{size_from} is too large to set the output size: {w}x{h} is {_megapixels(area)} megapixels "
-                f"(the output's {' and '.join(inherited)} taken from it); FLUX.2 Klein supports at most 4. Give "
-                "width and height explicitly (e.g. 2048x2048 at most), or use a smaller image.")
+                f"(the output's {' and '.join(inherited)} taken from it); FLUX.2 Klein supports at most 4. "
+                + ("Use a smaller image." if fixed else
+                   "Give width and height explicitly (e.g. 2048x2048 at most), or use a smaller image."))
 
 
 @dataclass(frozen=True)
@@ -236,12 +241,13 @@ class Resolved:
 
 
 def resolve(settings: Settings, kind: ModelKind, first_reference: tuple[int, int] | None = None,
-            *, multiple: int = 16, warn: bool = True, size_from: str | None = None) -> Resolved:
+            *, multiple: int = 16, warn: bool = True, size_from: str | None = None,
+            size_fixed: bool = False) -> Resolved:
     """Apply the defaults of ``kind`` and the size rules to ``settings``; raise ValueError (or
     TypeError for a wrong type) naming the bad value. ``warn=False`` keeps the notices (guidance
     ignored, size rounded) for the resolution that runs, when the same settings are resolved twice.
     ``size_from``: the image ``first_reference`` is the size of, named if it is too small (see
-    :func:`resolve_size`)."""
+    :func:`resolve_size`); ``size_fixed``: the output must keep that image's size."""
     if kind not in MODEL_KINDS:
         raise ValueError(f"model kind must be one of {MODEL_KINDS}, got {kind!r}")
     defaults = BASE_DEFAULTS if kind == "base" else DISTILLED_DEFAULTS
@@ -265,7 +271,7 @@ def resolve(settings: Settings, kind: ModelKind, first_reference: tuple[int, int
     if warn and kind != "base" and guidance != 1.0:
         logger.warning("guidance %.2f is ignored: distilled Klein models run without CFG", guidance)
     width, height = resolve_size(settings.width, settings.height, first_reference, multiple, warn=warn,
-                                 size_from=size_from)
+                                 size_from=size_from, size_fixed=size_fixed)
     # What runs: a distilled model runs without CFG whatever was asked (said above), so the result and
     # the PNG's parameters say 1, not the guidance given.
     ran = guidance if kind == "base" else 1.0
