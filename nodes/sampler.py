@@ -16,7 +16,7 @@ from klein_core.models.variants import TextWidthMismatch, encoder_name, variant_
 from klein_core.pipeline.inpaint import comfy_mask_to_latents, steps_to_run
 from klein_core.pipeline.inputs import InitLatents, check_denoise_inputs, with_init_reference
 from klein_core.pipeline.request import resolve
-from klein_core.pipeline.sampling import MAX_SEED
+from klein_core.pipeline.sampling import MAX_SEED, make_noise
 
 from . import cache, host, notices
 from .common import check_widget, flux2_samples, open_engine
@@ -213,6 +213,34 @@ def check_batches(init: InitLatents | None, batch_size: int) -> None:
                          f"one mask for all, or one per output image (batch_size {init.mask.shape[0]}).")
 
 
+#: The largest ``batch_index`` followed (EmptyLatentImage's batch_size maximum): its noise is drawn for
+#: every image up to it, as ComfyUI's RandomNoise does.
+MAX_BATCH_INDEX = 4095
+
+
+def batch_noise(latent: dict | None, seed: int, batch_size: int, grid: tuple[int, int]) -> torch.Tensor | None:
+    """The starting noise ``[batch_size, 128, h, w]`` a latent's ``batch_index`` asks for (Latent From
+    Batch, Repeat Latent Batch, Latent Batch set it), else None (the seed's noise for images
+    0..batch_size-1). Image ``i`` gets the noise of image ``batch_index[i]`` of a batch drawn with
+    ``seed``, as ComfyUI's RandomNoise and KSampler give it: an image taken out of a batch is sampled
+    again with its own noise. One index for several images: they follow it (index, index + 1, ...)."""
+    idx = latent.get("batch_index") if isinstance(latent, dict) else None
+    if idx is None:
+        return None
+    if not isinstance(idx, (list, tuple)) or not all(isinstance(i, int) and not isinstance(i, bool) for i in idx) \
+            or not idx or min(idx) < 0 or max(idx) > MAX_BATCH_INDEX:
+        raise ValueError(f"{NODE}: latent's batch_index must be a list of image numbers from 0 to "
+                         f"{MAX_BATCH_INDEX} (as Latent From Batch sets it), got {str(idx)[:80]}.")
+    if len(idx) == batch_size:
+        inds = list(idx)
+    elif len(idx) == 1:
+        inds = [idx[0] + k for k in range(batch_size)]
+    else:
+        raise ValueError(f"{NODE}: latent's batch_index numbers {len(idx)} images but {batch_size} are made.")
+    full = make_noise(seed, max(inds) + 1, 128, *grid)
+    return full[inds] if inds != list(range(batch_size)) else full
+
+
 def settings(width: int, height: int, steps: int, guidance: float, seed: int, batch_size: int) -> kc.Settings:
     """The node's widgets as klein_core settings (0 = the model's default, or the first reference's size)."""
     return kc.Settings(width or None, height or None, steps or None, guidance or None, seed, batch_size)
@@ -355,7 +383,10 @@ class KleinSampler(io.ComfyNode):
                     len(with_init_reference(refs, init)), engine.ref_mode)
         kv_hits = cache.kv.hits
         total = steps_to_run(run.steps, init.strength) if init is not None else run.steps
-        latents, _ = engine.denoise(cond, refs, run, callback=StepReporter(total, host.torch_device()), init=init)
+        noise = batch_noise(latent, run.seed, run.batch_size, (run.height // 16, run.width // 16)) \
+            if init is not None else None
+        latents, _ = engine.denoise(cond, refs, run, callback=StepReporter(total, host.torch_device()), init=init,
+                                    noise=noise)
         if cache.kv.hits > kv_hits:
             logger.info("%s: reference keys/values reused from the previous run (reference pass skipped)", NODE)
         return io.NodeOutput({"samples": host.to_intermediate(latents, torch.float32)})

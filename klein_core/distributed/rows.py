@@ -20,6 +20,7 @@ import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from PIL import Image
 
@@ -90,6 +91,30 @@ class RowSpec:
 
 # -- reading files ----------------------------------------------------------------------------------
 
+_WHOLE_FIELDS = ("seed", "width", "height", "steps")
+
+
+def _number(key: str, value: Any) -> Any:
+    """A field as parsed with ``parse_float=Decimal``, made plain: a whole-number field keeps its
+    exact Decimal (the row reads it exactly, or refuses a fraction) unless it is an astronomically
+    large whole number, which goes on as a float (refused as far too large, as a batch row's is);
+    every other number is a float again, also inside lists."""
+    if isinstance(value, list):
+        return [_number("", v) for v in value]
+    if not isinstance(value, decimal.Decimal):
+        return value
+    if key in _WHOLE_FIELDS and not (value.is_finite() and value == value.to_integral_value()
+                                     and value.adjusted() > 25):
+        return value
+    return float(value)
+
+
+def exact_numbers(obj: dict) -> dict:
+    """A JSON object parsed with ``parse_float=Decimal`` (a served request, a JSONL batch row), its
+    numbers made plain by :func:`_number`: whole-number fields exact, every other number a float."""
+    return {k: _number(k, v) for k, v in obj.items()}
+
+
 def read_rows(path: str | Path) -> Iterator[tuple[int, dict | RowError]]:
     """``(row number from 1, raw dict or RowError)`` for each row of a ``.jsonl`` / ``.json`` (one object
     a line), ``.csv`` or ``.parquet`` file. A line that is not a JSON object is a RowError, not the end."""
@@ -113,14 +138,16 @@ def read_rows(path: str | Path) -> Iterator[tuple[int, dict | RowError]]:
                                       f"character {bad})")
                     continue
                 try:
-                    obj = json.loads(line)
+                    # fractions and exponents as Decimal, as a served request's: a seed 9007199254740993.0
+                    # is read exactly (or refused), not rounded by a binary float to another seed
+                    obj = json.loads(line, parse_float=decimal.Decimal)
                 except ValueError as exc:
                     yield n, RowError(f"row {n}: not valid JSON ({exc})")
                     continue
                 except RecursionError:  # json's decoder recurses per level: a line of "[[[[..." stops it
                     yield n, RowError(f"row {n}: JSON nested too deeply")
                     continue
-                yield n, obj if isinstance(obj, dict) else RowError(
+                yield n, exact_numbers(obj) if isinstance(obj, dict) else RowError(
                     f"row {n}: must be a JSON object, got {type(obj).__name__}")
     elif suffix == ".csv":
         try:  # utf-8-sig: Excel's "CSV UTF-8" starts with a byte order mark, which would join the first name

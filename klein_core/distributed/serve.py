@@ -30,7 +30,7 @@ from ..errors import GenerationCancelled, KleinOutOfMemory, WeightFormatError
 from .manifest import png_bytes
 from .models import ModelSpec
 from .ray_support import require_ray
-from .rows import RowError, RowSpec, check_row, open_reference, parse_row
+from .rows import RowError, RowSpec, check_row, exact_numbers, open_reference, parse_row
 from .runner import MAX_CACHED_LORAS
 
 logger = logging.getLogger(__name__)
@@ -109,7 +109,7 @@ def parse_request(body: bytes, *, kind: str, max_tokens: int | None, lora_dir) -
         raise RowError("request body is JSON nested too deeply") from None
     if not isinstance(obj, dict):
         raise RowError(f"request body must be a JSON object, got {type(obj).__name__}")
-    obj = {k: _number(k, v) for k, v in obj.items()}
+    obj = exact_numbers(obj)
     response = obj.pop("response", "json")
     if response not in RESPONSES:
         raise RowError(f"response must be one of {RESPONSES}, got {response!r}")
@@ -138,24 +138,6 @@ async def _read_body(request) -> bytes:
             raise RowError(f"request body is over {MAX_BODY_BYTES} bytes; at most {MAX_BODY_BYTES}")
         chunks.append(chunk)
     return b"".join(chunks)
-
-
-_WHOLE_FIELDS = ("seed", "width", "height", "steps")
-
-
-def _number(key: str, value: Any) -> Any:
-    """A field as parsed with ``parse_float=Decimal``, made plain: a whole-number field keeps its
-    exact Decimal (the row reads it exactly, or refuses a fraction) unless it is an astronomically
-    large whole number, which goes on as a float (refused as far too large, as a batch row's is);
-    every other number is a float again, also inside lists."""
-    if isinstance(value, list):
-        return [_number("", v) for v in value]
-    if not isinstance(value, decimal.Decimal):
-        return value
-    if key in _WHOLE_FIELDS and not (value.is_finite() and value == value.to_integral_value()
-                                     and value.adjusted() > 25):
-        return value
-    return float(value)
 
 
 def _json(status: int, payload: dict, headers: dict | None = None):

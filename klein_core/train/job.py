@@ -203,7 +203,7 @@ def _run(job: TrainJob, on_step: Callable[[StepReport], bool | None] | None,
     if train_text:
         if streamed:
             text_streamer = BlockOffloader(te, device, prefetch=1).attach(hooks=False)
-        text_lora = LoRASet(te, text_config, seed=job.config.seed + 1, device=device)  # type: ignore[arg-type]
+        text_lora = LoRASet(te, text_config, seed=(job.config.seed + 1) % 2**64, device=device)  # type: ignore[arg-type]
     else:
         del te
 

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from ..memory.placement import BlockOffloader
 from ..models.qwen3 import Qwen3TextEncoder
 from ..models.transformer import Flux2Transformer
+from ..pipeline.sampling import MAX_SEED
 from .adapters import LoRASet, gradient_checkpointing
 from .objective import ObjectiveConfig, sample_density, sigmas_for
 from .state_file import load_state, save_state
@@ -100,6 +101,10 @@ class TrainConfig:
             lr = getattr(self, name)
             if (name == "learning_rate" or lr is not None) and not (math.isfinite(lr) and lr > 0):
                 raise ValueError(f"{name} must be a positive number, got {lr}")
+        for name in ("seed", "sample_seed"):  # checked here, not after the models load or the steps ran
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_SEED:
+                raise ValueError(f"{name} must be an integer from 0 to 2^64-1, got {v!r}")
         if self.keep_checkpoints < 0:
             raise ValueError(f"keep_checkpoints must be >= 0 (0 keeps all), got {self.keep_checkpoints}")
         if self.sample_every < 0 or self.sample_steps < 1:
@@ -107,6 +112,22 @@ class TrainConfig:
                              f"and {self.sample_steps}")
         object.__setattr__(self, "sample_prompts", tuple(self.sample_prompts))
         object.__setattr__(self, "sample_size", tuple(self.sample_size))
+
+
+#: Sample positions from here on draw from ``_seed(seed, step, position + _HIGH_POSITIONS)``: positions
+#: 11 and 13 (0xB, 0xD) were the tags of the epoch order and the reference-dropout coin, which shared a
+#: generator with them. Lower positions keep their seeds, so runs of global batches up to 11 resume
+#: bit-exactly from checkpoints written before.
+_FIRST_TAGGED_POSITION = 0xB
+_HIGH_POSITIONS = 1 << 32
+
+
+def _position_seed(seed: int, step: int, position: int) -> int:
+    """The generator seed of sample ``position``'s noise and sigma at ``step``: distinct from every
+    other stream of the run (the other positions, the dropout coin, every epoch's order)."""
+    if position >= _FIRST_TAGGED_POSITION:
+        position += _HIGH_POSITIONS
+    return _seed(seed, step, position)
 
 
 def _seed(*parts: int) -> int:
@@ -275,7 +296,7 @@ class Trainer:
             < cfg.reference_dropout)
         noise, u = [], []
         for j in mine:
-            g = torch.Generator().manual_seed(_seed(cfg.seed, step, j))
+            g = torch.Generator().manual_seed(_position_seed(cfg.seed, step, j))
             noise.append(torch.randn(self.samples[idx[j]].latents.shape, generator=g, dtype=torch.float32))
             u.append(sample_density(cfg.objective, 1, g))
         pick = [self.samples[idx[j]] for j in mine]
