@@ -16,10 +16,11 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable
-from typing import NoReturn, Self
+from typing import NoReturn
 
 import torch
 from torch import nn
+from typing_extensions import Self  # typing.Self needs Python 3.11; 3.10 is supported
 
 from .errors import NonFiniteWeights
 from .transfer import to_host

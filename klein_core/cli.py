@@ -27,7 +27,7 @@ from .accel.speed import DEFAULT_SPEED, SPEEDS, describe_speed
 from .accel.step_cache import DEFAULT_THRESHOLD, DEFAULT_WARMUP, StepCache, enable_step_cache
 from .errors import GenerationCancelled, WeightFormatError
 from .files.atomic import atomic_path, is_folder, unwritable
-from .files.gguf import is_gguf
+from .files.gguf import gguf_header, is_gguf
 from .files.identify import matching_text_encoders, probe
 from .files.loaders import as_dtype
 from .files.safetensors import open_safetensors
@@ -287,6 +287,9 @@ def _pick(folder: Path, what: str, name: str | None = None) -> Path:
         # about that file. The first file whose header is a transformer's is the default.
         transformers = [f for f in files if probe(f).kind == "transformer"]
         if not transformers:
+            for f in files:  # a GGUF file probe could not read says why (the gguf package missing, say)
+                if is_gguf(f):
+                    _refuse_non_weights(f, "transformer")
             raise CLIError(f"no transformer in {folder} (it has {', '.join(f.name for f in files)}); put the Klein "
                            "transformer (e.g. flux-2-klein-4b.safetensors) there, or name it with --model")
         return transformers[0]
@@ -295,9 +298,13 @@ def _pick(folder: Path, what: str, name: str | None = None) -> Path:
 
 def _refuse_non_weights(path: Path, component: str) -> None:
     """Before anything loads: raise what ``path`` is when it is a file that holds no weights (an image,
-    a web page, a truncated download). Reads the header only; GGUF files are left to their loader."""
-    if path.is_file() and not is_gguf(path):
-        open_safetensors(path, component)
+    a web page, a truncated download), or a GGUF file that cannot be read (its loader's words: the
+    gguf package to install, a damaged file). Reads the header only."""
+    if path.is_file():
+        if is_gguf(path):
+            gguf_header(path)
+        else:
+            open_safetensors(path, component)
 
 
 def resolve_files(args: argparse.Namespace) -> tuple[Path, Path, Path]:
