@@ -418,13 +418,15 @@ def output_paths(out: Path, n: int) -> list[Path]:
 def check_out_names(out: Path, n: int) -> None:
     """Before anything loads: each of the ``n`` files the images go to can be written (a name the file
     system takes, not a folder), so a generation is not lost at the end."""
-    paths = output_paths(out, n)
-    for p in paths:
+    for p in output_paths(out, n):
         if (why := unwritable(p)) is not None:
             raise CLIError(f"--out {out}: the image{'' if n == 1 else 's'} would go to {p}: {why}")
-    # said at the start, as a training run does: a second run with the default --out would otherwise
-    # replace the first run's picture without a word
-    if replaced := [str(p) for p in paths if p.exists()]:
+
+
+def warn_replaced(out: Path, n: int) -> None:
+    """Said at the start (once the request is checked), as a training run does: a second run with the
+    default ``--out`` would otherwise replace the first run's picture without a word."""
+    if replaced := [str(p) for p in output_paths(out, n) if p.exists()]:
         logger.warning("--out: %s exist%s; this run replaces %s when it ends", ", ".join(replaced),
                        "s" if len(replaced) == 1 else "", "it" if len(replaced) == 1 else "them")
 
@@ -564,6 +566,7 @@ def run_generate(args: argparse.Namespace) -> int:
         refs.append(open_image("--ref", r))
     init = _init_image(args)
     _check_request(args, refs)
+    warn_replaced(args.out, args.batch)
     text = TextOptions(max_tokens=None if args.max_tokens == "whole" else 512,
                        activations=torch.float32 if args.text_precision == "fp32" else None,
                        trim=TRIM_MULTIPLE if args.trim_padding else None)
