@@ -453,16 +453,23 @@ def _save_images(result: GenerationResult, out: Path, params: dict) -> list[Path
     return paths
 
 
+def refuse_unused_with_demo(args: argparse.Namespace) -> None:
+    """``--demo``'s tiny models are built in memory: a model file or a quantisation asked for beside it
+    would not run (nor be recorded truly in the PNG's parameters). Shared by generate, batch and serve."""
+    if not args.demo:
+        return
+    ignored = [flag for flag, value in (("--model", args.model), ("--models-dir", args.models_dir),
+                                        ("--transformer", args.transformer), ("--text-encoder", args.text_encoder),
+                                        ("--vae", args.vae), ("--quantize", args.quantize)) if value]
+    if ignored:
+        raise CLIError(f"--demo runs tiny random models built in memory; {', '.join(ignored)} would not be used. "
+                       "Leave --demo out to run model files.")
+
+
 def _check_request(args: argparse.Namespace, refs: list[Image.Image]) -> None:
     """Every number checked before anything loads (a wrong size must not wait for 16 GB of weights)."""
     args.out = check_out(args.out)
-    if args.demo:  # its tiny models are built in memory: a file or a quantisation asked for would not run
-        ignored = [flag for flag, value in (("--model", args.model), ("--models-dir", args.models_dir),
-                                            ("--transformer", args.transformer), ("--text-encoder", args.text_encoder),
-                                            ("--vae", args.vae), ("--quantize", args.quantize)) if value]
-        if ignored:
-            raise CLIError(f"--demo runs tiny random models built in memory; {', '.join(ignored)} would not be used. "
-                           "Leave --demo out to run model files.")
+    refuse_unused_with_demo(args)
     if args.demo and not refs and args.image is None:  # the tiny models are quick at 256 px; a side given is kept
         args.width = 256 if args.width is None else args.width
         args.height = 256 if args.height is None else args.height
@@ -696,11 +703,21 @@ def _resolved_strength(args: argparse.Namespace) -> float:
 
 
 class _StderrHandler(logging.StreamHandler):
-    """A warning during a progress bar starts on a line of its own (see :func:`write_line`)."""
+    """A warning during a progress bar starts on a line of its own (see :func:`write_line`). Writes to
+    the ``sys.stderr`` of the moment (as :data:`logging.lastResort` does), not the one of the first
+    run: a later ``main()`` with stderr redirected gets its own warnings."""
+
+    @property  # type: ignore[override]
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:  # StreamHandler.__init__ sets it; the current stderr is always used
+        pass
 
     def emit(self, record: logging.LogRecord) -> None:
         global _bar_open
-        if _bar_open and self.stream is sys.stderr:
+        if _bar_open:
             self.stream.write("\n")
             _bar_open = False
         super().emit(record)
@@ -713,7 +730,7 @@ def log_to_stderr() -> None:
     warnings.filterwarnings("ignore", category=Image.DecompressionBombWarning)
     root = logging.getLogger("klein_core")
     if not any(getattr(h, "_klein_cli", False) for h in root.handlers):
-        handler = _StderrHandler(sys.stderr)
+        handler = _StderrHandler()
         handler.setFormatter(logging.Formatter("%(levelname)s: %(message)s"))
         handler.setLevel(logging.WARNING)  # the handler filters; the logger's own level is left alone
         handler._klein_cli = True  # type: ignore[attr-defined]

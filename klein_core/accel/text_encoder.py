@@ -60,7 +60,8 @@ def enable_fast_text_encoder(
         if graphs:
             encoder.forward = GraphedTextForward(encoder)  # type: ignore[method-assign]
             encoder.__dict__[SPEED_ATTR] = CUSTOM_SPEED  # apply_speed names its own speed after this
-            logger.info("text encoder: CUDA graph replay of the plain forward enabled")
+            # debug: nothing is replayed yet (nor ever on the CPU); text_graph logs each graph it records
+            logger.debug("text encoder: CUDA graph replay of the plain forward set up")
         return
     _compile_group(list(encoder.layers), "text encoder layers", mode=compile_mode, backend=compile_backend)
     # Timed from the first layer's call to the last one's return (``encode`` calls ``forward``

@@ -10,7 +10,15 @@ import sys
 from pathlib import Path
 
 from ..accel.speed import DEFAULT_SPEED, SPEEDS
-from ..cli import DTYPES, CLIError, log_to_stderr, resolve_files, vae_tile_arg, write_line
+from ..cli import (
+    DTYPES,
+    CLIError,
+    log_to_stderr,
+    refuse_unused_with_demo,
+    resolve_files,
+    vae_tile_arg,
+    write_line,
+)
 from ..memory.planner import MODES
 from ..pipeline.prompts import TRIM_MULTIPLE
 from ..pipeline.request import guess_model_kind
@@ -65,6 +73,7 @@ def spec_from_args(args: argparse.Namespace) -> ModelSpec:
                   trim=TRIM_MULTIPLE if args.trim_padding else None,
                   ref_mode=args.ref_mode, lora_dir=lora_dir.resolve() if lora_dir else None)
     if args.demo:
+        refuse_unused_with_demo(args)
         return ModelSpec(demo=True, kind="base" if args.base else "distilled", **common)
     tr, te, vae = resolve_files(args)
     guessed = guess_model_kind(tr)
@@ -131,7 +140,9 @@ def run_batch(args: argparse.Namespace) -> int:
         write_line(sys.stderr, "\nstopped; rerun the same command to resume\n")
         return 130
     workers_line = ", ".join(f"{w} {n}" for w, n in summary.per_worker.items()) or "none"
-    write_line(sys.stdout, f"\n{summary.generated} image(s), {summary.failed} failed, {summary.skipped} already done, "
+    if not args.quiet:
+        write_line(sys.stderr, "\n")  # ends the progress line where it is (stdout may be a file)
+    write_line(sys.stdout, f"{summary.generated} image(s), {summary.failed} failed, {summary.skipped} already done, "
                        f"{summary.rows} row(s) in {summary.seconds:.1f} s ({summary.images_per_s:.2f} images/s); "
                        f"per worker: {workers_line} -> {args.out / 'manifest.jsonl'}\n")
     return 1 if summary.failed else 0

@@ -334,7 +334,8 @@ def check_row(spec: RowSpec, images: Sequence[Image.Image], *, kind: str, max_to
     except (ValueError, TypeError) as exc:
         raise RowError(str(exc), spec.id) from None
     limit = MAX_WHOLE_TOKENS if max_tokens is None else max_tokens
-    for key in ("prompt", "negative_prompt"):
+    # the negative prompt only where it is encoded (CFG): a distilled model never reads it, as the CLI
+    for key in ("prompt", "negative_prompt") if run.cfg else ("prompt",):
         text = getattr(spec, key)
         try:
             n = count_tokens(text) if len(text) < 40 * limit else None  # a token is at least one character

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import logging
 import os
+import pkgutil
+import threading
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -29,6 +31,24 @@ from .transformer_layout import plan_transformer
 from .vae_layout import open_vae_source, prepare_vae
 
 logger = logging.getLogger(__name__)
+
+_building = threading.local()
+
+
+class _MetaBuildLogs(logging.Filter):
+    """While this thread builds a model on the meta device (:func:`meta_model`, to plan memory before
+    the real load), the file modules' records go out at DEBUG: the load that follows says each of them
+    (a file's ignored tensors, its "Loaded" line) once, not once more for the estimate."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if getattr(_building, "depth", 0) and record.levelno < logging.ERROR:
+            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+        return True
+
+
+_META_LOGS = _MetaBuildLogs()
+for _module in pkgutil.iter_modules([str(Path(__file__).parent)]):
+    logging.getLogger(f"{__package__}.{_module.name}").addFilter(_META_LOGS)
 
 Source = str | os.PathLike | Mapping[str, torch.Tensor] | WeightSource
 _DTYPE_NAMES = {
@@ -196,7 +216,11 @@ def meta_model(source: Source, component: str, *, dtype: torch.dtype | str | Non
     config, layer types (fp8 layers included) and the exact bytes of its weights
     (``klein_core.memory.placement.module_bytes``), for planning before loading."""
     kwargs = {"quantize": quantize} if component != "vae" else {}
-    return LOADERS[component](source, device="meta", dtype=dtype, **kwargs)
+    _building.depth = getattr(_building, "depth", 0) + 1
+    try:
+        return LOADERS[component](source, device="meta", dtype=dtype, **kwargs)
+    finally:
+        _building.depth -= 1
 
 
 def quantize_for(source: Source, component: str, device: torch.device | str, quantize: str | None = None, *,

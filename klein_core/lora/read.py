@@ -145,8 +145,10 @@ def _scalar(name: str, key: str, t: torch.Tensor) -> float:
 def _build_patch(
     name: str, path: str, target: Target, roles: dict[str, tuple[str, torch.Tensor]],
     peft: Mapping[str | None, dict[str, Any]], skipped: dict[str, str],
+    rank_notes: dict[str, tuple[int, int]] | None = None,
 ) -> LoRAPatch | None:
-    """Turn one module's tensors into a patch; keys it cannot use go to ``skipped``."""
+    """Turn one module's tensors into a patch; keys it cannot use go to ``skipped``; a module whose
+    metadata rank differs from its tensors' goes to ``rank_notes`` (path -> (metadata, tensors))."""
     alpha_entry = roles.pop("alpha", None)
     alpha = _scalar(name, alpha_entry[0], alpha_entry[1]) if alpha_entry else None
     cfg = peft.get(target.component) or peft.get(None)
@@ -181,9 +183,8 @@ def _build_patch(
             scale = alpha / rank
         elif cfg:  # diffusers / PEFT: LoraConfig in the metadata
             r = int(_pattern_value(cfg.get("rank_pattern"), peft_name, cfg.get("r", rank)))
-            if r != rank:
-                logger.warning("%s: metadata gives rank %d for '%s', the tensors have %d; using %d",
-                               name, r, path, rank, rank)
+            if r != rank and rank_notes is not None:  # said once per file by the caller
+                rank_notes[path] = (r, rank)
             lora_alpha = float(_pattern_value(cfg.get("alpha_pattern"), peft_name, cfg.get("lora_alpha", rank)))
             scale = lora_alpha / (math.sqrt(rank) if cfg.get("use_rslora") else rank)
         else:  # diffusers convention without metadata: alpha = rank
@@ -323,6 +324,7 @@ def load_lora(
     flux1: list[str] = []
     patches: list[LoRAPatch] = []
     seen: dict[tuple[str, str, tuple[int, int] | None], str] = {}
+    rank_notes: dict[str, tuple[int, int]] = {}
     for path, roles in groups.items():
         res = resolve_module(path)
         if res.kind == "flux1":
@@ -333,7 +335,7 @@ def load_lora(
             for key, _ in roles.values():
                 skipped[key] = reason
             continue
-        patch = _build_patch(name, path, res.target, roles, peft, skipped)
+        patch = _build_patch(name, path, res.target, roles, peft, skipped, rank_notes)
         if patch is None:
             continue
         slot = (patch.component, patch.module, patch.target.part)
@@ -355,6 +357,10 @@ def load_lora(
             f"{name}: none of its {len(tensors)} LoRA keys adapts a FLUX.2 Klein module, so it is "
             f"probably for another model; e.g. " + "; ".join(f"'{k}': {r}" for k, r in first) + "."
         )
+    if rank_notes:  # one cause (the file's metadata, e.g. a resized LoRA that kept it): one warning
+        first, (r, rank) = next(iter(rank_notes.items()))
+        logger.warning("%s: its metadata gives another rank than the tensors for %d module(s) (e.g. '%s': %d, "
+                       "the tensors %d); the tensors' ranks are used", name, len(rank_notes), first, r, rank)
     lora = LoRA(name, _format_name(patches, tensors), patches, skipped, meta)
     logger.info("%s", lora.summary())
     log_skipped(name, skipped)

@@ -51,6 +51,7 @@ from .prompts import (
     default_prompt_cache,
     encode_prompts,
     loaded_encoder_identity,
+    warn_cuts,
 )
 from .reference_kv import ReferenceKVCache, default_kv_cache, weights_state
 from .request import (
@@ -276,9 +277,18 @@ class Engine:
         prompts = list(as_prompts(prompts))
         if not prompts:
             raise ValueError("prompt list is empty")
-        if self.text.truncate or negative_prompt is None:  # one batch for both: every text is as long
+        # Cut at 512 without trimming: one batch for both, every text 512 long. Whole prompts (ComfyUI's
+        # way) and trimmed padding: the negative has its own length, so that a negative prompt (which a
+        # distilled model, or guidance 1, never uses) cannot change the prompts' embeddings.
+        if (self.text.truncate and self.text.trim is None) or negative_prompt is None:
             return [prompts + ([negative_prompt] if negative_prompt is not None else [])], len(prompts)
-        return [prompts, [negative_prompt]], len(prompts)  # whole prompts: each its own length, as ComfyUI
+        return [prompts, [negative_prompt]], len(prompts)
+
+    @staticmethod
+    def _labels(group: list[str], n: int, first: int) -> list[str | None]:
+        """The texts' names in a cut-prompt warning: the negative prompt by that name (the group's texts
+        from ``first`` on are the caller's prompts, ``n`` of them, then the negative)."""
+        return [None if first + i < n else "negative prompt" for i in range(len(group))]
 
     def _text_width(self) -> int | None:
         """The embeddings' width, when a loaded component says it (cache entries are checked against it)."""
@@ -305,10 +315,22 @@ class Engine:
         if cache is None or identity is None:
             return None
         groups, n = self._text_groups(prompts, negative_prompt)
-        embeds = [cache.cached(identity, g, self.text, width=self._text_width()) for g in groups]
+        firsts = self._firsts(groups)
+        embeds = [cache.cached(identity, g, self.text, width=self._text_width(), warn=False) for g in groups]
         if any(e is None for e in embeds):
             return None
+        for g, first in zip(groups, firsts):  # said once the whole run is served (encode_prompts says it otherwise)
+            warn_cuts(g, self.text, self.text.length(g), self._labels(g, n, first))
         return self._conditioning(embeds, n, negative_prompt is not None)  # type: ignore[arg-type]
+
+    @staticmethod
+    def _firsts(groups: list[list[str]]) -> list[int]:
+        """Where each group starts in the list of all texts (the prompts, then the negative)."""
+        firsts, at = [], 0
+        for g in groups:
+            firsts.append(at)
+            at += len(g)
+        return firsts
 
     def encode_prompts(self, prompts: Sequence[str], negative_prompt: str | None = None, *,
                        plan: MemoryPlan | None = None, checks: Checks | None = None) -> Conditioning:
@@ -320,10 +342,11 @@ class Engine:
         ``checks`` (every stage method takes it): a run's :class:`~klein_core.checks.Checks`, which
         may queue the finiteness checks for its caller to resolve; default: checked before returning."""
         groups, n = self._text_groups(prompts, negative_prompt)
+        labels = [self._labels(g, n, first) for g, first in zip(groups, self._firsts(groups))]
         cache = self.prompt_cache
         identity = loaded_encoder_identity(self.text_encoder, self.device) if self.text_encoder is not None else None
-        embeds = [cache.cached(identity, g, self.text, width=self._text_width()) if cache is not None else None
-                  for g in groups]
+        embeds = [cache.cached(identity, g, self.text, width=self._text_width(), labels=lab) if cache is not None
+                  else None for g, lab in zip(groups, labels)]
         if any(e is None for e in embeds):  # the encoder is placed only when something is not cached
             if plan is None:
                 texts = [t for g in groups for t in g]
@@ -339,8 +362,8 @@ class Engine:
                     check = checks or Checks()
                     embeds = [e if e is not None else
                               encode_prompts(te, g, cache=cache, options=self.text, identity=identity, checks=check,
-                                             weights=home)
-                              for e, g in zip(embeds, groups)]
+                                             weights=home, labels=lab)
+                              for e, g, lab in zip(embeds, groups, labels)]
                     for emb in embeds:
                         check.check_output(emb, "The text encoder", te, text_overflow_cause(emb.dtype))
         return self._conditioning([to_device(e, self.device) for e in embeds], n, negative_prompt is not None)  # type: ignore[union-attr]

@@ -465,11 +465,14 @@ class PromptCache(BoundedCache[torch.Tensor]):
         return found
 
     def cached(self, identity: str | None, prompts: Sequence[str], options: TextOptions = TextOptions(), *,
-               width: int | None = None) -> torch.Tensor | None:
+               width: int | None = None, labels: Sequence[str | None] | None = None,
+               warn: bool = True) -> torch.Tensor | None:
         """Embeddings ``[len(prompts), length, text_dim]`` when every prompt is cached (in memory or
         on disk) for the encoder with this identity, else None; the encoder need not be loaded.
         ``width``: its text width, if known (else the width it was last seen to produce). The result is
-        on the device of the entries the encoder made, or on the CPU when all were read from disk."""
+        on the device of the entries the encoder made, or on the CPU when all were read from disk.
+        A prompt cut at the length is said when found, as :meth:`encode` says it (``labels``: the
+        names of the texts, see :func:`warn_cuts`; ``warn=False`` leaves that to the caller)."""
         if identity is None or not prompts:
             return None
         width = width if width is not None else self._widths.get(identity)
@@ -482,6 +485,8 @@ class PromptCache(BoundedCache[torch.Tensor]):
             logger.debug("prompt cache: cached embeddings of %d prompts differ in width or dtype", len(embs))
             return None
         self.hits += len(prompts)
+        if warn:
+            warn_cuts(prompts, options, options.length(prompts), labels)
         ordered = [found[p] for p in prompts]
         # Entries the encoder made are on its device, those read from disk on the CPU: one call can
         # find both (a prompt encoded this session, a negative stored by an earlier one).
@@ -490,7 +495,7 @@ class PromptCache(BoundedCache[torch.Tensor]):
 
     def encode(self, encoder: Any, prompts: Sequence[str], options: TextOptions | int = TextOptions(), *,
                identity: str | None = None, checks: Checks | None = None,
-               weights: tuple | None = None) -> torch.Tensor:
+               weights: tuple | None = None, labels: Sequence[str | None] | None = None) -> torch.Tensor:
         """Embeddings ``[len(prompts), length, text_dim]``; only prompts found in neither cache are
         encoded. ``options`` may be a plain max length (the older signature). ``identity`` (see
         :func:`loaded_encoder_identity`) defaults to the encoder's own, on the device its weights are on.
@@ -498,7 +503,8 @@ class PromptCache(BoundedCache[torch.Tensor]):
         :class:`~klein_core.checks.Checks` that defers) resolves, so the host need not wait here.
         ``weights``: for an encoder without identity, the token of its weights where they live
         (:func:`~klein_core.pipeline.reference_kv.weights_state`, taken before a stage placed them);
-        default: taken now."""
+        default: taken now. ``labels``: the names of the texts in the warning for a cut one (see
+        :func:`warn_cuts`)."""
         if isinstance(options, int):
             options = TextOptions(max_tokens=options)
         prompts = _check_prompts(prompts)  # errors that name the prompt, before any lookup
@@ -520,10 +526,7 @@ class PromptCache(BoundedCache[torch.Tensor]):
         found = {p: None if e is None else to_device(e, device) for p, e in found.items()}
         todo = [p for p, e in found.items() if e is None]
         self.hits += len(found) - len(todo)  # distinct prompts (one repeated in the call is one)
-        if options.truncate:  # cached or not, a cut prompt is said, by its place in the caller's list
-            for index, p in enumerate(prompts):
-                if (n := count_tokens(p)) > length:
-                    warn_cut(index, n, length)
+        warn_cuts(prompts, options, length, labels)  # cached or not, a cut prompt is said
         if todo:
             self.misses += len(todo)
             embs = _encode(encoder, todo, options, length, warn=False)
@@ -542,6 +545,17 @@ class PromptCache(BoundedCache[torch.Tensor]):
             self._store((base, prompt, length, options.key()), owner, emb)
         if identity is not None and self.disk is not None:
             self.disk.put(identity, prompt, length, options, emb)
+
+
+def warn_cuts(prompts: Sequence[str], options: TextOptions, length: int,
+              labels: Sequence[str | None] | None = None) -> None:
+    """Warn of each prompt cut at ``length`` (none when ``options`` does not truncate), by its place in
+    the caller's list or by ``labels[i]`` where given ("negative prompt")."""
+    if not options.truncate:
+        return
+    for index, p in enumerate(prompts):
+        if (n := count_tokens(p)) > length:
+            warn_cut(index, n, length, labels[index] if labels is not None else None)
 
 
 def _in_memory(encoder: Any, weights: tuple | None = None) -> tuple:
@@ -568,7 +582,7 @@ default_prompt_cache = PromptCache()
 def encode_prompts(
     text_encoder: Any, prompts: Sequence[str], *, cache: PromptCache | None = default_prompt_cache,
     max_length: int = MAX_LENGTH, options: TextOptions | None = None, identity: str | None = None,
-    checks: Checks | None = None, weights: tuple | None = None,
+    checks: Checks | None = None, weights: tuple | None = None, labels: Sequence[str | None] | None = None,
 ) -> torch.Tensor:
     """Tokenize and encode prompts: ``[len(prompts), length, text_dim]``, cached by default.
 
@@ -577,15 +591,19 @@ def encode_prompts(
     of the encoder (:func:`loaded_encoder_identity` with the compute device); default: derived from it.
     ``checks``: a run's :class:`~klein_core.checks.Checks`; the cache keeps new embeddings when it
     finds them finite (see :meth:`PromptCache.encode`). ``weights``: see :meth:`PromptCache.encode`.
+    ``labels``: the texts' names in the warning for a cut one (default: "prompt <index>").
     """
     if isinstance(prompts, str):
         raise TypeError("prompts must be a list of strings; wrap a single prompt as [prompt]")
     prompts = _check_prompts(prompts)  # errors that name the prompt
     options = options or TextOptions(max_tokens=max_length)
     if cache is None:
-        return _encode(text_encoder, prompts, options, options.length(prompts))
-    return cache.encode(text_encoder, list(prompts), options, identity=identity, checks=checks, weights=weights)
+        length = options.length(prompts)
+        warn_cuts(prompts, options, length, labels)
+        return _encode(text_encoder, prompts, options, length, warn=False)
+    return cache.encode(text_encoder, list(prompts), options, identity=identity, checks=checks, weights=weights,
+                        labels=labels)
 
 
 __all__ = ["COMFYUI_TEXT", "TRIM_MULTIPLE", "DiskPromptCache", "PromptCache", "TextOptions", "default_prompt_cache",
-           "encode_prompts", "encoder_identity", "loaded_encoder_identity"]
+           "encode_prompts", "encoder_identity", "loaded_encoder_identity", "warn_cuts"]

@@ -246,11 +246,11 @@ def _encode(texts: list[str]) -> list[list[int]]:
     return [encoding.ids for encoding in encodings]
 
 
-def warn_cut(index: int, tokens: int, length: int) -> None:
+def warn_cut(index: int, tokens: int, length: int, label: str | None = None) -> None:
     """Say that prompt ``index`` (its place in the caller's list), ``tokens`` tokens long, is cut at
-    ``length``."""
-    logger.warning("prompt %d is %d tokens after the chat template; truncated to max_length=%d "
-                   "(%d tokens cut from the end)", index, tokens, length, tokens - length)
+    ``length``; ``label``: the name the user knows the text by instead ("negative prompt")."""
+    logger.warning("%s is %d tokens after the chat template; truncated to max_length=%d "
+                   "(%d tokens cut from the end)", label or f"prompt {index}", tokens, length, tokens - length)
 
 
 def tokenize_prompts(
