@@ -3,7 +3,7 @@
 * ``parity`` records measured max-abs diffs. ``KLEIN_PARITY_TABLE=1`` (or ``-v``) prints them as a
   table at the end of the run; ``KLEIN_PARITY_JSON=path`` writes them as JSON. Otherwise one line
   says how many were recorded.
-* Tiers: ``python -m pytest -q`` runs the default tier (README adds ``-n 2 --dist loadfile``: two processes). The tests named in ``FULL_TIER`` (the slowest
+* Tiers: ``python -m pytest -q`` runs the default tier. The tests named in ``FULL_TIER`` (the slowest
   parity and robustness tests, measured with ``--durations``) are marked ``full`` and left out of it;
   ``python -m pytest -q -m full`` runs them alone (CI runs both commands), ``--full`` runs everything.
   A test file or node id named on the command line always runs, whatever its tier (tests/mutants
@@ -116,22 +116,6 @@ FULL_TIER: tuple[str, ...] = (
 
 _TIER_STATE: dict[str, int] = {}
 
-# Run in two processes (``-n 2``, pytest-xdist, as README's commands do): each worker computes with one
-# torch thread, and so do the interpreters its tests start (OMP_NUM_THREADS), so that two workers on
-# two cores do not make four threads that wait for each other (a run with two threads per worker
-# took several times longer). The mutant check, the longest test (about 4 minutes), is collected
-# first, so that it is never the one left running alone at the end.
-_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
-_FIRST = ("tests/test_mutants.py",)
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    if _WORKER is not None:
-        import torch
-
-        os.environ["OMP_NUM_THREADS"] = "1"
-        torch.set_num_threads(1)
-
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--full", action="store_true", default=False,
@@ -171,7 +155,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     suite = (config.rootpath / "tests").resolve()
     if all((Path(config.invocation_params.dir) / a).resolve() == suite for a in config.args):
         _TIER_STATE["unknown"] = [e for e in FULL_TIER if e not in used]
-    items.sort(key=lambda item: not item.nodeid.startswith(_FIRST))  # stable: the rest keep their order
     if config.getoption("full") or re.search(r"\bfull\b", config.getoption("markexpr") or ""):
         return
     named = _named_files(config)
@@ -181,25 +164,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         items[:] = [item for item in items if id(item) not in dropped]
         config.hook.pytest_deselected(items=drop)
         _TIER_STATE["left_out"] = len(drop)
-
-
-def pytest_sessionfinish(session: pytest.Session) -> None:
-    """A worker of ``-n 2`` hands its measured values and tier counts to the main process, which
-    prints the summary."""
-    out = getattr(session.config, "workeroutput", None)
-    if out is not None:
-        out["klein"] = json.dumps({"results": _RESULTS, "tiers": _TIER_STATE})
-
-
-@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: only a run with -n calls it
-def pytest_testnodedown(node, error) -> None:
-    """The main process of ``-n 2``: a worker's measured values and tier counts (each worker collects
-    the whole run, so the tier counts are the same in every one)."""
-    data = getattr(node, "workeroutput", {}).get("klein")
-    if data:
-        got = json.loads(data)
-        _RESULTS.update(got["results"])
-        _TIER_STATE.update(got["tiers"])
 
 
 def pytest_terminal_summary(terminalreporter, config):
