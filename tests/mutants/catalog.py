@@ -479,8 +479,8 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "cached-cut-prompt-silent", "klein_core/pipeline/prompts.py",
-        "        if options.truncate:  # cached or not, a cut prompt is said, by its place in the caller's list",
-        "        if False:",
+        "        warn_cuts(prompts, options, length, labels)  # cached or not, a cut prompt is said",
+        "        pass",
         ("tests/test_prompt_hunt.py::test_a_cut_prompt_served_from_the_disk_cache_is_still_warned",),
         "a prompt cut at 512 tokens and served from the cache is cut without a word",
     ),
@@ -661,8 +661,8 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "demo-ignores-model-flags", "klein_core/cli.py",
-        '        if ignored:\n            raise CLIError(f"--demo runs',
-        '        if False:\n            raise CLIError(f"--demo runs',
+        '    if ignored:\n        raise CLIError(f"--demo runs',
+        '    if False:\n        raise CLIError(f"--demo runs',
         ("tests/test_docs_claims_hunt.py::test_model_without_models_dir_is_refused_also_with_demo",),
         "--demo --model X runs the demo model without a word; --demo --quantize q4 records a q4 that never ran",
     ),
