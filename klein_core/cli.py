@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib.util
 import io
 import json
 import logging
@@ -287,9 +288,9 @@ def _pick(folder: Path, what: str, name: str | None = None) -> Path:
         # about that file. The first file whose header is a transformer's is the default.
         transformers = [f for f in files if probe(f).kind == "transformer"]
         if not transformers:
-            for f in files:  # a GGUF file probe could not read says why (the gguf package missing, say)
-                if is_gguf(f):
-                    _refuse_non_weights(f, "transformer")
+            if any(is_gguf(f) for f in files) and importlib.util.find_spec("gguf") is None:
+                # a GGUF file probe could not read because the gguf package is missing: say so
+                _refuse_non_weights(next(f for f in files if is_gguf(f)), "transformer")
             raise CLIError(f"no transformer in {folder} (it has {', '.join(f.name for f in files)}); put the Klein "
                            "transformer (e.g. flux-2-klein-4b.safetensors) there, or name it with --model")
         return transformers[0]

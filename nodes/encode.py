@@ -129,9 +129,11 @@ class KleinTextEncode(io.ComfyNode):
         # A prompt seen before (also before a restart, with the disk cache) needs no encoder at all:
         # the cache is keyed by the file's name, size and time, so the file is not even opened.
         path = host.full_path("text_encoders", text_encoder)
-        embeds = None if path is None or prompts is None else kc.Engine(
-            device=device, prompt_cache=prompts, text=options).cached_prompts(
-            [prompt], negative_prompt, identity=encoder_identity(path, dtype, device))
+        embeds = None
+        if path is not None and prompts is not None:
+            with notices.ignoring("klein_core.pipeline.tokenizer"):  # cut prompts were reported above, by input name
+                embeds = kc.Engine(device=device, prompt_cache=prompts, text=options).cached_prompts(
+                    [prompt], negative_prompt, identity=encoder_identity(path, dtype, device))
         if embeds is None:
             path = model_file(NODE, "text_encoder", "text_encoders", text_encoder, expect="text_encoder")
             ref: Any = cache.model_ref("text_encoder", path, text_encoder, device, dtype)

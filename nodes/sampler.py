@@ -237,8 +237,17 @@ def batch_noise(latent: dict | None, seed: int, batch_size: int, grid: tuple[int
         inds = [idx[0] + k for k in range(batch_size)]
     else:
         raise ValueError(f"{NODE}: latent's batch_index numbers {len(idx)} images but {batch_size} are made.")
-    full = make_noise(seed, max(inds) + 1, 128, *grid)
-    return full[inds] if inds != list(range(batch_size)) else full
+    if inds == list(range(batch_size)):
+        return make_noise(seed, batch_size, 128, *grid)
+    # drawn one image at a time, as ComfyUI's prepare_noise: the same values as one draw of the whole
+    # batch, keeping only the images asked for
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    wanted, kept = set(inds), {}
+    for i in range(max(inds) + 1):
+        one = torch.randn((1, 128, *grid), generator=g, dtype=torch.float32)
+        if i in wanted:
+            kept[i] = one
+    return torch.cat([kept[i] for i in inds])
 
 
 def settings(width: int, height: int, steps: int, guidance: float, seed: int, batch_size: int) -> kc.Settings:
@@ -359,8 +368,8 @@ class KleinSampler(io.ComfyNode):
                 raise ValueError(f"{NODE}: width/height: {exc} Set both to 0 to use the first reference's size "
                                  f"(1024x1024 without references).") from exc
             # Both 0: the size came from an image, which the message names with the fix.
-            hint = (" (Flux2 VAE Encode's size 'fit 1 megapixel' scales the picture it encodes)"
-                    if init is not None else "")
+            hint = (" (Flux2 VAE Encode's size 'fit 1 megapixel' scales the picture it encodes down)"
+                    if init is not None and "too large" in str(exc) else "")
             raise ValueError(f"{NODE}: width/height: {exc}{hint}") from exc
         if run.cfg and not has_negative:
             raise ValueError(f"{NODE}: guidance {run.guidance:g} on a base model needs a negative: connect "
@@ -368,6 +377,9 @@ class KleinSampler(io.ComfyNode):
                              f"prompt), or use {ENCODER_NODE}'s conditioning output.")
         cond = kc.Conditioning(conditioning.positive, conditioning.negative if run.cfg else None)
         check_batches(init, run.batch_size)
+        # before the model loads: a bad batch_index costs no load
+        noise = batch_noise(latent, run.seed, run.batch_size, (run.height // 16, run.width // 16)) \
+            if init is not None else None
         try:  # the engine's one check, before the model is loaded: a mismatch costs no load
             check_denoise_inputs(model.config, model.kind, cond, refs, run, init=init,
                                  negative_prompt=conditioning.has_negative)
@@ -383,8 +395,6 @@ class KleinSampler(io.ComfyNode):
                     len(with_init_reference(refs, init)), engine.ref_mode)
         kv_hits = cache.kv.hits
         total = steps_to_run(run.steps, init.strength) if init is not None else run.steps
-        noise = batch_noise(latent, run.seed, run.batch_size, (run.height // 16, run.width // 16)) \
-            if init is not None else None
         latents, _ = engine.denoise(cond, refs, run, callback=StepReporter(total, host.torch_device()), init=init,
                                     noise=noise)
         if cache.kv.hits > kv_hits:

@@ -277,6 +277,30 @@ def test_a_file_warning_is_said_once_per_load_not_once_more_for_the_memory_estim
 # INFO lines say what happened
 
 
+def test_review_the_memory_estimates_lines_stay_quiet_under_a_root_handler_at_notset(files):
+    """Was a bug (review): the estimate's records were relabelled DEBUG but still emitted, so a host
+    whose root handler has no level (ComfyUI's, at NOTSET, with the root logger at INFO) printed them
+    as before. They are dropped unless DEBUG is on for their logger."""
+    _, paths = files
+    seen: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(record)
+
+    root, handler, level = logging.getLogger(), Keep(logging.NOTSET), logging.getLogger().level
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+    try:
+        from klein_core.files.loaders import meta_model
+
+        meta_model(paths["klein_4b"], "transformer")
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(level)
+    assert [r.getMessage() for r in seen if r.name.startswith("klein_core.files")] == []
+
+
 def test_the_fast_text_encoder_on_the_cpu_does_not_say_it_replays_cuda_graphs(files, caplog):
     """Was a bug: ``speed="fast"`` (the CLI's and the nodes' default; ``apply_speed`` / ``Engine(speed=)``) on a
     text encoder on the CPU logs "text encoder: CUDA graph replay of the plain forward enabled" at INFO

@@ -330,6 +330,11 @@ def test_generate_with_trimmed_padding(parity):
         base = kc.generate(tr, te, vae, kind="base", steps=3, negative_prompt=long_negative,
                            text=kc.TextOptions(trim=64), **kw)
         assert set(seen) == {64, 128}  # the negative at its own length, not the prompt padded to it
+        seen.clear()
+        long_prompt = " ".join(f"p{i}" for i in range(40))  # over 64 tokens: 128; the empty negative: 64
+        kc.generate(tr, te, vae, kind="base", steps=1, negative_prompt="", text=kc.TextOptions(trim=64),
+                    **{**kw, "prompt": long_prompt})
+        assert seen == [128]  # the negative padded up to the prompt's length: CFG ran as one batch
     finally:
         hook.remove()
     assert torch.isfinite(fast.latents).all() and torch.isfinite(base.latents).all()

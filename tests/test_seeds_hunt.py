@@ -115,6 +115,17 @@ def test_klein_sampler_draws_the_noise_of_the_latents_batch_index(comfy):  # noq
     assert diff <= 1e-5, f"batch_index 1 alone differs from the batch's image 1 by {diff:.3g}"
 
 
+def test_review_a_jsonl_number_far_too_large_is_shown_as_written(tmp_path):
+    """Was a bug (review): with JSONL numbers read as Decimal, a width of 1e20 was refused as
+    "width Decimal('1E+20') is far too large"; the number is shown as a number."""
+    path = tmp_path / "rows.jsonl"
+    path.write_text('{"id": "a", "width": 1e20}\n')
+    (_, raw), = list(read_rows(path))
+    with pytest.raises(RowError, match=r"width 1E\+20 is far too large") as err:
+        parse_row(raw, where="row 1")
+    assert "Decimal" not in str(err.value)
+
+
 def test_klein_sampler_batch_index_rules(comfy):  # noqa: F811
     """The noise a ``batch_index`` asks for (nodes/sampler.py ``batch_noise``): one index per image picks
     that image of the seed's batch; one index for several images (Repeat Latent Batch of a picked

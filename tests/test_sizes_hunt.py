@@ -99,6 +99,8 @@ def test_sampler_refusing_the_latents_size_does_not_tell_to_give_width_and_heigh
     with pytest.raises(ValueError, match=r"Klein Sampler: width/height: latent \(") as err:
         _sample(comfy, model, _native_cond(), width=0, height=0, latent=latent, denoise=0.5, steps=1)
     assert "width and height explicitly" not in str(err.value), str(err.value)
+    # (review) Flux2 VAE Encode's 'fit 1 megapixel' only scales down: named for a latent too large only
+    assert ("fit 1 megapixel" in str(err.value)) == (grid == (125, 188)), str(err.value)
 
 
 # ----- empty batches and empty images -----------------------------------------------------------------

@@ -262,7 +262,8 @@ def parse_row(raw: Mapping, number: int | None = None, *, where: str | None = No
         for key in ("width", "height"):
             side = _int(raw, key, where)
             if side is not None and side > MAX_SIDE:
-                raise RowError(f"{where}: {key} {raw[key]!r} is far too large; FLUX.2 Klein supports at most 4 "
+                shown = str(raw[key]) if isinstance(raw[key], decimal.Decimal) else repr(raw[key])
+                raise RowError(f"{where}: {key} {shown} is far too large; FLUX.2 Klein supports at most 4 "
                                "megapixels (e.g. 2048x2048)")
         steps, seed = _int(raw, "steps", where), _int(raw, "seed", where)
         if steps is not None and not 1 <= steps <= MAX_STEPS:

@@ -43,6 +43,9 @@ class _MetaBuildLogs(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         if getattr(_building, "depth", 0) and record.levelno < logging.ERROR:
             record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+            # the logger let the record through at its first level; kept only where DEBUG is on (a
+            # host's root handler at NOTSET, as ComfyUI's, would print it otherwise)
+            return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
         return True
 
 

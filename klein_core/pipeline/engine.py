@@ -15,6 +15,7 @@ prepared the next stage. A stage method called alone checks at once, as before.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import threading
@@ -284,6 +285,16 @@ class Engine:
             return [prompts + ([negative_prompt] if negative_prompt is not None else [])], len(prompts)
         return [prompts, [negative_prompt]], len(prompts)
 
+    def _group_options(self, groups: list[list[str]]) -> list[TextOptions]:
+        """Each group's text options. Under trimmed padding the negative prompt, encoded on its own, is
+        padded at least to its prompts' length, so that CFG runs the two as one batch when it is no
+        longer than they are (the prompts' length never depends on the negative)."""
+        if len(groups) == 2 and self.text.truncate and self.text.trim is not None:
+            prompts_length = self.text.length(groups[0])
+            if self.text.length(groups[1]) < prompts_length:
+                return [self.text, dataclasses.replace(self.text, trim=prompts_length)]
+        return [self.text] * len(groups)
+
     @staticmethod
     def _labels(group: list[str], n: int, first: int) -> list[str | None]:
         """The texts' names in a cut-prompt warning: the negative prompt by that name (the group's texts
@@ -315,12 +326,12 @@ class Engine:
         if cache is None or identity is None:
             return None
         groups, n = self._text_groups(prompts, negative_prompt)
-        firsts = self._firsts(groups)
-        embeds = [cache.cached(identity, g, self.text, width=self._text_width(), warn=False) for g in groups]
+        firsts, options = self._firsts(groups), self._group_options(groups)
+        embeds = [cache.cached(identity, g, o, width=self._text_width(), warn=False) for g, o in zip(groups, options)]
         if any(e is None for e in embeds):
             return None
-        for g, first in zip(groups, firsts):  # said once the whole run is served (encode_prompts says it otherwise)
-            warn_cuts(g, self.text, self.text.length(g), self._labels(g, n, first))
+        for g, o, first in zip(groups, options, firsts):  # said once the whole run is served (else encode_prompts)
+            warn_cuts(g, o, o.length(g), self._labels(g, n, first))
         return self._conditioning(embeds, n, negative_prompt is not None)  # type: ignore[arg-type]
 
     @staticmethod
@@ -337,16 +348,18 @@ class Engine:
         """Stage 1: embeddings ``[len(prompts), L, text_dim]`` (and the negative's, if given).
 
         ``L`` is 512, or with ``TextOptions(max_tokens=None)`` the longest prompt's token count
-        (at least 512; the negative prompt then has its own length). Cached prompts are not
+        (at least 512; the negative prompt then has its own length), or with ``trim`` the longest
+        prompt's rounded up (the negative its own, at least the prompts'). Cached prompts are not
         encoded again, and when every one is cached the encoder is not even placed.
         ``checks`` (every stage method takes it): a run's :class:`~klein_core.checks.Checks`, which
         may queue the finiteness checks for its caller to resolve; default: checked before returning."""
         groups, n = self._text_groups(prompts, negative_prompt)
         labels = [self._labels(g, n, first) for g, first in zip(groups, self._firsts(groups))]
+        options = self._group_options(groups)
         cache = self.prompt_cache
         identity = loaded_encoder_identity(self.text_encoder, self.device) if self.text_encoder is not None else None
-        embeds = [cache.cached(identity, g, self.text, width=self._text_width(), labels=lab) if cache is not None
-                  else None for g, lab in zip(groups, labels)]
+        embeds = [cache.cached(identity, g, o, width=self._text_width(), labels=lab) if cache is not None
+                  else None for g, o, lab in zip(groups, options, labels)]
         if any(e is None for e in embeds):  # the encoder is placed only when something is not cached
             if plan is None:
                 texts = [t for g in groups for t in g]
@@ -361,9 +374,9 @@ class Engine:
                 with self._stage("text_encoder", plan) as te:
                     check = checks or Checks()
                     embeds = [e if e is not None else
-                              encode_prompts(te, g, cache=cache, options=self.text, identity=identity, checks=check,
+                              encode_prompts(te, g, cache=cache, options=o, identity=identity, checks=check,
                                              weights=home, labels=lab)
-                              for e, g, lab in zip(embeds, groups, labels)]
+                              for e, g, o, lab in zip(embeds, groups, options, labels)]
                     for emb in embeds:
                         check.check_output(emb, "The text encoder", te, text_overflow_cause(emb.dtype))
         return self._conditioning([to_device(e, self.device) for e in embeds], n, negative_prompt is not None)  # type: ignore[union-attr]

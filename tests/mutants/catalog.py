@@ -1432,7 +1432,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         'cached-prompt-cut-silent', 'klein_core/pipeline/engine.py',
-        '            warn_cuts(g, self.text, self.text.length(g), self._labels(g, n, first))',
+        '            warn_cuts(g, o, o.length(g), self._labels(g, n, first))',
         '            pass',
         ('tests/test_logging_hunt.py::test_a_prompt_cut_at_512_tokens_is_warned_also_when_its_embedding_comes_from_the_prompt_cache',),
         'a cut prompt served from the prompt cache is cut silently',
@@ -1485,5 +1485,33 @@ MUTANTS: tuple[Mutant, ...] = (
         '        pass\n',
         ('tests/test_entrypoints_hunt.py::test_batch_and_serve_demo_refuse_model_flags_it_would_not_use',),
         'batch --demo records a quantisation that never ran',
+    ),
+    Mutant(
+        'meta-logs-printed-at-notset', 'klein_core/files/loaders.py',
+        '            return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)',
+        '            return True',
+        ('tests/test_logging_hunt.py::test_review_the_memory_estimates_lines_stay_quiet_under_a_root_handler_at_notset',),
+        "the estimate's load lines still print under ComfyUI's root handler",
+    ),
+    Mutant(
+        'sampler-fit-hint-for-small-latent', 'nodes/sampler.py',
+        '                    if init is not None and "too large" in str(exc) else "")',
+        '                    if init is not None else "")',
+        ('tests/test_sizes_hunt.py::test_sampler_refusing_the_latents_size_does_not_tell_to_give_width_and_height',),
+        "a too small latent is told to use 'fit 1 megapixel', which only scales down",
+    ),
+    Mutant(
+        'row-number-shown-as-decimal', 'klein_core/distributed/rows.py',
+        '                shown = str(raw[key]) if isinstance(raw[key], decimal.Decimal) else repr(raw[key])',
+        '                shown = repr(raw[key])',
+        ('tests/test_seeds_hunt.py::test_review_a_jsonl_number_far_too_large_is_shown_as_written',),
+        "a JSONL width of 1e20 is shown as Decimal('1E+20')",
+    ),
+    Mutant(
+        'trim-negative-not-padded-up', 'klein_core/pipeline/engine.py',
+        '            if self.text.length(groups[1]) < prompts_length:',
+        '            if False:',
+        ('tests/test_prompts.py::test_generate_with_trimmed_padding',),
+        'base + trim + CFG runs two transformer passes a step',
     ),
 )
