@@ -244,17 +244,22 @@ phase_blocks() {  # one double and one single block per fast-path variant (kerne
     step blocks 90 "$PY" benchmarks/kernels.py --models 4b,9b --ops blocks "${tiny[@]}" --out "$OUT/blocks.json"
 }
 
+# PROFILE_CASE=b profiles the edit with two references instead (its time outside the stages: 26-43 ms
+# against 14-16 for text to image on the H200, 2026-11-28, not placed yet)
 phase_profile() {  # one warm default generation under torch.profiler: kernels by family, GPU idle gaps
     local -a tiny=()
+    local case="${PROFILE_CASE:-a}"
     [ "$DRY" -eq 1 ] && tiny=(--tiny --device cpu)
-    step profile_4b_a 60 "$PY" benchmarks/profile_run.py --model 4b --case a "${tiny[@]}" --out "$OUT/profile_4b_a.json"
+    step "profile_4b_$case" 60 "$PY" benchmarks/profile_run.py --model 4b --case "$case" "${tiny[@]}" \
+        --out "$OUT/profile_4b_$case.json"
 }
 
 phase_profilec() {  # the same under speed="compile" (a new process: Inductor's on-disk cache from earlier phases helps)
     local -a tiny=()
+    local case="${PROFILE_CASE:-a}"
     [ "$DRY" -eq 1 ] && tiny=(--tiny --device cpu --speed fast)  # inductor takes minutes on a few CPU cores
-    step profile_4b_a_compile 120 "$PY" benchmarks/profile_run.py --model 4b --case a --speed compile "${tiny[@]}" \
-        --out "$OUT/profile_4b_a_compile.json"
+    step "profile_4b_${case}_compile" 120 "$PY" benchmarks/profile_run.py --model 4b --case "$case" --speed compile \
+        "${tiny[@]}" --out "$OUT/profile_4b_${case}_compile.json"
 }
 
 phase_trim() {  # the default path with the prompt padded to a multiple of 64 tokens, not 512 (4B a and b, 3 runs)
