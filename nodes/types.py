@@ -43,7 +43,7 @@ class KleinModel:
 class KleinVAE:
     ref: ModelRef
     config: kc.VAEConfig
-    speed: str = "fast"  # "compile" compiles its encoder and decoder; otherwise the plain decode
+    speed: str = "fast"  # "compile" compiles its decoder (the encoder stays eager); "plain": the plain VAE
 
     @property
     def name(self) -> str:

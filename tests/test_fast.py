@@ -23,6 +23,7 @@ from klein_core import testing as demo
 from klein_core.accel import fast
 from klein_core.accel.text_encoder import disable_fast_text_encoder, enable_fast_text_encoder
 from klein_core.models.block_ops import PLAIN_OPS
+from klein_core.models.vae import GroupNormAct
 from klein_core.pipeline.sampling import position_ids, text_position_ids
 from klein_core.pipeline.tokenizer import tokenize_prompts
 
@@ -304,21 +305,31 @@ def test_fast_vae_decode_and_restore():
     assert vae.decoder_dtype == torch.float32 and vae.decode(lat).dtype == torch.float32
 
 
-def test_compiled_vae_encoder_and_decoder():
-    """enable_fast_vae() compiles both halves (eager backend here: dynamo traces, nothing generated),
-    channels-last under compilation; results equal the plain ones; disable restores eager NCHW."""
+def test_compiled_vae_decoder_and_eager_fused_encoder(caplog: pytest.LogCaptureFixture) -> None:
+    """enable_fast_vae() compiles the decoder (eager backend here: dynamo traces, nothing generated),
+    channels-last, and leaves the encoder eager with the fused norms (measured faster on an H200:
+    43.6 ms against 55.8 compiled for two 1024² references); ``compile_encoder`` compiles it too.
+    Results equal the plain ones; disable restores eager NCHW with plain norms."""
     vae = demo.tiny_vae()
     lat = torch.randn(1, 128, 3, 4, generator=torch.Generator().manual_seed(0))
     px = torch.rand(1, 3, 48, 64, generator=torch.Generator().manual_seed(1)) * 2 - 1
     ref_dec, ref_enc = vae.decode(lat), vae.encode(px)
-    fast.enable_fast_vae(vae, compile_backend="eager")
-    assert fast.is_compiled(vae.decoder) and fast.is_compiled(vae.encoder) and vae.decode_channels_last
+    with caplog.at_level(logging.INFO, logger="klein_core.accel.fast"):
+        fast.enable_fast_vae(vae, compile_backend="eager")
+    assert fast.is_compiled(vae.decoder) and not fast.is_compiled(vae.encoder) and vae.decode_channels_last
+    assert {type(m.fused) for m in vae.encoder.modules() if isinstance(m, GroupNormAct)} == {fast.FastVAENorm}
+    assert all(m.fused is None for m in vae.decoder.modules() if isinstance(m, GroupNormAct))  # Inductor's
+    assert "fused in the encoder" in caplog.text and "the decoder compiled on first use" in caplog.text
     torch.testing.assert_close(vae.decode(lat), ref_dec, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(vae.encode(px), ref_enc, rtol=1e-4, atol=1e-4)
+    fast.enable_fast_vae(vae, compile_backend="eager", compile_encoder=True)
+    assert fast.is_compiled(vae.decoder) and fast.is_compiled(vae.encoder)
+    assert all(m.fused is None for m in vae.modules() if isinstance(m, GroupNormAct))
     torch.testing.assert_close(vae.encode(px), ref_enc, rtol=1e-4, atol=1e-4)
     fast.disable_fast_vae(vae)
     assert not fast.is_compiled(vae.decoder) and not fast.is_compiled(vae.encoder)
+    assert all(m.fused is None for m in vae.modules() if isinstance(m, GroupNormAct))
     assert not vae.decode_channels_last and torch.equal(vae.decode(lat), ref_dec)
-
 
 
 def test_generate_with_fast_paths_matches_plain(kitchen_on_cpu):

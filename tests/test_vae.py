@@ -420,3 +420,27 @@ def test_patchify_refuses_odd_sizes() -> None:
         patchify(torch.zeros(1, 4, 3, 4))
     with pytest.raises(ValueError):
         unpatchify(torch.zeros(1, 6, 3, 4))
+
+
+@pytest.mark.parametrize("part", ["encoder", "decoder"])
+def test_mid_attention_never_holds_the_scores(part: str) -> None:
+    """Was a bug: the plain path's NCHW activations reached SDPA with the channels strided, so SDPA fell
+    back to its math path and held the HW x HW scores twice (a 37.8 GB peak for a 2048² decode on an
+    H200; on the CPU, where plain is the default, twice the attention's time). 64 x 64 latent
+    positions: the scores would be 64 MiB in fp32; every allocation must stay far below."""
+    from torch.profiler import ProfilerActivity, profile
+
+    vae = Flux2VAE(VAEConfig(block_channels=(32, 32), decoder_block_channels=(32, 32), num_res_blocks=1)).eval()
+    attn = getattr(vae, part).mid.attn_1
+    x = torch.randn(1, 32, 64, 64, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        y = attn(x)
+    largest = max(e.cpu_memory_usage for e in prof.events())
+    scores = (64 * 64) ** 2 * 4
+    assert largest < scores // 16, f"largest allocation {largest} bytes, the scores are {scores}"
+    # the same attention as the math path's, to float rounding
+    hn = attn.norm(x)
+    q, k, v = (m(hn).flatten(2).transpose(1, 2).double() for m in (attn.q, attn.k, attn.v))
+    ref = torch.softmax(q @ k.transpose(1, 2) / 32**0.5, -1) @ v
+    ref = x.double() + attn.proj_out(ref.transpose(1, 2).reshape(1, 32, 64, 64).float()).double()
+    assert (y.double() - ref).abs().max().item() < 1e-4

@@ -423,8 +423,8 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "vae-compile-fallback-plain-norms", "klein_core/accel/fast.py",
-        "            eager = None if fused else functools.partial(_fuse_vae_norms, vae, part, norm)",
-        "            eager = None",
+        "        eager = None if name in fused else functools.partial(_fuse_vae_norms, vae, parts[name], norm)",
+        "        eager = None",
         ("tests/test_accel_hunt.py::test_after_a_compiler_failure_the_vae_runs_its_fused_norms",),
         "after the VAE fails to compile it decodes channels-last with the plain GroupNorms (the slow path)",
     ),
@@ -1513,5 +1513,20 @@ MUTANTS: tuple[Mutant, ...] = (
         '            if False:',
         ('tests/test_prompts.py::test_generate_with_trimmed_padding',),
         'base + trim + CFG runs two transformer passes a step',
+    ),
+    Mutant(
+        'vae-attention-strided-tokens', 'klein_core/models/vae.py',
+        '            return t.reshape(b, 1, c, h * w).transpose(-1, -2).contiguous()',
+        '            return t.reshape(b, 1, c, h * w).transpose(-1, -2)',
+        ('tests/test_vae.py::test_mid_attention_never_holds_the_scores',),
+        "the plain VAE's attention holds the HW x HW scores (32 GiB at 2048²)",
+    ),
+    Mutant(
+        'compile-encoder-by-default', 'klein_core/accel/fast.py',
+        '    compiled = [name for name in parts if compile and (name == "decoder" or compile_encoder)]',
+        '    compiled = [name for name in parts if compile]',
+        ('tests/test_fast.py::test_compiled_vae_decoder_and_eager_fused_encoder',
+         'tests/test_speed.py::test_apply_speed_is_idempotent_and_switches_back'),
+        'speed compile encodes references with the compiled encoder, measured slower than the eager fused one',
     ),
 )
