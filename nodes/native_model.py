@@ -356,8 +356,10 @@ class KleinModelToMODEL(io.ComfyNode):
             category="Klein/native",
             description="A Klein model as ComfyUI's own MODEL (FLUX.2), for KSampler, SamplerCustomAdvanced "
                         "(any sampler; Flux2Scheduler for Klein's schedule), CFGGuider and model patches such "
-                        "as EasyCache. References come from ReferenceLatent (index method). ComfyUI loads "
-                        "it whole onto the GPU; the loader's memory_mode does not apply here.",
+                        "as EasyCache. References come from ReferenceLatent (index method). With the "
+                        "loader's memory_mode blocks or minimum the weights stay in CPU memory and the "
+                        "blocks stream to the GPU each step (for cards smaller than the model); with the "
+                        "other modes ComfyUI loads it whole onto the GPU.",
             inputs=[KleinModelType.Input("model", tooltip="From Klein Model Loader (or Klein LoRA Loader).")],
             outputs=[io.Model.Output(display_name="MODEL", tooltip="A native FLUX.2 MODEL over the Klein weights.")],
         )

@@ -301,8 +301,12 @@ class KleinLoraTrainer(io.ComfyNode):
         return check_choices(cls, _FOLDERS, model_name=model_name)
 
     @classmethod
-    def fingerprint_inputs(cls, dataset: str = "", **_: Any) -> Any:
+    def fingerprint_inputs(cls, dataset: str | None = "", **_: Any) -> Any:
         # Train again when the dataset's files change (same inputs otherwise reuse the last result).
+        # A linked dataset arrives as None here (ComfyUI has not run the node that gives it yet): its
+        # value then changes the cache key through that node, as with any linked input.
+        if not isinstance(dataset, str):
+            return None
         return dataset_fingerprint(dataset_path(dataset))
 
     @classmethod

@@ -9,10 +9,11 @@ from __future__ import annotations
 import copy
 import logging
 import math
+import os
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.nn.functional as F
@@ -64,17 +65,33 @@ def _normalise(loras: LoRASpec | Sequence[LoRASpec]) -> list[tuple[LoRA, float]]
     pair = (isinstance(loras, tuple) and len(loras) == 2 and isinstance(loras[0], LoRA)
             and not isinstance(loras[1], (LoRA, tuple)))
     single = isinstance(loras, LoRA) or pair
+    if isinstance(loras, (str, os.PathLike)):  # else each character would be read as a (LoRA, strength)
+        _refuse_lora_item(loras)
     items = [loras] if single else list(loras)  # type: ignore[arg-type]
     out = []
     for item in items:
-        lora, strength = (item, 1.0) if isinstance(item, LoRA) else item
-        if not isinstance(lora, LoRA):
-            raise TypeError(f"expected a LoRA from load_lora() or (LoRA, strength), got {type(lora).__name__}")
-        strength = float(strength)
+        if isinstance(item, LoRA):
+            item = (item, 1.0)
+        if not (isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], LoRA)):
+            _refuse_lora_item(item)
+        lora, strength = item
+        try:
+            strength = float(strength)
+        except (TypeError, ValueError):
+            raise ValueError(f"{lora.name}: strength must be a finite number, got {strength!r}.") from None
         if not math.isfinite(strength):
             raise ValueError(f"{lora.name}: strength must be a finite number, got {strength}.")
         out.append((lora, strength))
     return out
+
+
+def _refuse_lora_item(item: object) -> NoReturn:
+    """The error for what is neither a LoRA nor a (LoRA, strength) pair; a path says to load it."""
+    first = item[0] if isinstance(item, (tuple, list)) and len(item) == 2 else item
+    if isinstance(first, (str, os.PathLike)):
+        raise TypeError(f"expected a loaded LoRA, got the path {os.fspath(first)!r}: load it first with "
+                        "kc.load_lora(path)")
+    raise TypeError(f"expected a LoRA from load_lora() or (LoRA, strength), got {type(first).__name__}")
 
 
 def _misfit(lora: LoRA, patch: LoRAPatch, model: nn.Module, weight_shape: tuple[int, ...]) -> ValueError:

@@ -55,6 +55,9 @@ def _read_source(
             tensors[str(k)] = v
         _check_finite("<in-memory LoRA>", tensors)
         return "<in-memory LoRA>", tensors, dict(metadata or {})
+    if not isinstance(source, (str, os.PathLike)):
+        raise TypeError(f"the LoRA source must be a file or folder path (str or Path) or a state dict, got "
+                        f"{type(source).__name__}")
     path = Path(source).expanduser()
     if not path.exists():
         raise FileNotFoundError(f"LoRA file not found: {path}")

@@ -121,6 +121,11 @@ def memory_request(width: int, height: int, references: Sequence[tuple[int, int]
     return MemoryRequest(width, height, references=tuple(refs), encoded=tuple(more), **kw)
 
 
+def _check_callback(callback: object) -> None:
+    if callback is not None and not callable(callback):
+        raise TypeError(f"callback must be a function (step, total, latents) or None, got {type(callback).__name__}")
+
+
 class Engine:
     """Loaded Klein components and what runs them: the one seam between the nodes, the CLI and the
     stages. Each stage method plans memory once per call (or takes the ``plan`` of a caller that
@@ -209,6 +214,11 @@ class Engine:
             raise TypeError(f"text must be a TextOptions, got {type(text).__name__}")
         self.text = text
         self.ref_mode = reference_mode(self.kind, ref_mode)  # the explicit mode wins; else from the kind
+        if kv_cache is not None and not isinstance(kv_cache, ReferenceKVCache):
+            raise TypeError(f"kv_cache must be a ReferenceKVCache or None, got {type(kv_cache).__name__}")
+        for name, hook in (("make_room", make_room), ("check_cancel", check_cancel)):
+            if hook is not None and not callable(hook):
+                raise TypeError(f"{name} must be a function or None, got {type(hook).__name__}")
         self.kv_cache = kv_cache
         self.make_room = make_room
         self.check_cancel = check_cancel
@@ -278,6 +288,8 @@ class Engine:
         prompts = list(as_prompts(prompts))
         if not prompts:
             raise ValueError("prompt list is empty")
+        if negative_prompt is not None and not isinstance(negative_prompt, str):
+            raise TypeError(f"negative_prompt must be a str or None, got {type(negative_prompt).__name__}")
         # Cut at 512 without trimming: one batch for both, every text 512 long. Whole prompts (ComfyUI's
         # way) and trimmed padding: the negative has its own length, so that a negative prompt (which a
         # distilled model, or guidance 1, never uses) cannot change the prompts' embeddings.
@@ -507,6 +519,7 @@ class Engine:
         checks of device tensors are queued on it instead (see :meth:`encode_prompts`).
         """
         references = as_list(references, "reference_latents")
+        _check_callback(callback)
         mode = self.ref_mode if ref_mode is None else reference_mode(self.kind, ref_mode)
         with torch.profiler.record_function("klein.check_inputs"):
             run = self.check_inputs(conditioning, references, settings, noise=noise, init=init,
@@ -696,6 +709,7 @@ class Engine:
         latents)`` after each denoising step; return False to cancel."""
         if not isinstance(request, GenerationRequest):
             raise TypeError(f"request must be a GenerationRequest, got {type(request).__name__}")
+        _check_callback(callback)  # before any stage runs
         cond = request.conditioning
         if cond is None and self.text_encoder is None:
             raise ValueError("pass a text_encoder, or prompt embeddings (conditioning)")

@@ -233,6 +233,17 @@ class InitImage:
             object.__setattr__(self, "strength", check_strength(self.strength))
         if isinstance(self.feather, bool) or not isinstance(self.feather, int) or self.feather < 0:
             raise ValueError(f"feather must be a whole number of pixels >= 0, got {self.feather!r}")
+        # generate()'s names beside InitImage's: a caller of generate() finds the argument it gave
+        for name, alias in (("as_reference", "image_as_reference"), ("composite", "composite")):
+            value = getattr(self, name)
+            if not isinstance(value, (bool, np.bool_)):  # "false" or "no" would read as True
+                label = name if name == alias else f"{name} ({alias} of generate)"
+                raise TypeError(f"{label} must be True or False, got {type(value).__name__} {value!r}")
+            object.__setattr__(self, name, bool(value))
+        pad = self.crop_padding
+        if pad is not None and (isinstance(pad, bool) or not isinstance(pad, int) or pad < 0):
+            raise ValueError(f"crop_padding must be a whole number of pixels >= 0, got {pad!r} (mask_crop_padding "
+                             "of generate, --crop-padding of the CLI)")
         if self.mask is not None and not isinstance(self.mask, Image.Image):
             mask_array(self.mask)  # a tensor / array mask out of 0..1 is refused here, before any work
 
