@@ -219,9 +219,11 @@ phase_fastpass() {
 phase_compile4b() {  # speed="compile" against diffusers at its best (both with the text encoder compiled), 4B a, b
     # COMPILE_CASES=a times only the case of #26's compile target (text to image), in about half the time
     local cases="${COMPILE_CASES:-a,b}"
+    # COMPILE_VARIANTS=diffusers+compile,compile,compile+encoder also times the compiled VAE encoder
+    local variants="${COMPILE_VARIANTS:-diffusers+compile,compile}"
     # shellcheck disable=SC2046
     step "compile_4b_${cases//,/}" 300 "$PY" benchmarks/speed.py --models 4b --cases "$cases" $(runs 5) $(no_diffusers) \
-        --variants diffusers+compile,compile --out "$OUT/compile_4b_${cases//,/}.json"
+        --variants "$variants" --out "$OUT/compile_4b_${cases//,/}.json"
 }
 
 phase_train() {  # LoRA training steps (issue 30): klein_core's trainer (bf16, fp8 base) against diffusers + peft

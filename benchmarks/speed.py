@@ -28,6 +28,9 @@ Variants (``--variants``, in this order):
   :mod:`klein_core.accel.speed`); the name stays ``default`` whatever that is, so results from
   different commits compare;
 * ``compile``: ``speed="compile"`` (the nodes' "fast + compile");
+* ``compile+encoder``: ``compile`` with the VAE encoder compiled too
+  (``enable_fast_vae(compile_encoder=True)``), against ``compile``'s eager encoder with the fused
+  norms in one process;
 * ``default+step_cache``: ``default`` with the opt-in step cache
   (:mod:`klein_core.accel.step_cache`, ``--cache-threshold``); approximate, so its latents' relative
   L2 and pixel difference against ``default`` are reported beside its speed;
@@ -175,7 +178,7 @@ def step_flops(cfg: TransformerConfig, image_tokens: int, text_tokens: int, batc
     return float(batch * (cfg.depth * double + cfg.depth_single * single + io))
 
 
-VARIANTS = ("diffusers", "diffusers+compile", "plain", "default", "compile",
+VARIANTS = ("diffusers", "diffusers+compile", "plain", "default", "compile", "compile+encoder",
             "default+step_cache", "default+trim", "compile+trim")
 TRIMMED = TextOptions(trim=TRIM_MULTIPLE)  # the +trim variants' prompt options
 BF16_PEAK_TFLOPS = 790.0  # measured on an H100 (8192^3 bf16 matmul, 2026-11-13, device KINDS.md)
@@ -733,6 +736,10 @@ def bench_model(spec: ModelSpec, cases: list[Case], args: argparse.Namespace, de
                 fast.enable_fast_paths(tr, attention=attention)
         return setup
 
+    def with_compiled_encoder() -> None:
+        speed.apply_speed(tr, vae, "compile", te)
+        fast.enable_fast_vae(vae, compile=True, compile_encoder=True)
+
     def with_step_cache() -> None:
         speed.apply_speed(tr, vae, speed.DEFAULT_SPEED, te)
         kw = {} if args.cache_threshold is None else {"threshold": args.cache_threshold}
@@ -741,7 +748,7 @@ def bench_model(spec: ModelSpec, cases: list[Case], args: argparse.Namespace, de
     # name -> (setup, teardown); run in the order of --variants
     ours_setups: dict[str, tuple[Callable[[], None], Callable[[], None] | None]] = {
         "plain": (at_speed("plain"), None), "default": (at_speed(speed.DEFAULT_SPEED), None),
-        "compile": (at_speed("compile"), None),
+        "compile": (at_speed("compile"), None), "compile+encoder": (with_compiled_encoder, None),
         "default+step_cache": (with_step_cache, lambda: step_cache.disable_step_cache(tr)),
         "default+trim": (at_speed(speed.DEFAULT_SPEED), None), "compile+trim": (at_speed("compile"), None),
     }

@@ -113,7 +113,7 @@ class KleinModelLoader(io.ComfyNode):
                 io.Combo.Input("speed", options=list(SPEEDS), default="fast", optional=True, tooltip=(
                     "fast = the fastest eager path on the GPU (cuDNN attention on H100-class GPUs, fused "
                     "norm/RoPE kernels from comfy-kitchen); the plain path on the CPU. fast + compile = "
-                    "also torch.compile the transformer blocks and the VAE (the first run at each size "
+                    "also torch.compile the transformer blocks and the VAE decoder (the first run at each size "
                     "compiles for tens of seconds, logged; torch caches it on disk for later starts). "
                     "plain = the reference PyTorch path.")),
             ],

@@ -213,7 +213,9 @@ class KleinLoraTrainer(io.ComfyNode):
                     "Folder ON THE SERVER (the machine running ComfyUI) holding the training images (png, jpg, "
                     "webp, bmp) with a .txt caption of the same name beside each; or a .jsonl file of rows "
                     "{\"image\", \"caption\"} (edit pairs add \"references\"). A relative path is read in "
-                    "ComfyUI's input folder (input/my_set or my_set), else from the server's working folder.")),
+                    "ComfyUI's input folder (input/my_set or my_set), else from the server's working folder. Typed "
+                    "here, a change to the dataset's files trains again; linked from another node, only a "
+                    "change of the linked text does.")),
                 io.Combo.Input("model_name", options=host.filename_list("diffusion_models", (".gguf",)), tooltip=(
                     "The Klein BASE model to train on (e.g. flux-2-klein-base-4b), from models/diffusion_models; "
                     "a GGUF base trains too (its quantised layers frozen, the LoRA on top). The LoRA then works "

@@ -275,3 +275,87 @@ def test_engine_is_usable_after_a_refused_stage_call(tiny):
     fresh = kc.Engine(tr, te, vae, prompt_cache=None)
     want, _ = fresh.denoise(fresh.encode_prompts(["a"]), [], settings)
     assert torch.equal(got, want)
+
+
+# ---------------------------------------------------------------------------------------------
+# From the review of the fixes above: what must still be accepted, and the other entry points
+
+
+def test_generate_refuses_bad_arguments_before_switching_the_models_speed(tiny, picture):
+    """Was a bug (review): generate() built its Engine, which switches the models to ``speed``, before
+    checking its other arguments, so a refused call (callback=5, composite="false") left the models on
+    the fast path, against Engine's promise that bad arguments leave them untouched."""
+    from klein_core.accel import speed
+
+    tr, te, vae = build_tiny_components(seed=1)
+    assert speed.speed_of(tr) == "plain"
+    mask = Image.new("L", picture.size, 255)
+    for bad in ({"callback": 5}, {"image": picture, "mask": mask, "composite": "false"}):
+        _assert_clear(_error_of(lambda bad=bad: kc.generate(tr, te, vae, prompt="a", speed="fast", **bad, **SMALL)),
+                      "callback", "composite")
+        assert speed.speed_of(tr) == "plain" and speed.speed_of(vae) == "plain"
+
+
+def test_engine_denoise_refuses_a_callback_that_is_not_callable(tiny):
+    """Was a bug: as through generate(), Engine.denoise with ``callback=5`` ran a step first."""
+    tr, te, vae = tiny
+    engine = kc.Engine(tr, te, vae, prompt_cache=None)
+    cond = engine.encode_prompts(["a"])
+    _assert_clear(_error_of(lambda: engine.denoise(cond, [], kc.Settings(64, 64, 1), callback=5)), "callback")
+
+
+def test_a_zero_sided_reference_through_generate_is_named_before_the_size_is_taken_from_it(tiny):
+    """Was a bug (review): without width and height the output size comes from the first reference;
+    a ``[1, 3, 0, 64]`` one was told to "give width and height explicitly", after which it failed
+    anyway. Now the reference is named first."""
+    tr, te, vae = tiny
+    exc = _error_of(lambda: kc.generate(tr, te, vae, prompt="a", references=[torch.zeros(1, 3, 0, 64)],
+                                        output="latent", steps=1, cache=None))
+    _assert_clear(exc, "reference 1")
+    assert "0 pixels" in str(exc)
+
+
+def test_crop_padding_without_a_mask_names_generates_argument(tiny, picture):
+    """Was a bug (review): generate(image=..., mask_crop_padding=8) without a mask said "crop_padding
+    needs a mask", an argument generate() does not have."""
+    tr, te, vae = tiny
+    exc = _error_of(lambda: kc.generate(tr, te, vae, prompt="a", image=picture, mask_crop_padding=8, **SMALL))
+    _assert_clear(exc, "mask_crop_padding")
+
+
+def test_numpy_and_integer_flags_and_values_keep_working(tiny, picture, lora):
+    """Edge case (review): the new checks refuse strings and None, not what worked before: numpy
+    bools and 0 / 1 as flags, a numpy integer crop padding, a numpy float LoRA strength, a LoRA spec
+    as any 2-item sequence, and Path sources."""
+    from klein_core.pipeline.inpaint import InitImage
+
+    mask = Image.new("L", picture.size, 255)
+    init = InitImage(picture, mask, as_reference=np.bool_(False), composite=0, crop_padding=np.int64(8))
+    assert init.as_reference is False and init.composite is False and init.crop_padding == 8
+    assert InitImage(picture, mask, as_reference=1).as_reference is True
+    for bad in ("no", None):
+        _assert_clear(_error_of(lambda bad=bad: InitImage(picture, mask, as_reference=bad)), "as_reference")
+    tr = build_tiny_components(seed=2)[0]
+    ref = tr.single_blocks[0].linear1.weight.detach().clone()
+    kc.apply_loras(tr, [(lora, np.float32(0.5))])
+    changed = tr.single_blocks[0].linear1.weight.detach().clone()
+    kc.apply_loras(tr, [[lora, 0.5]])  # a list pair, as before
+    assert not torch.equal(changed, ref)
+    _assert_clear(_error_of(lambda: kc.apply_loras(tr, [(lora, None)])), "strength")
+    assert isinstance(_error_of(lambda: kc.apply_loras(tr, [(lora, None)])), TypeError)  # as float(None)
+    assert isinstance(_error_of(lambda: kc.apply_loras(tr, [(lora, "strong")])), ValueError)
+
+
+def test_loaders_accept_path_objects(tmp_path):
+    """Edge case (review): the None check lets ``Path`` and ``os.PathLike`` sources through."""
+    import os
+
+    class Where(os.PathLike):
+        def __init__(self, path):
+            self.path = path
+
+        def __fspath__(self):
+            return str(self.path)
+
+    paths = write_tiny_model_files(tmp_path)
+    assert kc.load_vae(paths["vae"]).config == kc.load_vae(Where(paths["vae"])).config

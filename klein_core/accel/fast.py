@@ -453,13 +453,23 @@ class FastVAENorm:
     channels-last too); the choice is made on the first call per device and dtype, checked once
     against the plain path and logged. Elsewhere, and for widths the kernel does not take, the
     plain GroupNorm runs: silently off CUDA, with one warning on a GPU where the kernel cannot.
-    When the kernel is chosen, ``vae``'s convolution weights are stored channels-last too, so that
-    cuDNN does not convert around every convolution (docs/speed.md, "The VAE").
+    When the kernel is chosen, the convolution weights of the parts that run it (:meth:`serve`) are
+    stored channels-last too, so that cuDNN does not convert around every convolution (docs/speed.md,
+    "The VAE"); a part compiled instead keeps the layout it was given.
     """
 
-    def __init__(self, vae: torch.nn.Module | None = None) -> None:
+    def __init__(self) -> None:
         self._usable: dict[tuple[str, int | None, torch.dtype], bool] = {}
-        self._vae = weakref.ref(vae) if vae is not None else None
+        self._parts: list[weakref.ref[torch.nn.Module]] = []
+
+    def serve(self, part: torch.nn.Module) -> None:
+        """Run ``part``'s (the encoder's or the decoder's) GroupNorms; channels-last at once when the
+        kernel was already chosen on some device (a part fused after its compilation failed)."""
+        if not any(ref() is part for ref in self._parts):
+            self._parts.append(weakref.ref(part))
+        _set_vae_norms(part, self)
+        if any(self._usable.values()):
+            part.to(memory_format=torch.channels_last)
 
     def __call__(self, norm: GroupNormAct, x: torch.Tensor) -> torch.Tensor | None:
         if records_grad(x, norm.weight, norm.bias):  # the kernel has no backward: the plain GroupNorm
@@ -498,9 +508,10 @@ class FastVAENorm:
         else:
             why = _group_norm_self_check(device, dtype)
         if why is None:
-            vae = self._vae() if self._vae is not None else None
-            if vae is not None:  # at the first use on a GPU, so a VAE that never runs there stays NCHW
-                vae.to(memory_format=torch.channels_last)
+            for ref in self._parts:  # at the first use on a GPU, so a VAE that never runs there stays NCHW
+                part = ref()
+                if part is not None:
+                    part.to(memory_format=torch.channels_last)
             logger.info("klein fast VAE on %s %s: GroupNorm+SiLU=comfy-kitchen, channels-last", device, dtype)
             return True
         log = logger.debug if device.type not in KITCHEN_DEVICES else logger.warning
@@ -521,7 +532,7 @@ def _set_vae_norms(part: torch.nn.Module, fused: FastVAENorm | None) -> None:
 def _fuse_vae_norms(vae: Flux2VAE, part: torch.nn.Module, norm: FastVAENorm) -> None:
     """``part``'s (the encoder's or the decoder's) GroupNorms + SiLUs as ``norm``: what the
     uncompiled fast VAE runs, and a compiled part after compilation was given up."""
-    _set_vae_norms(part, norm)
+    norm.serve(part)
     vae.__dict__.setdefault(_VAE_HOOKS, []).append(part.register_forward_pre_hook(norm.before_pass))
 
 
@@ -837,7 +848,7 @@ def enable_fast_vae(
     dtype: torch.dtype | None = None,
     compile_mode: str | None = None,
     compile_backend: str = "inductor",
-    compile_encoder: bool = False,
+    compile_encoder: bool | None = None,
 ) -> None:
     """The fast VAE (in place): fused GroupNorm + SiLU kernels, or the decoder compiled.
 
@@ -849,19 +860,23 @@ def enable_fast_vae(
         channels_last: store the decoder's convolution weights and input NHWC. None: with ``compile``.
         dtype: convert the decoder to this dtype (None keeps the VAE's).
         compile_mode, compile_backend: ``torch.compile``'s ``mode`` and ``backend``.
-        compile_encoder: compile the encoder as well (with ``compile``). Off by default: on an H200
-            (2026-11-28) two 1024² references took 55.8 ms compiled against 43.6 ms eager with the
-            fused norms (``benchmarks/results/2026-11-28_h200``).
+        compile_encoder: compile the encoder as well (with ``compile``). None: only where the fused
+            norms cannot serve it (no comfy-kitchen, or a VAE in neither bf16 nor fp16): on an H200
+            (2026-11-28) two 1024² bf16 references took 55.8 ms compiled (66.8 ms wall) against 43.6
+            ms (62.8 wall) eager with the fused norms, timed in two processes on one machine
+            (``benchmarks/results/2026-11-28_h200``).
     """
     if not isinstance(vae, Flux2VAE):
         raise TypeError(f"enable_fast_vae expects a Flux2VAE, got {type(vae).__name__}")
     disable_fast_vae(vae)
     layout = compile if channels_last is None else channels_last
     parts = {"decoder": vae.decoder, "encoder": vae.encoder}
+    if compile_encoder is None:  # the fused kernel's own conditions, but for the device (known at first use)
+        compile_encoder = not (kitchen_available() and vae.dtype in _HALF)
     compiled = [name for name in parts if compile and (name == "decoder" or compile_encoder)]
     fused = [name for name in parts if ((name not in compiled) if fused_norm is None else fused_norm)]
     vae.set_decode_format(dtype=dtype or vae.dtype, channels_last=layout)
-    norm = FastVAENorm(vae)  # one for both parts: the kernel is chosen (and checked) once per device
+    norm = FastVAENorm()  # one for both parts: the kernel is chosen (and checked) once per device
     for name in fused:
         _fuse_vae_norms(vae, parts[name], norm)
     for name in compiled:

@@ -36,8 +36,8 @@ def open_weights(
     elif isinstance(source, Mapping):
         src = dict_source(source, f"<in-memory {component} state dict>")
     elif not isinstance(source, (str, os.PathLike)):  # Path(None) names neither the loader nor the fix
-        raise TypeError(f"the {component} source must be a file or folder path (str or Path) or a state dict, "
-                        f"got {type(source).__name__}")
+        raise TypeError(f"the {component} source must be a file or folder path (str or Path), a state dict or a "
+                        f"WeightSource, got {type(source).__name__}")
     else:
         path = Path(source).expanduser()
         if not path.exists():

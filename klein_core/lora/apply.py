@@ -72,13 +72,14 @@ def _normalise(loras: LoRASpec | Sequence[LoRASpec]) -> list[tuple[LoRA, float]]
     for item in items:
         if isinstance(item, LoRA):
             item = (item, 1.0)
-        if not (isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], LoRA)):
+        if not (isinstance(item, Sequence) and not isinstance(item, str) and len(item) == 2
+                and isinstance(item[0], LoRA)):
             _refuse_lora_item(item)
         lora, strength = item
         try:
             strength = float(strength)
-        except (TypeError, ValueError):
-            raise ValueError(f"{lora.name}: strength must be a finite number, got {strength!r}.") from None
+        except (TypeError, ValueError) as exc:  # the same kind of error as float()'s own
+            raise type(exc)(f"{lora.name}: strength must be a finite number, got {strength!r}.") from None
         if not math.isfinite(strength):
             raise ValueError(f"{lora.name}: strength must be a finite number, got {strength}.")
         out.append((lora, strength))
@@ -87,7 +88,7 @@ def _normalise(loras: LoRASpec | Sequence[LoRASpec]) -> list[tuple[LoRA, float]]
 
 def _refuse_lora_item(item: object) -> NoReturn:
     """The error for what is neither a LoRA nor a (LoRA, strength) pair; a path says to load it."""
-    first = item[0] if isinstance(item, (tuple, list)) and len(item) == 2 else item
+    first = item[0] if isinstance(item, Sequence) and not isinstance(item, str) and len(item) == 2 else item
     if isinstance(first, (str, os.PathLike)):
         raise TypeError(f"expected a loaded LoRA, got the path {os.fspath(first)!r}: load it first with "
                         "kc.load_lora(path)")
@@ -537,6 +538,12 @@ class LoRABranch:
         if self.steps:
             return self._run_steps(module, x, output)
         a, b, dense, kron = self._factors(module, x.device)
+        # The module's output is a fresh tensor that nothing else holds yet: the LoRAs are added into it
+        # in place, unless autograd needs it as it was. Added out of place, each branched Linear held
+        # two output-sized temporaries beside its output (a tiny transformer's forward peaked 41 %
+        # higher than with the LoRA merged, above the planner's estimate).
+        if not (torch.is_grad_enabled() and output.requires_grad) and output.is_contiguous():
+            return self._add_into(output, x, a, b, dense, kron)
         extra = None
         if a is not None and b is not None:
             extra = F.linear(F.linear(x.to(a.dtype), a), b)
@@ -550,6 +557,27 @@ class LoRABranch:
             for w1, w2, rows, swap in kron:
                 extra[..., rows] = extra[..., rows] + _kron_apply(w1, w2, x, swap).to(extra.dtype)
         return output if extra is None else output + extra.to(output.dtype)
+
+    def _add_into(self, output: torch.Tensor, x: torch.Tensor, a: torch.Tensor | None, b: torch.Tensor | None,
+                  dense: torch.Tensor | None, kron: list[tuple[torch.Tensor, torch.Tensor, slice, bool]]) -> torch.Tensor:
+        """``output`` plus the LoRAs, computed into ``output`` (no output-sized temporaries where the
+        factors share its dtype: one ``addmm_`` per part)."""
+        out2d = output.view(-1, self.out_features)
+
+        def add(inputs: torch.Tensor, weight: torch.Tensor) -> None:  # out2d += inputs @ weight.T
+            inputs = inputs.reshape(-1, weight.shape[1])
+            if weight.dtype == output.dtype:
+                out2d.addmm_(inputs, weight.t())
+            else:
+                out2d.add_(F.linear(inputs, weight).to(output.dtype))
+
+        if a is not None and b is not None:
+            add(F.linear(x.to(a.dtype), a), b)
+        if dense is not None:
+            add(x.to(dense.dtype), dense)
+        for w1, w2, rows, swap in kron:
+            output[..., rows] += _kron_apply(w1, w2, x, swap).to(output.dtype)
+        return output
 
 
 # ---------------------------------------------------------------------------------------------

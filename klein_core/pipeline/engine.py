@@ -909,8 +909,7 @@ def generate(
     if negative_embeds is not None and prompt_embeds is None:
         raise ValueError("negative_embeds needs prompt_embeds (the embeddings it pairs with): give both, or "
                          "negative_prompt= with prompt=")
-    engine = Engine(transformer, text_encoder, vae, kind=kind, device=device, memory=memory, vae_tile=vae_tile,
-                    prompt_cache=cache, text=text, kv_cache=kv_cache, speed=speed)
+    _check_callback(callback)
     conditioning = None
     if prompt_embeds is not None:
         conditioning = Conditioning(prompt_embeds, negative_embeds)
@@ -929,6 +928,9 @@ def generate(
         as_prompts(prompt) if conditioning is None or prompt else "", negative_prompt,
         tuple(as_list(references, "references")), Settings(width, height, steps, guidance, seed, batch_size),
         output, init, conditioning, tuple(as_list(reference_latents, "reference_latents")), noise, ref_mode)
+    # last: Engine(speed=) switches the models' fast paths, which every argument's check comes before
+    engine = Engine(transformer, text_encoder, vae, kind=kind, device=device, memory=memory, vae_tile=vae_tile,
+                    prompt_cache=cache, text=text, kv_cache=kv_cache, speed=speed)
     return engine.generate(request, callback=callback)
 
 

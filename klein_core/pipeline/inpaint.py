@@ -236,14 +236,21 @@ class InitImage:
         # generate()'s names beside InitImage's: a caller of generate() finds the argument it gave
         for name, alias in (("as_reference", "image_as_reference"), ("composite", "composite")):
             value = getattr(self, name)
-            if not isinstance(value, (bool, np.bool_)):  # "false" or "no" would read as True
-                label = name if name == alias else f"{name} ({alias} of generate)"
+            label = name if name == alias else f"{name} ({alias} of generate)"
+            if value is None or isinstance(value, (str, bytes)):  # "false" or "no" would read as True
                 raise TypeError(f"{label} must be True or False, got {type(value).__name__} {value!r}")
-            object.__setattr__(self, name, bool(value))
+            try:
+                object.__setattr__(self, name, bool(value))  # numpy bools, 0 and 1 as before
+            except (TypeError, ValueError, RuntimeError):  # an array of several values
+                raise TypeError(f"{label} must be True or False, got {type(value).__name__}") from None
         pad = self.crop_padding
-        if pad is not None and (isinstance(pad, bool) or not isinstance(pad, int) or pad < 0):
-            raise ValueError(f"crop_padding must be a whole number of pixels >= 0, got {pad!r} (mask_crop_padding "
-                             "of generate, --crop-padding of the CLI)")
+        where = "(mask_crop_padding of generate, --crop-padding of the CLI)"
+        if pad is not None:
+            if isinstance(pad, (bool, np.bool_)) or not isinstance(pad, numbers.Integral) or pad < 0:
+                raise ValueError(f"crop_padding must be a whole number of pixels >= 0, got {pad!r} {where}")
+            if self.mask is None:
+                raise ValueError(f"crop_padding needs a mask: it crops the region around the mask {where}")
+            object.__setattr__(self, "crop_padding", int(pad))
         if self.mask is not None and not isinstance(self.mask, Image.Image):
             mask_array(self.mask)  # a tensor / array mask out of 0..1 is refused here, before any work
 

@@ -412,6 +412,10 @@ def check_tensor(x: object, what: str, ndim: int, channels: int | None = None) -
 
 def as_reference(item: object, index: int) -> Image.Image | torch.Tensor:
     """A reference as given: a PIL image, a prepared ``[1, 3, H, W]`` tensor, or a path to an image."""
+    if isinstance(item, torch.Tensor) and item.ndim >= 2 and 0 in item.shape[-2:]:
+        # refused here, before its size could become the output's ("give width and height" would not help)
+        raise ValueError(f"reference {index}: the tensor has a side of 0 pixels ({item.shape[-2]}x{item.shape[-1]}, "
+                         "H x W)")
     if isinstance(item, (Image.Image, torch.Tensor)):
         return item
     if isinstance(item, (str, os.PathLike)):

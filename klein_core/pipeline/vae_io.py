@@ -82,9 +82,6 @@ def encode_references(
             got = list(px.shape) if isinstance(px, torch.Tensor) else type(px).__name__
             raise ValueError(f"reference {n}: expected a PIL image or a [1, 3, H, W] tensor, got {got}")
         down = vae.config.downscale
-        if min(px.shape[-2:]) < down:  # 0 passes the multiple check below, then fails inside a convolution
-            raise ValueError(f"reference {n}: a tensor reference needs sides of at least {down} pixels, got "
-                             f"{px.shape[-2]}x{px.shape[-1]} (H x W)")
         if px.shape[-1] % down or px.shape[-2] % down:
             raise ValueError(f"reference {n}: a tensor reference needs height and width that are multiples of "
                              f"{down}, got {px.shape[-2]}x{px.shape[-1]} (H x W); crop it, or give the picture "
