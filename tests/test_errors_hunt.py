@@ -283,16 +283,20 @@ def test_engine_is_usable_after_a_refused_stage_call(tiny):
 
 def test_generate_refuses_bad_arguments_before_switching_the_models_speed(tiny, picture):
     """Was a bug (review): generate() built its Engine, which switches the models to ``speed``, before
-    checking its other arguments, so a refused call (callback=5, composite="false") left the models on
-    the fast path, against Engine's promise that bad arguments leave them untouched."""
+    checking its other arguments, so a refused call (callback=5, composite="false", steps=0, a width
+    off the grid) left the models on the fast path, against Engine's promise that bad arguments leave
+    them untouched. The speed is now switched once the request has passed every check."""
     from klein_core.accel import speed
 
     tr, te, vae = build_tiny_components(seed=1)
     assert speed.speed_of(tr) == "plain"
     mask = Image.new("L", picture.size, 255)
-    for bad in ({"callback": 5}, {"image": picture, "mask": mask, "composite": "false"}):
-        _assert_clear(_error_of(lambda bad=bad: kc.generate(tr, te, vae, prompt="a", speed="fast", **bad, **SMALL)),
-                      "callback", "composite")
+    small = {k: v for k, v in SMALL.items() if k not in ("steps", "width")}
+    for bad in ({"callback": 5}, {"image": picture, "mask": mask, "composite": "false"}, {"steps": 0},
+                {"width": 7}):
+        _assert_clear(_error_of(lambda bad=bad: kc.generate(tr, te, vae, prompt="a", speed="fast",
+                                                            **{"steps": 2, "width": 64, **bad}, **small)),
+                      "callback", "composite", "steps", "size")
         assert speed.speed_of(tr) == "plain" and speed.speed_of(vae) == "plain"
 
 
@@ -330,10 +334,11 @@ def test_numpy_and_integer_flags_and_values_keep_working(tiny, picture, lora):
     from klein_core.pipeline.inpaint import InitImage
 
     mask = Image.new("L", picture.size, 255)
-    init = InitImage(picture, mask, as_reference=np.bool_(False), composite=0, crop_padding=np.int64(8))
-    assert init.as_reference is False and init.composite is False and init.crop_padding == 8
+    init = InitImage(picture, mask, as_reference=np.bool_(False), composite=0, crop_padding=np.int64(8),
+                     feather=np.int64(4))
+    assert init.as_reference is False and init.composite is False and init.crop_padding == 8 and init.feather == 4
     assert InitImage(picture, mask, as_reference=1).as_reference is True
-    for bad in ("no", None):
+    for bad in ("no", None, [False], 2, 0.5):  # [False] and 2 read as True before
         _assert_clear(_error_of(lambda bad=bad: InitImage(picture, mask, as_reference=bad)), "as_reference")
     tr = build_tiny_components(seed=2)[0]
     ref = tr.single_blocks[0].linear1.weight.detach().clone()
@@ -359,3 +364,17 @@ def test_loaders_accept_path_objects(tmp_path):
 
     paths = write_tiny_model_files(tmp_path)
     assert kc.load_vae(paths["vae"]).config == kc.load_vae(Where(paths["vae"])).config
+
+
+@pytest.mark.parametrize("lead", [(0, 5), (3, 0)])
+def test_lokr_branch_takes_an_empty_batch(lead):
+    """Was a bug (review): a LoKr branch reshaped its output with ``-1``, which an input with no rows
+    (``[0, 5, in]``, ``[3, 0, in]``) cannot resolve: "cannot reshape tensor of 0 elements"."""
+    from klein_core.lora.apply import _kron_apply
+
+    g = torch.Generator().manual_seed(0)
+    w1, w2 = torch.randn(4, 2, generator=g), torch.randn(3, 5, generator=g)
+    y = _kron_apply(w1, w2, torch.zeros(*lead, 10), False)
+    assert y.shape == (*lead, 12)
+    x = torch.randn(2, 10, generator=g)
+    torch.testing.assert_close(_kron_apply(w1, w2, x, False), x @ torch.kron(w1, w2).T)

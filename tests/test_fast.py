@@ -343,6 +343,9 @@ def test_compiled_vae_decoder_and_eager_fused_encoder(monkeypatch) -> None:
     assert fast.is_compiled(vae.encoder)
     fast.enable_fast_vae(vae32, compile_backend="eager", compile_encoder=False)
     assert not fast.is_compiled(vae32.encoder) and fused(vae32.encoder) == {fast.FastVAENorm}
+    monkeypatch.setattr(fast, "kitchen_available", lambda: True)
+    fast.enable_fast_vae(vae, compile_backend="eager", fused_norm=False)  # no fused norms: compiled
+    assert fast.is_compiled(vae.encoder) and fused(vae) == {type(None)}
 
 
 def test_fused_norms_store_only_their_own_part_channels_last(kitchen_on_cpu) -> None:

@@ -856,12 +856,14 @@ def enable_fast_vae(
         compile: ``torch.compile`` the decoder, channels-last (``speed="compile"``); compiles at each new
             image size (logged), reused later and across processes via torch's disk cache.
         fused_norm: each GroupNorm + SiLU as one comfy-kitchen kernel (CUDA, bf16/fp16, else plain).
-            None: in the encoder always, in the decoder when not compiling.
+            None: in each part that is not compiled.
         channels_last: store the decoder's convolution weights and input NHWC. None: with ``compile``.
         dtype: convert the decoder to this dtype (None keeps the VAE's).
         compile_mode, compile_backend: ``torch.compile``'s ``mode`` and ``backend``.
         compile_encoder: compile the encoder as well (with ``compile``). None: only where the fused
-            norms cannot serve it (no comfy-kitchen, or a VAE in neither bf16 nor fp16): on an H200
+            norms cannot serve it (``fused_norm=False``, no comfy-kitchen, or a VAE in neither bf16 nor
+            fp16; judged here, not per device: a bf16 VAE that runs on the CPU keeps its encoder eager
+            and plain there): on an H200
             (2026-11-28) two 1024² bf16 references took 55.8 ms compiled (66.8 ms wall) against 43.6
             ms (62.8 wall) eager with the fused norms, timed in two processes on one machine
             (``benchmarks/results/2026-11-28_h200``).
@@ -872,7 +874,7 @@ def enable_fast_vae(
     layout = compile if channels_last is None else channels_last
     parts = {"decoder": vae.decoder, "encoder": vae.encoder}
     if compile_encoder is None:  # the fused kernel's own conditions, but for the device (known at first use)
-        compile_encoder = not (kitchen_available() and vae.dtype in _HALF)
+        compile_encoder = fused_norm is False or not (kitchen_available() and vae.dtype in _HALF)
     compiled = [name for name in parts if compile and (name == "decoder" or compile_encoder)]
     fused = [name for name in parts if ((name not in compiled) if fused_norm is None else fused_norm)]
     vae.set_decode_format(dtype=dtype or vae.dtype, channels_last=layout)

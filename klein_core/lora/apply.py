@@ -78,8 +78,9 @@ def _normalise(loras: LoRASpec | Sequence[LoRASpec]) -> list[tuple[LoRA, float]]
         lora, strength = item
         try:
             strength = float(strength)
-        except (TypeError, ValueError) as exc:  # the same kind of error as float()'s own
-            raise type(exc)(f"{lora.name}: strength must be a finite number, got {strength!r}.") from None
+        except (TypeError, ValueError, RuntimeError) as exc:  # RuntimeError: a tensor of several values
+            kind = TypeError if isinstance(exc, TypeError) else ValueError
+            raise kind(f"{lora.name}: strength must be a finite number, got {strength!r}.") from None
         if not math.isfinite(strength):
             raise ValueError(f"{lora.name}: strength must be a finite number, got {strength}.")
         out.append((lora, strength))
@@ -333,7 +334,7 @@ def _kron_apply(w1: torch.Tensor, w2: torch.Tensor, x: torch.Tensor, swap: bool)
     viewed as ``X [b, d]``; ``swap``: the output halves swapped (diffusers' final-layer rows)."""
     lead = x.shape[:-1]
     xr = x.to(w1.dtype).reshape(*lead, w1.shape[1], w2.shape[1])  # [..., b, d]
-    y = torch.einsum("ab,...bd,cd->...ac", w1, xr, w2).reshape(*lead, -1)  # [..., a*c]
+    y = torch.einsum("ab,...bd,cd->...ac", w1, xr, w2).reshape(*lead, w1.shape[0] * w2.shape[0])  # [..., a*c]
     if swap:
         first, second = y.chunk(2, dim=-1)
         y = torch.cat([second, first], dim=-1)

@@ -707,6 +707,12 @@ class Engine:
         """Run the four stages for ``request`` under one memory plan; stages whose result the request
         carries (``conditioning``, ``reference_latents``) are skipped. ``callback(step, total,
         latents)`` after each denoising step; return False to cancel."""
+        return self._generate(request, callback)
+
+    def _generate(self, request: GenerationRequest, callback: StepCallback | None,
+                  speed: str | None = None) -> GenerationResult:
+        """:meth:`generate`; ``speed``: switched to once the request has passed every check before the
+        stages (:func:`generate`'s ``speed=``: a refused call leaves the models as they were)."""
         if not isinstance(request, GenerationRequest):
             raise TypeError(f"request must be a GenerationRequest, got {type(request).__name__}")
         _check_callback(callback)  # before any stage runs
@@ -722,6 +728,8 @@ class Engine:
         if cond is not None and memory.cfg and cond.negative is None and self.text_encoder is None:
             raise ValueError("CFG needs a text_encoder for the negative prompt, or a negative embedding")
         plan = self.plan(memory)
+        if speed is not None:
+            apply_speed(self.transformer, self.vae, speed, self.text_encoder)
         # read once, when the result is on the host (the module's docstring); if the run fails, what it
         # finished and proved finite is still kept (the prompt cache's new embeddings: Checks.settle)
         with Checks(defer=True) as checks:
@@ -928,10 +936,10 @@ def generate(
         as_prompts(prompt) if conditioning is None or prompt else "", negative_prompt,
         tuple(as_list(references, "references")), Settings(width, height, steps, guidance, seed, batch_size),
         output, init, conditioning, tuple(as_list(reference_latents, "reference_latents")), noise, ref_mode)
-    # last: Engine(speed=) switches the models' fast paths, which every argument's check comes before
     engine = Engine(transformer, text_encoder, vae, kind=kind, device=device, memory=memory, vae_tile=vae_tile,
-                    prompt_cache=cache, text=text, kv_cache=kv_cache, speed=speed)
-    return engine.generate(request, callback=callback)
+                    prompt_cache=cache, text=text, kv_cache=kv_cache)
+    # speed= switches the models' fast paths in place: only once every check of the request has passed
+    return engine._generate(request, callback, None if speed is None else check_speed(speed))
 
 
 __all__ = ["Engine", "GenerationResult", "generate", "memory_request"]

@@ -231,18 +231,17 @@ class InitImage:
             raise TypeError(f"image must be a PIL.Image, got {type(self.image).__name__}")
         if self.strength is not None:  # kept as the float it is (a numpy number too)
             object.__setattr__(self, "strength", check_strength(self.strength))
-        if isinstance(self.feather, bool) or not isinstance(self.feather, int) or self.feather < 0:
+        if isinstance(self.feather, bool) or not isinstance(self.feather, numbers.Integral) or self.feather < 0:
             raise ValueError(f"feather must be a whole number of pixels >= 0, got {self.feather!r}")
+        object.__setattr__(self, "feather", int(self.feather))
         # generate()'s names beside InitImage's: a caller of generate() finds the argument it gave
         for name, alias in (("as_reference", "image_as_reference"), ("composite", "composite")):
             value = getattr(self, name)
             label = name if name == alias else f"{name} ({alias} of generate)"
-            if value is None or isinstance(value, (str, bytes)):  # "false" or "no" would read as True
+            # "false", "no" or [False] would read as True: True or False only (numpy's too), or 0 / 1
+            if not (isinstance(value, (bool, np.bool_)) or (isinstance(value, numbers.Integral) and value in (0, 1))):
                 raise TypeError(f"{label} must be True or False, got {type(value).__name__} {value!r}")
-            try:
-                object.__setattr__(self, name, bool(value))  # numpy bools, 0 and 1 as before
-            except (TypeError, ValueError, RuntimeError):  # an array of several values
-                raise TypeError(f"{label} must be True or False, got {type(value).__name__}") from None
+            object.__setattr__(self, name, bool(value))
         pad = self.crop_padding
         where = "(mask_crop_padding of generate, --crop-padding of the CLI)"
         if pad is not None:

@@ -1552,7 +1552,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         'init-image-flags-truthy', 'klein_core/pipeline/inpaint.py',
-        '            if value is None or isinstance(value, (str, bytes)):  # "false" or "no" would read as True\n',
+        '            if not (isinstance(value, (bool, np.bool_)) or (isinstance(value, numbers.Integral) and value in (0, 1))):\n',
         '            if False:\n',
         ('tests/test_errors_hunt.py::test_image_flags_refuse_strings_instead_of_reading_them_as_true',),
         'composite="false" composites',
@@ -1608,7 +1608,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         'compile-encoder-never-auto', 'klein_core/accel/fast.py',
-        '        compile_encoder = not (kitchen_available() and vae.dtype in _HALF)\n',
+        '        compile_encoder = fused_norm is False or not (kitchen_available() and vae.dtype in _HALF)\n',
         '        compile_encoder = False\n',
         ('tests/test_fast.py::test_compiled_vae_decoder_and_eager_fused_encoder',),
         'an fp32 VAE under compile encodes with plain eager norms (the fused kernel takes bf16/fp16 only)',
@@ -1626,5 +1626,26 @@ MUTANTS: tuple[Mutant, ...] = (
         '        if False:\n',
         ('tests/test_cpu_memory_hunt.py::test_branch_lora_adds_no_output_sized_temporaries_to_the_transformer_peak',),
         "a branched LoRA holds two output-sized temporaries per Linear (+41 % on a forward's peak)",
+    ),
+    Mutant(
+        'generate-speed-switched-before-settings', 'klein_core/pipeline/engine.py',
+        '        _check_callback(callback)  # before any stage runs\n',
+        '        _check_callback(callback)  # before any stage runs\n        if speed is not None:\n            apply_speed(self.transformer, self.vae, speed, self.text_encoder)\n',
+        ('tests/test_errors_hunt.py::test_generate_refuses_bad_arguments_before_switching_the_models_speed',),
+        "generate(speed='fast', steps=0) leaves the models on the fast path",
+    ),
+    Mutant(
+        'generate-speed-never-switched', 'klein_core/pipeline/engine.py',
+        '        if speed is not None:\n            apply_speed(self.transformer, self.vae, speed, self.text_encoder)\n        # read once',
+        '        # read once',
+        ('tests/test_speed.py::test_engine_and_generate_take_a_speed_and_default_to_leaving_models_alone',),
+        "generate(speed='fast') runs whatever path the models were on",
+    ),
+    Mutant(
+        'lokr-empty-batch', 'klein_core/lora/apply.py',
+        '    y = torch.einsum("ab,...bd,cd->...ac", w1, xr, w2).reshape(*lead, w1.shape[0] * w2.shape[0])  # [..., a*c]\n',
+        '    y = torch.einsum("ab,...bd,cd->...ac", w1, xr, w2).reshape(*lead, -1)  # [..., a*c]\n',
+        ('tests/test_errors_hunt.py::test_lokr_branch_takes_an_empty_batch',),
+        'a LoKr branch fails on an input with no rows',
     ),
 )
