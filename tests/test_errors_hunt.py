@@ -1,3 +1,4 @@
+# ruff: noqa: F811  (tiny, imported from test_python_api_hunt, is a fixture)
 """The quality of errors across the public Python API: a bad argument gets one clear TypeError /
 ValueError naming the argument and the fix, before any expensive work, and is never taken silently
 with a wrong meaning.
@@ -12,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from test_python_api_hunt import _assert_clear, _error_of, tiny  # noqa: F401 (tiny: a fixture)
 
 import klein_core as kc
 from klein_core.testing import build_tiny_components, write_tiny_model_files
@@ -19,12 +21,6 @@ from klein_core.testing import build_tiny_components, write_tiny_model_files
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 SMALL = {"width": 64, "height": 64, "steps": 2, "output": "latent", "cache": None}
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    """(transformer, text encoder, VAE): tiny, random, float32 on the CPU. Never changed by a test."""
-    return build_tiny_components(seed=0)
 
 
 @pytest.fixture(scope="module")
@@ -39,24 +35,6 @@ def lora():
     g = torch.Generator().manual_seed(5)
     return kc.load_lora({"transformer.single_blocks.0.linear1.lora_A.weight": torch.randn(4, 64, generator=g),
                          "transformer.single_blocks.0.linear1.lora_B.weight": torch.randn(576, 4, generator=g)})
-
-
-def _error_of(call):
-    """The exception ``call()`` raises, or None if it returns."""
-    try:
-        call()
-    except Exception as exc:  # noqa: BLE001 - the test judges which kind it is
-        return exc
-    return None
-
-
-def _assert_clear(exc: BaseException | None, *words: str) -> None:
-    """``exc`` is a TypeError / ValueError whose message holds one of ``words`` (case-insensitive)."""
-    assert exc is not None, "the bad argument was accepted"
-    assert isinstance(exc, (TypeError, ValueError)), (
-        f"a {type(exc).__name__} from deep inside instead of a clear error: {exc}")
-    text = str(exc).lower()
-    assert any(w.lower() in text for w in words), f"the message names none of {words}: {exc}"
 
 
 # ---------------------------------------------------------------------------------------------
