@@ -124,6 +124,7 @@ def test_model_to_model_description_matches_its_memory_mode_behaviour(comfy, mon
     assert streamed, "memory_mode blocks no longer streams: then the description would be right"
     description = native.KleinModelToMODEL.GET_NODE_INFO_V1()["description"]
     assert "memory_mode does not apply" not in description, description
+    assert "memory_mode blocks or minimum" in description and "stream" in description, description
 
 
 def test_sampler_size_and_step_limits_in_object_info_are_the_engines(comfy):

@@ -863,10 +863,9 @@ def enable_fast_vae(
         compile_encoder: compile the encoder as well (with ``compile``). None: only where the fused
             norms cannot serve it (``fused_norm=False``, no comfy-kitchen, or a VAE in neither bf16 nor
             fp16; judged here, not per device: a bf16 VAE that runs on the CPU keeps its encoder eager
-            and plain there): on an H200
-            (2026-11-28) two 1024² bf16 references took 55.8 ms compiled (66.8 ms wall) against 43.6
-            ms (62.8 wall) eager with the fused norms, timed in two processes on one machine
-            (``benchmarks/results/2026-11-28_h200``).
+            and plain there). On an H200 (2026-11-28) two 1024² bf16 references took 55.8 ms compiled
+            (66.8 ms wall) against 43.6 ms (62.8 wall) eager with the fused norms, timed in two
+            processes on one machine (``benchmarks/results/2026-11-28_h200``).
     """
     if not isinstance(vae, Flux2VAE):
         raise TypeError(f"enable_fast_vae expects a Flux2VAE, got {type(vae).__name__}")

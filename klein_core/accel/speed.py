@@ -5,8 +5,9 @@
   (GroupNorm + SiLU in one kernel, channels-last); on CUDA the text encoder's plain forward is
   replayed as a CUDA graph per prompt shape (:mod:`klein_core.accel.text_graph`: the same kernels,
   one launch). On the CPU exactly the plain path.
-* ``compile``: ``fast`` plus ``torch.compile`` of each block kind, of the VAE decoder (the encoder stays
-  eager with the fused norms, measured faster), and of the text encoder's layers (:mod:`klein_core.accel.text_encoder`); the first run at each size compiles
+* ``compile``: ``fast`` plus ``torch.compile`` of each block kind, of the VAE decoder (the encoder too
+  where comfy-kitchen's fused norms cannot serve it; where they can, eager measured faster), and of
+  the text encoder's layers (:mod:`klein_core.accel.text_encoder`); the first run at each size compiles
   (logged), and the cache (``TORCHINDUCTOR_CACHE_DIR``) outlives the process. Under ``plain`` the
   text encoder runs its plain path.
 * ``plain``: the reference PyTorch path that the parity tests check against diffusers and BFL.

@@ -917,7 +917,6 @@ def generate(
     if negative_embeds is not None and prompt_embeds is None:
         raise ValueError("negative_embeds needs prompt_embeds (the embeddings it pairs with): give both, or "
                          "negative_prompt= with prompt=")
-    _check_callback(callback)
     conditioning = None
     if prompt_embeds is not None:
         conditioning = Conditioning(prompt_embeds, negative_embeds)

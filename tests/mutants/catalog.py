@@ -1580,8 +1580,8 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         'generate-switches-speed-before-checks', 'klein_core/pipeline/engine.py',
-        '    _check_callback(callback)\n    conditioning = None\n',
-        '    Engine(transformer, text_encoder, vae, speed=speed)\n    _check_callback(callback)\n    conditioning = None\n',
+        '    conditioning = None\n    if prompt_embeds is not None:\n',
+        '    Engine(transformer, text_encoder, vae, speed=speed)\n    conditioning = None\n    if prompt_embeds is not None:\n',
         ('tests/test_errors_hunt.py::test_generate_refuses_bad_arguments_before_switching_the_models_speed',),
         "generate(speed='fast', callback=5) leaves the models switched to fast",
     ),
