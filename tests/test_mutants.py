@@ -1,7 +1,8 @@
-"""The mutant check in every test run: each realistic bug of tests/mutants/catalog.py, planted in a copy
-of the project, must make the tests named for it fail (tests/mutants/run.py). A survivor is a gap in
-the tests; an edit that no longer applies means the code moved: update the mutant, never drop it.
-``-m "not mutants"`` leaves it out of a quick local run."""
+"""The mutant check of the full tier (tests/conftest.py: FULL_TIER; run before each landing): each
+realistic bug of tests/mutants/catalog.py, planted in a copy of the project, must make the tests named
+for it fail (tests/mutants/run.py). A survivor is a gap in the tests; an edit that no longer applies
+means the code moved: update the mutant, never drop it. ``-m "not mutants"`` leaves it out of a
+quick local full run."""
 
 from __future__ import annotations
 

@@ -9,6 +9,7 @@ GPU measurement (see the planner's docstring).
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -21,6 +22,7 @@ from script_module import load_script
 from klein_core import testing as demo
 from klein_core.memory.planner import (
     DEFAULT_RESERVE_BYTES,
+    ComponentSize,
     MemoryPlan,
     MemoryRequest,
     ModelSizes,
@@ -157,6 +159,71 @@ def test_component_sizes_from_configs_and_modules():
         assert a.vae.total == b.vae.total
     with pytest.raises(ValueError, match="precision"):
         ModelSizes.from_configs(K4, transformer_precision="int4")
+
+
+def _sizes_by_torch(m: torch.nn.Module) -> ComponentSize:
+    """A component's sizes counted by torch's own iterators (what from_modules' one walk replaces)."""
+    blocks = [b for lst in m.children() if isinstance(lst, torch.nn.ModuleList) for b in lst]
+    per_block = tuple(sum(t.nbytes for t in itertools.chain(b.parameters(), b.buffers())) for b in blocks)
+    total = sum(t.nbytes for t in itertools.chain(m.parameters(), m.buffers()))
+    params = max((sum(p.numel() for p in b.parameters()) for b in blocks), default=0)
+    return ComponentSize(total, total - sum(per_block), per_block, params)
+
+
+def test_sizes_of_loaded_modules_match_torchs_own_count():
+    """ModelSizes.from_modules walks each component once (block_footprint) for the bytes of each block,
+    of the whole and the largest block's parameter count: the same sizes as torch's iterators give, on
+    two tiny widths, fp8 layers with their scales, and a model with buffers inside its blocks, blocks of
+    unequal sizes in two lists and none at all."""
+    from klein_core.testing.tiny import TINY_9B, tiny_text_encoder, tiny_transformer
+
+    class Stack(torch.nn.Module):
+        config = None  # from_modules reads a component's shape parameters from it
+
+        def __init__(self, blocks: bool = True) -> None:
+            super().__init__()
+            self.head = torch.nn.Linear(3, 4)
+            if blocks:
+                self.first = torch.nn.ModuleList([torch.nn.Linear(4, 4), torch.nn.Sequential(
+                    torch.nn.Linear(4, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 4))])
+                self.second = torch.nn.ModuleList([torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 6, bias=False)])
+            self.register_buffer("scale", torch.ones(5, dtype=torch.float64))
+
+    models = [tiny_transformer(), tiny_transformer(TINY_9B), tiny_text_encoder(), tiny_text_encoder(TINY_9B),
+              Stack(), Stack(blocks=False), tiny_transformer(TINY_9B)]
+    quantize_model_(models[-1])
+    for m in models:
+        got = ModelSizes.from_modules(transformer=m).transformer
+        assert got == _sizes_by_torch(m), type(m).__name__
+    stack = ModelSizes.from_modules(transformer=Stack()).transformer
+    assert len(stack.blocks) == 4 and stack.block_params == 4 * 16 + 16 + 2 * 16 + 16 * 4 + 4  # the Sequential
+    assert stack.blocks[1] > stack.blocks[0] and stack.nonblock == (3 * 4 + 4) * 4 + 5 * 8
+    assert ModelSizes.from_modules(transformer=Stack(blocks=False)).transformer.blocks == ()
+
+
+def test_device_census_holds_and_counts_as_held_on_and_the_bytes_there():
+    """device_census (the planner's one walk for both) against held_on and a count by torch's iterators:
+    modules partly on another device (meta stands in for the GPU here), a tensor shared between two
+    modules counted once, a module with nothing there, and the same modules asked about the other device."""
+    from klein_core.memory.placement import device_census, held_on
+
+    def bytes_on(modules, device):
+        tensors = {id(t): t for m in modules for t in itertools.chain(m.parameters(), m.buffers())
+                   if t.device == torch.device(device)}
+        return sum(t.nbytes for t in tensors.values())
+
+    a = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2, device="meta"))
+    b = torch.nn.Linear(3, 5)
+    b.register_buffer("steps", torch.zeros(7, dtype=torch.int64))
+    c = torch.nn.Linear(6, 6, device="meta")
+    shared = torch.nn.Sequential(b, torch.nn.Linear(5, 5))  # b's tensors also belong to `shared`
+    modules = [a, b, c, shared]
+    for device in ("cpu", "meta"):
+        held, nbytes = device_census(modules, device)
+        assert held == [held_on(m, device) for m in modules], device
+        assert nbytes == bytes_on(modules, device) > 0, device
+    assert device_census(modules, "cpu")[0] == [False, True, False, True]
+    assert device_census([], "cpu") == ([], 0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -540,6 +607,34 @@ def _fake_cuda(monkeypatch, free: list[int]) -> None:
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free[0], 80 << 30))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 0)
+
+
+def test_components_already_on_the_gpu_count_as_free_for_the_plan_and_stay_there(monkeypatch):
+    """plan_for's one census of the components on the GPU (stood in here: no CUDA tensors on the CPU)
+    feeds three things: what the hook is asked for (the fastest peak less what the components hold
+    there), the free memory (the driver's plus theirs: the estimate counts their weights) and the
+    components that stay (held there, never planned off it), each by its own name."""
+    import klein_core.memory.planner as planner
+    from klein_core.memory.planner import DEFAULT_RESERVE_BYTES, ModelSizes, plan_for
+
+    tr, te, vae = demo.build_tiny_components()
+    req = MemoryRequest(256, 256, batch=1, text_length=512)
+    est = estimate(req, ModelSizes.from_modules(tr, te, vae))
+    free = [1 << 20]
+    _fake_cuda(monkeypatch, free)
+    asked = []
+    for held, held_bytes in (([False, True, False], 3 << 20), ([True, False, True], 5 << 20)):
+        monkeypatch.setattr(planner, "device_census", lambda modules, device, held=held, n=held_bytes: (
+            asked.append((len(modules), device)) or (held, n)))
+        calls = []
+        plan = plan_for(req, tr, te, vae, device="cuda", make_room=lambda n, d: calls.append(n))
+        stay = frozenset(c for c, h in zip(("transformer", "text_encoder", "vae"), held) if h)
+        fastest = choose_plan(est, 1 << 62, stay=stay)
+        assert calls == [fastest.peak_bytes + DEFAULT_RESERVE_BYTES - held_bytes]
+        assert plan.free_bytes == free[0] + held_bytes
+        assert plan == choose_plan(est, free[0] + held_bytes, stay=stay)
+        assert all(plan.placements[c] == "resident" for c in stay)
+    assert asked == [(3, torch.device("cuda", 0))] * 2
 
 
 def test_the_host_is_asked_to_make_room_once_before_the_free_memory_is_measured(monkeypatch):

@@ -29,7 +29,7 @@ from ..models.transformer import Flux2Transformer
 from ..models.vae import Flux2VAE
 from ..pipeline.request import indexed_device
 from ..quant.fp8 import block_linear_names
-from .placement import find_block_lists, held_on, module_bytes, module_tensors
+from .placement import block_footprint, device_census, find_block_lists, module_bytes, module_tensors
 from .tiling import TILE_SIDES, tile_overlap
 
 logger = logging.getLogger(__name__)
@@ -183,10 +183,7 @@ class ModelSizes:
                      vae: nn.Module | None = None) -> ModelSizes:
         """Sizes of loaded components (any of them may be absent), from the bytes their tensors occupy."""
         def size(m: nn.Module) -> ComponentSize:
-            block_list = [b for lst in find_block_lists(m) for b in lst]
-            blocks = tuple(module_bytes(b) for b in block_list)
-            total = module_bytes(m)
-            params = max((sum(p.numel() for p in b.parameters()) for b in block_list), default=0)
+            total, blocks, params = block_footprint(m)  # one walk (its docstring: host time per run)
             return ComponentSize(total, total - sum(blocks), blocks, params)
 
         dtypes = {"transformer": getattr(transformer, "dtype", None),
@@ -573,28 +570,21 @@ def _reason(est: MemoryEstimate, plan: MemoryPlan, resident_peak: int, budget: i
             f"{resident_peak / GB:.2f} GB")
 
 
-def _bytes_on(device: torch.device, modules: Sequence[nn.Module]) -> int:
-    """Bytes the parameters and buffers of ``modules`` occupy on ``device`` (shared tensors once)."""
-    mine = 0
-    seen: set[int] = set()
-    for m in modules:
-        for t in module_tensors(m):
-            if t.device == device and id(t) not in seen:
-                seen.add(id(t))
-                mine += t.nbytes
-    return mine
-
-
 def free_device_bytes(device: torch.device | str, modules: Sequence[nn.Module] = ()) -> int:
     """Memory a plan may use on ``device``: free memory reported by the driver, plus what
     PyTorch's allocator holds cached, plus what ``modules`` already occupy there (the estimate
     counts their weights itself). Queried now; CUDA only."""
     device = indexed_device(device)  # "cuda" is the current device; its modules' tensors say "cuda:N"
+    return _unused_bytes(device) + device_census(modules, device)[1]
+
+
+def _unused_bytes(device: torch.device) -> int:
+    """:func:`free_device_bytes` without the modules: the driver's free memory and the allocator's cache."""
     if device.type != "cuda":
         raise ValueError(f"free_device_bytes needs a CUDA device, got {device}")
     free, _ = torch.cuda.mem_get_info(device)
     cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    return int(free + cached + _bytes_on(device, modules))
+    return int(free + cached)
 
 
 MakeRoom = Callable[[int, torch.device], None]
@@ -627,14 +617,18 @@ def plan_for(
     if mode not in MODES:
         raise ValueError(f"memory mode must be one of {MODES}, got {mode!r}")
     vae_tile = check_vae_tile(vae_tile)
-    modules = [m for m in (transformer, text_encoder, vae) if m is not None]
     est = estimate(request, ModelSizes.from_modules(transformer, text_encoder, vae))
     given = free_bytes is not None  # by the caller: its plan's reason says what fits it
     # A component held on the device runs there whatever its plan (StagePlacer.in_place): never
     # planned off it. (On the CPU, the tests' stand-in device, streaming a CPU model still runs.)
-    stay = frozenset() if device.type == "cpu" else frozenset(
-        c for c, m in (("transformer", transformer), ("text_encoder", text_encoder), ("vae", vae))
-        if m is not None and held_on(m, device))
+    named = [(c, m) for c, m in (("transformer", transformer), ("text_encoder", text_encoder), ("vae", vae))
+             if m is not None]
+    stay: frozenset[str] = frozenset()
+    mine = 0  # bytes the components occupy on the device already
+    if device.type != "cpu":
+        here = indexed_device(device)  # the hook and the driver want the index: "cuda" is the current device
+        held, mine = device_census([m for _, m in named], here)  # one walk (its docstring)
+        stay = frozenset(c for (c, _), kept in zip(named, held) if kept)
     if free_bytes is None:
         if device.type != "cuda":
             if mode == "auto":
@@ -650,11 +644,11 @@ def plan_for(
                 fastest = choose_plan(est, 1 << 62, mode=mode, vae_tile=vae_tile, stay=stay)
                 # The hook gets the device with its index: a host compares it with its models' devices
                 # ("cuda" != "cuda:0" in torch), and would free nothing for a bare "cuda".
-                here = indexed_device(device)
-                wanted = fastest.peak_bytes + DEFAULT_RESERVE_BYTES - _bytes_on(here, modules)
+                wanted = fastest.peak_bytes + DEFAULT_RESERVE_BYTES - mine
                 if wanted > 0:
                     make_room(wanted, here)
-            free_bytes = free_device_bytes(device, modules)
+            # free_device_bytes(device, modules); the hook moves none of the components
+            free_bytes = _unused_bytes(here) + mine
     plan = choose_plan(est, free_bytes, mode=mode, vae_tile=vae_tile, stay=stay)
     if device.type != "cuda" and not given:
         tiling = f", VAE tiles of {plan.vae_tile} latents" if plan.vae_tile else ""
