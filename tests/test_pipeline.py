@@ -72,6 +72,33 @@ def test_reference_modes_become_rgb(mode):
         assert t.max().item() > 0.9 and t.min().item() < -0.9 and t.std().item() > 0.3
 
 
+@pytest.mark.parametrize("kind", ["RGB 1 MP", "RGB over 1 MP", "RGB cropped", "every level", "L", "RGBA", "P",
+                                  "I;16", "F"])
+def test_reference_pixels_from_levels_are_the_float_preprocessings_bits(kind):
+    """reference_pixels (the encoder's: on a GPU, 8-bit levels copied there and mapped to floats by a
+    table; run here on the CPU through _pixels_from_levels) gives prepare_reference_image's values bit
+    for bit and its strides (the VAE's convolutions see the same layout); high-bit pictures take the
+    float path itself. tests/gpu checks the same on CUDA."""
+    from klein_core.pipeline.images import _fitted_reference, _pixels_from_levels, reference_pixels
+
+    img = {"RGB 1 MP": lambda: _img(1024, 1024, seed=1), "RGB over 1 MP": lambda: _img(1500, 900, seed=3),
+           "RGB cropped": lambda: _img(100, 77, seed=4), "L": lambda: _img(80, 64, "L"),
+           "every level": lambda: Image.fromarray(np.arange(64 * 64 * 3, dtype=np.uint8).reshape(64, 64, 3) * 7),
+           "RGBA": lambda: _img(96, 64, "RGBA", seed=5), "P": lambda: _img(64, 80, seed=6).convert("P"),
+           "I;16": lambda: _img(80, 64, "I;16"),
+           "F": lambda: Image.fromarray(np.random.default_rng(7).random((64, 96), dtype=np.float32), "F")}[kind]()
+    want = prepare_reference_image(img)
+    fitted, peak = _fitted_reference(img, 16)
+    got = reference_pixels(img, 16, "cpu") if peak is not None else _pixels_from_levels(fitted, torch.device("cpu"))
+    assert got.dtype == torch.float32 and got.shape == want.shape and got.stride() == want.stride()
+    assert torch.equal(got, want)
+    if kind in ("RGB 1 MP", "every level"):  # and what numpy makes of the 8 bits, float32 throughout
+        assert np.array_equal(got[0].permute(1, 2, 0).numpy(), np.asarray(img, dtype=np.float32) / 255 * 2 - 1)
+    if kind == "every level":
+        assert got.unique().numel() == 256
+    assert torch.equal(reference_pixels(img), want)  # the CPU when no device is given
+
+
 def test_reference_rejects_bad_images():
     with pytest.raises(ValueError, match="at least 64"):
         prepare_reference_image(_img(63, 200))

@@ -12,7 +12,7 @@ from PIL import Image
 from ..checks import Checks
 from ..memory import tiling
 from ..transfer import to_host
-from .images import oriented_size, prepare_reference_image, reference_size
+from .images import oriented_size, reference_pixels, reference_size
 from .request import as_list, as_reference
 
 
@@ -59,7 +59,8 @@ def encode_references(
 ) -> list[torch.Tensor]:
     """VAE-encode each reference once: a list of normalised latents ``[1, 128, h, w]``.
 
-    PIL images are preprocessed with :func:`~klein_core.pipeline.images.prepare_reference_image`; tensors
+    PIL images are preprocessed as :func:`~klein_core.pipeline.images.prepare_reference_image` says, on the
+    VAE's device (:func:`~klein_core.pipeline.images.reference_pixels`); tensors
     must already be ``[1, 3, H, W]`` in [-1, 1] with H and W multiples of 16. ``tile``: encode in
     tiles of this many latent positions; ``first``: the number of the first image in messages;
     ``checks``: a run's :class:`~klein_core.checks.Checks` (default: each check read at once).
@@ -68,9 +69,10 @@ def encode_references(
     out = []
     for n, img in enumerate(as_list(images, "references"), start=first):
         img = as_reference(img, n)
-        if isinstance(img, Image.Image):
-            try:
-                px = prepare_reference_image(img, vae.config.downscale)
+        picture = isinstance(img, Image.Image)
+        if picture:
+            try:  # made where the VAE is (reference_pixels: the host does no float work for a GPU)
+                px = reference_pixels(img, vae.config.downscale, getattr(vae, "device", None))
             except (OSError, SyntaxError) as exc:  # PIL reads lazily: a truncated or corrupt file fails here
                 raise ValueError(f"reference {n}: cannot read the image ({exc}); the file is truncated or "
                                  "corrupt.") from None
@@ -89,8 +91,10 @@ def encode_references(
         if not px.is_floating_point():
             raise TypeError(f"reference {n}: a tensor reference holds float pixels in [-1, 1], got {px.dtype} "
                             f"({PIXEL_HINT})")
-        check.require_finite(px, f"reference {n}")
-        check.require_within(px, f"reference {n}", PIXEL_BOUND, f"a tensor reference holds pixels in [-1, 1] ({PIXEL_HINT})")
+        if not picture:  # a picture's pixels lie in [-1, 1] by construction
+            check.require_finite(px, f"reference {n}")
+            check.require_within(px, f"reference {n}", PIXEL_BOUND,
+                                 f"a tensor reference holds pixels in [-1, 1] ({PIXEL_HINT})")
         latent = tiling.encode(vae, px, tile)
         check.check_output(latent, f"The VAE encoder (reference {n})", vae, overflow_cause(vae.dtype))
         out.append(latent)

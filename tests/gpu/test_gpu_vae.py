@@ -104,3 +104,22 @@ def test_full_vae_tiled_decode_and_encode(gpu, full4b, parity):
     err = parity(tag(gpu, "full VAE tiled encode 1536: mean abs / std"), _mean_err(tiles, full))
     assert err < 0.15, err
     assert peak_tiles < peak_full, (peak_tiles, peak_full)
+
+
+def test_reference_pixels_made_on_the_device_are_the_hosts_bits(gpu):
+    """A picture's pixels made where the VAE is (8-bit levels copied, then a table: the encoder's path
+    since the twenty-eighth session) equal prepare_reference_image's on the host bit for bit, with its
+    strides; a second picture of the same size gives its own pixels."""
+    import numpy as np
+    from PIL import Image
+
+    from klein_core.pipeline.images import prepare_reference_image, reference_pixels
+
+    rng = np.random.default_rng(3)
+    for side in ((1500, 900), (1500, 900), (96, 64)):
+        picture = Image.fromarray(rng.integers(0, 256, (side[1], side[0], 3), dtype=np.uint8))
+        want = prepare_reference_image(picture)
+        got = reference_pixels(picture, 16, gpu.device)
+        assert got.device.type == gpu.device.type and got.dtype == torch.float32
+        assert got.shape == want.shape and got.stride() == want.stride()
+        assert torch.equal(got.cpu(), want)

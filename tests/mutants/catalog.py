@@ -1690,4 +1690,24 @@ MUTANTS: tuple[Mutant, ...] = (
         ('tests/test_planner.py::test_components_already_on_the_gpu_count_as_free_for_the_plan_and_stay_there',),
         "components held on the GPU are planned to be swapped or streamed",
     ),
+    Mutant(
+        'reference-levels-table-scale', 'klein_core/pipeline/images.py',
+        'np.arange(256, dtype=np.float32)[:, None, None] / 255.0)', 'np.arange(256, dtype=np.float32)[:, None, None] / 256.0)',
+        ('tests/test_pipeline.py::test_reference_pixels_from_levels_are_the_float_preprocessings_bits[every level]',),
+        "references made on the GPU from their 8-bit levels come out a shade darker than on the CPU",
+    ),
+    Mutant(
+        'reference-levels-strides', 'klein_core/pipeline/images.py',
+        '    return table[levels.int()].permute(2, 0, 1)[None]\n',
+        '    return table[levels.int()].permute(2, 0, 1)[None].contiguous()\n',
+        ('tests/test_pipeline.py::test_reference_pixels_from_levels_are_the_float_preprocessings_bits[RGB cropped]',),
+        "the VAE sees references on the GPU in another layout than on the CPU (other convolution kernels)",
+    ),
+    Mutant(
+        'reference-tensor-checks-skipped', 'klein_core/pipeline/vae_io.py',
+        '        if not picture:  # a picture', '        if picture:  # a picture',
+        ('tests/test_python_api_hunt.py::test_a_reference_tensor_in_0_to_255_is_not_encoded_silently',
+         'tests/test_deferred_checks.py::test_bad_inputs_are_named_when_the_checks_wait',),
+        "a reference tensor in 0..255 or with NaN is encoded without a word",
+    ),
 )
