@@ -195,6 +195,18 @@ def test_sizes_of_loaded_modules_match_torchs_own_count():
     for m in models:
         got = ModelSizes.from_modules(transformer=m).transformer
         assert got == _sizes_by_torch(m), type(m).__name__
+    # a parameter tied in two places of a block: its parameters once (as torch counts them), its bytes
+    # at each place (as module_bytes, what streaming a block copies, counts them)
+    from klein_core.memory.placement import module_bytes
+
+    tied = Stack()
+    tied.first.append(torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 32)))  # the largest block
+    tied.first[2][1].weight = tied.first[2][0].weight
+    got = ModelSizes.from_modules(transformer=tied).transformer
+    blocks = [b for lst in (tied.first, tied.second) for b in lst]
+    assert got.blocks == tuple(module_bytes(b) for b in blocks) and got.total == module_bytes(tied)
+    assert got.blocks[2] == (2 * 1024 + 2 * 32) * 4 and got.block_params == 1024 + 2 * 32
+    assert got.block_params == _sizes_by_torch(tied).block_params
     stack = ModelSizes.from_modules(transformer=Stack()).transformer
     assert len(stack.blocks) == 4 and stack.block_params == 4 * 16 + 16 + 2 * 16 + 16 * 4 + 4  # the Sequential
     assert stack.blocks[1] > stack.blocks[0] and stack.nonblock == (3 * 4 + 4) * 4 + 5 * 8
@@ -634,7 +646,57 @@ def test_components_already_on_the_gpu_count_as_free_for_the_plan_and_stay_there
         assert plan.free_bytes == free[0] + held_bytes
         assert plan == choose_plan(est, free[0] + held_bytes, stay=stay)
         assert all(plan.placements[c] == "resident" for c in stay)
-    assert asked == [(3, torch.device("cuda", 0))] * 2
+    # the components, as asked ("cuda": resolved only for CUDA tensors), and again after the hook ran
+    assert asked == [(3, torch.device("cuda")), (3, torch.device("cuda", 0))] * 2
+
+
+def test_a_hook_that_loads_the_components_onto_the_gpu_is_counted_after_it_ran(monkeypatch):
+    """Was a bug (this session's review): plan_for counted what the components hold on the GPU before
+    calling the host's make_room, and reused it after; the nodes' hook has ComfyUI load every model it
+    is handed, ours too, so a component loaded back by the hook was counted in the estimate and again
+    as memory no longer free (a slower plan, or a refusal). What they hold is counted again after a
+    hook ran, and only then."""
+    import klein_core.memory.planner as planner
+    from klein_core.memory.planner import plan_for
+
+    tr, te, vae = demo.build_tiny_components()
+    req = MemoryRequest(256, 256, batch=1, text_length=512)
+    free, held_bytes, censuses = [1 << 20], [0], []
+    _fake_cuda(monkeypatch, free)
+
+    def census(modules, device):
+        censuses.append(torch.device(device))
+        return [False] * len(modules), held_bytes[0]
+
+    def make_room(nbytes, device):  # frees the host's models, then loads ours: 3 MB of theirs on the GPU
+        free[0] += nbytes - (3 << 20)
+        held_bytes[0] = 3 << 20
+
+    monkeypatch.setattr(planner, "device_census", census)
+    plan = plan_for(req, tr, te, vae, device="cuda", make_room=make_room)
+    assert plan.free_bytes == free[0] + (3 << 20)  # the driver's free memory and what ours hold there
+    assert len(censuses) == 2
+    censuses.clear()
+    plan_for(req, tr, te, vae, device="cuda")  # no hook: one census
+    assert len(censuses) == 1
+
+
+def test_planning_for_a_gpu_with_a_given_free_size_asks_cuda_nothing(monkeypatch):
+    """Was a bug (this session's review): plan_for(device="cuda", free_bytes=N) resolved the bare "cuda"
+    to an index before looking at the components, which asks CUDA (and fails without it); the
+    components here are on the CPU, so nothing needs CUDA."""
+    from klein_core.memory.planner import plan_for
+
+    def no_cuda(*args, **kwargs):
+        raise AssertionError("CUDA was asked")
+
+    monkeypatch.setattr(torch.cuda, "current_device", no_cuda)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", no_cuda)
+    tr, te, vae = demo.build_tiny_components()
+    req = MemoryRequest(256, 256, batch=1, text_length=512)
+    plan = plan_for(req, tr, te, vae, device="cuda", free_bytes=8 << 30)
+    assert plan.fits and plan.free_bytes == 8 << 30 and plan.name == "resident"
+    assert not plan_for(req, tr, te, vae, device="cuda", free_bytes=1 << 10).fits
 
 
 def test_the_host_is_asked_to_make_room_once_before_the_free_memory_is_measured(monkeypatch):

@@ -623,11 +623,13 @@ def plan_for(
     # planned off it. (On the CPU, the tests' stand-in device, streaming a CPU model still runs.)
     named = [(c, m) for c, m in (("transformer", transformer), ("text_encoder", text_encoder), ("vae", vae))
              if m is not None]
+    modules = [m for _, m in named]
     stay: frozenset[str] = frozenset()
     mine = 0  # bytes the components occupy on the device already
     if device.type != "cpu":
-        here = indexed_device(device)  # the hook and the driver want the index: "cuda" is the current device
-        held, mine = device_census([m for _, m in named], here)  # one walk (its docstring)
+        # one walk of each (its docstring); a bare "cuda" is resolved only for CUDA tensors, so planning
+        # for a GPU with a given free_bytes asks CUDA nothing
+        held, mine = device_census(modules, device)
         stay = frozenset(c for (c, _), kept in zip(named, held) if kept)
     if free_bytes is None:
         if device.type != "cuda":
@@ -639,16 +641,19 @@ def plan_for(
                 return replace(plan, peak_bytes=est.peak(plan), reason=reason)
             free_bytes = 1 << 62
         else:
+            # The hook gets the device with its index: a host compares it with its models' devices
+            # ("cuda" != "cuda:0" in torch), and would free nothing for a bare "cuda".
+            here = indexed_device(device)
             if make_room is not None:
                 # the first candidate: its peak is the wish
                 fastest = choose_plan(est, 1 << 62, mode=mode, vae_tile=vae_tile, stay=stay)
-                # The hook gets the device with its index: a host compares it with its models' devices
-                # ("cuda" != "cuda:0" in torch), and would free nothing for a bare "cuda".
                 wanted = fastest.peak_bytes + DEFAULT_RESERVE_BYTES - mine
                 if wanted > 0:
                     make_room(wanted, here)
-            # free_device_bytes(device, modules); the hook moves none of the components
-            free_bytes = _unused_bytes(here) + mine
+                    # A host's hook may load our components back onto the device (the nodes' hook has
+                    # ComfyUI load every model it is handed): what they hold there is counted again.
+                    mine = device_census(modules, here)[1]
+            free_bytes = _unused_bytes(here) + mine  # free_device_bytes(device, modules)
     plan = choose_plan(est, free_bytes, mode=mode, vae_tile=vae_tile, stay=stay)
     if device.type != "cuda" and not given:
         tiling = f", VAE tiles of {plan.vae_tile} latents" if plan.vae_tile else ""

@@ -1678,7 +1678,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         'plan-free-without-components', 'klein_core/memory/planner.py',
-        '            free_bytes = _unused_bytes(here) + mine\n',
+        '            free_bytes = _unused_bytes(here) + mine  # free_device_bytes(device, modules)\n',
         '            free_bytes = _unused_bytes(here)\n',
         ('tests/test_planner.py::test_components_already_on_the_gpu_count_as_free_for_the_plan_and_stay_there',),
         "components already on the GPU count twice against it (their weights are in the estimate)",
@@ -1709,5 +1709,24 @@ MUTANTS: tuple[Mutant, ...] = (
         ('tests/test_python_api_hunt.py::test_a_reference_tensor_in_0_to_255_is_not_encoded_silently',
          'tests/test_deferred_checks.py::test_bad_inputs_are_named_when_the_checks_wait',),
         "a reference tensor in 0..255 or with NaN is encoded without a word",
+    ),
+    Mutant(
+        'plan-hook-not-recounted', 'klein_core/memory/planner.py',
+        '                    mine = device_census(modules, here)[1]\n', '',
+        ('tests/test_planner.py::test_a_hook_that_loads_the_components_onto_the_gpu_is_counted_after_it_ran',),
+        "components the host's hook loads onto the GPU count in the estimate and again as memory not free",
+    ),
+    Mutant(
+        'plan-census-indexed-early', 'klein_core/memory/planner.py',
+        '        held, mine = device_census(modules, device)\n',
+        '        held, mine = device_census(modules, indexed_device(device))\n',
+        ('tests/test_planner.py::test_planning_for_a_gpu_with_a_given_free_size_asks_cuda_nothing',),
+        "plan_for(device='cuda', free_bytes=N) fails on a machine without CUDA",
+    ),
+    Mutant(
+        'footprint-tied-params-twice', 'klein_core/memory/placement.py',
+        '                if id(t) not in counted:\n', '                if True:\n',
+        ('tests/test_planner.py::test_sizes_of_loaded_modules_match_torchs_own_count',),
+        "a parameter tied in two places of a block counts twice in the planner's per-layer cast",
     ),
 )
