@@ -626,7 +626,7 @@ def test_components_already_on_the_gpu_count_as_free_for_the_plan_and_stay_there
     feeds three things: what the hook is asked for (the fastest peak less what the components hold
     there), the free memory (the driver's plus theirs: the estimate counts their weights) and the
     components that stay (held there, never planned off it), each by its own name."""
-    import klein_core.memory.planner as planner
+    from klein_core.memory import planner
     from klein_core.memory.planner import DEFAULT_RESERVE_BYTES, ModelSizes, plan_for
 
     tr, te, vae = demo.build_tiny_components()
@@ -639,7 +639,7 @@ def test_components_already_on_the_gpu_count_as_free_for_the_plan_and_stay_there
         monkeypatch.setattr(planner, "device_census", lambda modules, device, held=held, n=held_bytes: (
             asked.append((len(modules), device)) or (held, n)))
         calls = []
-        plan = plan_for(req, tr, te, vae, device="cuda", make_room=lambda n, d: calls.append(n))
+        plan = plan_for(req, tr, te, vae, device="cuda", make_room=lambda n, d, calls=calls: calls.append(n))
         stay = frozenset(c for c, h in zip(("transformer", "text_encoder", "vae"), held) if h)
         fastest = choose_plan(est, 1 << 62, stay=stay)
         assert calls == [fastest.peak_bytes + DEFAULT_RESERVE_BYTES - held_bytes]
@@ -656,7 +656,7 @@ def test_a_hook_that_loads_the_components_onto_the_gpu_is_counted_after_it_ran(m
     is handed, ours too, so a component loaded back by the hook was counted in the estimate and again
     as memory no longer free (a slower plan, or a refusal). What they hold is counted again after a
     hook ran, and only then."""
-    import klein_core.memory.planner as planner
+    from klein_core.memory import planner
     from klein_core.memory.planner import plan_for
 
     tr, te, vae = demo.build_tiny_components()

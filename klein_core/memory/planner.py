@@ -29,7 +29,7 @@ from ..models.transformer import Flux2Transformer
 from ..models.vae import Flux2VAE
 from ..pipeline.request import indexed_device
 from ..quant.fp8 import block_linear_names
-from .placement import block_footprint, device_census, find_block_lists, module_bytes, module_tensors
+from .placement import block_footprint, device_census, find_block_lists, module_bytes
 from .tiling import TILE_SIDES, tile_overlap
 
 logger = logging.getLogger(__name__)
