@@ -1,10 +1,10 @@
 """The curated mutants: realistic one-line bugs in klein_core's maths and caches, each with the tests
-that must catch it (run by tests/mutants/run.py, and by tests/test_mutants.py in the normal suite).
+that must catch it (run by tests/mutants/run.py, and by tests/test_mutants.py in the full tier).
 
 Each mutant is an exact text edit (``old`` must occur exactly once in ``file``) plus the test node ids
 or files that must fail with it. Keep ``old`` a distinctive piece of code, not a line number, so it
 follows the code through refactors; when the code changes, the check fails until the edit is updated.
-Keep ``tests`` small and fast: the whole catalog runs in every test run. Test ids are relative to
+Keep ``tests`` small and fast: the whole catalog runs in every full-tier run. Test ids are relative to
 the repository root.
 """
 
