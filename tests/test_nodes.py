@@ -373,6 +373,25 @@ def test_reference_frames_become_the_pil_images_the_core_opens(comfy, tmp_path):
     assert torch.equal(prepare_reference_image(pil), prepare_reference_image(Image.open(png)))
 
 
+def test_reference_frames_round_any_image_to_8_bits_and_leave_it_unchanged(comfy):
+    """frames_to_pil rounds in place on its own copy: the 8 bits numpy gives (clipped to 0..1, times
+    255, half to even) for values inside, outside and between the levels, frame by frame, and the
+    caller's IMAGE (which ComfyUI may hand to other nodes) is left as it was."""
+    g = torch.Generator().manual_seed(4)
+    image = torch.rand(2, 64, 72, 3, generator=g) * 1.4 - 0.2  # some values outside 0..1
+    image[0, 0, :4, 0] = torch.tensor([0.5 / 255, 1.5 / 255, 254.5 / 255, 1.0])  # halves: to even
+    before = image.clone()
+    frames = comfy.references.frames_to_pil(image)
+    assert torch.equal(image, before)
+    want = np.round(np.clip(image.numpy(), 0, 1) * np.float32(255)).astype(np.uint8)
+    assert len(frames) == 2 and all(np.array_equal(np.asarray(f), w) for f, w in zip(frames, want))
+    half = image.half()  # a half-precision IMAGE: rounded from its float32 values, itself unchanged
+    half_before = half.clone()
+    frames = comfy.references.frames_to_pil(half)
+    want = np.round(np.clip(half.float().numpy(), 0, 1) * np.float32(255)).astype(np.uint8)
+    assert torch.equal(half, half_before) and all(np.array_equal(np.asarray(f), w) for f, w in zip(frames, want))
+
+
 @pytest.mark.parametrize("mode", ["L", "LA", "RGBA"])
 def test_reference_stacker_channel_counts(comfy, mode):
     _, vae = _load(comfy)

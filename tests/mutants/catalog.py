@@ -1729,4 +1729,10 @@ MUTANTS: tuple[Mutant, ...] = (
         ('tests/test_planner.py::test_sizes_of_loaded_modules_match_torchs_own_count',),
         "a parameter tied in two places of a block counts twice in the planner's per-layer cast",
     ),
+    Mutant(
+        'reference-frames-rounded-in-the-callers-image', 'nodes/references.py',
+        '    levels = image.float().clamp(0, 1)  # a copy', '    levels = image.float().clamp_(0, 1)  # a copy',
+        ('tests/test_nodes.py::test_reference_frames_round_any_image_to_8_bits_and_leave_it_unchanged',),
+        "the Reference Stacker rounds the IMAGE it was handed to 8 bits, for every node that shares it",
+    ),
 )
